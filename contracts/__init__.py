@@ -1,0 +1,1 @@
+"""Contract model and enforcement, free of HTTP: loading, conditions, the engine, stores."""

@@ -1,0 +1,119 @@
+"""CEL conditions, compiled once at load and fed only the fields they read."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from cel_expr_python import cel
+
+ENTRY_VARIABLES = ("input", "state")
+EXIT_VARIABLES = ("input", "output", "state", "status")
+
+_DYN = cel.Type.DYN
+_TYPES = {"input": _DYN, "output": _DYN, "state": cel.Type.Map(cel.Type.STRING, _DYN),
+          "status": cel.Type.INT}
+_ENVS: dict[tuple[str, ...], Any] = {}
+_REFERENCE = re.compile(r"(?<![\w.])(input|output|state|status)((?:\.[A-Za-z_]\w*)*)")
+
+
+def _env(variables: tuple[str, ...]) -> Any:
+    env = _ENVS.get(variables)
+    if env is None:
+        env = _ENVS[variables] = cel.NewEnv(variables={v: _TYPES[v] for v in variables})
+    return env
+
+
+class ConditionSyntaxError(ValueError):
+    """The expression does not compile in its context (syntax, or an unknown variable)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    ok: bool
+    value: Any = None
+    missing: str | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Condition:
+    expr: str
+    drift: str
+    message: str | None
+    program: Any = field(repr=False, compare=False)
+    reads: Mapping[str, frozenset[str] | None] = field(repr=False, compare=False)
+    paths: tuple[tuple[str, ...], ...] = field(repr=False, compare=False)
+
+    def evaluate(self, context: Mapping[str, Any]) -> Outcome:
+        data = _narrow(context, self.reads)
+        try:
+            result = self.program.eval(data=data)
+        except Exception as exc:  # the runtime raises on conversion of exotic values
+            return Outcome(False, error=str(exc), missing=_first_missing(self.paths, context))
+        if result.type() == cel.Type.ERROR:
+            missing = _first_missing(self.paths, context)
+            return Outcome(False, error=str(result.value()), missing=missing)
+        return Outcome(True, value=result.value())
+
+    def holds(self, context: Mapping[str, Any]) -> Outcome:
+        outcome = self.evaluate(context)
+        if outcome.ok and not isinstance(outcome.value, bool):
+            return Outcome(False, value=outcome.value,
+                           error=f"condition returned {type(outcome.value).__name__}, not bool")
+        return outcome
+
+
+def compile_condition(expr: str, variables: tuple[str, ...], drift: str,
+                      message: str | None = None) -> Condition:
+    try:
+        program = _env(variables).compile(expr)
+    except RuntimeError as exc:
+        raise ConditionSyntaxError(_compile_message(str(exc))) from None
+    references = [(m.group(1), tuple(p for p in m.group(2).split(".") if p))
+                  for m in _REFERENCE.finditer(expr)]
+    return Condition(expr, drift, message, program, _reads(expr, references),
+                     tuple((var, *path) for var, path in references if path))
+
+
+def _compile_message(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    head = lines[0].removeprefix("INVALID_ARGUMENT:").strip() if lines else text
+    return head.removeprefix("ERROR:").strip()
+
+
+def _reads(expr: str, references: list[tuple[str, tuple[str, ...]]]) -> dict[str, frozenset[str] | None]:
+    reads: dict[str, set[str] | None] = {}
+    for var, path in references:
+        if not path or var == "status":
+            reads[var] = None
+        elif reads.get(var, set()) is not None:
+            reads.setdefault(var, set()).add(path[0])  # type: ignore[union-attr]
+    # a variable used other than as `var.field` (indexing, macros, has(var...)) gets passed whole
+    for var in {v for v, _ in references}:
+        if re.search(rf"(?<![\w.]){var}(?!\.[A-Za-z_])", expr):
+            reads[var] = None
+    return {k: (frozenset(v) if v is not None else None) for k, v in reads.items()}
+
+
+def _narrow(context: Mapping[str, Any], reads: Mapping[str, frozenset[str] | None]) -> dict[str, Any]:
+    data: dict[str, Any] = {}
+    for var, keys in reads.items():
+        value = context.get(var)
+        if keys is None or not isinstance(value, dict):
+            data[var] = value
+        else:
+            data[var] = {k: value[k] for k in keys if k in value}
+    return data
+
+
+def _first_missing(paths: tuple[tuple[str, ...], ...], context: Mapping[str, Any]) -> str | None:
+    for path in paths:
+        node: Any = context.get(path[0])
+        for i, key in enumerate(path[1:], start=1):
+            if not isinstance(node, dict) or key not in node:
+                return ".".join(path[: i + 1])
+            node = node[key]
+    return None

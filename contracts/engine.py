@@ -1,0 +1,154 @@
+"""The boundary engine: a pure function of (contract, envelope, boundary event) -> decision.
+
+Checks run as an ordered chain. Entry: order, input schema, precondition. Exit: tool error,
+output schema, postcondition, recorded values, completion proof. The first failing check wins.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stepguard.contracts.conditions import Condition
+from stepguard.contracts.envelope import Envelope
+from stepguard.contracts.events import HALT, OBSERVE, RETRY, Decision, ToolResult, Violation
+from stepguard.contracts.model import Contract, Step
+
+
+def check_entry(step: Step, envelope: Envelope, input: Any) -> Decision:
+    violation = (_order(step, envelope)
+                 or _schema(step.input_schema, input, "input", "input_schema", "entry")
+                 or _conditions(step.preconditions, {"input": input, "state": envelope.state},
+                                "precondition", "entry"))
+    return Decision(step.name, "entry", violation)
+
+
+def check_exit(contract: Contract, step: Step, envelope: Envelope, input: Any,
+               result: ToolResult) -> Decision:
+    if result.status is not None and 400 <= result.status < 500 and result.error is None:
+        return Decision(step.name, "exit", rejected=True)
+    context = {"input": input, "output": result.output, "state": envelope.state,
+               "status": result.status or 0}
+    violation = (_tool_error(step, result, context)
+                 or _schema(step.output_schema, result.output, "output", "output_schema", "exit")
+                 or _conditions(step.postconditions, context, "postcondition", "exit"))
+    if violation:
+        return Decision(step.name, "exit", violation)
+    recorded, unrecorded = _record(step, context)
+    state = {**envelope.state, **recorded}
+    verified = {*envelope.verified, step.name}
+    violation = _completion(contract, {**context, "state": state}, verified)
+    completed = violation is None and _claims_completion(contract, context, verified)
+    return Decision(step.name, "exit", violation, recorded, unrecorded, completed)
+
+
+def action_for(contract: Contract, step: Step, violation: Violation, attempt: int,
+               safe_to_retry: bool) -> str:
+    if contract.mode == "observe":
+        return OBSERVE
+    if violation.check == "tool_error" and safe_to_retry and attempt <= step.on_failure.retry:
+        return RETRY
+    return step.on_failure.action if step.on_failure.action else HALT
+
+
+def _order(step: Step, envelope: Envelope) -> Violation | None:
+    missing = [dep for dep in step.after if dep not in envelope.verified]
+    if not missing:
+        return None
+    return Violation("order", "order", f"step {step.name!r} requires {', '.join(map(repr, missing))} "
+                     "to be verified first in this run", "entry", field=missing[0])
+
+
+def _schema(schema: Any, instance: Any, root: str, check: str, boundary: Any) -> Violation | None:
+    if schema is None:
+        return None
+    fault = schema.first_fault(instance, root)
+    if fault is None:
+        return None
+    return Violation(check, "shape", f"{fault.field}: {fault.message}", boundary,
+                     field=fault.field, schema_path=fault.schema_path)
+
+
+def _conditions(conditions: tuple[Condition, ...], context: dict[str, Any], check: str,
+                boundary: Any) -> Violation | None:
+    for cond in conditions:
+        outcome = cond.holds(context)
+        if outcome.ok and outcome.value is True:
+            continue
+        return _condition_violation(cond, outcome, check, boundary)
+    return None
+
+
+def _condition_violation(cond: Condition, outcome: Any, check: str, boundary: Any,
+                         drift: str | None = None) -> Violation:
+    if outcome.missing:
+        detail = f"cannot evaluate {cond.expr!r}: field {outcome.missing} is missing"
+    elif outcome.error:
+        detail = f"cannot evaluate {cond.expr!r}: {outcome.error}"
+    else:
+        detail = cond.message or f"{cond.expr!r} is false"
+    if cond.message and (outcome.missing or outcome.error):
+        detail = f"{cond.message} ({detail})"
+    return Violation(check, drift or cond.drift, detail, boundary, field=outcome.missing,
+                     expression=cond.expr)
+
+
+def _tool_error(step: Step, result: ToolResult, context: dict[str, Any]) -> Violation | None:
+    if result.error is not None and result.error_kind != "parse":
+        return Violation("tool_error", "tool_error", result.error, "exit")
+    if result.status is not None and result.status >= 500:
+        return Violation("tool_error", "tool_error", f"upstream answered {result.status}", "exit")
+    if result.error is not None:
+        needs_body = step.output_schema or step.postconditions or step.error_when or step.record
+        if needs_body:
+            return Violation("output_schema", "shape", result.error, "exit", field="output")
+        return None
+    for cond in step.error_when:
+        outcome = cond.holds(context)
+        if outcome.ok and outcome.value is False:
+            continue
+        if outcome.ok:
+            return Violation("tool_error", "tool_error",
+                             cond.message or f"tool reported an error: {cond.expr!r}", "exit",
+                             expression=cond.expr)
+        return _condition_violation(cond, outcome, "tool_error", "exit", drift="tool_error")
+    return None
+
+
+def _record(step: Step, context: dict[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
+    recorded, unrecorded = {}, []
+    for key, cond in step.record.items():
+        outcome = cond.evaluate(context)
+        if outcome.ok:
+            recorded[key] = outcome.value
+        else:
+            unrecorded.append(key)
+    return recorded, tuple(unrecorded)
+
+
+def _claims_completion(contract: Contract, context: dict[str, Any], verified: set[str]) -> bool:
+    completion = contract.completion
+    if completion is None:
+        return False
+    if completion.claim is None:
+        return bool(completion.requires) and all(r in verified for r in completion.requires)
+    outcome = completion.claim.holds(context)
+    return outcome.ok and outcome.value is True
+
+
+def _completion(contract: Contract, context: dict[str, Any], verified: set[str]) -> Violation | None:
+    completion = contract.completion
+    if completion is None or not _claims_completion(contract, context, verified):
+        return None
+    missing = [r for r in completion.requires if r not in verified]
+    if missing:
+        return Violation("completion_proof", "false_completion",
+                         f"completion claimed before {', '.join(map(repr, missing))} was verified",
+                         "exit", field=missing[0],
+                         expression=completion.claim.expr if completion.claim else None)
+    if completion.proof is None:
+        return None
+    outcome = completion.proof.holds(context)
+    if outcome.ok and outcome.value is True:
+        return None
+    return _condition_violation(completion.proof, outcome, "completion_proof", "exit",
+                                drift="false_completion")

@@ -1,0 +1,61 @@
+"""The run's small persisted state, derived from its event history by a pure fold."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from stepguard.contracts.events import ADVANCE, ESCALATE, HALT
+
+Status = Literal["active", "halted", "escalated", "completed"]
+
+
+@dataclass(frozen=True, slots=True)
+class Envelope:
+    run_id: str
+    workflow: str
+    contract_version: str
+    status: Status = "active"
+    seq: int = 0
+    verified: dict[str, float] = field(default_factory=dict)   # step -> verified at (unix s)
+    state: dict[str, Any] = field(default_factory=dict)
+    halt: dict[str, Any] | None = None        # the event that stopped the run
+    created: float = 0.0
+    updated: float = 0.0
+
+    def apply(self, event: dict[str, Any]) -> Envelope:
+        """The envelope after one history event (events carry seq, ts, action, ...)."""
+        changes: dict[str, Any] = {"seq": event["seq"], "updated": event["ts"]}
+        if self.seq == 0:
+            changes["created"] = event["ts"]
+        action = event.get("action")
+        if action == ADVANCE and event.get("boundary") == "exit":
+            changes["verified"] = {**self.verified, event["step"]: event["ts"]}
+            if event.get("recorded"):
+                changes["state"] = {**self.state, **event["recorded"]}
+            if event.get("completed"):
+                changes["status"] = "completed"
+        elif action in (HALT, ESCALATE) and self.status in ("active", "completed"):
+            changes["status"] = "halted" if action == HALT else "escalated"
+            changes["halt"] = {k: event[k] for k in ("seq", "step", "boundary", "violation",
+                                                     "decision_id", "action") if k in event}
+        elif action == "resume":
+            changes["status"], changes["halt"] = "active", None
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"run_id": self.run_id, "workflow": self.workflow,
+                "contract_version": self.contract_version, "status": self.status,
+                "seq": self.seq, "verified": self.verified, "state": self.state,
+                "halt": self.halt, "created": self.created, "updated": self.updated}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Envelope:
+        return cls(**data)
+
+
+def rebuild(run_id: str, workflow: str, version: str, history: list[dict[str, Any]]) -> Envelope:
+    envelope = Envelope(run_id, workflow, version)
+    for event in history:
+        envelope = envelope.apply(event)
+    return envelope

@@ -1,0 +1,54 @@
+"""Boundary events and verdicts: the protocol-neutral records every adapter produces."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+Boundary = Literal["entry", "exit"]
+# what happened at a boundary: the run advanced, a violation was acted on, or nothing changed
+ADVANCE, FORWARD, HALT, ESCALATE, RETRY, OBSERVE, REFUSE, REJECTED = (
+    "advance", "forward", "halt", "escalate", "retry", "observe", "refuse", "rejected")
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    check: str
+    drift: str
+    detail: str
+    boundary: Boundary
+    field: str | None = None
+    expression: str | None = None
+    schema_path: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Violation:
+        return cls(**data)
+
+
+@dataclass(frozen=True, slots=True)
+class ToolResult:
+    """What the upstream did: a status and parsed body, or why there is none."""
+
+    status: int | None
+    output: Any = None
+    error: str | None = None          # transport failure, timeout, unparseable body
+    error_kind: Literal["transport", "timeout", "parse", "cap"] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    step: str
+    boundary: Boundary
+    violation: Violation | None = None
+    recorded: dict[str, Any] = field(default_factory=dict)
+    unrecorded: tuple[str, ...] = ()
+    completed: bool = False
+    rejected: bool = False            # the tool refused the call (4xx): nothing verified
+
+    @property
+    def passed(self) -> bool:
+        return self.violation is None

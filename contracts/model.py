@@ -1,0 +1,113 @@
+"""The compiled contract: what the loader produces and the engine reads."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from stepguard.contracts.conditions import Condition
+
+Mode = Literal["enforce", "observe"]
+Action = Literal["halt", "escalate"]
+CHECKS = ("order", "precondition", "input_schema", "tool_error", "output_schema",
+          "postcondition", "completion_proof")
+DRIFT_CLASSES = ("shape", "freshness", "order", "tool_error", "false_completion",
+                 "precondition", "postcondition")
+
+
+@dataclass(frozen=True, slots=True)
+class SchemaFault:
+    field: str
+    message: str
+    schema_path: str
+
+
+@dataclass(frozen=True, slots=True)
+class Schema:
+    name: str
+    validator: Any = field(repr=False, compare=False)
+
+    def first_fault(self, instance: Any, root: str) -> SchemaFault | None:
+        if self.validator.is_valid(instance):
+            return None
+        error = next(iter(self.validator.iter_errors(instance)))
+        path = [root, *(str(p) for p in error.instance_path)]
+        prop = getattr(error.kind, "property", None)
+        if isinstance(prop, str):
+            path.append(prop)
+        schema_path = "/".join(str(p) for p in error.schema_path)
+        return SchemaFault(".".join(path), error.message, f"{self.name}#/{schema_path}")
+
+
+@dataclass(frozen=True, slots=True)
+class Upstream:
+    name: str
+    url: str
+    kind: str
+    mount: str
+    timeout_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    upstream: str
+    method: str | None
+    path: str
+
+
+@dataclass(frozen=True, slots=True)
+class OnFailure:
+    action: Action = "halt"
+    retry: int = 0
+    backoff_s: float = 0.1
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    name: str
+    index: int
+    match: Match
+    input_schema: Schema | None = None
+    output_schema: Schema | None = None
+    preconditions: tuple[Condition, ...] = ()
+    postconditions: tuple[Condition, ...] = ()
+    error_when: tuple[Condition, ...] = ()
+    after: tuple[str, ...] = ()
+    record: Mapping[str, Condition] = field(default_factory=dict)
+    idempotent: bool = False
+    idempotency_key: bool = False
+    timeout_s: float | None = None
+    on_failure: OnFailure = OnFailure()
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    claim: Condition | None
+    requires: tuple[str, ...]
+    proof: Condition | None
+    message: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Contract:
+    workflow: str
+    version: str
+    mode: Mode
+    unmatched: Literal["pass", "refuse"]
+    run_keys: tuple[str, ...]
+    implicit_run: bool
+    upstreams: Mapping[str, Upstream]
+    steps: Mapping[str, Step]
+    completion: Completion | None
+    webhook: str | None
+    webhook_timeout_s: float
+    source: str
+    content_hash: str
+
+    def step_for(self, upstream: str, method: str, path: str) -> Step | None:
+        for step in self.steps.values():
+            m = step.match
+            if m.upstream == upstream and m.path == path and m.method in (None, method):
+                return step
+        return None

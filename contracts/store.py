@@ -1,0 +1,32 @@
+"""The store interface: an append-only history per run, with the envelope derived beside it.
+
+Appending is a compare-and-set on the run's sequence number, so two writers racing on one run
+can never both advance it. Nothing in the engine knows which store it talks to.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from stepguard.contracts.envelope import Envelope
+
+
+class Store(Protocol):
+    async def open(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def load(self, run_id: str) -> Envelope | None: ...
+
+    async def append(self, envelope: Envelope, event: dict[str, Any],
+                     escalation: dict[str, Any] | None = None) -> None:
+        """Store `event` (seq = envelope.seq) and `envelope` (the state after it) atomically.
+
+        Raises ConflictError when the stored run is not at seq - 1.
+        """
+
+    async def history(self, run_id: str) -> list[dict[str, Any]]: ...
+
+    async def runs(self, status: str | None = None, limit: int = 100) -> list[Envelope]: ...
+
+    async def escalations(self, run_id: str) -> list[dict[str, Any]]: ...
