@@ -1,0 +1,74 @@
+"""The run book: envelopes of live runs, one lock per run, and the only path to the store.
+
+`commit` gives an event the run's next sequence number, appends it (compare-and-set), and only
+then returns the new envelope; the caller acts on a verdict after its event is stored. A lost
+compare-and-set (another writer advanced the run) reloads the envelope and is reported to the
+caller, who re-checks against the fresh state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from stepguard.contracts.envelope import Envelope
+from stepguard.contracts.model import Contract
+from stepguard.contracts.store import Store
+
+
+class RunBook:
+    def __init__(self, store: Store, cache_size: int = 10_000) -> None:
+        self.store = store
+        self._cache: OrderedDict[str, Envelope] = OrderedDict()
+        self._cache_size = cache_size
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._waiters: dict[str, int] = {}
+
+    @asynccontextmanager
+    async def locked(self, run_id: str) -> AsyncIterator[None]:
+        lock = self._locks.get(run_id)
+        if lock is None:
+            lock = self._locks[run_id] = asyncio.Lock()
+        self._waiters[run_id] = self._waiters.get(run_id, 0) + 1
+        try:
+            async with lock:
+                yield
+        finally:
+            self._waiters[run_id] -= 1
+            if not self._waiters[run_id]:
+                del self._waiters[run_id], self._locks[run_id]
+
+    async def envelope(self, contract: Contract, run_id: str) -> Envelope:
+        envelope = self._cache.get(run_id)
+        if envelope is None:
+            envelope = await self.store.load(run_id) or Envelope(
+                run_id, contract.workflow, contract.version)
+            self._remember(envelope)
+        else:
+            self._cache.move_to_end(run_id)
+        return envelope
+
+    async def commit(self, envelope: Envelope, fields: dict[str, Any],
+                     escalation: dict[str, Any] | None = None) -> tuple[Envelope, dict[str, Any]]:
+        event = {"seq": envelope.seq + 1, "ts": time.time(), **fields}
+        after = envelope.apply(event)
+        try:
+            await self.store.append(after, event, escalation)
+        except BaseException:
+            self._cache.pop(envelope.run_id, None)  # reload from the store next time
+            raise
+        self._remember(after)
+        return after, event
+
+    def forget(self, run_id: str) -> None:
+        self._cache.pop(run_id, None)
+
+    def _remember(self, envelope: Envelope) -> None:
+        self._cache[envelope.run_id] = envelope
+        self._cache.move_to_end(envelope.run_id)
+        while len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)

@@ -1,0 +1,78 @@
+"""A scripted agent for the order-confirmation workflow that calls its tools over HTTP.
+
+It behaves like a rolling-context runner: it takes whatever each tool returns and moves on,
+and stops only when a call fails outright (an error status or a transport error).
+Agent-side drifts: `stale_input` sends the previous order's id to step 2; `reordered` reserves
+a slot before the policy check. Tool-side drifts are asked of the tool service by header.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from stepguard.examples.order_confirmation.tools import DRIFT_HEADER
+
+DRIFTS = ("shape", "stale_input", "reordered", "tool_error", "false_completion")
+
+
+@dataclass
+class Call:
+    step: str
+    status: int | None
+    body: Any
+    content_type: str = ""
+
+
+@dataclass
+class AgentRun:
+    run_id: str
+    drift: str | None
+    calls: list[Call] = field(default_factory=list)
+    completed: bool = False
+
+    @property
+    def stopped_at(self) -> Call | None:
+        return next((c for c in self.calls if c.status is None or c.status >= 400), None)
+
+
+async def run_agent(session: aiohttp.ClientSession, tools_url: str, run_id: str, order_num: int,
+                    drift: str | None = None) -> AgentRun:
+    run = AgentRun(run_id, drift)
+    headers = {"x-stepguard-run": run_id}
+    if drift:
+        headers[DRIFT_HEADER] = drift
+    order_id = f"ord-{order_num}"
+
+    async def call(step: str, payload: dict[str, Any]) -> Any:
+        try:
+            async with session.post(f"{tools_url}/{step}", json=payload, headers=headers) as resp:
+                ctype = resp.content_type
+                body = await resp.json(content_type=None) if "json" in ctype else await resp.text()
+                run.calls.append(Call(step, resp.status, body, ctype))
+                return body if resp.status < 400 else None
+        except aiohttp.ClientError as exc:
+            run.calls.append(Call(step, None, str(exc)))
+            return None
+
+    order = await call("lookup_order", {"order_id": order_id})
+    if order is None:
+        return run
+    current = order.get("order_id", order_id)
+    if drift == "reordered":
+        slot = await call("reserve_slot", {"order_id": current})
+        if slot is None or await call("check_policy", {"order_id": current}) is None:
+            return run
+    else:
+        policy_for = f"ord-{order_num - 1}" if drift == "stale_input" else current
+        policy = await call("check_policy", {"order_id": policy_for})
+        if policy is None:
+            return run
+        slot = await call("reserve_slot", {"order_id": current})
+        if slot is None:
+            return run
+    done = await call("confirm", {"order_id": current, "slot_id": slot.get("slot_id", "")})
+    run.completed = bool(done and done.get("done") is True)
+    return run

@@ -1,0 +1,1 @@
+"""Observability: structured logs and Prometheus metrics. They observe verdicts; never decide."""

@@ -1,0 +1,123 @@
+"""The aiohttp applications: the proxy listener and the admin listener, sharing one Stepguard."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from stepguard.contracts.model import Contract
+from stepguard.contracts.runs import RunBook
+from stepguard.contracts.sqlite_store import SQLiteStore
+from stepguard.contracts.store import Store
+from stepguard.metrics.logs import get_logger
+from stepguard.metrics.observer import Observer
+from stepguard.proxy.config import Settings
+from stepguard.proxy.escalation import Escalator
+from stepguard.proxy.forward import Forwarder
+from stepguard.proxy.http_adapter import HttpToolAdapter
+from stepguard.proxy.routing import Router
+
+
+@dataclass
+class Stepguard:
+    settings: Settings
+    contracts: list[Contract]
+    store: Store
+    observer: Observer = field(default_factory=Observer)
+    ready: bool = False
+
+    def __post_init__(self) -> None:
+        self.forwarder = Forwarder(self.settings.max_response_bytes)
+        self.runs = RunBook(self.store)
+        self.escalator = Escalator(None, self.observer)
+        self.http = HttpToolAdapter(Router(self.contracts), self.runs, self.forwarder,
+                                    self.settings, self.observer, self.escalator)
+
+    async def start(self) -> None:
+        await self.store.open()
+        await self.forwarder.start()
+        self.escalator.session = self.forwarder.session
+        self.ready = True
+
+    async def stop(self) -> None:
+        self.ready = False
+        await self.escalator.drain()
+        await self.forwarder.close()
+        await self.store.close()
+
+
+STEPGUARD = web.AppKey("stepguard", Stepguard)
+
+
+def build(settings: Settings, contracts: list[Contract], store: Store | None = None) -> Stepguard:
+    return Stepguard(settings, contracts, store or SQLiteStore(settings.store,
+                                                               settings.sqlite_synchronous))
+
+
+def create_app(sg: Stepguard, manage: bool = True) -> web.Application:
+    app = web.Application()
+    app[STEPGUARD] = sg
+    if manage:
+        app.cleanup_ctx.append(_lifecycle)
+    app.router.add_route("*", "/{tail:.*}", sg.http.handle)
+    return app
+
+
+async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+    sg = app[STEPGUARD]
+    await sg.start()
+    yield
+    await sg.stop()
+
+
+def create_admin_app(sg: Stepguard) -> web.Application:
+    app = web.Application()
+    app[STEPGUARD] = sg
+    app.router.add_get("/healthz", _healthz)
+    app.router.add_get("/readyz", _readyz)
+    return app
+
+
+async def _healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def _readyz(request: web.Request) -> web.Response:
+    sg = request.app[STEPGUARD]
+    body = {"ready": sg.ready,
+            "contracts": [{"workflow": c.workflow, "contract_version": c.version,
+                           "sha256": c.content_hash} for c in sg.contracts]}
+    return web.json_response(body, status=200 if sg.ready else 503)
+
+
+async def serve(settings: Settings, contracts: list[Contract]) -> None:
+    log = get_logger("stepguard")
+    sg = build(settings, contracts)
+    await sg.start()
+    proxy_runner = web.AppRunner(create_app(sg, manage=False), access_log=None,
+                                 handle_signals=False)
+    admin_runner = web.AppRunner(create_admin_app(sg), access_log=None, handle_signals=False)
+    await proxy_runner.setup()
+    await admin_runner.setup()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await web.TCPSite(proxy_runner, settings.host, settings.port).start()
+        await web.TCPSite(admin_runner, settings.admin_host, settings.admin_port).start()
+        log.info("started", proxy=f"{settings.host}:{settings.port}",
+                 admin=f"{settings.admin_host}:{settings.admin_port}", store=settings.store,
+                 workflows=[c.workflow for c in contracts],
+                 passthrough=settings.passthrough)
+        await stop.wait()
+        log.info("stopping")
+    finally:
+        await proxy_runner.cleanup()
+        await admin_runner.cleanup()
+        await sg.stop()
+        log.info("stopped")

@@ -1,0 +1,221 @@
+"""The `stepguard` command line: serve, check, runs, bench, demo."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sqlite3
+import sys
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from stepguard.contracts.errors import ContractError
+from stepguard.contracts.loader import load_contracts
+from stepguard.contracts.sqlite_store import connect, read_escalations, read_history, read_runs
+from stepguard.proxy.config import Settings
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    code: int = args.func(args)
+    return code
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="stepguard", description=__doc__)
+    sub = parser.add_subparsers(metavar="COMMAND")
+
+    serve = sub.add_parser("serve", help="run the proxy and its admin listener")
+    serve.add_argument("--contract", action="append", dest="contracts", metavar="FILE",
+                       help="contract file (repeatable; env STEPGUARD_CONTRACTS, comma-separated)")
+    serve.add_argument("--host", help="proxy listen address (STEPGUARD_HOST, 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="proxy port (STEPGUARD_PORT, 8080)")
+    serve.add_argument("--admin-host", help="admin listen address (STEPGUARD_ADMIN_HOST)")
+    serve.add_argument("--admin-port", type=int, help="admin port (STEPGUARD_ADMIN_PORT, 9090)")
+    serve.add_argument("--store", help="SQLite file (STEPGUARD_STORE, stepguard.db)")
+    serve.add_argument("--max-request-bytes", type=int)
+    serve.add_argument("--max-response-bytes", type=int)
+    serve.add_argument("--passthrough", action="store_true", default=None,
+                       help="forward everything unchecked (a baseline, not for production)")
+    serve.add_argument("--fail-open", action="store_true", default=None,
+                       help="forward unchecked when the store fails (counted; default: refuse)")
+    serve.add_argument("--log-format", choices=["auto", "json", "console"])
+    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    serve.set_defaults(func=_serve)
+
+    check = sub.add_parser("check", help="validate and compile contract files")
+    check.add_argument("files", nargs="+", metavar="CONTRACT")
+    check.set_defaults(func=_check)
+
+    runs = sub.add_parser("runs", help="inspect runs in the store")
+    runs.add_argument("--store", default=None, help="SQLite file (STEPGUARD_STORE)")
+    runs_sub = runs.add_subparsers(metavar="ACTION")
+    runs_list = runs_sub.add_parser("list", help="list runs, newest first")
+    runs_list.add_argument("--status", choices=["active", "halted", "escalated", "completed"])
+    runs_list.add_argument("--limit", type=int, default=50)
+    runs_list.add_argument("--json", action="store_true")
+    runs_list.set_defaults(func=_runs_list)
+    runs_show = runs_sub.add_parser("show", help="a run's envelope and event history")
+    runs_show.add_argument("run_id", metavar="RUN")
+    runs_show.add_argument("--json", action="store_true")
+    runs_show.set_defaults(func=_runs_show)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(metavar="BENCH")
+    drift = bench_sub.add_parser("drift", help="the drift table of the source article")
+    drift.add_argument("--runs", type=int, default=5, help="injected runs per drift class")
+    drift.add_argument("--controls", type=int, default=10, help="clean control runs")
+    drift.add_argument("--json", action="store_true")
+    drift.set_defaults(func=_bench_drift)
+
+    demo = sub.add_parser("demo", help="fake tools, stepguard in front, one clean and one "
+                                       "drifting agent run")
+    demo.add_argument("--store", default="stepguard-demo.db")
+    demo.set_defaults(func=_demo)
+    return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from stepguard.metrics.logs import configure
+    from stepguard.proxy.app import serve
+
+    settings = Settings.from_env(**{k: v for k, v in vars(args).items()
+                                    if k not in ("func",) and v is not None})
+    configure(settings.log_format, settings.log_level)
+    if not settings.contracts:
+        print("stepguard serve: no contract given (--contract FILE or STEPGUARD_CONTRACTS)",
+              file=sys.stderr)
+        return 2
+    try:
+        contracts = load_contracts(settings.contracts)
+    except ContractError as exc:
+        print(f"stepguard serve: {len(exc.issues)} contract error(s):", file=sys.stderr)
+        for issue in exc.issues:
+            print(f"  {issue}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(serve(settings, contracts))
+    except OSError as exc:
+        print(f"stepguard serve: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    try:
+        contracts = load_contracts(args.files)
+    except ContractError as exc:
+        for issue in exc.issues:
+            print(issue)
+        print(f"{len(exc.issues)} error(s)", file=sys.stderr)
+        return 1
+    for c in contracts:
+        print(f"{c.source}: ok: workflow {c.workflow!r} version {c.version}, "
+              f"{len(c.steps)} steps, sha256 {c.content_hash[:12]}")
+    return 0
+
+
+def _open_store(args: argparse.Namespace) -> sqlite3.Connection | None:
+    path = args.store or Settings.from_env().store
+    if not Path(path).exists():
+        print(f"stepguard runs: no store at {path}", file=sys.stderr)
+        return None
+    return connect(path)
+
+
+def _time(ts: float | None) -> str:
+    if not ts:
+        return "-"
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")[:-4] + "Z"
+
+
+def _runs_list(args: argparse.Namespace) -> int:
+    conn = _open_store(args)
+    if conn is None:
+        return 1
+    runs = read_runs(conn, args.status, args.limit)
+    if args.json:
+        print(orjson.dumps([r.to_dict() for r in runs]).decode())
+        return 0
+    print(f"{'RUN':<28} {'WORKFLOW':<22} {'VER':<4} {'STATUS':<10} {'EVENTS':>6}  "
+          f"{'UPDATED':<23} HALTED AT")
+    for r in runs:
+        halt = r.halt or {}
+        reason = (f"{halt.get('step')} {halt.get('violation', {}).get('check')} "
+                  f"({halt.get('violation', {}).get('drift')})") if halt else ""
+        print(f"{r.run_id:<28} {r.workflow:<22} {r.contract_version:<4} {r.status:<10} "
+              f"{r.seq:>6}  {_time(r.updated):<23} {reason}")
+    return 0
+
+
+def _runs_show(args: argparse.Namespace) -> int:
+    conn = _open_store(args)
+    if conn is None:
+        return 1
+    row = conn.execute("SELECT envelope FROM runs WHERE run_id = ?", (args.run_id,)).fetchone()
+    if row is None:
+        print(f"stepguard runs: no run {args.run_id!r}", file=sys.stderr)
+        return 1
+    envelope = orjson.loads(row[0])
+    history = read_history(conn, args.run_id)
+    escalations = read_escalations(conn, args.run_id)
+    if args.json:
+        print(orjson.dumps({"envelope": envelope, "history": history,
+                            "escalations": escalations}).decode())
+        return 0
+    print(_render_run(envelope, history, escalations))
+    return 0
+
+
+def _render_run(envelope: dict[str, Any], history: list[dict[str, Any]],
+                escalations: list[dict[str, Any]]) -> str:
+    lines = [f"run {envelope['run_id']}  workflow {envelope['workflow']} "
+             f"v{envelope['contract_version']}  status {envelope['status'].upper()}",
+             f"  verified: {', '.join(envelope['verified']) or '-'}",
+             f"  state:    {orjson.dumps(envelope['state']).decode()}", "", "  history:"]
+    first_bad = next((e["seq"] for e in history if e.get("verdict") == "violation"), None)
+    for e in history:
+        violation = e.get("violation") or {}
+        marker = ">>" if e["seq"] == first_bad else "  "
+        line = (f"{marker} {e['seq']:>4}  {_time(e['ts'])}  {e.get('step', '-'):<16} "
+                f"{e.get('boundary', '-'):<5} {e.get('verdict', '-'):<9} "
+                f"{e.get('action', '-'):<8}")
+        if violation:
+            line += f" {violation['check']} ({violation['drift']}): {violation['detail']}"
+        elif e.get("recorded"):
+            line += f" recorded {orjson.dumps(e['recorded']).decode()}"
+        lines.append(line.rstrip())
+    if first_bad is not None:
+        lines += ["", "  >> marks the first unsupported transition"]
+    for esc in escalations:
+        lines.append(f"  escalation at {esc['detection_point']} (decision {esc['decision_id']})")
+    return "\n".join(lines)
+
+
+def _bench_drift(args: argparse.Namespace) -> int:
+    from stepguard.metrics.logs import configure
+    from stepguard.proxy.bench_drift import render_table, run_bench
+
+    configure("json", "critical")
+    result = asyncio.run(run_bench(args.runs, args.controls))
+    print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode() if args.json
+          else render_table(result))
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from stepguard.proxy.demo import run_demo
+
+    return asyncio.run(run_demo(Path(args.store)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

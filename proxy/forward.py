@@ -1,0 +1,132 @@
+"""Forwarding to configured upstreams: end-to-end headers only, bodies capped, one keep-alive
+client session for the whole process."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Literal
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
+
+HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+    "trailers", "transfer-encoding", "upgrade", "proxy-connection",
+})
+_NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length"}
+_CHUNK = 64 * 1024
+
+
+class BodyTooLarge(Exception):
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        super().__init__(f"body exceeds {limit} bytes")
+
+
+class UpstreamError(Exception):
+    def __init__(self, kind: Literal["transport", "timeout", "cap"], detail: str) -> None:
+        self.kind = kind
+        self.detail = detail
+        super().__init__(detail)
+
+
+@dataclass(frozen=True, slots=True)
+class Upstreamed:
+    status: int
+    headers: CIMultiDict[str]
+    body: bytes
+
+
+def end_to_end(headers: CIMultiDictProxy[str] | CIMultiDict[str],
+               drop: frozenset[str] = _NOT_FORWARDED) -> CIMultiDict[str]:
+    listed = {t.strip().lower() for v in headers.getall("connection", []) for t in v.split(",")}
+    return CIMultiDict((k, v) for k, v in headers.items()
+                       if k.lower() not in drop and k.lower() not in listed)
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    if request.content_length is not None and request.content_length > limit:
+        raise BodyTooLarge(limit)
+    chunks, size = [], 0
+    async for chunk in request.content.iter_chunked(_CHUNK):
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+class Forwarder:
+    def __init__(self, max_response_bytes: int) -> None:
+        self.max_response_bytes = max_response_bytes
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30)
+        self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
+                                              skip_auto_headers=("User-Agent", "Accept-Encoding",
+                                                                 "Accept", "Content-Type"))
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        assert self._session is not None, "forwarder not started"
+        return self._session
+
+    async def fetch(self, method: str, url: str, headers: CIMultiDict[str], body: bytes,
+                    timeout_s: float) -> Upstreamed:
+        try:
+            async with self.session.request(
+                    method, url, headers=headers, data=body or None, allow_redirects=False,
+                    timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                data = await self._read_capped(resp)
+                return Upstreamed(resp.status, end_to_end(resp.headers), data)
+        except TimeoutError:
+            raise UpstreamError("timeout", f"upstream did not answer within {timeout_s:g} s") from None
+        except aiohttp.ClientError as exc:
+            raise UpstreamError("transport", f"upstream unreachable: {exc}") from None
+
+    async def _read_capped(self, resp: aiohttp.ClientResponse) -> bytes:
+        limit = self.max_response_bytes
+        if resp.content_length is not None and resp.content_length > limit:
+            raise UpstreamError("cap", f"upstream response exceeds {limit} bytes")
+        chunks, size = [], 0
+        async for chunk in resp.content.iter_chunked(_CHUNK):
+            size += len(chunk)
+            if size > limit:
+                raise UpstreamError("cap", f"upstream response exceeds {limit} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def stream(self, request: web.Request, method: str, url: str,
+                     headers: CIMultiDict[str], body: bytes, timeout_s: float) -> web.StreamResponse:
+        """Pass a call through without buffering the response (used for unchecked calls)."""
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=timeout_s)
+        try:
+            async with self.session.request(method, url, headers=headers, data=body or None,
+                                            allow_redirects=False, timeout=timeout) as resp:
+                if resp.content_length is not None and resp.content_length > self.max_response_bytes:
+                    raise UpstreamError("cap", f"upstream response exceeds "
+                                               f"{self.max_response_bytes} bytes")
+                out = web.StreamResponse(status=resp.status, reason=resp.reason,
+                                         headers=end_to_end(resp.headers, HOP_BY_HOP))
+                if resp.content_length is not None:
+                    out.content_length = resp.content_length
+                await out.prepare(request)
+                sent = 0
+                async for chunk in resp.content.iter_any():
+                    sent += len(chunk)
+                    if sent > self.max_response_bytes:
+                        break  # the client sees a truncated body and a closed connection
+                    await out.write(chunk)
+                await out.write_eof()
+                return out
+        except TimeoutError:
+            raise UpstreamError("timeout", f"upstream did not answer within {timeout_s:g} s") from None
+        except (aiohttp.ClientError, asyncio.IncompleteReadError) as exc:
+            raise UpstreamError("transport", f"upstream unreachable: {exc}") from None

@@ -1,0 +1,35 @@
+"""Running aiohttp applications on free loopback ports, for the demo and the benchmarks."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import yaml
+from aiohttp import web
+
+from stepguard.contracts.loader import parse_contract
+from stepguard.contracts.model import Contract
+
+
+@asynccontextmanager
+async def running(app: web.Application, host: str = "127.0.0.1") -> AsyncIterator[str]:
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, host, 0)
+    await site.start()
+    try:
+        port = runner.addresses[0][1]
+        yield f"http://{host}:{port}"
+    finally:
+        await runner.cleanup()
+
+
+def contract_with_upstreams(path: str | Path, urls: dict[str, str]) -> Contract:
+    """The contract at `path`, with its upstreams pointed at `urls` (name -> base URL)."""
+    document: dict[str, Any] = yaml.safe_load(Path(path).read_bytes())
+    for name, url in urls.items():
+        document["upstreams"][name]["url"] = url
+    return parse_contract(yaml.safe_dump(document, sort_keys=False).encode(), str(path))

@@ -1,0 +1,50 @@
+"""Verdicts rendered as RFC 9457 problem details for plain HTTP clients."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from stepguard.contracts.events import Violation
+
+PROBLEM_TYPE = "application/problem+json"
+_STATUS = {"order": 409, "tool_error": 502}
+
+
+def status_for(violation: Violation) -> int:
+    return _STATUS.get(violation.check, 422)
+
+
+def problem(status: int, title: str, detail: str, **members: Any) -> web.Response:
+    body = {"type": f"urn:stepguard:problem:{title.lower().replace(' ', '-')}", "title": title,
+            "status": status, "detail": detail,
+            **{k: v for k, v in members.items() if v is not None}}
+    return web.Response(status=status, body=orjson.dumps(body), content_type=PROBLEM_TYPE,
+                        headers={"x-should-retry": "false"})
+
+
+def violation_problem(violation: Violation, *, run_id: str, workflow: str, version: str,
+                      step: str, action: str, decision_id: str,
+                      status: int | None = None) -> web.Response:
+    return problem(
+        status or status_for(violation), f"Step drift {violation.drift}",
+        f"run {run_id!r}, step {step!r}, {violation.boundary} {violation.check}: "
+        f"{violation.detail}",
+        run=run_id, workflow=workflow, contract_version=version, step=step,
+        check=violation.check, drift=violation.drift, boundary=violation.boundary,
+        detection_point=f"{step}.{violation.boundary}.{violation.check}",
+        field=violation.field, expression=violation.expression,
+        schema_path=violation.schema_path, action=action, decision_id=decision_id)
+
+
+def halted_problem(run_id: str, workflow: str, status: str, halt: dict[str, Any]) -> web.Response:
+    violation = halt.get("violation") or {}
+    return problem(
+        409, "Run halted",
+        f"run {run_id!r} is {status}: step {halt.get('step')!r} failed "
+        f"{violation.get('check')} ({violation.get('drift')}): {violation.get('detail')}",
+        run=run_id, workflow=workflow, run_status=status, halted_by=halt,
+        step=halt.get("step"), check=violation.get("check"), drift=violation.get("drift"),
+        decision_id=halt.get("decision_id"))

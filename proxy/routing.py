@@ -1,0 +1,32 @@
+"""Where a call goes: the longest configured mount that prefixes its path. Never the Host header
+or an absolute request URI, so stepguard is never an open proxy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stepguard.contracts.model import Contract, Upstream
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    contract: Contract
+    upstream: Upstream
+    path: str          # the path at the upstream, mount removed
+
+
+class Router:
+    def __init__(self, contracts: list[Contract]) -> None:
+        mounts = [(u.mount, c, u) for c in contracts for u in c.upstreams.values()]
+        self._mounts = sorted(mounts, key=lambda m: len(m[0]), reverse=True)
+
+    def resolve(self, path: str) -> Route | None:
+        for mount, contract, upstream in self._mounts:
+            if mount == "/":
+                return Route(contract, upstream, path)
+            if path == mount or path.startswith(mount + "/"):
+                return Route(contract, upstream, path[len(mount):] or "/")
+        return None
+
+    def mounts(self) -> list[str]:
+        return [m for m, _, _ in self._mounts]
