@@ -289,7 +289,9 @@ def _find_cycle(graph: Mapping[str, list[str]]) -> list[str] | None:
 
 
 def _cross_contract_issues(contracts: list[Contract]) -> list[ContractIssue]:
-    issues, mounts, workflows = [], {}, {}
+    issues: list[ContractIssue] = []
+    mounts: dict[str, str] = {}
+    workflows: dict[str, str] = {}
     for c in contracts:
         if c.workflow in workflows:
             issues.append(ContractIssue(c.source, None, "workflow",

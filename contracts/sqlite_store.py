@@ -93,13 +93,16 @@ class SQLiteStore:
         await self._submit(lambda c: _append(c, envelope, event, escalation), write=True)
 
     async def history(self, run_id: str) -> list[dict[str, Any]]:
-        return await self._submit(lambda c: read_history(c, run_id))
+        history: list[dict[str, Any]] = await self._submit(lambda c: read_history(c, run_id))
+        return history
 
     async def runs(self, status: str | None = None, limit: int = 100) -> list[Envelope]:
-        return await self._submit(lambda c: read_runs(c, status, limit))
+        runs: list[Envelope] = await self._submit(lambda c: read_runs(c, status, limit))
+        return runs
 
     async def escalations(self, run_id: str) -> list[dict[str, Any]]:
-        return await self._submit(lambda c: read_escalations(c, run_id))
+        records: list[dict[str, Any]] = await self._submit(lambda c: read_escalations(c, run_id))
+        return records
 
     async def _submit(self, op: _Op, write: bool = False) -> Any:
         if self._thread is None:
@@ -145,7 +148,8 @@ class SQLiteStore:
                     if write:
                         conn.execute("ROLLBACK TO op")
                         conn.execute("RELEASE op")
-                    error = exc if isinstance(exc, ConflictError) else StoreError(str(exc))
+                    error: BaseException = (exc if isinstance(exc, ConflictError)
+                                            else StoreError(str(exc)))
                     results.append((future, None, error))
             if writes:
                 conn.execute("COMMIT")
@@ -154,9 +158,9 @@ class SQLiteStore:
                 conn.execute("ROLLBACK")
             failure = StoreError(f"commit failed: {exc}")
             results = [(future, None, failure) for _, _, future in batch]
-        for future, value, error in results:
-            if error is not None:
-                future.set_exception(error)
+        for future, value, failed in results:
+            if failed is not None:
+                future.set_exception(failed)
             else:
                 future.set_result(value)
 

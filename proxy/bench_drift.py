@@ -50,7 +50,8 @@ async def _drive(contract: Contract, passthrough: bool, runs: int, controls: int
     sg = build(settings, [contract])
     mount = contract.upstreams["tools"].mount
     async with running(create_app(sg)) as proxy_url, aiohttp.ClientSession() as session:
-        plan = [(cls, injector, i) for cls, injector in CLASSES for i in range(runs)]
+        plan: list[tuple[str, str | None, int]] = [
+            (cls, injector, i) for cls, injector in CLASSES for i in range(runs)]
         plan += [("control", None, i) for i in range(controls)]
         agents = [agent_mod.run_agent(session, proxy_url + mount, f"{cls}-{i}", 100 + n,
                                       injector)

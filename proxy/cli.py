@@ -212,8 +212,11 @@ def _bench_drift(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from stepguard.proxy.demo import run_demo
+    from stepguard.metrics.logs import configure
+    from stepguard.proxy.demo import fresh_store, run_demo
 
+    configure("console", "warning")
+    fresh_store(Path(args.store))
     return asyncio.run(run_demo(Path(args.store)))
 
 

@@ -168,12 +168,13 @@ class HttpToolAdapter:
         attempt = 1
         while True:
             upstream_started = time.perf_counter()
+            up: Upstreamed | None = None
             try:
-                up: Upstreamed | None = await self.forwarder.fetch(
-                    call.request.method, url, call.headers, call.body, timeout)
+                up = await self.forwarder.fetch(call.request.method, url, call.headers, call.body,
+                                                timeout)
                 result = self._tool_result(up)
             except UpstreamError as exc:
-                up, result = None, ToolResult(None, error=exc.detail, error_kind=exc.kind)
+                result = ToolResult(None, error=exc.detail, error_kind=exc.kind)
             self.observer.upstream(call.route.upstream.name, contract.workflow,
                                    up.status if up else None,
                                    time.perf_counter() - upstream_started)
