@@ -129,6 +129,7 @@ class _Compiler:
             completion=self.completion(doc.get("completion"), steps),
             webhook=escalation.get("webhook"),
             webhook_timeout_s=float(escalation.get("timeout_s", 5.0)),
+            redact=tuple(doc.get("redact", ())),
             source=self.source,
             content_hash=content_hash,
         )

@@ -102,6 +102,7 @@ class Contract:
     completion: Completion | None
     webhook: str | None
     webhook_timeout_s: float
+    redact: tuple[str, ...]
     source: str
     content_hash: str
 

@@ -104,6 +104,11 @@ class SQLiteStore:
         records: list[dict[str, Any]] = await self._submit(lambda c: read_escalations(c, run_id))
         return records
 
+    async def count_by_status(self) -> list[tuple[str, str, int]]:
+        rows: list[tuple[str, str, int]] = await self._submit(lambda c: c.execute(
+            "SELECT workflow, status, count(*) FROM runs GROUP BY workflow, status").fetchall())
+        return rows
+
     async def _submit(self, op: _Op, write: bool = False) -> Any:
         if self._thread is None:
             raise StoreError(f"store {self.path} is not open")

@@ -30,3 +30,6 @@ class Store(Protocol):
     async def runs(self, status: str | None = None, limit: int = 100) -> list[Envelope]: ...
 
     async def escalations(self, run_id: str) -> list[dict[str, Any]]: ...
+
+    async def count_by_status(self) -> list[tuple[str, str, int]]:
+        """(workflow, status, number of runs) for every pair present."""

@@ -1,42 +1,86 @@
-"""The observer: turns verdicts and upstream calls into log lines (and, later, metrics).
+"""The observer: turns stored decisions, upstream calls and failures into metrics and log lines.
 It is called after a decision is stored and acted on; it never decides anything."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import orjson
+
 from stepguard.contracts.model import Contract
 from stepguard.metrics.logs import get_logger
+from stepguard.metrics.prom import Metrics, status_class
+from stepguard.metrics.redact import truncate
+
+_ACTIONS = frozenset({"halt", "retry", "escalate", "observe", "refuse"})
 
 
 class Observer:
-    def __init__(self) -> None:
+    def __init__(self, metrics: Metrics | None = None, log_payloads: bool = False,
+                 payload_log_bytes: int = 2048) -> None:
+        self.metrics = metrics or Metrics()
         self.log = get_logger("stepguard")
+        self.log_payloads = log_payloads
+        self.payload_log_bytes = payload_log_bytes
 
-    def verdict(self, contract: Contract, run_id: str, event: dict[str, Any],
-                added_s: float) -> None:
+    def verdict(self, contract: Contract, run_id: str, event: dict[str, Any], added_s: float,
+                traffic: str = "http") -> None:
+        m = self.metrics
+        step, action = event.get("step", ""), event.get("action", "")
+        verdict = event.get("verdict", "")
+        m.boundary_checks.labels(contract.workflow, contract.version, step,
+                                 event.get("boundary", ""), verdict, traffic).inc()
         violation = event.get("violation") or {}
-        level = "warning" if violation or event.get("action") == "refuse" else "info"
-        getattr(self.log, level)(
-            "boundary", run_id=run_id, workflow=contract.workflow,
-            contract_version=contract.version, step=event.get("step"),
-            boundary=event.get("boundary"), seq=event.get("seq"), verdict=event.get("verdict"),
-            check=violation.get("check"), drift=violation.get("drift"),
-            action=event.get("action"), detail=violation.get("detail"),
-            decision_id=event.get("decision_id"), attempt=event.get("attempt"),
-            added_ms=round(added_s * 1000, 3))
+        if violation:
+            m.violations.labels(contract.workflow, contract.version, step, violation["check"],
+                                violation["drift"], traffic).inc()
+        if action in _ACTIONS:
+            m.actions.labels(contract.workflow, step, action, traffic).inc()
+        if action == "escalate":
+            m.escalations.labels(contract.workflow, step).inc()
+        fields: dict[str, Any] = {
+            "run_id": run_id, "workflow": contract.workflow,
+            "contract_version": contract.version, "step": step,
+            "boundary": event.get("boundary"), "seq": event.get("seq"), "verdict": verdict,
+            "check": violation.get("check"), "drift": violation.get("drift"), "action": action,
+            "detail": violation.get("detail"), "field": violation.get("field"),
+            "decision_id": event.get("decision_id"), "attempt": event.get("attempt"),
+            "traffic": traffic, "added_ms": round(added_s * 1000, 3),
+        }
+        if self.log_payloads:
+            payload = event.get("input", event.get("output"))
+            if payload is not None:
+                fields["payload"] = truncate(orjson.dumps(payload).decode(), self.payload_log_bytes)
+        if violation or action == "refuse":
+            self.log.warning("boundary", **fields)
+        else:
+            self.log.info("boundary", **fields)
+
+    def retry_outcome(self, contract: Contract, step: str, recovered: bool) -> None:
+        self.metrics.retries.labels(contract.workflow, step,
+                                    "recovered" if recovered else "exhausted").inc()
+
+    def added(self, traffic: str, seconds: float) -> None:
+        self.metrics.added.labels(traffic).observe(seconds)
 
     def upstream(self, upstream: str, workflow: str, status: int | None, seconds: float) -> None:
-        pass
+        self.metrics.upstream_requests.labels(upstream, workflow, status_class(status)).inc()
+        self.metrics.upstream_latency.labels(upstream).observe(seconds)
 
     def escalation(self, record: dict[str, Any], delivered: bool | None, detail: str = "") -> None:
+        if delivered is False:
+            self.metrics.webhook_failures.labels(record.get("workflow", "")).inc()
         self.log.error("escalation", run_id=record.get("run_id"), workflow=record.get("workflow"),
-                       step=record.get("step"), detection_point=record.get("detection_point"),
-                       decision_id=record.get("decision_id"), webhook_delivered=delivered,
-                       webhook_error=detail or None)
+                       contract_version=record.get("contract_version"), step=record.get("step"),
+                       detection_point=record.get("detection_point"),
+                       decision_id=record.get("decision_id"), trace_seq=record.get("seq"),
+                       trace=f"stepguard runs show {record.get('run_id')}",
+                       webhook_delivered=delivered, webhook_error=detail or None)
 
-    def store_error(self, contract: Contract, detail: str) -> None:
-        self.log.error("store_error", workflow=contract.workflow, detail=detail)
+    def store_error(self, operation: str, detail: str, **context: Any) -> None:
+        self.metrics.store_errors.labels(operation).inc()
+        self.log.error("store_error", operation=operation, detail=detail, **context)
 
-    def fail_open(self, contract: Contract, step: str) -> None:
-        self.log.warning("fail_open", workflow=contract.workflow, step=step)
+    def fail_open(self, contract: Contract, step: str, run_id: str) -> None:
+        self.metrics.fail_open.labels(contract.workflow, step).inc()
+        self.log.warning("fail_open", workflow=contract.workflow, step=step, run_id=run_id)

@@ -5,16 +5,18 @@ from __future__ import annotations
 import asyncio
 import signal
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from aiohttp import web
 
+from stepguard.contracts.errors import StepguardError
 from stepguard.contracts.model import Contract
 from stepguard.contracts.runs import RunBook
 from stepguard.contracts.sqlite_store import SQLiteStore
 from stepguard.contracts.store import Store
 from stepguard.metrics.logs import get_logger
 from stepguard.metrics.observer import Observer
+from stepguard.metrics.prom import Metrics
 from stepguard.proxy.config import Settings
 from stepguard.proxy.escalation import Escalator
 from stepguard.proxy.forward import Forwarder
@@ -27,10 +29,13 @@ class Stepguard:
     settings: Settings
     contracts: list[Contract]
     store: Store
-    observer: Observer = field(default_factory=Observer)
+    observer: Observer
     ready: bool = False
 
     def __post_init__(self) -> None:
+        self.metrics = self.observer.metrics
+        self.metrics.contracts_loaded((c.workflow, c.version, c.content_hash)
+                                      for c in self.contracts)
         self.forwarder = Forwarder(self.settings.max_response_bytes)
         self.runs = RunBook(self.store)
         self.escalator = Escalator(None, self.observer)
@@ -53,9 +58,12 @@ class Stepguard:
 STEPGUARD = web.AppKey("stepguard", Stepguard)
 
 
-def build(settings: Settings, contracts: list[Contract], store: Store | None = None) -> Stepguard:
-    return Stepguard(settings, contracts, store or SQLiteStore(settings.store,
-                                                               settings.sqlite_synchronous))
+def build(settings: Settings, contracts: list[Contract], store: Store | None = None,
+          metrics: Metrics | None = None) -> Stepguard:
+    """A Stepguard on the settings' SQLite store (or `store`), with a fresh metrics registry."""
+    observer = Observer(metrics or Metrics(), settings.log_payloads, settings.payload_log_bytes)
+    store = store or SQLiteStore(settings.store, settings.sqlite_synchronous)
+    return Stepguard(settings, contracts, store, observer)
 
 
 def create_app(sg: Stepguard, manage: bool = True) -> web.Application:
@@ -79,7 +87,20 @@ def create_admin_app(sg: Stepguard) -> web.Application:
     app[STEPGUARD] = sg
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
+    app.router.add_get("/metrics", _metrics)
     return app
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    sg = request.app[STEPGUARD]
+    try:
+        sg.metrics.set_runs(await sg.store.count_by_status())
+    except StepguardError as exc:
+        sg.observer.store_error("count_runs", str(exc))
+    body, content_type = sg.metrics.exposition(request.headers.get("accept"))
+    response = web.Response(body=body)
+    response.headers["content-type"] = content_type
+    return response
 
 
 async def _healthz(request: web.Request) -> web.Response:

@@ -215,7 +215,7 @@ def _demo(args: argparse.Namespace) -> int:
     from stepguard.metrics.logs import configure
     from stepguard.proxy.demo import fresh_store, run_demo
 
-    configure("console", "warning")
+    configure("auto", "warning")
     fresh_store(Path(args.store))
     return asyncio.run(run_demo(Path(args.store)))
 

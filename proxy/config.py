@@ -36,6 +36,8 @@ class Settings:
     payload_history_bytes: int = 16 * 1024
     passthrough: bool = False
     fail_open: bool = False
+    log_payloads: bool = False
+    payload_log_bytes: int = 2048
     log_format: str = "auto"
     log_level: str = "info"
 

@@ -4,6 +4,7 @@ client session for the whole process."""
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 from typing import Literal
 
@@ -30,6 +31,28 @@ class UpstreamError(Exception):
         self.kind = kind
         self.detail = detail
         super().__init__(detail)
+
+
+OVERHEAD_HEADER = "x-stepguard-overhead-ms"
+
+
+@dataclass(slots=True)
+class Timing:
+    """When a call started and how long it waited on upstreams: the rest is stepguard's own."""
+
+    started: float
+    upstream_s: float = 0.0
+
+    def upstream(self, since: float) -> float:
+        waited = time.perf_counter() - since
+        self.upstream_s += waited
+        return waited
+
+    def added_s(self) -> float:
+        return time.perf_counter() - self.started - self.upstream_s
+
+    def stamp(self, response: web.StreamResponse) -> None:
+        response.headers[OVERHEAD_HEADER] = f"{self.added_s() * 1000:.3f}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,29 +127,41 @@ class Forwarder:
         return b"".join(chunks)
 
     async def stream(self, request: web.Request, method: str, url: str,
-                     headers: CIMultiDict[str], body: bytes, timeout_s: float) -> web.StreamResponse:
-        """Pass a call through without buffering the response (used for unchecked calls)."""
+                     headers: CIMultiDict[str], body: bytes, timeout_s: float,
+                     timing: Timing) -> web.StreamResponse:
+        """Pass a call through without buffering the response (used for unchecked calls).
+        Errors before the response starts raise UpstreamError; after it, the connection is cut."""
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=timeout_s)
+        limit = self.max_response_bytes
+        since = time.perf_counter()
         try:
-            async with self.session.request(method, url, headers=headers, data=body or None,
-                                            allow_redirects=False, timeout=timeout) as resp:
-                if resp.content_length is not None and resp.content_length > self.max_response_bytes:
-                    raise UpstreamError("cap", f"upstream response exceeds "
-                                               f"{self.max_response_bytes} bytes")
-                out = web.StreamResponse(status=resp.status, reason=resp.reason,
-                                         headers=end_to_end(resp.headers, HOP_BY_HOP))
-                if resp.content_length is not None:
-                    out.content_length = resp.content_length
-                await out.prepare(request)
-                sent = 0
-                async for chunk in resp.content.iter_any():
-                    sent += len(chunk)
-                    if sent > self.max_response_bytes:
-                        break  # the client sees a truncated body and a closed connection
-                    await out.write(chunk)
-                await out.write_eof()
-                return out
+            resp = await self.session.request(method, url, headers=headers, data=body or None,
+                                              allow_redirects=False, timeout=timeout)
         except TimeoutError:
             raise UpstreamError("timeout", f"upstream did not answer within {timeout_s:g} s") from None
-        except (aiohttp.ClientError, asyncio.IncompleteReadError) as exc:
+        except aiohttp.ClientError as exc:
             raise UpstreamError("transport", f"upstream unreachable: {exc}") from None
+        timing.upstream(since)
+        async with resp:
+            if resp.content_length is not None and resp.content_length > limit:
+                raise UpstreamError("cap", f"upstream response exceeds {limit} bytes")
+            out = web.StreamResponse(status=resp.status, reason=resp.reason,
+                                     headers=end_to_end(resp.headers, HOP_BY_HOP))
+            if resp.content_length is not None:
+                out.content_length = resp.content_length
+            timing.stamp(out)
+            await out.prepare(request)
+            sent = 0
+            try:
+                async for chunk in resp.content.iter_any():
+                    sent += len(chunk)
+                    if sent > limit:
+                        raise UpstreamError("cap", f"upstream response exceeds {limit} bytes")
+                    await out.write(chunk)
+            except (aiohttp.ClientError, asyncio.IncompleteReadError, TimeoutError,
+                    UpstreamError):
+                if request.transport is not None:
+                    request.transport.close()
+                return out
+            await out.write_eof()
+            return out

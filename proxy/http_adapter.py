@@ -32,6 +32,7 @@ from stepguard.contracts.events import (
 from stepguard.contracts.model import Contract, Step
 from stepguard.contracts.runs import RunBook
 from stepguard.metrics.observer import Observer
+from stepguard.metrics.redact import Redactor, truncate
 from stepguard.proxy.bodies import BodyError, history_payload, request_input, response_output
 from stepguard.proxy.config import Settings
 from stepguard.proxy.correlation import describe_keys, run_id_for
@@ -39,6 +40,7 @@ from stepguard.proxy.escalation import Escalator
 from stepguard.proxy.forward import (
     BodyTooLarge,
     Forwarder,
+    Timing,
     Upstreamed,
     UpstreamError,
     end_to_end,
@@ -60,9 +62,9 @@ class Call:
     request: web.Request
     headers: CIMultiDict[str]
     body: bytes
+    timing: Timing
     input: Any = None
     safe_to_retry: bool = False
-    started: float = 0.0
 
     @property
     def contract(self) -> Contract:
@@ -78,9 +80,17 @@ class HttpToolAdapter:
         self.settings = settings
         self.observer = observer
         self.escalator = escalator
+        self.redactors = {c.workflow: Redactor(c.redact) for c in router.contracts}
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        started = time.perf_counter()
+        timing = Timing(time.perf_counter())
+        response = await self._handle(request, timing)
+        if not response.prepared:
+            timing.stamp(response)
+        self.observer.added("http", timing.added_s())
+        return response
+
+    async def _handle(self, request: web.Request, timing: Timing) -> web.StreamResponse:
         route = self.router.resolve(request.path)
         if route is None:
             return problem(404, "No upstream", f"no upstream is mounted at {request.path!r}; "
@@ -94,29 +104,34 @@ class HttpToolAdapter:
         step = None if self.settings.passthrough else route.contract.step_for(
             route.upstream.name, request.method, route.path)
         if step is None:
-            return await self._unmatched(request, route, headers, body)
+            return await self._unmatched(request, route, headers, body, timing)
         run_id = run_id_for(route.contract, request.headers)
         if run_id is None:
             return problem(400, "No run key",
                            f"call of step {step.name!r} of workflow {route.contract.workflow!r} "
                            f"carries no run key: send {describe_keys(route.contract)}",
                            workflow=route.contract.workflow, step=step.name)
-        call = Call(route, step, run_id, request, headers, body, started=started)
+        call = Call(route, step, run_id, request, headers, body, timing)
         try:
             return await self._checked(call)
         except StoreError as exc:
             return await self._store_failed(call, exc)
 
     async def _unmatched(self, request: web.Request, route: Route, headers: CIMultiDict[str],
-                         body: bytes) -> web.StreamResponse:
+                         body: bytes, timing: Timing) -> web.StreamResponse:
         if route.contract.unmatched == "refuse":
             return problem(403, "Unmatched call",
                            f"{request.method} {route.path} on upstream {route.upstream.name!r} "
                            f"matches no step of workflow {route.contract.workflow!r}, and the "
                            "contract refuses unmatched calls", workflow=route.contract.workflow)
+        return await self._forward_unchecked(request, route, headers, body, timing)
+
+    async def _forward_unchecked(self, request: web.Request, route: Route,
+                                 headers: CIMultiDict[str], body: bytes,
+                                 timing: Timing) -> web.StreamResponse:
         try:
             return await self.forwarder.stream(request, request.method, self._url(route, request),
-                                               headers, body, route.upstream.timeout_s)
+                                               headers, body, route.upstream.timeout_s, timing)
         except UpstreamError as exc:
             return problem(504 if exc.kind == "timeout" else 502, "Upstream failed", exc.detail,
                            upstream=route.upstream.name)
@@ -172,12 +187,13 @@ class HttpToolAdapter:
             try:
                 up = await self.forwarder.fetch(call.request.method, url, call.headers, call.body,
                                                 timeout)
-                result = self._tool_result(up)
             except UpstreamError as exc:
                 result = ToolResult(None, error=exc.detail, error_kind=exc.kind)
+            waited = call.timing.upstream(upstream_started)
             self.observer.upstream(call.route.upstream.name, contract.workflow,
-                                   up.status if up else None,
-                                   time.perf_counter() - upstream_started)
+                                   up.status if up else None, waited)
+            if up is not None:
+                result = self._tool_result(up)
             async with self.runs.locked(call.run_id):
                 envelope = await self.runs.envelope(contract, call.run_id)
                 decision = check_exit(contract, step, envelope, call.input, result)
@@ -185,9 +201,13 @@ class HttpToolAdapter:
                 action, response = await self._settle(call, envelope, decision, attempt, status,
                                                       result, up)
             if action == RETRY:
+                backoff_started = time.perf_counter()
                 await asyncio.sleep(step.on_failure.backoff_s * 2 ** (attempt - 1))
+                call.timing.upstream(backoff_started)
                 attempt += 1
                 continue
+            if attempt > 1:
+                self.observer.retry_outcome(contract, step.name, recovered=response is None)
             if response is not None:
                 return response
             assert up is not None
@@ -212,7 +232,7 @@ class HttpToolAdapter:
         if action == ESCALATE:
             escalation = self._escalation_record(call, decision, decision_id, result, up)
         _, event = await self.runs.commit(envelope, fields, escalation)
-        self.observer.verdict(contract, call.run_id, event, time.perf_counter() - call.started)
+        self.observer.verdict(contract, call.run_id, event, call.timing.added_s())
         if escalation is not None:
             self.escalator.submit(contract, escalation)
         if violation is None or action in (OBSERVE, RETRY):
@@ -227,20 +247,21 @@ class HttpToolAdapter:
                   "action": REFUSE, "decision_id": decision_id,
                   "halted_by": (envelope.halt or {}).get("seq")}
         _, event = await self.runs.commit(envelope, fields)
-        self.observer.verdict(call.contract, call.run_id, event,
-                              time.perf_counter() - call.started)
+        self.observer.verdict(call.contract, call.run_id, event, call.timing.added_s())
         return halted_problem(call.run_id, call.contract.workflow, envelope.status,
                               envelope.halt or {})
 
     async def _store_failed(self, call: Call, exc: StoreError) -> web.StreamResponse:
-        self.observer.store_error(call.contract, str(exc))
+        self.observer.store_error("append", str(exc), run_id=call.run_id,
+                                  workflow=call.contract.workflow, step=call.step.name)
         if not self.settings.fail_open:
             return problem(503, "Store unavailable",
                            f"run {call.run_id!r}, step {call.step.name!r}: the event could not "
                            f"be stored ({exc}); the call was not forwarded (fail closed)",
                            run=call.run_id, step=call.step.name)
-        self.observer.fail_open(call.contract, call.step.name)
-        return await self._unmatched(call.request, call.route, call.headers, call.body)
+        self.observer.fail_open(call.contract, call.step.name, call.run_id)
+        return await self._forward_unchecked(call.request, call.route, call.headers, call.body,
+                                             call.timing)
 
     def _tool_result(self, up: Upstreamed) -> ToolResult:
         if up.status >= 500 or not self._needs_output(up):
@@ -277,14 +298,15 @@ class HttpToolAdapter:
         }
         if decision.violation:
             fields["violation"] = decision.violation.to_dict()
+        redact = self.redactors[call.contract.workflow]
         if decision.boundary == "entry":
-            fields["input"] = history_payload(call.input, len(call.body), limit)
+            fields["input"] = redact(history_payload(call.input, len(call.body), limit))
         else:
             fields["upstream_status"] = result.status if result else None
             if result and result.error:
                 fields["tool_error"] = result.error
             if result and result.output is not None and up is not None:
-                fields["output"] = history_payload(result.output, len(up.body), limit)
+                fields["output"] = redact(history_payload(result.output, len(up.body), limit))
             if decision.recorded:
                 fields["recorded"] = decision.recorded
             if decision.unrecorded:
@@ -297,16 +319,21 @@ class HttpToolAdapter:
                            result: ToolResult | None, up: Upstreamed | None) -> dict[str, Any]:
         violation = decision.violation
         assert violation is not None
+        redact = self.redactors[call.contract.workflow]
         return {
             "run_id": call.run_id, "workflow": call.contract.workflow,
             "contract_version": call.contract.version, "step": decision.step,
             "detection_point": f"{decision.step}.{violation.boundary}.{violation.check}",
             "violation": violation.to_dict(), "decision_id": decision_id,
-            "input": call.input,
-            "raw_input": call.body.decode("utf-8", "replace")[:65536],
-            "output": result.output if result else None,
+            "input": redact(call.input) if call.input is not None else _raw(call.body),
+            "output": (redact(result.output) if result and result.output is not None
+                       else _raw(up.body) if up else None),
             "tool_result": {"status": result.status if result else None,
-                            "error": result.error if result else None,
-                            "body": up.body.decode("utf-8", "replace")[:65536] if up else None},
+                            "error": result.error if result else None},
             "ts": time.time(),
         }
+
+
+def _raw(body: bytes, limit: int = 65536) -> str:
+    """A body that could not be parsed, kept as text for the person reading the escalation."""
+    return truncate(body.decode("utf-8", "replace"), limit)

@@ -17,6 +17,7 @@ class Route:
 
 class Router:
     def __init__(self, contracts: list[Contract]) -> None:
+        self.contracts = contracts
         mounts = [(u.mount, c, u) for c in contracts for u in c.upstreams.values()]
         self._mounts = sorted(mounts, key=lambda m: len(m[0]), reverse=True)
 

@@ -1,0 +1,85 @@
+"""Prometheus metrics, declared once, on a registry per application instance.
+
+Labels are bounded: workflow, contract version, step, boundary, check, drift class, verdict,
+action, upstream, traffic kind, status class. Never a run id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client.exposition import choose_encoder
+
+# stepguard's own work is sub-millisecond; the tail is what alerts care about
+ADDED_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+UPSTREAM_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+RUN_STATUSES = ("active", "halted", "escalated", "completed")
+
+
+def status_class(status: int | None) -> str:
+    return "error" if status is None else f"{status // 100}xx"
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = r = registry or CollectorRegistry()
+        self.boundary_checks = Counter(
+            "stepguard_boundary_checks", "Boundary checks, by verdict (pass, violation, rejected, "
+            "refused).", ["workflow", "contract_version", "step", "boundary", "verdict", "traffic"],
+            registry=r)
+        self.violations = Counter(
+            "stepguard_violations", "Contract violations, by check and drift class.",
+            ["workflow", "contract_version", "step", "check", "drift", "traffic"], registry=r)
+        self.actions = Counter(
+            "stepguard_actions", "Actions taken on violations (halt, retry, escalate, observe, "
+            "refuse).", ["workflow", "step", "action", "traffic"], registry=r)
+        self.retries = Counter(
+            "stepguard_retries", "Upstream retries of tool errors, by outcome (recovered, "
+            "exhausted).", ["workflow", "step", "outcome"], registry=r)
+        self.escalations = Counter(
+            "stepguard_escalations", "Escalations recorded.", ["workflow", "step"], registry=r)
+        self.webhook_failures = Counter(
+            "stepguard_escalation_webhook_failures", "Escalation webhook deliveries that failed.",
+            ["workflow"], registry=r)
+        self.fail_open = Counter(
+            "stepguard_fail_open_passes", "Calls forwarded unchecked because the store failed "
+            "and fail-open is set.", ["workflow", "step"], registry=r)
+        self.upstream_requests = Counter(
+            "stepguard_upstream_requests", "Requests sent to upstreams, by status class.",
+            ["upstream", "workflow", "status_class"], registry=r)
+        self.added = Histogram(
+            "stepguard_added_seconds", "Time stepguard added to a request (its own work, "
+            "upstream time excluded).", ["traffic"], buckets=ADDED_BUCKETS, registry=r)
+        self.upstream_latency = Histogram(
+            "stepguard_upstream_duration_seconds", "Upstream response time (to the full body).",
+            ["upstream"], buckets=UPSTREAM_BUCKETS, registry=r)
+        self.runs = Gauge(
+            "stepguard_runs", "Runs in the store, by workflow and status.",
+            ["workflow", "status"], registry=r)
+        self.store_errors = Counter(
+            "stepguard_store_errors", "Store operations that failed.", ["operation"], registry=r)
+        self.contract_loads = Counter(
+            "stepguard_contract_loads", "Contract files loaded, by result (ok, error).",
+            ["result"], registry=r)
+        self.contract_reload_failures = Counter(
+            "stepguard_contract_reload_failures", "Contract reloads that failed and kept the "
+            "previous contracts.", registry=r)
+        self.contract_info = Info(
+            "stepguard_contract", "Each loaded contract: workflow, version and content hash.",
+            ["workflow", "contract_version", "sha256"], registry=r)
+
+    def contracts_loaded(self, contracts: Iterable[tuple[str, str, str]]) -> None:
+        self.contract_info.clear()
+        for workflow, version, sha in contracts:
+            self.contract_info.labels(workflow, version, sha).info({})
+            self.contract_loads.labels("ok").inc()
+
+    def set_runs(self, counts: Iterable[tuple[str, str, int]]) -> None:
+        self.runs.clear()
+        for workflow, status, count in counts:
+            self.runs.labels(workflow, status).set(count)
+
+    def exposition(self, accept: str | None) -> tuple[bytes, str]:
+        encoder, content_type = choose_encoder(accept or "")
+        return encoder(self.registry), content_type

@@ -1,0 +1,160 @@
+"""The envelope: a run's small state, a pure fold over its history of events."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import orjson
+import pytest
+
+from stepguard.contracts.envelope import Envelope, rebuild
+from stepguard.contracts.events import (
+    ADVANCE,
+    ESCALATE,
+    FORWARD,
+    HALT,
+    OBSERVE,
+    REFUSE,
+    REJECTED,
+    RETRY,
+)
+
+VIOLATION = {"check": "postcondition", "drift": "postcondition", "detail": "x",
+             "boundary": "exit"}
+
+
+def fresh() -> Envelope:
+    return Envelope("run-1", "order-confirmation", "1")
+
+
+def event(seq: int, action: str, step: str = "lookup_order", boundary: str = "exit",
+          **extra: Any) -> dict[str, Any]:
+    return {"seq": seq, "ts": 1000.0 + seq, "action": action, "step": step,
+            "boundary": boundary, **extra}
+
+
+HISTORY = [
+    event(1, ADVANCE, "lookup_order", "entry"),
+    event(2, ADVANCE, "lookup_order", recorded={"order_id": "ord-1", "customer": "Ada"}),
+    event(3, OBSERVE, "check_policy", "entry"),
+    event(4, ADVANCE, "check_policy", recorded={"approved": True, "order_id": "ord-1"}),
+    event(5, RETRY, "reserve_slot"),
+    event(6, ESCALATE, "reserve_slot", violation=VIOLATION, decision_id="d-6"),
+    event(7, "resume"),
+    event(8, ADVANCE, "reserve_slot", recorded={"slot_id": "s-7"}),
+    event(9, ADVANCE, "confirm", recorded={"confirmation_id": "c-1"}, completed=True),
+]
+
+
+def test_a_new_envelope_is_an_active_run_with_nothing_verified():
+    env = fresh()
+    assert (env.status, env.seq, env.verified, env.state, env.halt) == ("active", 0, {}, {},
+                                                                         None)
+
+
+def test_an_advance_at_exit_verifies_the_step_and_merges_what_it_recorded():
+    env = fresh().apply(event(1, ADVANCE, recorded={"order_id": "ord-1"}))
+    env = env.apply(event(2, ADVANCE, "check_policy",
+                          recorded={"order_id": "ord-2", "approved": True}))
+    assert env.verified == {"lookup_order": 1001.0, "check_policy": 1002.0}
+    assert env.state == {"order_id": "ord-2", "approved": True}
+    assert (env.seq, env.updated, env.status) == (2, 1002.0, "active")
+
+
+def test_an_advance_at_entry_verifies_nothing():
+    env = fresh().apply(event(1, ADVANCE, boundary="entry", recorded={"order_id": "x"}))
+    assert (env.verified, env.state, env.seq) == ({}, {}, 1)
+
+
+def test_an_advance_that_completes_the_run_marks_it_completed():
+    env = fresh().apply(event(1, ADVANCE, "confirm", completed=True))
+    assert env.status == "completed"
+    assert "confirm" in env.verified
+
+
+def test_the_first_event_sets_created_and_later_ones_only_updated():
+    env = fresh().apply(event(1, OBSERVE)).apply(event(2, ADVANCE))
+    assert (env.created, env.updated) == (1001.0, 1002.0)
+
+
+@pytest.mark.parametrize(("action", "status"), [(HALT, "halted"), (ESCALATE, "escalated")])
+def test_halt_and_escalate_stop_the_run_and_keep_the_stopping_event(action, status):
+    stopped = fresh().apply(event(1, ADVANCE)).apply(
+        event(2, action, "check_policy", violation=VIOLATION, decision_id="d-2",
+              detail_not_kept="x"))
+    assert stopped.status == status
+    assert stopped.halt == {"seq": 2, "step": "check_policy", "boundary": "exit",
+                            "violation": VIOLATION, "decision_id": "d-2", "action": action}
+    assert stopped.verified == {"lookup_order": 1001.0}
+
+
+def test_a_second_stop_keeps_the_first_stopping_event():
+    env = fresh().apply(event(1, HALT, decision_id="first")).apply(
+        event(2, ESCALATE, decision_id="second"))
+    assert env.status == "halted"
+    assert env.halt["decision_id"] == "first"
+    assert env.seq == 2
+
+
+def test_resume_reactivates_a_stopped_run_and_clears_the_stop():
+    env = fresh().apply(event(1, ESCALATE)).apply(event(2, "resume"))
+    assert (env.status, env.halt, env.seq) == ("active", None, 2)
+
+
+@pytest.mark.parametrize("action", [OBSERVE, RETRY, REFUSE, REJECTED, FORWARD])
+def test_events_that_change_nothing_move_only_seq_and_updated(action):
+    before = fresh().apply(event(1, ADVANCE, recorded={"order_id": "ord-1"}))
+    after = before.apply(event(2, action, "check_policy", violation=VIOLATION,
+                               recorded={"order_id": "other"}, completed=True))
+    assert after.to_dict() == {**before.to_dict(), "seq": 2, "updated": 1002.0}
+
+
+def test_apply_leaves_the_original_envelope_unchanged():
+    before = fresh().apply(event(1, ADVANCE, recorded={"a": 1}))
+    snapshot = before.to_dict()
+    before.apply(event(2, ADVANCE, "check_policy", recorded={"a": 2, "b": 3}))
+    assert orjson.loads(orjson.dumps(before.to_dict())) == orjson.loads(orjson.dumps(snapshot))
+    assert before.state == {"a": 1}
+
+
+def test_rebuild_equals_the_step_by_step_fold():
+    env = fresh()
+    for e in HISTORY:
+        env = env.apply(e)
+    assert rebuild("run-1", "order-confirmation", "1", HISTORY) == env
+    assert env.status == "completed"
+    assert env.seq == 9
+    assert list(env.verified) == ["lookup_order", "check_policy", "reserve_slot", "confirm"]
+    assert env.state == {"order_id": "ord-1", "customer": "Ada", "approved": True,
+                         "slot_id": "s-7", "confirmation_id": "c-1"}
+
+
+@pytest.mark.parametrize("upto", range(len(HISTORY) + 1))
+def test_rebuild_of_every_prefix_matches_the_fold_so_far(upto):
+    env = fresh()
+    for e in HISTORY[:upto]:
+        env = env.apply(e)
+    assert rebuild("run-1", "order-confirmation", "1", HISTORY[:upto]) == env
+
+
+def test_rebuild_of_an_empty_history_is_a_new_envelope():
+    assert rebuild("run-1", "order-confirmation", "1", []) == fresh()
+
+
+def test_rebuild_from_a_json_round_tripped_history_is_the_same_envelope():
+    stored = [json.loads(json.dumps(e)) for e in HISTORY]
+    assert rebuild("run-1", "order-confirmation", "1", stored) == rebuild(
+        "run-1", "order-confirmation", "1", HISTORY)
+
+
+@pytest.mark.parametrize("upto", [0, 2, 6, 9])
+def test_to_dict_and_from_dict_round_trip(upto):
+    env = rebuild("run-1", "order-confirmation", "1", HISTORY[:upto])
+    assert Envelope.from_dict(env.to_dict()) == env
+    assert Envelope.from_dict(orjson.loads(orjson.dumps(env.to_dict()))) == env
+
+
+def test_to_dict_holds_every_field():
+    assert set(fresh().to_dict()) == {"run_id", "workflow", "contract_version", "status", "seq",
+                                      "verified", "state", "halt", "created", "updated"}
