@@ -76,6 +76,19 @@ def _parser() -> argparse.ArgumentParser:
     drift.add_argument("--json", action="store_true")
     drift.set_defaults(func=_bench_drift)
 
+    tail = sub.add_parser("tail", help="follow stepguard's JSON log as aligned, coloured lines")
+    tail.add_argument("file", nargs="?", default="-", metavar="FILE|-",
+                      help="log file, or - for standard input (default)")
+    tail.add_argument("-f", "--follow", action="store_true", help="keep reading as the file grows")
+    tail.add_argument("--run", help="only this run id")
+    tail.add_argument("--step", help="only this step")
+    tail.add_argument("--violations", action="store_true",
+                      help="only violations, refusals, escalations and errors")
+    tail.add_argument("--since", metavar="T",
+                      help="only events at or after T: an ISO time or a duration like 10m, 2h")
+    tail.add_argument("--color", choices=["auto", "always", "never"], default="auto")
+    tail.set_defaults(func=_tail)
+
     demo = sub.add_parser("demo", help="fake tools, stepguard in front, one clean and one "
                                        "drifting agent run")
     demo.add_argument("--store", default="stepguard-demo.db")
@@ -209,6 +222,14 @@ def _bench_drift(args: argparse.Namespace) -> int:
     print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode() if args.json
           else render_table(result))
     return 0
+
+
+def _tail(args: argparse.Namespace) -> int:
+    from stepguard.metrics.tail import TailOptions, tail
+
+    options = TailOptions(run=args.run, step=args.step, violations=args.violations,
+                          since=args.since, follow=args.follow, color=args.color)
+    return tail(args.file, options, sys.stdout)
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -84,6 +85,11 @@ def test_optional_top_level_settings_take_their_documented_defaults(make_contrac
     assert (contract.webhook, contract.webhook_timeout_s) == (None, 5.0)
     assert contract.upstreams["tools"].mount == "/tools"
     assert contract.upstreams["tools"].timeout_s == 30.0
+    assert contract.redact == ()
+
+
+def test_redact_lists_the_fields_to_hide_in_order(make_contract):
+    assert make_contract(redact=["card_number", "email"]).redact == ("card_number", "email")
 
 
 @pytest.mark.parametrize(("spec", "expected"), [
@@ -201,7 +207,7 @@ def test_every_format_violation_in_a_file_is_reported(contract_issues):
 
 
 def test_contract_error_is_a_value_error_whose_message_lists_every_issue():
-    with pytest.raises(ValueError, match="test.yaml: steps.first.on_failure: ") as caught:
+    with pytest.raises(ValueError, match=re.escape("test.yaml: steps.first.on_failure: ")) as caught:
         parse_contract(yaml.safe_dump({"workflow": "w", "contract_version": 1, "colour": 1,
                                        "upstreams": {"t": {"url": "http://t"}},
                                        "steps": {"first": {"match": {"upstream": "t",
