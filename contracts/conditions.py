@@ -56,7 +56,7 @@ class Condition:
         if result.type() == cel.Type.ERROR:
             missing = _first_missing(self.paths, context)
             return Outcome(False, error=str(result.value()), missing=missing)
-        return Outcome(True, value=result.value())
+        return Outcome(True, value=result.plain_value())
 
     def holds(self, context: Mapping[str, Any]) -> Outcome:
         outcome = self.evaluate(context)
@@ -91,9 +91,11 @@ def _reads(expr: str, references: list[tuple[str, tuple[str, ...]]]) -> dict[str
             reads[var] = None
         elif reads.get(var, set()) is not None:
             reads.setdefault(var, set()).add(path[0])  # type: ignore[union-attr]
-    # a variable used other than as `var.field` (indexing, macros, has(var...)) gets passed whole
+    # a variable used other than as `var.field` (indexing, a macro or method on the variable
+    # itself such as `output.exists(...)` or `output.size()`) gets passed whole
     for var in {v for v, _ in references}:
-        if re.search(rf"(?<![\w.]){var}(?!\.[A-Za-z_])", expr):
+        if re.search(rf"(?<![\w.]){var}(?!\.[A-Za-z_])", expr) or re.search(
+                rf"(?<![\w.]){var}\.\w+\s*\(", expr):
             reads[var] = None
     return {k: (frozenset(v) if v is not None else None) for k, v in reads.items()}
 

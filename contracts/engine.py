@@ -24,7 +24,7 @@ def check_entry(step: Step, envelope: Envelope, input: Any) -> Decision:
 
 def check_exit(contract: Contract, step: Step, envelope: Envelope, input: Any,
                result: ToolResult) -> Decision:
-    if result.status is not None and 400 <= result.status < 500 and result.error is None:
+    if result.status is not None and 400 <= result.status < 500 and result.error_kind in (None, "parse"):
         return Decision(step.name, "exit", rejected=True)
     context = {"input": input, "output": result.output, "state": envelope.state,
                "status": result.status or 0}
@@ -34,10 +34,10 @@ def check_exit(contract: Contract, step: Step, envelope: Envelope, input: Any,
     if violation:
         return Decision(step.name, "exit", violation)
     recorded, unrecorded = _record(step, context)
-    state = {**envelope.state, **recorded}
+    after = {**context, "state": {**envelope.state, **recorded}}
     verified = {*envelope.verified, step.name}
-    violation = _completion(contract, {**context, "state": state}, verified)
-    completed = violation is None and _claims_completion(contract, context, verified)
+    violation = _completion(contract, after, verified)
+    completed = violation is None and _claims_completion(contract, after, verified)
     return Decision(step.name, "exit", violation, recorded, unrecorded, completed)
 
 

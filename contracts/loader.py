@@ -89,13 +89,14 @@ def _format_validator() -> jsonschema.Draft202012Validator:
 
 
 def _schema_issue(source: str, error: jsonschema.ValidationError) -> ContractIssue:
+    while error.validator == "oneOf" and error.context:
+        # the alternative the author meant is the one that got furthest, rarely one failing on type
+        error = min(error.context, key=lambda e: (e.validator == "type", -len(e.absolute_path),
+                                                  len(e.message)))
     path = [str(p) for p in error.absolute_path]
     step = path[1] if len(path) > 1 and path[0] == "steps" else None
     field = ".".join(path[2:] if step else path)
-    message = error.message
-    if error.validator == "oneOf" and error.context:
-        message = min(error.context, key=lambda e: len(e.message)).message
-    return ContractIssue(source, step, field, message)
+    return ContractIssue(source, step, field, error.message)
 
 
 class _Compiler:
@@ -155,7 +156,11 @@ class _Compiler:
             where = "/".join(str(p) for p in exc.absolute_path)
             self.issue(step, field, f"invalid JSON Schema at /{where}: {exc.message}")
             return None
-        return Schema(name, jsonschema_rs.validator_for(spec))
+        try:
+            return Schema(name, jsonschema_rs.validator_for(spec))
+        except (ValueError, jsonschema_rs.ReferencingError) as exc:
+            self.issue(step, field, f"invalid JSON Schema: {exc}")
+            return None
 
     def schema_ref(self, step: str, field: str, ref: Any) -> Schema | None:
         if ref is None:
@@ -191,9 +196,7 @@ class _Compiler:
     def step(self, name: str, index: int, spec: dict[str, Any],
              upstreams: Mapping[str, Upstream]) -> Step:
         m = spec["match"]
-        if m["upstream"] not in upstreams:
-            self.issue(name, "match.upstream", f"unknown upstream {m['upstream']!r} "
-                                               f"(declared: {', '.join(upstreams)})")
+        self.check_match(name, m, upstreams)
         record = {}
         for key, expr in spec.get("record", {}).items():
             cond = self.condition(name, f"record.{key}", expr, EXIT_VARIABLES, "postcondition")
@@ -202,7 +205,7 @@ class _Compiler:
         return Step(
             name=name,
             index=index,
-            match=Match(m["upstream"], m.get("method"), m["path"]),
+            match=Match(m.get("upstream"), m.get("method"), m.get("path"), m.get("tool")),
             input_schema=self.schema_ref(name, "input", spec.get("input")),
             output_schema=self.schema_ref(name, "output", spec.get("output")),
             preconditions=self.conditions(name, "precondition", spec.get("precondition"),
@@ -219,6 +222,20 @@ class _Compiler:
             on_failure=_on_failure(spec.get("on_failure", "halt")),
         )
 
+    def check_match(self, step: str, match: dict[str, Any], upstreams: Mapping[str, Upstream]) -> None:
+        name = match.get("upstream")
+        if name is not None and name not in upstreams:
+            self.issue(step, "match.upstream", f"unknown upstream {name!r} "
+                                               f"(declared: {', '.join(upstreams)})")
+            return
+        kinds = {upstreams[name].kind} if name else {u.kind for u in upstreams.values()}
+        if "tool" in match and kinds == {"http"}:
+            self.issue(step, "match.tool", "a tool match needs a model or MCP upstream "
+                                           "(kind openai, anthropic or mcp); HTTP tools match by path")
+        if "path" in match and name and upstreams[name].kind != "http":
+            self.issue(step, "match.path", f"upstream {name!r} is kind {upstreams[name].kind!r}: "
+                                           "match its steps by tool name")
+
     def check_graph(self, steps: Mapping[str, Step]) -> None:
         for step in steps.values():
             for i, dep in enumerate(step.after):
@@ -234,10 +251,13 @@ class _Compiler:
             m = step.match
             for other in earlier:
                 o = other.match
-                if (o.upstream, o.path) == (m.upstream, m.path) and (
-                        None in (o.method, m.method) or o.method == m.method):
-                    self.issue(step.name, "match", f"same match as step {other.name!r} "
-                                                   f"({m.method or '*'} {m.upstream} {m.path})")
+                same_tool = m.tool is not None and o.tool == m.tool and (
+                    None in (o.upstream, m.upstream) or o.upstream == m.upstream)
+                same_path = m.path is not None and (o.upstream, o.path) == (m.upstream, m.path) and (
+                    None in (o.method, m.method) or o.method == m.method)
+                if same_tool or same_path:
+                    what = f"tool {m.tool}" if same_tool else f"{m.method or '*'} {m.upstream} {m.path}"
+                    self.issue(step.name, "match", f"same match as step {other.name!r} ({what})")
                     break
             earlier.append(step)
 

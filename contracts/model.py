@@ -51,9 +51,10 @@ class Upstream:
 
 @dataclass(frozen=True, slots=True)
 class Match:
-    upstream: str
+    upstream: str | None          # None: any model or MCP upstream of the contract (tool match)
     method: str | None
-    path: str
+    path: str | None              # HTTP tools match by path
+    tool: str | None = None       # model and MCP traffic match by tool name
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,5 +111,12 @@ class Contract:
         for step in self.steps.values():
             m = step.match
             if m.upstream == upstream and m.path == path and m.method in (None, method):
+                return step
+        return None
+
+    def step_for_tool(self, upstream: str, tool: str) -> Step | None:
+        for step in self.steps.values():
+            m = step.match
+            if m.tool == tool and m.upstream in (None, upstream):
                 return step
         return None

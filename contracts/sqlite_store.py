@@ -149,7 +149,7 @@ class SQLiteStore:
                     results.append((future, op(conn), None))
                     if write:
                         conn.execute("RELEASE op")
-                except (ConflictError, sqlite3.Error) as exc:
+                except Exception as exc:  # one bad append must not stop the writer thread
                     if write:
                         conn.execute("ROLLBACK TO op")
                         conn.execute("RELEASE op")

@@ -169,13 +169,13 @@ def test_step_for_finds_the_step_by_upstream_method_and_path(make_contract):
                  "first", "match.method", "'FETCH' is not one of", id="unknown-method"),
     pytest.param({"steps": {"first": {"precondition": [{"expr": "input.x == 1",
                                                         "drift": "staleness"}]}}},
-                 "first", "precondition.0", "staleness", id="bad-drift-tag"),
+                 "first", "precondition.0.drift", "staleness", id="bad-drift-tag"),
     pytest.param({"steps": {"first": {"on_failure": "retry"}}}, "first", "on_failure",
                  "'retry'", id="bad-on-failure-action"),
     pytest.param({"steps": {"first": {"on_failure": {"then": "explode"}}}}, "first",
-                 "on_failure", "'explode' is not one of ['halt', 'escalate']",
+                 "on_failure.then", "'explode' is not one of ['halt', 'escalate']",
                  id="bad-on-failure-then"),
-    pytest.param({"steps": {"first": {"on_failure": {"retry": 11}}}}, "first", "on_failure",
+    pytest.param({"steps": {"first": {"on_failure": {"retry": 11}}}}, "first", "on_failure.retry",
                  "11 is greater than the maximum of 10", id="too-many-retries"),
 ])
 def test_format_violations_are_contract_issues_naming_file_step_and_field(

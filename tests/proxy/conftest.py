@@ -1,85 +1,24 @@
-"""Real parts for the proxy tests: upstreams that record what reaches them (aiohttp servers on
-loopback), stepguard in front of them on a SQLite file in tmp_path, contract factories, and the
-assertions every blocked call must satisfy (problem+json, x-should-retry, a stored decision)."""
+"""Fixtures for the proxy tests: real upstreams on loopback and stepguard in front of them on a
+SQLite file in tmp_path. Helpers shared by the test modules live in sgtest.py, next to this file."""
 
 from __future__ import annotations
 
-import copy
+import sys
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import orjson
 import pytest
-import yaml
 from aiohttp import web
-from aiohttp.test_utils import TestClient, TestServer
-from multidict import CIMultiDictProxy
 
-from stepguard.contracts.loader import parse_contract
+sys.path.insert(0, str(Path(__file__).parent))
+
+from sgtest import Handler, Proxy, Seen, Upstream, answer_ok, recording
+
 from stepguard.contracts.model import Contract
 from stepguard.examples.order_confirmation import tools as tools_mod
-from stepguard.proxy.app import Stepguard, build, create_app
+from stepguard.proxy.app import build, create_app
 from stepguard.proxy.config import Settings
-from stepguard.proxy.harness import contract_with_upstreams
-
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "order-confirmation" / "contract.yaml"
-RUN_HEADER = "x-stepguard-run"
-DRIFT_HEADER = tools_mod.DRIFT_HEADER
-STEPS = ("lookup_order", "check_policy", "reserve_slot", "confirm")
-PROBLEM_MEMBERS = ("run", "step", "check", "drift", "boundary", "detection_point", "action")
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-# --- upstreams --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Seen:
-    """One request as an upstream received it."""
-
-    method: str
-    path: str            # raw (percent-encoded) path
-    query: str           # raw query string
-    headers: CIMultiDictProxy[str]
-    body: bytes
-
-
-@dataclass
-class Upstream:
-    server: TestServer
-    seen: list[Seen] = field(default_factory=list)
-
-    @property
-    def url(self) -> str:
-        return str(self.server.make_url("")).rstrip("/")
-
-    @property
-    def authority(self) -> str:
-        return f"{self.server.host}:{self.server.port}"
-
-    def hits(self, path: str | None = None) -> int:
-        return sum(1 for s in self.seen if path is None or s.path == path)
-
-    def last(self, path: str | None = None) -> Seen:
-        return [s for s in self.seen if path is None or s.path == path][-1]
-
-
-def _recording(seen: list[Seen]) -> Any:
-    @web.middleware
-    async def record(request: web.Request, handler: Handler) -> web.StreamResponse:
-        body = await request.read()
-        seen.append(Seen(request.method, request.rel_url.raw_path,
-                         request.rel_url.raw_query_string, request.headers, body))
-        return await handler(request)
-
-    return record
-
-
-async def answer_ok(request: web.Request) -> web.Response:
-    return web.json_response({"id": "item-1", "status": "ok"})
 
 
 @pytest.fixture
@@ -87,7 +26,7 @@ async def tools(aiohttp_server: Any) -> Upstream:
     """The example's fake tool service, recording every request it receives."""
     seen: list[Seen] = []
     app = tools_mod.create_app()
-    app.middlewares.append(_recording(seen))
+    app.middlewares.append(recording(seen))
     return Upstream(await aiohttp_server(app), seen)
 
 
@@ -98,77 +37,11 @@ def make_upstream(aiohttp_server: Any) -> Callable[..., Awaitable[Upstream]]:
 
     async def make(handler: Handler = answer_ok) -> Upstream:
         seen: list[Seen] = []
-        app = web.Application(middlewares=[_recording(seen)])
+        app = web.Application(middlewares=[recording(seen)])
         app.router.add_route("*", "/{tail:.*}", handler)
         return Upstream(await aiohttp_server(app), seen)
 
     return make
-
-
-# --- contracts --------------------------------------------------------------------------------
-
-
-def example_contract(tools: Upstream) -> Contract:
-    return contract_with_upstreams(EXAMPLE, {"tools": tools.url})
-
-
-def contract_doc(url: str, steps: dict[str, Any] | None = None, **top: Any) -> dict[str, Any]:
-    """A small contract: upstream `tools` at `url` mounted on /tools; every step without a
-    `match` gets `POST tools /<step name>`. `top` adds or replaces top-level keys."""
-    doc: dict[str, Any] = {
-        "workflow": "test-flow", "contract_version": 1,
-        "upstreams": {"tools": {"url": url, "mount": "/tools", "timeout_s": 5}},
-        "steps": copy.deepcopy(steps if steps is not None else {"act": {}}),
-        **copy.deepcopy(top),
-    }
-    for name, spec in doc["steps"].items():
-        spec.setdefault("match", {"upstream": "tools", "method": "POST", "path": f"/{name}"})
-    return doc
-
-
-def make_contract(url: str, steps: dict[str, Any] | None = None, **top: Any) -> Contract:
-    return parse_contract(yaml.safe_dump(contract_doc(url, steps, **top)).encode(), "test.yaml")
-
-
-# --- stepguard in front -----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Reply:
-    status: int
-    headers: CIMultiDictProxy[str]
-    body: bytes
-
-    @property
-    def json(self) -> Any:
-        return orjson.loads(self.body)
-
-
-@dataclass
-class Proxy:
-    client: TestClient
-    sg: Stepguard
-
-    async def call(self, path: str, payload: Any = None, *, run: str | None = "run-1",
-                   method: str = "POST", headers: dict[str, str] | None = None,
-                   data: Any = None) -> Reply:
-        """One call through the proxy: `payload` is sent as JSON, `data` as is."""
-        sent = dict(headers or {})
-        if run is not None:
-            sent.setdefault(RUN_HEADER, run)
-        async with self.client.request(method, path, json=payload, data=data,
-                                       headers=sent) as resp:
-            return Reply(resp.status, resp.headers, await resp.read())
-
-    async def history(self, run: str) -> list[dict[str, Any]]:
-        return await self.sg.store.history(run)
-
-    async def status(self, run: str) -> str | None:
-        envelope = await self.sg.store.load(run)
-        return envelope.status if envelope else None
-
-    async def close(self) -> None:
-        await self.client.close()
 
 
 @pytest.fixture
@@ -185,84 +58,3 @@ def proxy(aiohttp_client: Any, store_path: Path) -> Callable[..., Awaitable[Prox
         return Proxy(await aiohttp_client(create_app(sg)), sg)
 
     return start
-
-
-@dataclass
-class OrderFlow:
-    """The example's four steps, called through the proxy as the example agent calls them."""
-
-    px: Proxy
-    run: str
-    order_id: str = "ord-17"
-    slot_id: str = ""
-
-    def payload(self, step: str) -> dict[str, Any]:
-        if step == "confirm":
-            return {"order_id": self.order_id, "slot_id": self.slot_id}
-        return {"order_id": self.order_id}
-
-    async def call(self, step: str, payload: Any = None, *, drift: str | None = None,
-                   headers: dict[str, str] | None = None) -> Reply:
-        sent = {**(headers or {}), **({DRIFT_HEADER: drift} if drift else {})}
-        reply = await self.px.call(f"/tools/{step}", payload or self.payload(step), run=self.run,
-                                   headers=sent)
-        if step == "reserve_slot" and reply.status == 200:
-            self.slot_id = reply.json["slot_id"]
-        return reply
-
-    async def through(self, *steps: str) -> list[Reply]:
-        """Call `steps` cleanly; each must pass."""
-        replies = []
-        for step in steps:
-            reply = await self.call(step)
-            assert reply.status == 200, (step, reply.body)
-            replies.append(reply)
-        return replies
-
-
-# --- assertions -------------------------------------------------------------------------------
-
-
-def trail(history: list[dict[str, Any]]) -> list[tuple[str, str, str, str]]:
-    """The history as (step, boundary, verdict, action), after checking its sequence."""
-    assert [e["seq"] for e in history] == list(range(1, len(history) + 1))
-    return [(e["step"], e["boundary"], e["verdict"], e["action"]) for e in history]
-
-
-def clean(*steps: str) -> list[tuple[str, str, str, str]]:
-    """The trail of steps that passed both boundaries."""
-    return [row for s in steps for row in ((s, "entry", "pass", "forward"),
-                                            (s, "exit", "pass", "advance"))]
-
-
-def problem(reply: Reply, status: int) -> dict[str, Any]:
-    """The problem+json body of a call stepguard answered itself."""
-    assert reply.status == status, reply.body
-    assert reply.headers["content-type"] == "application/problem+json"
-    assert reply.headers["x-should-retry"] == "false"
-    body: dict[str, Any] = reply.json
-    assert body["status"] == status
-    assert body["title"] and body["detail"]
-    return body
-
-
-def drift_problem(reply: Reply, status: int, *, run: str, step: str, check: str, drift: str,
-                  boundary: str, action: str) -> dict[str, Any]:
-    """The problem+json of a violation, with every member naming where and what."""
-    body = problem(reply, status)
-    expected = {"run": run, "step": step, "check": check, "drift": drift, "boundary": boundary,
-                "detection_point": f"{step}.{boundary}.{check}", "action": action}
-    assert {k: body.get(k) for k in PROBLEM_MEMBERS} == expected
-    assert isinstance(body.get("decision_id"), str) and body["decision_id"]
-    return body
-
-
-def decided(history: list[dict[str, Any]], body: dict[str, Any]) -> dict[str, Any]:
-    """The stored event behind a problem: same decision id, same violation."""
-    (event,) = [e for e in history if e.get("decision_id") == body["decision_id"]]
-    assert event["step"] == body["step"]
-    assert event["action"] == body["action"]
-    assert event["boundary"] == body["boundary"]
-    assert event["violation"]["check"] == body["check"]
-    assert event["violation"]["drift"] == body["drift"]
-    return event

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Installs the binaries tests/deploy runs: `prometheus` and `promtool`. Debian's (and Ubuntu's)
+# `prometheus` package ships both. Idempotent: it does nothing when both are on PATH.
+#
+# The package's init script would start a Prometheus server on :9090, which is stepguard's
+# default admin port; this script keeps it from starting and stops one that did.
+set -euo pipefail
+
+have_all() { command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1; }
+
+if have_all; then
+    echo "install-test-deps: prometheus and promtool already installed"
+    exit 0
+fi
+if ! command -v apt-get >/dev/null 2>&1; then
+    echo "install-test-deps: no apt-get here; install prometheus and promtool yourself" >&2
+    exit 1
+fi
+
+as_root=()
+if [ "$(id -u)" -ne 0 ]; then
+    as_root=(sudo)
+fi
+
+# policy-rc.d exit 101: "do not start services" (honoured by invoke-rc.d and deb-systemd-invoke)
+policy=/usr/sbin/policy-rc.d
+created_policy=0
+remove_policy() {
+    if [ "$created_policy" = 1 ]; then "${as_root[@]}" rm -f "$policy"; fi
+}
+trap remove_policy EXIT
+if [ ! -e "$policy" ]; then
+    printf '#!/bin/sh\nexit 101\n' | "${as_root[@]}" tee "$policy" >/dev/null
+    "${as_root[@]}" chmod 755 "$policy"
+    created_policy=1
+fi
+
+"${as_root[@]}" apt-get update -qq
+"${as_root[@]}" env DEBIAN_FRONTEND=noninteractive \
+    apt-get install -y -qq --no-install-recommends prometheus
+
+# belt and braces: no packaged Prometheus server may keep :9090
+if command -v systemctl >/dev/null 2>&1 && systemctl is-active --quiet prometheus 2>/dev/null; then
+    "${as_root[@]}" systemctl disable --now prometheus
+elif [ -x /etc/init.d/prometheus ] && "${as_root[@]}" /etc/init.d/prometheus status >/dev/null 2>&1; then
+    "${as_root[@]}" /etc/init.d/prometheus stop
+fi
+
+have_all || { echo "install-test-deps: prometheus/promtool still missing" >&2; exit 1; }
+prometheus --version 2>&1 | head -n 1
+promtool --version 2>&1 | head -n 1
