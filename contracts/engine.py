@@ -13,6 +13,8 @@ from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.events import HALT, OBSERVE, RETRY, Decision, ToolResult, Violation
 from stepguard.contracts.model import Contract, Step
 
+FINAL = "final_answer"   # the pseudo-step of a model's final answer
+
 
 def check_entry(step: Step, envelope: Envelope, input: Any) -> Decision:
     violation = (_order(step, envelope)
@@ -39,6 +41,17 @@ def check_exit(contract: Contract, step: Step, envelope: Envelope, input: Any,
     violation = _completion(contract, after, verified)
     completed = violation is None and _claims_completion(contract, after, verified)
     return Decision(step.name, "exit", violation, recorded, unrecorded, completed)
+
+
+def check_final(contract: Contract, envelope: Envelope, output: Any) -> Decision:
+    """A final answer (no tool call) of a model turn: does it claim completion, with proof?"""
+    context = {"input": None, "output": output, "state": envelope.state, "status": 200}
+    verified = set(envelope.verified)
+    if contract.completion is None or contract.completion.claim is None:
+        return Decision(FINAL, "exit")
+    violation = _completion(contract, context, verified)
+    completed = violation is None and _claims_completion(contract, context, verified)
+    return Decision(FINAL, "exit", violation, completed=completed)
 
 
 def action_for(contract: Contract, step: Step, violation: Violation, attempt: int,

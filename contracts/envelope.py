@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from stepguard.contracts.events import ADVANCE, ESCALATE, HALT
+from stepguard.contracts.events import ADVANCE, COMPLETE, ESCALATE, HALT
 
 Status = Literal["active", "halted", "escalated", "completed"]
 
@@ -20,6 +20,7 @@ class Envelope:
     verified: dict[str, float] = field(default_factory=dict)   # step -> verified at (unix s)
     state: dict[str, Any] = field(default_factory=dict)
     halt: dict[str, Any] | None = None        # the event that stopped the run
+    pending: dict[str, dict[str, Any]] = field(default_factory=dict)  # call id -> step, input
     created: float = 0.0
     updated: float = 0.0
 
@@ -29,7 +30,15 @@ class Envelope:
         if self.seq == 0:
             changes["created"] = event["ts"]
         action = event.get("action")
-        if action == ADVANCE and event.get("boundary") == "exit":
+        call_id = event.get("call_id")
+        if call_id and event.get("boundary") == "entry" and event.get("pending"):
+            changes["pending"] = {**self.pending, call_id: {"step": event["step"],
+                                                            "input": event.get("input")}}
+        elif call_id and event.get("boundary") == "exit" and call_id in self.pending:
+            changes["pending"] = {k: v for k, v in self.pending.items() if k != call_id}
+        if action == COMPLETE:
+            changes["status"] = "completed"
+        elif action == ADVANCE and event.get("boundary") == "exit":
             changes["verified"] = {**self.verified, event["step"]: event["ts"]}
             if event.get("recorded"):
                 changes["state"] = {**self.state, **event["recorded"]}
@@ -47,7 +56,8 @@ class Envelope:
         return {"run_id": self.run_id, "workflow": self.workflow,
                 "contract_version": self.contract_version, "status": self.status,
                 "seq": self.seq, "verified": self.verified, "state": self.state,
-                "halt": self.halt, "created": self.created, "updated": self.updated}
+                "halt": self.halt, "pending": self.pending, "created": self.created,
+                "updated": self.updated}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Envelope:

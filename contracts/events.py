@@ -7,8 +7,8 @@ from typing import Any, Literal
 
 Boundary = Literal["entry", "exit"]
 # what happened at a boundary: the run advanced, a violation was acted on, or nothing changed
-ADVANCE, FORWARD, HALT, ESCALATE, RETRY, OBSERVE, REFUSE, REJECTED = (
-    "advance", "forward", "halt", "escalate", "retry", "observe", "refuse", "rejected")
+ADVANCE, FORWARD, HALT, ESCALATE, RETRY, OBSERVE, REFUSE, REJECTED, COMPLETE = (
+    "advance", "forward", "halt", "escalate", "retry", "observe", "refuse", "rejected", "complete")
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +36,7 @@ class ToolResult:
     status: int | None
     output: Any = None
     error: str | None = None          # transport failure, timeout, unparseable body
-    error_kind: Literal["transport", "timeout", "parse", "cap"] | None = None
+    error_kind: Literal["transport", "timeout", "parse", "cap", "tool"] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -53,11 +53,12 @@ class RunBook:
         return envelope
 
     async def commit(self, envelope: Envelope, fields: dict[str, Any],
-                     escalation: dict[str, Any] | None = None) -> tuple[Envelope, dict[str, Any]]:
+                     escalation: dict[str, Any] | None = None,
+                     keys: Sequence[str] = ()) -> tuple[Envelope, dict[str, Any]]:
         event = {"seq": envelope.seq + 1, "ts": time.time(), **fields}
         after = envelope.apply(event)
         try:
-            await self.store.append(after, event, escalation)
+            await self.store.append(after, event, escalation, keys)
         except BaseException:
             self._cache.pop(envelope.run_id, None)  # reload from the store next time
             raise

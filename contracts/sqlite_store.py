@@ -10,7 +10,7 @@ import asyncio
 import queue
 import sqlite3
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,10 @@ CREATE TABLE IF NOT EXISTS events (
     ts REAL NOT NULL,
     event BLOB NOT NULL,
     PRIMARY KEY (run_id, seq)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS run_keys (
+    key TEXT PRIMARY KEY,
+    run_id TEXT NOT NULL
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS escalations (
     run_id TEXT NOT NULL,
@@ -89,8 +93,13 @@ class SQLiteStore:
         return Envelope.from_dict(orjson.loads(row[0])) if row else None
 
     async def append(self, envelope: Envelope, event: dict[str, Any],
-                     escalation: dict[str, Any] | None = None) -> None:
-        await self._submit(lambda c: _append(c, envelope, event, escalation), write=True)
+                     escalation: dict[str, Any] | None = None, keys: Sequence[str] = ()) -> None:
+        await self._submit(lambda c: _append(c, envelope, event, escalation, keys), write=True)
+
+    async def find_run(self, key: str) -> str | None:
+        row = await self._submit(lambda c: c.execute(
+            "SELECT run_id FROM run_keys WHERE key = ?", (key,)).fetchone())
+        return str(row[0]) if row else None
 
     async def history(self, run_id: str) -> list[dict[str, Any]]:
         history: list[dict[str, Any]] = await self._submit(lambda c: read_history(c, run_id))
@@ -171,7 +180,7 @@ class SQLiteStore:
 
 
 def _append(conn: sqlite3.Connection, envelope: Envelope, event: dict[str, Any],
-            escalation: dict[str, Any] | None) -> None:
+            escalation: dict[str, Any] | None, keys: Sequence[str]) -> None:
     row = conn.execute("SELECT seq FROM runs WHERE run_id = ?", (envelope.run_id,)).fetchone()
     current = row[0] if row else 0
     if current != envelope.seq - 1:
@@ -185,6 +194,8 @@ def _append(conn: sqlite3.Connection, envelope: Envelope, event: dict[str, Any],
         " seq = excluded.seq, envelope = excluded.envelope, updated = excluded.updated",
         (envelope.run_id, envelope.workflow, envelope.contract_version, envelope.status,
          envelope.seq, orjson.dumps(envelope.to_dict()), envelope.created, envelope.updated))
+    conn.executemany("INSERT OR REPLACE INTO run_keys (key, run_id) VALUES (?, ?)",
+                     [(key, envelope.run_id) for key in keys])
     if escalation is not None:
         conn.execute("INSERT INTO escalations (run_id, seq, ts, record) VALUES (?, ?, ?, ?)",
                      (envelope.run_id, envelope.seq, event["ts"], orjson.dumps(escalation)))

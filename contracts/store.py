@@ -6,6 +6,7 @@ can never both advance it. Nothing in the engine knows which store it talks to.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from stepguard.contracts.envelope import Envelope
@@ -19,11 +20,16 @@ class Store(Protocol):
     async def load(self, run_id: str) -> Envelope | None: ...
 
     async def append(self, envelope: Envelope, event: dict[str, Any],
-                     escalation: dict[str, Any] | None = None) -> None:
-        """Store `event` (seq = envelope.seq) and `envelope` (the state after it) atomically.
+                     escalation: dict[str, Any] | None = None, keys: Sequence[str] = ()) -> None:
+        """Store `event` (seq = envelope.seq) and `envelope` (the state after it) atomically,
+        with an escalation record and correlation keys (tool-call ids, response ids, MCP
+        sessions) that will find this run from now on.
 
         Raises ConflictError when the stored run is not at seq - 1.
         """
+
+    async def find_run(self, key: str) -> str | None:
+        """The run a correlation key was stored with, if any."""
 
     async def history(self, run_id: str) -> list[dict[str, Any]]: ...
 

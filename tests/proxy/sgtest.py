@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import orjson
 import yaml
 from aiohttp import web
@@ -120,21 +121,38 @@ class Reply:
         return orjson.loads(self.body)
 
 
+async def send(request: Callable[..., Any], path: str, payload: Any = None, *,
+               run: str | None = "run-1", method: str = "POST",
+               headers: dict[str, str] | None = None, data: Any = None) -> Reply:
+    """One call: `payload` is sent as JSON, `data` as is; `run` goes in the run header."""
+    sent = dict(headers or {})
+    if run is not None:
+        sent.setdefault(RUN_HEADER, run)
+    async with request(method, path, json=payload, data=data, headers=sent) as resp:
+        return Reply(resp.status, resp.headers, await resp.read())
+
+
+@dataclass
+class Remote:
+    """A stepguard listening somewhere else (a subprocess), called over a client session."""
+
+    session: aiohttp.ClientSession
+    base: str
+
+    async def call(self, path: str, payload: Any = None, **options: Any) -> Reply:
+        return await send(lambda method, p, **kw: self.session.request(method, self.base + p, **kw),
+                          path, payload, **options)
+
+
 @dataclass
 class Proxy:
+    """A stepguard in this process, behind a test client."""
+
     client: TestClient
     sg: Stepguard
 
-    async def call(self, path: str, payload: Any = None, *, run: str | None = "run-1",
-                   method: str = "POST", headers: dict[str, str] | None = None,
-                   data: Any = None) -> Reply:
-        """One call through the proxy: `payload` is sent as JSON, `data` as is."""
-        sent = dict(headers or {})
-        if run is not None:
-            sent.setdefault(RUN_HEADER, run)
-        async with self.client.request(method, path, json=payload, data=data,
-                                       headers=sent) as resp:
-            return Reply(resp.status, resp.headers, await resp.read())
+    async def call(self, path: str, payload: Any = None, **options: Any) -> Reply:
+        return await send(self.client.request, path, payload, **options)
 
     async def history(self, run: str) -> list[dict[str, Any]]:
         return await self.sg.store.history(run)
@@ -151,7 +169,7 @@ class Proxy:
 class OrderFlow:
     """The example's four steps, called through the proxy as the example agent calls them."""
 
-    px: Proxy
+    px: Proxy | Remote
     run: str
     order_id: str = "ord-17"
     slot_id: str = ""
