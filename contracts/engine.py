@@ -54,13 +54,16 @@ def check_final(contract: Contract, envelope: Envelope, output: Any) -> Decision
     return Decision(FINAL, "exit", violation, completed=completed)
 
 
-def action_for(contract: Contract, step: Step, violation: Violation, attempt: int,
+def action_for(contract: Contract, step: Step | None, violation: Violation, attempt: int,
                safe_to_retry: bool) -> str:
+    """What a violation does. `step` is None for a model's final answer: it halts."""
     if contract.mode == "observe":
         return OBSERVE
+    if step is None:
+        return HALT
     if violation.check == "tool_error" and safe_to_retry and attempt <= step.on_failure.retry:
         return RETRY
-    return step.on_failure.action if step.on_failure.action else HALT
+    return step.on_failure.action
 
 
 def _order(step: Step, envelope: Envelope) -> Violation | None:

@@ -17,7 +17,9 @@ from stepguard.contracts.store import Store
 from stepguard.metrics.logs import get_logger
 from stepguard.metrics.observer import Observer
 from stepguard.metrics.prom import Metrics
+from stepguard.proxy.boundaries import Boundaries
 from stepguard.proxy.config import Settings
+from stepguard.proxy.dispatch import Dispatcher
 from stepguard.proxy.escalation import Escalator
 from stepguard.proxy.forward import Forwarder
 from stepguard.proxy.http_adapter import HttpToolAdapter
@@ -39,8 +41,12 @@ class Stepguard:
         self.forwarder = Forwarder(self.settings.max_response_bytes)
         self.runs = RunBook(self.store)
         self.escalator = Escalator(None, self.observer)
-        self.http = HttpToolAdapter(Router(self.contracts), self.runs, self.forwarder,
-                                    self.settings, self.observer, self.escalator)
+        self.boundaries = Boundaries(self.runs, self.observer, self.escalator, self.contracts,
+                                     self.settings.payload_history_bytes)
+        http = HttpToolAdapter(self.runs, self.forwarder, self.settings, self.observer,
+                               self.boundaries)
+        self.dispatcher = Dispatcher(Router(self.contracts), {"http": http}, self.observer,
+                                     self.settings.max_request_bytes)
 
     async def start(self) -> None:
         await self.store.open()
@@ -71,7 +77,7 @@ def create_app(sg: Stepguard, manage: bool = True) -> web.Application:
     app[STEPGUARD] = sg
     if manage:
         app.cleanup_ctx.append(_lifecycle)
-    app.router.add_route("*", "/{tail:.*}", sg.http.handle)
+    app.router.add_route("*", "/{tail:.*}", sg.dispatcher.handle)
     return app
 
 

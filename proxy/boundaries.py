@@ -1,0 +1,163 @@
+"""Settling a boundary, the same for every traffic kind: pick the action, store the event (with
+an escalation record and correlation keys), observe it, and only then let the adapter act."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from stepguard.contracts.engine import FINAL, action_for
+from stepguard.contracts.envelope import Envelope
+from stepguard.contracts.events import (
+    ADVANCE,
+    COMPLETE,
+    ESCALATE,
+    FORWARD,
+    REFUSE,
+    REJECTED,
+    Decision,
+    ToolResult,
+)
+from stepguard.contracts.model import Contract
+from stepguard.contracts.runs import RunBook
+from stepguard.metrics.observer import Observer
+from stepguard.metrics.redact import Redactor, truncate
+from stepguard.proxy.bodies import history_payload
+from stepguard.proxy.escalation import Escalator
+from stepguard.proxy.forward import Timing
+
+_RAW_LIMIT = 65536
+
+
+@dataclass(frozen=True, slots=True)
+class Evidence:
+    """What a boundary saw, for the history and for an escalation record."""
+
+    input: Any = None
+    raw_input: bytes = b""
+    result: ToolResult | None = None
+    raw_output: bytes | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Settled:
+    action: str
+    decision_id: str
+    event: dict[str, Any]
+    envelope: Envelope
+
+
+class Boundaries:
+    def __init__(self, runs: RunBook, observer: Observer, escalator: Escalator,
+                 contracts: list[Contract], payload_history_bytes: int) -> None:
+        self.runs = runs
+        self.observer = observer
+        self.escalator = escalator
+        self.payload_limit = payload_history_bytes
+        self.redactors = {c.workflow: Redactor(c.redact) for c in contracts}
+
+    async def settle(self, contract: Contract, run_id: str, envelope: Envelope,
+                     decision: Decision, evidence: Evidence, *, timing: Timing, traffic: str,
+                     attempt: int = 1, safe_to_retry: bool = False,
+                     extra: dict[str, Any] | None = None, keys: Sequence[str] = ()) -> Settled:
+        action = self.action(contract, decision, attempt, safe_to_retry)
+        decision_id = uuid.uuid4().hex[:16]
+        fields = self._event_fields(contract, decision, action, decision_id, attempt, evidence)
+        if extra:
+            fields.update(extra)
+        escalation = None
+        if action == ESCALATE:
+            escalation = self._escalation_record(contract, run_id, decision, decision_id,
+                                                 evidence, envelope.seq + 1)
+        after, event = await self.runs.commit(envelope, fields, escalation, keys)
+        self.observer.verdict(contract, run_id, event, timing.added_s(), traffic)
+        if escalation is not None:
+            self.escalator.submit(contract, escalation)
+        return Settled(action, decision_id, event, after)
+
+    async def refuse(self, contract: Contract, run_id: str, envelope: Envelope, step: str,
+                     *, timing: Timing, traffic: str,
+                     extra: dict[str, Any] | None = None) -> Settled:
+        decision_id = uuid.uuid4().hex[:16]
+        fields = {"step": step, "boundary": "entry", "verdict": "refused", "action": REFUSE,
+                  "decision_id": decision_id, "halted_by": (envelope.halt or {}).get("seq"),
+                  **(extra or {})}
+        after, event = await self.runs.commit(envelope, fields)
+        self.observer.verdict(contract, run_id, event, timing.added_s(), traffic)
+        return Settled(REFUSE, decision_id, event, after)
+
+    @staticmethod
+    def action(contract: Contract, decision: Decision, attempt: int, safe_to_retry: bool) -> str:
+        if decision.violation is not None:
+            step = contract.steps.get(decision.step)
+            return action_for(contract, step, decision.violation, attempt, safe_to_retry)
+        if decision.rejected:
+            return REJECTED
+        if decision.step == FINAL:
+            return COMPLETE if decision.completed else FORWARD
+        return ADVANCE if decision.boundary == "exit" else FORWARD
+
+    def _event_fields(self, contract: Contract, decision: Decision, action: str,
+                      decision_id: str, attempt: int, evidence: Evidence) -> dict[str, Any]:
+        fields: dict[str, Any] = {
+            "step": decision.step, "boundary": decision.boundary,
+            "verdict": "violation" if decision.violation else ("rejected" if decision.rejected
+                                                                else "pass"),
+            "action": action, "decision_id": decision_id, "attempt": attempt,
+            "contract_version": contract.version,
+        }
+        if decision.violation:
+            fields["violation"] = decision.violation.to_dict()
+        redact = self.redactors[contract.workflow]
+        result = evidence.result
+        if decision.boundary == "entry":
+            fields["input"] = redact(history_payload(evidence.input, len(evidence.raw_input),
+                                                     self.payload_limit))
+            return fields
+        if result is not None:
+            fields["upstream_status"] = result.status
+            if result.error:
+                fields["tool_error"] = result.error
+            if result.output is not None:
+                size = len(evidence.raw_output) if evidence.raw_output is not None else 0
+                fields["output"] = redact(history_payload(result.output, size,
+                                                          self.payload_limit))
+        if decision.recorded:
+            fields["recorded"] = redact(decision.recorded)
+        if decision.unrecorded:
+            fields["unrecorded"] = list(decision.unrecorded)
+        if decision.completed:
+            fields["completed"] = True
+        return fields
+
+    def _escalation_record(self, contract: Contract, run_id: str, decision: Decision,
+                           decision_id: str, evidence: Evidence, seq: int) -> dict[str, Any]:
+        violation = decision.violation
+        assert violation is not None
+        redact = self.redactors[contract.workflow]
+        result = evidence.result
+        output: Any = None
+        if result is not None and result.output is not None:
+            output = redact(result.output)
+        elif evidence.raw_output is not None:
+            output = _raw(evidence.raw_output)
+        return {
+            "run_id": run_id, "workflow": contract.workflow,
+            "contract_version": contract.version, "step": decision.step,
+            "detection_point": f"{decision.step}.{violation.boundary}.{violation.check}",
+            "violation": violation.to_dict(), "decision_id": decision_id, "seq": seq,
+            "ts": time.time(),
+            "input": redact(evidence.input) if evidence.input is not None
+            else _raw(evidence.raw_input),
+            "output": output,
+            "tool_result": {"status": result.status if result else None,
+                            "error": result.error if result else None},
+        }
+
+
+def _raw(body: bytes) -> str:
+    """A body that could not be parsed, kept as text for the person reading the escalation."""
+    return truncate(body.decode("utf-8", "replace"), _RAW_LIMIT)
