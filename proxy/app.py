@@ -19,10 +19,11 @@ from stepguard.metrics.observer import Observer
 from stepguard.metrics.prom import Metrics
 from stepguard.proxy.boundaries import Boundaries
 from stepguard.proxy.config import Settings
-from stepguard.proxy.dispatch import Dispatcher
+from stepguard.proxy.dispatch import Adapter, Dispatcher
 from stepguard.proxy.escalation import Escalator
 from stepguard.proxy.forward import Forwarder
 from stepguard.proxy.http_adapter import HttpToolAdapter
+from stepguard.proxy.model_adapter import ModelAdapter
 from stepguard.proxy.routing import Router
 
 
@@ -45,7 +46,11 @@ class Stepguard:
                                      self.settings.payload_history_bytes)
         http = HttpToolAdapter(self.runs, self.forwarder, self.settings, self.observer,
                                self.boundaries)
-        self.dispatcher = Dispatcher(Router(self.contracts), {"http": http}, self.observer,
+        adapters: dict[str, Adapter] = {"http": http}
+        for kind in ("openai", "anthropic"):
+            adapters[kind] = ModelAdapter(kind, self.runs, self.forwarder, self.settings,
+                                          self.observer, self.boundaries, http)
+        self.dispatcher = Dispatcher(Router(self.contracts), adapters, self.observer,
                                      self.settings.max_request_bytes)
 
     async def start(self) -> None:

@@ -20,7 +20,7 @@ def trace_id(traceparent: str | None) -> str | None:
     return m.group(1)
 
 
-def run_id_for(contract: Contract, headers: Mapping[str, str]) -> str | None:
+def run_id_for(contract: Contract, headers: Mapping[str, str], implicit: bool = True) -> str | None:
     for source in contract.run_keys:
         if source == "traceparent":
             found = trace_id(headers.get("traceparent"))
@@ -30,6 +30,10 @@ def run_id_for(contract: Contract, headers: Mapping[str, str]) -> str | None:
                 found = None
         if found:
             return found
+    return implicit_run_id(contract) if implicit else None
+
+
+def implicit_run_id(contract: Contract) -> str | None:
     return f"implicit:{contract.workflow}" if contract.implicit_run else None
 
 

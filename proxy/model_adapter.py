@@ -1,0 +1,358 @@
+"""The adapter for model traffic (OpenAI Chat Completions and Responses, Anthropic Messages).
+
+Agents that run their tools in-process only show stepguard their model calls, so the step
+boundaries are read off the conversation:
+- the tool results a request carries are the *exit* boundaries of the steps whose calls the
+  model issued earlier (pending in the envelope);
+- the tool calls in a model response are *entry* boundaries, checked before the agent can act;
+- a final answer that claims completion is checked against the completion proof.
+Runs are found without headers: by the tool-call ids (and Responses ids) a request carries,
+which were stored with the run when the response that issued them was checked.
+Streams pass through event by event; only the terminating event is held until the assembled
+tool calls are checked, and replaced by a provider-shaped error event on a violation.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+from multidict import CIMultiDict
+
+from stepguard.contracts.engine import FINAL, check_entry, check_exit, check_final
+from stepguard.contracts.envelope import Envelope
+from stepguard.contracts.errors import ConflictError, StoreError
+from stepguard.contracts.events import OBSERVE, Decision, ToolResult, Violation
+from stepguard.contracts.model import Contract
+from stepguard.contracts.runs import RunBook
+from stepguard.metrics.observer import Observer
+from stepguard.proxy.bodies import BodyError, is_json_type, parse_json
+from stepguard.proxy.boundaries import Boundaries, Evidence, Settled
+from stepguard.proxy.config import Settings
+from stepguard.proxy.correlation import implicit_run_id, run_id_for
+from stepguard.proxy.forward import (
+    HOP_BY_HOP,
+    Forwarder,
+    Timing,
+    UpstreamError,
+    end_to_end,
+)
+from stepguard.proxy.http_adapter import CONFLICT_RETRIES, HttpToolAdapter
+from stepguard.proxy.model_dialects import Dialect, ToolCall, ToolOutput, Turn, dialect_for
+from stepguard.proxy.routing import Route
+from stepguard.proxy.sse import SSESplitter
+
+RUN_HEADER = "x-stepguard-run"
+_NO_RETRY = {"x-should-retry": "false"}
+
+
+class Stop(Exception):
+    """A boundary refused the call: answer with this status and message, in the provider's shape."""
+
+    def __init__(self, status: int, message: str, details: dict[str, Any]) -> None:
+        self.status, self.message, self.details = status, message, details
+        super().__init__(message)
+
+
+@dataclass(slots=True)
+class Exchange:
+    """One model request and its response, as they move through their boundaries."""
+
+    route: Route
+    dialect: Dialect
+    request: web.Request
+    body: dict[str, Any]
+    raw: bytes
+    timing: Timing
+    run_id: str = ""
+    new_run: bool = False
+    keys: list[str] = field(default_factory=list)
+
+    @property
+    def contract(self) -> Contract:
+        return self.route.contract
+
+
+class ModelAdapter:
+    def __init__(self, kind: str, runs: RunBook, forwarder: Forwarder, settings: Settings,
+                 observer: Observer, boundaries: Boundaries, http: HttpToolAdapter) -> None:
+        self.traffic = kind
+        self.runs = runs
+        self.forwarder = forwarder
+        self.settings = settings
+        self.observer = observer
+        self.boundaries = boundaries
+        self.http = http
+
+    def error(self, route: Route, status: int, title: str, detail: str) -> web.Response:
+        dialect = dialect_for(route.upstream.kind, route.path)
+        return self._error(dialect, status, f"{title}: {detail}", {"title": title})
+
+    async def handle(self, request: web.Request, route: Route, body: bytes,
+                     timing: Timing) -> web.StreamResponse:
+        dialect = dialect_for(route.upstream.kind, route.path)
+        headers = end_to_end(request.headers)
+        if dialect is None or request.method != "POST" or self.settings.passthrough:
+            return await self.http.forward_unchecked(request, route, headers, body, timing)
+        if request.content_type and not is_json_type(request.content_type):
+            return await self.http.forward_unchecked(request, route, headers, body, timing)
+        try:
+            payload = parse_json(body, "request body")
+        except BodyError as exc:
+            return self._error(dialect, 400, exc.detail, {"check": "request"})
+        if not isinstance(payload, dict):
+            return self._error(dialect, 400, "request body must be a JSON object",
+                               {"check": "request"})
+        ex = Exchange(route, dialect, request, payload, body, timing)
+        headers.popall("accept-encoding", None)   # identity bodies: stepguard reads them
+        try:
+            await self._correlate(ex)
+            await self._retrying(self._exits, ex)
+            if payload.get("stream") is True:
+                return await self._stream(ex, headers)
+            return await self._complete(ex, headers)
+        except Stop as stop:
+            return self._error(dialect, stop.status, stop.message, stop.details)
+        except StoreError as exc:
+            self.observer.store_error("append", str(exc), run_id=ex.run_id,
+                                      workflow=ex.contract.workflow)
+            if not self.settings.fail_open:
+                return self._error(dialect, 503, f"stepguard: run {ex.run_id!r}: the event could "
+                                   f"not be stored ({exc}); the call was not forwarded",
+                                   {"check": "store"})
+            self.observer.fail_open(ex.contract, "", ex.run_id)
+            return await self.http.forward_unchecked(request, route, headers, body, timing)
+
+    # -- correlation ---------------------------------------------------------------------------
+
+    async def _correlate(self, ex: Exchange) -> None:
+        run_id = run_id_for(ex.contract, ex.request.headers, implicit=False)
+        if run_id is None:
+            found = {r for key in ex.dialect.known_ids(ex.body)
+                     if (r := await self.runs.store.find_run(key)) is not None}
+            if len(found) > 1:
+                raise Stop(400, f"stepguard: the conversation carries tool calls of several runs "
+                           f"({', '.join(sorted(found))}); send {RUN_HEADER} to choose one",
+                           {"check": "correlation", "runs": sorted(found)})
+            run_id = found.pop() if found else implicit_run_id(ex.contract)
+        if run_id is None:
+            run_id, ex.new_run = f"run-{uuid.uuid4().hex[:20]}", True
+        ex.run_id = run_id
+
+    async def _retrying(self, boundary: Any, ex: Exchange, *args: Any) -> Any:
+        for _ in range(CONFLICT_RETRIES):
+            try:
+                return await boundary(ex, *args)
+            except ConflictError:
+                continue
+        raise StoreError(f"run {ex.run_id!r}: lost the race for the run {CONFLICT_RETRIES} times")
+
+    # -- exit boundaries: tool results the request carries ------------------------------------
+
+    async def _exits(self, ex: Exchange) -> None:
+        outputs = ex.dialect.tool_outputs(ex.body)
+        if ex.new_run:
+            return
+        async with self.runs.locked(ex.run_id):
+            envelope = await self.runs.envelope(ex.contract, ex.run_id)
+            if envelope.status in ("halted", "escalated"):
+                await self._refuse(ex, envelope)
+            for output in outputs:
+                pending = envelope.pending.get(output.call_id)
+                if pending is None:
+                    continue   # answered before, or a call no step matched
+                envelope = await self._exit(ex, envelope, output, pending)
+
+    async def _exit(self, ex: Exchange, envelope: Envelope, output: ToolOutput,
+                    pending: dict[str, Any]) -> Envelope:
+        step = ex.contract.steps[pending["step"]]
+        if output.is_error:
+            result = ToolResult(None, output.content, error=f"tool {step.name} reported an error: "
+                                f"{orjson.dumps(output.content).decode()[:500]}", error_kind="tool")
+        elif output.error:
+            result = ToolResult(200, None, error=output.error, error_kind="parse")
+        else:
+            result = ToolResult(200, output.content)
+        decision = check_exit(ex.contract, step, envelope, pending.get("input"), result)
+        settled = await self.boundaries.settle(
+            ex.contract, ex.run_id, envelope, decision,
+            Evidence(pending.get("input"), b"", result, orjson.dumps(output.content)),
+            timing=ex.timing, traffic=self.traffic, extra={"call_id": output.call_id})
+        self._raise_if_stopped(ex, decision, settled)
+        return settled.envelope
+
+    # -- forwarding ---------------------------------------------------------------------------
+
+    async def _complete(self, ex: Exchange, headers: CIMultiDict[str]) -> web.StreamResponse:
+        since = time.perf_counter()
+        try:
+            up = await self.forwarder.fetch("POST", self._url(ex), headers, ex.raw,
+                                            ex.route.upstream.timeout_s)
+        except UpstreamError as exc:
+            self._upstream_seen(ex, None, since)
+            raise Stop(504 if exc.kind == "timeout" else 502, f"stepguard: {exc.detail}",
+                       {"check": "upstream"}) from None
+        self._upstream_seen(ex, up.status, since)
+        if up.status != 200 or not is_json_type(up.headers.get("content-type", "")):
+            return web.Response(status=up.status, headers=up.headers, body=up.body)
+        try:
+            response = parse_json(up.body, "model response")
+        except BodyError as exc:
+            raise Stop(502, f"stepguard: {exc.detail}", {"check": "upstream"}) from None
+        if isinstance(response, dict):
+            await self._retrying(self._entries, ex, ex.dialect.turn(response))
+        out = web.Response(status=up.status, headers=up.headers, body=up.body)
+        out.headers[RUN_HEADER] = ex.run_id
+        return out
+
+    async def _stream(self, ex: Exchange, headers: CIMultiDict[str]) -> web.StreamResponse:
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=ex.route.upstream.timeout_s,
+                                        sock_read=ex.route.upstream.timeout_s)
+        since = time.perf_counter()
+        try:
+            resp = await self.forwarder.session.post(self._url(ex), headers=headers, data=ex.raw,
+                                                     timeout=timeout)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            self._upstream_seen(ex, None, since)
+            raise Stop(502, f"stepguard: upstream unreachable: {exc}", {"check": "upstream"}) from None
+        self._upstream_seen(ex, resp.status, since)
+        async with resp:
+            out = web.StreamResponse(status=resp.status, reason=resp.reason,
+                                     headers=end_to_end(resp.headers, HOP_BY_HOP | {"content-length"}))
+            out.headers[RUN_HEADER] = ex.run_id
+            ex.timing.stamp(out)
+            await out.prepare(ex.request)
+            if resp.status != 200 or "text/event-stream" not in resp.headers.get("content-type", ""):
+                async for chunk in resp.content.iter_any():
+                    await out.write(chunk)
+                await out.write_eof()
+                return out
+            await self._relay_events(ex, resp, out)
+            return out
+
+    async def _relay_events(self, ex: Exchange, resp: aiohttp.ClientResponse,
+                            out: web.StreamResponse) -> None:
+        splitter, assembler = SSESplitter(), ex.dialect.assembler()
+        held: list[bytes] = []
+        streaming_since = time.perf_counter()
+        try:
+            async for chunk in resp.content.iter_any():
+                for raw, event in splitter.feed(chunk):
+                    if held or (event is not None and assembler.is_terminal(event)):
+                        held.append(raw)
+                        continue
+                    if event is not None:
+                        assembler.feed(event)
+                    await out.write(raw)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            ex.timing.upstream(streaming_since)
+            await out.write(ex.dialect.stream_error(f"stepguard: upstream stream failed: {exc}",
+                                                    {"check": "upstream"}))
+            await out.write_eof()
+            return
+        ex.timing.upstream(streaming_since)
+        held.append(splitter.rest())
+        try:
+            await self._retrying(self._entries, ex, assembler.turn())
+        except Stop as stop:
+            await out.write(ex.dialect.stream_error(stop.message, stop.details))
+        except StoreError as exc:
+            self.observer.store_error("append", str(exc), run_id=ex.run_id)
+            await out.write(ex.dialect.stream_error(
+                f"stepguard: the event could not be stored ({exc})", {"check": "store"}))
+        else:
+            for raw in held:
+                await out.write(raw)
+        await out.write_eof()
+
+    def _upstream_seen(self, ex: Exchange, status: int | None, since: float) -> None:
+        waited = ex.timing.upstream(since)
+        self.observer.upstream(ex.route.upstream.name, ex.contract.workflow, status, waited)
+
+    @staticmethod
+    def _url(ex: Exchange) -> str:
+        query = ex.request.query_string
+        return f"{ex.route.upstream.url}{ex.route.path}" + (f"?{query}" if query else "")
+
+    # -- entry boundaries: tool calls and final answers in the response ------------------------
+
+    async def _entries(self, ex: Exchange, turn: Turn) -> None:
+        contract = ex.contract
+        async with self.runs.locked(ex.run_id):
+            envelope = await self.runs.envelope(contract, ex.run_id)
+            if envelope.status in ("halted", "escalated"):
+                await self._refuse(ex, envelope)
+            keys = [f"resp:{turn.response_id}"] if turn.response_id else []
+            for call in turn.calls:
+                envelope = await self._entry(ex, envelope, call, keys)
+            final = turn.final
+            if final is not None:
+                decision = check_final(contract, envelope, final)
+                if decision.violation is not None or decision.completed:
+                    settled = await self.boundaries.settle(
+                        contract, ex.run_id, envelope, decision, Evidence(None, b"",
+                        ToolResult(200, final)), timing=ex.timing, traffic=self.traffic,
+                        keys=keys)
+                    self._raise_if_stopped(ex, decision, settled)
+
+    async def _entry(self, ex: Exchange, envelope: Envelope, call: ToolCall,
+                     keys: list[str]) -> Envelope:
+        contract = ex.contract
+        step = contract.step_for_tool(ex.route.upstream.name, call.name)
+        if step is None:
+            if contract.unmatched == "refuse":
+                raise Stop(403, f"stepguard: tool {call.name!r} matches no step of workflow "
+                           f"{contract.workflow!r}, and the contract refuses unmatched calls",
+                           {"check": "unmatched", "tool": call.name, "run": ex.run_id})
+            return envelope
+        if call.error is not None:
+            decision = Decision(step.name, "entry",
+                                Violation("input_schema", "shape", call.error, "entry",
+                                          field="input"))
+        else:
+            decision = check_entry(step, envelope, call.arguments)
+        goes_ahead = decision.passed or contract.mode == "observe"
+        settled = await self.boundaries.settle(
+            contract, ex.run_id, envelope, decision, Evidence(call.arguments, b""),
+            timing=ex.timing, traffic=self.traffic,
+            extra={"call_id": call.call_id, "tool": call.name, "pending": goes_ahead},
+            keys=[f"call:{call.call_id}", *keys])
+        self._raise_if_stopped(ex, decision, settled)
+        return settled.envelope
+
+    # -- answers --------------------------------------------------------------------------------
+
+    def _raise_if_stopped(self, ex: Exchange, decision: Decision, settled: Settled) -> None:
+        violation = decision.violation
+        if violation is None or settled.action == OBSERVE:
+            return
+        step = decision.step
+        details = {"run": ex.run_id, "workflow": ex.contract.workflow,
+                   "contract_version": ex.contract.version, "step": step, **violation.to_dict(),
+                   "detection_point": f"{step}.{violation.boundary}.{violation.check}",
+                   "action": settled.action, "decision_id": settled.decision_id}
+        what = "final answer" if step == FINAL else f"step {step!r}"
+        raise Stop(422, f"stepguard: run {ex.run_id!r}, {what}, {violation.boundary} "
+                   f"{violation.check} ({violation.drift}): {violation.detail}", details)
+
+    async def _refuse(self, ex: Exchange, envelope: Envelope) -> None:
+        halt = envelope.halt or {}
+        violation = halt.get("violation") or {}
+        await self.boundaries.refuse(ex.contract, ex.run_id, envelope, halt.get("step", ""),
+                                     timing=ex.timing, traffic=self.traffic)
+        raise Stop(409, f"stepguard: run {ex.run_id!r} is {envelope.status}: step "
+                   f"{halt.get('step')!r} failed {violation.get('check')} "
+                   f"({violation.get('drift')}): {violation.get('detail')}",
+                   {"run": ex.run_id, "run_status": envelope.status, "halted_by": halt})
+
+    def _error(self, dialect: Dialect | None, status: int, message: str,
+               details: dict[str, Any]) -> web.Response:
+        body = (dialect.error_body(message, details) if dialect is not None
+                else {"error": {"message": message, "type": "stepguard_error", "stepguard": details}})
+        return web.Response(status=status, body=orjson.dumps(body),
+                            content_type="application/json", headers=_NO_RETRY)

@@ -1,0 +1,336 @@
+"""The three model APIs stepguard understands, each as a dialect: where a request carries tool
+results, where a response carries tool calls or a final answer (whole, or assembled from a
+stream), and how an error must look for that provider's SDK to raise it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import orjson
+from httpx_sse import ServerSentEvent
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    call_id: str
+    name: str
+    arguments: Any = None
+    error: str | None = None          # arguments that are not a JSON object
+
+
+@dataclass(frozen=True, slots=True)
+class ToolOutput:
+    call_id: str
+    content: Any = None
+    error: str | None = None          # not JSON
+    is_error: bool = False            # the agent says the tool failed (Anthropic is_error)
+
+
+@dataclass(slots=True)
+class Turn:
+    """What one model response says: tool calls, or a final answer."""
+
+    response_id: str | None = None
+    calls: list[ToolCall] = field(default_factory=list)
+    final_text: str | None = None
+
+    @property
+    def final(self) -> Any:
+        """The final answer as the completion claim sees it: a JSON object, or {"text": ...}."""
+        if self.calls or self.final_text is None:
+            return None
+        try:
+            value = orjson.loads(self.final_text)
+        except orjson.JSONDecodeError:
+            return {"text": self.final_text}
+        return value if isinstance(value, dict) else {"text": self.final_text}
+
+
+class Assembler(Protocol):
+    def feed(self, event: ServerSentEvent) -> None: ...
+
+    def is_terminal(self, event: ServerSentEvent) -> bool: ...
+
+    def turn(self) -> Turn: ...
+
+
+class Dialect(Protocol):
+    name: str
+    traffic: str
+
+    def tool_outputs(self, body: dict[str, Any]) -> list[ToolOutput]: ...
+
+    def known_ids(self, body: dict[str, Any]) -> list[str]:
+        """Correlation keys the request carries: `call:<tool call id>`, `resp:<response id>`."""
+
+    def turn(self, body: dict[str, Any]) -> Turn: ...
+
+    def assembler(self) -> Assembler: ...
+
+    def error_body(self, message: str, details: dict[str, Any]) -> dict[str, Any]: ...
+
+    def stream_error(self, message: str, details: dict[str, Any]) -> bytes: ...
+
+
+def _arguments(call_id: str, name: str, raw: Any) -> ToolCall:
+    if isinstance(raw, dict):
+        return ToolCall(call_id, name, raw)
+    try:
+        value = orjson.loads(raw or "{}")
+    except (orjson.JSONDecodeError, TypeError) as exc:
+        return ToolCall(call_id, name, None, f"arguments of tool call {call_id} are not JSON: {exc}")
+    if not isinstance(value, dict):
+        return ToolCall(call_id, name, None, f"arguments of tool call {call_id} are not a JSON object")
+    return ToolCall(call_id, name, value)
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return ""
+
+
+def _output(call_id: str, content: Any, is_error: bool = False) -> ToolOutput:
+    text = _text(content)
+    try:
+        return ToolOutput(call_id, orjson.loads(text), is_error=is_error)
+    except orjson.JSONDecodeError:
+        return ToolOutput(call_id, {"text": text}, f"tool result of {call_id} is not JSON",
+                          is_error)
+
+
+def _sse(data: dict[str, Any], event: str | None = None) -> bytes:
+    head = f"event: {event}\n".encode() if event else b""
+    return head + b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+def _json(data: str) -> dict[str, Any]:
+    try:
+        value = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+class ChatCompletions:
+    """OpenAI Chat Completions: `role: tool` messages in, `tool_calls` out, `[DONE]` ends."""
+
+    name = "openai.chat_completions"
+    traffic = "openai"
+
+    def tool_outputs(self, body: dict[str, Any]) -> list[ToolOutput]:
+        return [_output(str(m.get("tool_call_id")), m.get("content"))
+                for m in body.get("messages") or [] if isinstance(m, dict)
+                and m.get("role") == "tool" and m.get("tool_call_id")]
+
+    def known_ids(self, body: dict[str, Any]) -> list[str]:
+        ids = [str(c.get("id")) for m in body.get("messages") or [] if isinstance(m, dict)
+               for c in m.get("tool_calls") or [] if isinstance(c, dict) and c.get("id")]
+        return [f"call:{i}" for i in ids + [o.call_id for o in self.tool_outputs(body)]]
+
+    def turn(self, body: dict[str, Any]) -> Turn:
+        choices = body.get("choices") or [{}]
+        message = choices[0].get("message") or {}
+        calls = [_arguments(str(c.get("id")), (c.get("function") or {}).get("name", ""),
+                            (c.get("function") or {}).get("arguments"))
+                 for c in message.get("tool_calls") or []]
+        return Turn(body.get("id"), calls, message.get("content") if not calls else None)
+
+    def assembler(self) -> Assembler:
+        return _ChatAssembler()
+
+    def error_body(self, message: str, details: dict[str, Any]) -> dict[str, Any]:
+        return {"error": {"message": message, "type": "stepguard_violation",
+                          "param": details.get("field"), "code": details.get("drift"),
+                          "stepguard": details}}
+
+    def stream_error(self, message: str, details: dict[str, Any]) -> bytes:
+        return _sse(self.error_body(message, details))
+
+
+class _ChatAssembler:
+    def __init__(self) -> None:
+        self.response_id: str | None = None
+        self.calls: dict[int, dict[str, Any]] = {}
+        self.text: list[str] = []
+
+    def feed(self, event: ServerSentEvent) -> None:
+        chunk = _json(event.data)
+        self.response_id = self.response_id or chunk.get("id")
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                self.text.append(delta["content"])
+            for part in delta.get("tool_calls") or []:
+                call = self.calls.setdefault(part.get("index", 0),
+                                             {"id": "", "name": "", "arguments": []})
+                call["id"] = part.get("id") or call["id"]
+                function = part.get("function") or {}
+                call["name"] = function.get("name") or call["name"]
+                call["arguments"].append(function.get("arguments") or "")
+
+    def is_terminal(self, event: ServerSentEvent) -> bool:
+        return event.data.strip() == "[DONE]"
+
+    def turn(self) -> Turn:
+        calls = [_arguments(c["id"], c["name"], "".join(c["arguments"]))
+                 for _, c in sorted(self.calls.items())]
+        return Turn(self.response_id, calls, "".join(self.text) if not calls else None)
+
+
+class Responses:
+    """OpenAI Responses: `function_call_output` items in, `function_call` items out."""
+
+    name = "openai.responses"
+    traffic = "openai"
+
+    def tool_outputs(self, body: dict[str, Any]) -> list[ToolOutput]:
+        items = body.get("input")
+        return [_output(str(i.get("call_id")), i.get("output"))
+                for i in items if isinstance(i, dict) and i.get("type") == "function_call_output"
+                and i.get("call_id")] if isinstance(items, list) else []
+
+    def known_ids(self, body: dict[str, Any]) -> list[str]:
+        items = body.get("input") if isinstance(body.get("input"), list) else []
+        ids = [str(i.get("call_id")) for i in items or [] if isinstance(i, dict)
+               and i.get("type") in ("function_call", "function_call_output") and i.get("call_id")]
+        previous = body.get("previous_response_id")
+        return [f"call:{i}" for i in ids] + ([f"resp:{previous}"] if previous else [])
+
+    def turn(self, body: dict[str, Any]) -> Turn:
+        items = body.get("output") or []
+        calls = [_arguments(str(i.get("call_id")), i.get("name", ""), i.get("arguments"))
+                 for i in items if isinstance(i, dict) and i.get("type") == "function_call"]
+        text = "".join(_text(i.get("content")) for i in items
+                       if isinstance(i, dict) and i.get("type") == "message")
+        return Turn(body.get("id"), calls, text if not calls else None)
+
+    def assembler(self) -> Assembler:
+        return _ResponsesAssembler(self)
+
+    def error_body(self, message: str, details: dict[str, Any]) -> dict[str, Any]:
+        return ChatCompletions.error_body(ChatCompletions(), message, details)
+
+    def stream_error(self, message: str, details: dict[str, Any]) -> bytes:
+        body = self.error_body(message, details)
+        return _sse({"type": "error", "code": details.get("drift"), "message": message,
+                     "param": details.get("field"), **body}, "error")
+
+
+class _ResponsesAssembler:
+    def __init__(self, dialect: Responses) -> None:
+        self.dialect = dialect
+        self.response_id: str | None = None
+        self.items: list[dict[str, Any]] = []
+        self.completed: dict[str, Any] | None = None
+
+    def feed(self, event: ServerSentEvent) -> None:
+        data = _json(event.data)
+        kind = data.get("type") or event.event
+        response = data.get("response")
+        if isinstance(response, dict) and response.get("id"):
+            self.response_id = response["id"]
+        if kind == "response.output_item.done" and isinstance(data.get("item"), dict):
+            self.items.append(data["item"])
+        if kind == "response.completed" and isinstance(response, dict):
+            self.completed = response
+
+    def is_terminal(self, event: ServerSentEvent) -> bool:
+        return event.event == "response.completed" or (
+            event.event in ("", "message") and _json(event.data).get("type") == "response.completed")
+
+    def turn(self) -> Turn:
+        if self.completed and self.completed.get("output"):
+            return self.dialect.turn(self.completed)
+        return self.dialect.turn({"id": self.response_id, "output": self.items})
+
+
+class Messages:
+    """Anthropic Messages: `tool_result` blocks in, `tool_use` blocks out, `message_stop` ends."""
+
+    name = "anthropic.messages"
+    traffic = "anthropic"
+
+    def _blocks(self, body: dict[str, Any], kind: str) -> list[dict[str, Any]]:
+        return [b for m in body.get("messages") or [] if isinstance(m, dict)
+                and isinstance(m.get("content"), list)
+                for b in m["content"] if isinstance(b, dict) and b.get("type") == kind]
+
+    def tool_outputs(self, body: dict[str, Any]) -> list[ToolOutput]:
+        return [_output(str(b.get("tool_use_id")), b.get("content"), bool(b.get("is_error")))
+                for b in self._blocks(body, "tool_result") if b.get("tool_use_id")]
+
+    def known_ids(self, body: dict[str, Any]) -> list[str]:
+        ids = [str(b.get("id")) for b in self._blocks(body, "tool_use") if b.get("id")]
+        return [f"call:{i}" for i in ids + [o.call_id for o in self.tool_outputs(body)]]
+
+    def turn(self, body: dict[str, Any]) -> Turn:
+        blocks = [b for b in body.get("content") or [] if isinstance(b, dict)]
+        calls = [_arguments(str(b.get("id")), b.get("name", ""), b.get("input"))
+                 for b in blocks if b.get("type") == "tool_use"]
+        text = "".join(b.get("text", "") for b in blocks if b.get("type") == "text")
+        return Turn(body.get("id"), calls, text if not calls else None)
+
+    def assembler(self) -> Assembler:
+        return _MessagesAssembler()
+
+    def error_body(self, message: str, details: dict[str, Any]) -> dict[str, Any]:
+        return {"type": "error", "error": {"type": "invalid_request_error", "message": message,
+                                           "stepguard": details}}
+
+    def stream_error(self, message: str, details: dict[str, Any]) -> bytes:
+        return _sse(self.error_body(message, details), "error")
+
+
+class _MessagesAssembler:
+    def __init__(self) -> None:
+        self.message_id: str | None = None
+        self.blocks: dict[int, dict[str, Any]] = {}
+
+    def feed(self, event: ServerSentEvent) -> None:
+        data = _json(event.data)
+        kind = data.get("type") or event.event
+        if kind == "message_start":
+            self.message_id = (data.get("message") or {}).get("id")
+        elif kind == "content_block_start":
+            block = dict(data.get("content_block") or {})
+            block["_json"] = []
+            self.blocks[data.get("index", len(self.blocks))] = block
+        elif kind == "content_block_delta":
+            block = self.blocks.setdefault(data.get("index", 0), {"type": "text", "_json": []})
+            delta = data.get("delta") or {}
+            if delta.get("type") == "input_json_delta":
+                block["_json"].append(delta.get("partial_json", ""))
+            elif delta.get("type") == "text_delta":
+                block["text"] = block.get("text", "") + delta.get("text", "")
+
+    def is_terminal(self, event: ServerSentEvent) -> bool:
+        return event.event == "message_stop"
+
+    def turn(self) -> Turn:
+        calls, text = [], []
+        for _, block in sorted(self.blocks.items()):
+            if block.get("type") == "tool_use":
+                raw = "".join(block["_json"])
+                calls.append(_arguments(block.get("id", ""), block.get("name", ""),
+                                        raw if raw else block.get("input") or {}))
+            elif block.get("type") == "text":
+                text.append(block.get("text", ""))
+        return Turn(self.message_id, calls, "".join(text) if not calls else None)
+
+
+_DIALECTS: dict[tuple[str, str], Dialect] = {
+    ("openai", "/chat/completions"): ChatCompletions(),
+    ("openai", "/responses"): Responses(),
+    ("anthropic", "/messages"): Messages(),
+}
+
+
+def dialect_for(kind: str, path: str) -> Dialect | None:
+    for (k, suffix), dialect in _DIALECTS.items():
+        if k == kind and path.rstrip("/").endswith(suffix):
+            return dialect
+    return None
