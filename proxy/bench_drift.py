@@ -17,8 +17,10 @@ from typing import Any
 
 import aiohttp
 
+from stepguard.contracts.loader import load_contract
 from stepguard.contracts.model import Contract
 from stepguard.examples.order_confirmation import agent as agent_mod
+from stepguard.examples.order_confirmation import fake_model
 from stepguard.examples.order_confirmation import tools as tools_mod
 from stepguard.proxy.app import build, create_app
 from stepguard.proxy.config import Settings
@@ -31,38 +33,80 @@ LABELS = {"shape": "Changed output shape", "freshness": "Stale input", "order": 
           "tool_error": "Tool error", "false_completion": "False completion"}
 
 
-def example_contract_path() -> Path:
-    ref = resources.files("stepguard.examples.order_confirmation").joinpath("contract.yaml")
+def example_contract_path(name: str = "contract.yaml") -> Path:
+    ref = resources.files("stepguard.examples.order_confirmation").joinpath(name)
     return Path(str(ref))
 
 
 @dataclass
 class Observed:
-    run: agent_mod.AgentRun
+    """One agent run as stepguard saw it (history, run status) and as the agent saw it."""
+
+    run_id: str | None
+    stopped_by_stepguard: bool      # the agent got an error that stepguard produced
+    agent_saw_failure: bool         # ... or any failure at all: what a rolling context notices
+    completed: bool
     history: list[dict[str, Any]]
     status: str | None
 
 
-async def _drive(contract: Contract, passthrough: bool, runs: int, controls: int,
-                 store_dir: Path) -> dict[str, list[Observed]]:
-    settings = Settings(store=str(store_dir / ("baseline.db" if passthrough else "contract.db")),
-                        passthrough=passthrough)
-    sg = build(settings, [contract])
+Plan = list[tuple[str, str | None, int]]
+
+
+def _plan(runs: int, controls: int) -> Plan:
+    plan: Plan = [(cls, injector, i) for cls, injector in CLASSES for i in range(runs)]
+    return plan + [("control", None, i) for i in range(controls)]
+
+
+async def _observe(sg: Any, run_id: str | None) -> tuple[list[dict[str, Any]], str | None]:
+    if run_id is None:
+        return [], None
+    envelope = await sg.store.load(run_id)
+    return await sg.store.history(run_id), envelope.status if envelope else None
+
+
+async def _drive_http(contract: Contract, passthrough: bool, plan: Plan,
+                      store: Path) -> list[Observed]:
+    sg = build(Settings(store=str(store), passthrough=passthrough), [contract])
     mount = contract.upstreams["tools"].mount
     async with running(create_app(sg)) as proxy_url, aiohttp.ClientSession() as session:
-        plan: list[tuple[str, str | None, int]] = [
-            (cls, injector, i) for cls, injector in CLASSES for i in range(runs)]
-        plan += [("control", None, i) for i in range(controls)]
-        agents = [agent_mod.run_agent(session, proxy_url + mount, f"{cls}-{i}", 100 + n,
-                                      injector)
-                  for n, (cls, injector, i) in enumerate(plan)]
-        finished = await asyncio.gather(*agents)
-        observed: dict[str, list[Observed]] = {}
-        for (cls, _, _), run in zip(plan, finished, strict=True):
-            envelope = await sg.store.load(run.run_id)
-            observed.setdefault(cls, []).append(
-                Observed(run, await sg.store.history(run.run_id),
-                         envelope.status if envelope else None))
+        finished = await asyncio.gather(*(
+            agent_mod.run_agent(session, proxy_url + mount, f"{cls}-{i}", 100 + n, injector)
+            for n, (cls, injector, i) in enumerate(plan)))
+        observed = []
+        for run in finished:
+            stop = run.stopped_at
+            history, status = await _observe(sg, run.run_id)
+            observed.append(Observed(run.run_id, stop is not None and "problem+json" in stop.content_type,
+                                     stop is not None, run.completed, history, status))
+    return observed
+
+
+async def _drive_model(contract: Contract, passthrough: bool, plan: Plan,
+                       store: Path) -> list[Observed]:
+    import openai  # the model benchmark's agent is the real SDK: `pip install stepguard[bench]`
+
+    from stepguard.examples.order_confirmation import model_agent
+
+    model = fake_model.FakeModel()
+    for n, (cls, injector, i) in enumerate(plan):
+        model.script(f"{cls}-{i}", model_agent.script_for(100 + n, injector))
+    async with fake_model.serve(model) as model_url:
+        contract = _repointed(contract, {"model": model_url})
+        sg = build(Settings(store=str(store), passthrough=passthrough), [contract])
+        mount = contract.upstreams["model"].mount
+        async with running(create_app(sg)) as proxy_url, openai.AsyncOpenAI(
+                base_url=f"{proxy_url}{mount}/v1", api_key="bench", max_retries=0) as client:
+            finished = await asyncio.gather(*(
+                model_agent.run_model_agent(client, f"{cls}-{i}", 100 + n, injector)
+                for n, (cls, injector, i) in enumerate(plan)))
+            observed = []
+            for run in finished:
+                stop = run.stopped_at
+                history, status = await _observe(sg, run.run_id)
+                observed.append(Observed(run.run_id, stop is not None and stop.from_stepguard,
+                                         stop is not None or bool(run.tool_errors),
+                                         run.completed, history, status))
     return observed
 
 
@@ -71,10 +115,9 @@ def _first_violation(obs: Observed) -> dict[str, Any] | None:
 
 
 def _contract_detected(obs: Observed, cls: str) -> bool:
-    stop = obs.run.stopped_at
     first = _first_violation(obs)
-    return (first is not None and first["violation"]["drift"] == cls and stop is not None
-            and "problem+json" in stop.content_type and obs.status in ("halted", "escalated"))
+    return (first is not None and first["violation"]["drift"] == cls and obs.stopped_by_stepguard
+            and obs.status in ("halted", "escalated"))
 
 
 def _actions(obs: Observed) -> str:
@@ -85,38 +128,51 @@ def _actions(obs: Observed) -> str:
     return " then ".join(actions)
 
 
-def summarize(contract: Contract, enforced: dict[str, list[Observed]],
-              baseline: dict[str, list[Observed]]) -> dict[str, Any]:
+def summarize(contract: Contract, plan: Plan, enforced: list[Observed],
+              baseline: list[Observed]) -> dict[str, Any]:
+    by_class: dict[str, list[tuple[Observed, Observed]]] = {}
+    for (cls, _, _), enf, base in zip(plan, enforced, baseline, strict=True):
+        by_class.setdefault(cls, []).append((enf, base))
     classes: dict[str, Any] = {}
     for cls, _ in CLASSES:
-        runs = enforced[cls]
-        detected = [o for o in runs if _contract_detected(o, cls)]
+        pairs = by_class.get(cls, [])
+        detected = [e for e, _ in pairs if _contract_detected(e, cls)]
         stops = sorted({contract.steps[_first_violation(o)["step"]].index  # type: ignore[index]
                         for o in detected})
-        actions = sorted({_actions(o) for o in detected})
         classes[cls] = {
-            "runs": len(runs),
-            "baseline_detected": sum(o.run.stopped_at is not None for o in baseline[cls]),
+            "runs": len(pairs),
+            "baseline_detected": sum(b.agent_saw_failure for _, b in pairs),
             "contract_detected": len(detected),
             "first_stop_step": stops[0] if len(stops) == 1 else stops or None,
-            "action": " | ".join(actions),
+            "action": " | ".join(sorted({_actions(o) for o in detected})),
         }
-    controls = enforced["control"]
-    clean = [o for o in controls if o.run.completed and o.status == "completed"
-             and _first_violation(o) is None]
-    base_clean = [o for o in baseline["control"] if o.run.completed]
+    controls = by_class.get("control", [])
+    clean = [e for e, _ in controls if e.completed and e.status == "completed"
+             and _first_violation(e) is None]
     return {"classes": classes,
             "control": {"runs": len(controls), "passed": len(clean),
-                        "baseline_passed": len(base_clean)}}
+                        "baseline_passed": sum(b.completed for _, b in controls)}}
 
 
-async def run_bench(runs: int = 5, controls: int = 10) -> dict[str, Any]:
-    async with running(tools_mod.create_app()) as tools_url:
-        contract = contract_with_upstreams(example_contract_path(), {"tools": tools_url})
-        with tempfile.TemporaryDirectory(prefix="stepguard-bench-") as tmp:
-            enforced = await _drive(contract, False, runs, controls, Path(tmp))
-            baseline = await _drive(contract, True, runs, controls, Path(tmp))
-    return summarize(contract, enforced, baseline)
+def _repointed(contract: Contract, urls: dict[str, str]) -> Contract:
+    return contract_with_upstreams(contract.source, urls)
+
+
+async def run_bench(runs: int = 5, controls: int = 10, traffic: str = "http") -> dict[str, Any]:
+    plan = _plan(runs, controls)
+    with tempfile.TemporaryDirectory(prefix="stepguard-bench-") as tmp:
+        if traffic == "model":
+            contract = load_contract(example_contract_path("contract.model.yaml"))
+            enforced = await _drive_model(contract, False, plan, Path(tmp) / "contract.db")
+            baseline = await _drive_model(contract, True, plan, Path(tmp) / "baseline.db")
+        else:
+            async with running(tools_mod.create_app()) as tools_url:
+                contract = contract_with_upstreams(example_contract_path(), {"tools": tools_url})
+                enforced = await _drive_http(contract, False, plan, Path(tmp) / "contract.db")
+                baseline = await _drive_http(contract, True, plan, Path(tmp) / "baseline.db")
+    result = summarize(contract, plan, enforced, baseline)
+    result["traffic"] = traffic
+    return result
 
 
 def render_table(result: dict[str, Any]) -> str:

@@ -73,6 +73,9 @@ def _parser() -> argparse.ArgumentParser:
     drift = bench_sub.add_parser("drift", help="the drift table of the source article")
     drift.add_argument("--runs", type=int, default=5, help="injected runs per drift class")
     drift.add_argument("--controls", type=int, default=10, help="clean control runs")
+    drift.add_argument("--traffic", choices=["http", "model"], default="http",
+                       help="http: the agent calls its tools over HTTP through stepguard; model: "
+                            "tools run in-process and only model traffic crosses stepguard")
     drift.add_argument("--json", action="store_true")
     drift.set_defaults(func=_bench_drift)
 
@@ -218,7 +221,7 @@ def _bench_drift(args: argparse.Namespace) -> int:
     from stepguard.proxy.bench_drift import render_table, run_bench
 
     configure("json", "critical")
-    result = asyncio.run(run_bench(args.runs, args.controls))
+    result = asyncio.run(run_bench(args.runs, args.controls, args.traffic))
     print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode() if args.json
           else render_table(result))
     return 0

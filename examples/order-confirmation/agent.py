@@ -28,7 +28,7 @@ class Call:
 
 @dataclass
 class AgentRun:
-    run_id: str
+    run_id: str | None
     drift: str | None
     calls: list[Call] = field(default_factory=list)
     completed: bool = False

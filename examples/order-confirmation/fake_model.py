@@ -156,7 +156,7 @@ class FakeModel:
         self.fragments = fragments
         self.chunk_delay = chunk_delay
         self.requests: list[RecordedRequest] = []
-        self.request_headers: list[dict[str, str]] = []
+        self.request_headers: list[dict[str, str]] = []  # lower-cased names, parallel to `requests`
         self._lock = threading.Lock()
         self._default = Script(turns)
         self._scripts: dict[str, Script] = {}
@@ -185,7 +185,7 @@ class FakeModel:
     def record(self, path: str, body: JSONObject, headers: Mapping[str, str]) -> None:
         with self._lock:
             self.requests.append(RecordedRequest(path, body))
-            self.request_headers.append(dict(headers))
+            self.request_headers.append({k.lower(): v for k, v in headers.items()})
 
     def bodies(self, path: str) -> list[JSONObject]:
         """The recorded bodies sent to `path`, oldest first."""

@@ -92,7 +92,8 @@ def create_server() -> MCPServer:
     @server.tool(description="Look up an order by id.")
     async def lookup_order(order_id: str, ctx: Context[Any, Any]) -> CallToolResult:
         await _started(ctx, "lookup_order")
-        order: dict[str, Any] = {"order_id": order_id, "items": [{"sku": "tbl-4", "qty": 1}], "status": "open"}
+        order: dict[str, Any] = {"order_id": order_id, "items": [{"sku": "tbl-4", "qty": 1}],
+                                 "status": "open"}
         customer_key = "customer_name" if _drift(ctx) == "shape" else "customer"
         order[customer_key] = "Ada Lovelace"
         return _result(order)

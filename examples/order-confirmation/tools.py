@@ -27,34 +27,49 @@ async def _body(request: web.Request) -> dict[str, Any]:
     return data
 
 
-async def lookup_order(request: web.Request) -> web.Response:
-    order_id = (await _body(request)).get("order_id", "")
+def lookup_order_result(order_id: str, drift: str = "") -> dict[str, Any]:
     order: dict[str, Any] = {"order_id": order_id, "items": [{"sku": "tbl-4", "qty": 1}],
                              "status": "open"}
-    customer_key = "customer_name" if _drift(request) == "shape" else "customer"
-    order[customer_key] = "Ada Lovelace"
-    return web.json_response(order)
+    order["customer_name" if drift == "shape" else "customer"] = "Ada Lovelace"
+    return order
+
+
+def check_policy_result(order_id: str, drift: str = "") -> dict[str, Any]:
+    return {"order_id": order_id, "policy_version": "p3", "approved": True}
+
+
+def reserve_slot_result(order_id: str, drift: str = "", slot_id: str | None = None) -> dict[str, Any]:
+    if drift == "tool_error":
+        return {"error": "inventory service timed out"}
+    return {"order_id": order_id, "slot_id": slot_id or f"slot-{next(_counter)}",
+            "status": "reserved"}
+
+
+def confirm_result(order_id: str, drift: str = "", confirmation_id: str | None = None) -> dict[str, Any]:
+    if drift == "false_completion":
+        return {"done": True, "order_id": order_id}
+    return {"done": True, "order_id": order_id,
+            "confirmation_id": confirmation_id or f"conf-{next(_counter)}"}
+
+
+async def lookup_order(request: web.Request) -> web.Response:
+    body = await _body(request)
+    return web.json_response(lookup_order_result(body.get("order_id", ""), _drift(request)))
 
 
 async def check_policy(request: web.Request) -> web.Response:
-    order_id = (await _body(request)).get("order_id", "")
-    return web.json_response({"order_id": order_id, "policy_version": "p3", "approved": True})
+    body = await _body(request)
+    return web.json_response(check_policy_result(body.get("order_id", ""), _drift(request)))
 
 
 async def reserve_slot(request: web.Request) -> web.Response:
-    order_id = (await _body(request)).get("order_id", "")
-    if _drift(request) == "tool_error":
-        return web.json_response({"error": "inventory service timed out"}, status=503)
-    return web.json_response({"order_id": order_id, "slot_id": f"slot-{next(_counter)}",
-                              "status": "reserved"})
+    result = reserve_slot_result((await _body(request)).get("order_id", ""), _drift(request))
+    return web.json_response(result, status=503 if "error" in result else 200)
 
 
 async def confirm(request: web.Request) -> web.Response:
     body = await _body(request)
-    if _drift(request) == "false_completion":
-        return web.json_response({"done": True, "order_id": body.get("order_id")})
-    return web.json_response({"done": True, "order_id": body.get("order_id"),
-                              "confirmation_id": f"conf-{next(_counter)}"})
+    return web.json_response(confirm_result(body.get("order_id", ""), _drift(request)))
 
 
 def create_app() -> web.Application:
