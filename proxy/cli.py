@@ -92,6 +92,21 @@ def _parser() -> argparse.ArgumentParser:
     tail.add_argument("--color", choices=["auto", "always", "never"], default="auto")
     tail.set_defaults(func=_tail)
 
+    proxy_bench = bench_sub.add_parser(
+        "proxy", help="stepguard beside a direct connection and nginx, same upstreams, same run")
+    proxy_bench.add_argument("--concurrency", type=int, default=32,
+                             help="connections for the throughput phase (wrk)")
+    proxy_bench.add_argument("--duration", type=float, default=4.0,
+                             help="seconds of each throughput phase")
+    proxy_bench.add_argument("--rate", type=float, default=200.0,
+                             help="offered requests per second for the latency phase")
+    proxy_bench.add_argument("--rate-duration", type=float, default=4.0,
+                             help="seconds of each latency phase")
+    proxy_bench.add_argument("--rows", default="direct,nginx,passthrough,contract,model,model_stream",
+                             help="comma-separated rows to run")
+    proxy_bench.add_argument("--json", action="store_true")
+    proxy_bench.set_defaults(func=_bench_proxy)
+
     demo = sub.add_parser("demo", help="fake tools, stepguard in front, one clean and one "
                                        "drifting agent run")
     demo.add_argument("--store", default="stepguard-demo.db")
@@ -233,6 +248,17 @@ def _tail(args: argparse.Namespace) -> int:
     options = TailOptions(run=args.run, step=args.step, violations=args.violations,
                           since=args.since, follow=args.follow, color=args.color)
     return tail(args.file, options, sys.stdout)
+
+
+def _bench_proxy(args: argparse.Namespace) -> int:
+    from stepguard.proxy.bench_proxy import BenchOptions, render, run
+
+    options = BenchOptions(concurrency=args.concurrency, duration_s=args.duration,
+                           rate=args.rate, rate_duration_s=args.rate_duration,
+                           rows=[r for r in args.rows.split(",") if r])
+    result = run(options)
+    print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode() if args.json else render(result))
+    return 0
 
 
 def _demo(args: argparse.Namespace) -> int:
