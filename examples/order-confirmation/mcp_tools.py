@@ -40,6 +40,7 @@ from typing import Any
 import uvicorn
 from mcp.server import MCPServer
 from mcp.server.mcpserver import Context
+from mcp.server.streamable_http_manager import DEFAULT_SESSION_IDLE_TIMEOUT
 from mcp.types import CallToolResult, TextContent
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -86,7 +87,7 @@ def create_server() -> MCPServer:
     """The MCP server with the four order-confirmation tools (slot and confirmation ids count per server)."""
     counter = itertools.count(1)
     with _root_logging_untouched():
-        server: MCPServer = MCPServer(SERVER_NAME, version="0.1.0", log_level="WARNING",
+        server: MCPServer = MCPServer(SERVER_NAME, version="0.1.0",
                                       instructions="Fake order-confirmation tools with drift injectors.")
 
     @server.tool(description="Look up an order by id.")
@@ -121,7 +122,8 @@ def create_server() -> MCPServer:
 
 
 def create_app(*, stateless: bool = True, json_response: bool = False, path: str = MCP_PATH,
-               host: str = "127.0.0.1", session_idle_timeout: float | None = 600.0) -> Starlette:
+               host: str = "127.0.0.1",
+               session_idle_timeout: float | None = DEFAULT_SESSION_IDLE_TIMEOUT) -> Starlette:
     """The streamable HTTP app, served at `path`; a fresh server and session manager on each call.
 
     `stateless` concerns handshake-era clients only (no `Mcp-Session-Id` when True); 2026-07-28
