@@ -36,9 +36,10 @@ class Envelope:
                                                             "input": event.get("input")}}
         elif call_id and event.get("boundary") == "exit" and call_id in self.pending:
             changes["pending"] = {k: v for k, v in self.pending.items() if k != call_id}
-        if action == COMPLETE:
+        stopped = self.status in ("halted", "escalated")   # nothing advances a stopped run
+        if action == COMPLETE and not stopped:
             changes["status"] = "completed"
-        elif action == ADVANCE and event.get("boundary") == "exit":
+        elif action == ADVANCE and event.get("boundary") == "exit" and not stopped:
             changes["verified"] = {**self.verified, event["step"]: event["ts"]}
             if event.get("recorded"):
                 changes["state"] = {**self.state, **event["recorded"]}

@@ -123,7 +123,7 @@ class _Compiler:
             version=str(doc["contract_version"]),
             mode=doc.get("mode", "enforce"),
             unmatched=doc.get("unmatched", "pass"),
-            run_keys=tuple(run.get("key", ["header:x-stepguard-run", "traceparent"])),
+            run_keys=tuple(run.get("key", ["header:x-stepguard-run", "traceparent", "mcp-session"])),
             implicit_run=run.get("implicit", False),
             upstreams=upstreams,
             steps=steps,

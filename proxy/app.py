@@ -23,6 +23,7 @@ from stepguard.proxy.dispatch import Adapter, Dispatcher
 from stepguard.proxy.escalation import Escalator
 from stepguard.proxy.forward import Forwarder
 from stepguard.proxy.http_adapter import HttpToolAdapter
+from stepguard.proxy.mcp_adapter import McpAdapter
 from stepguard.proxy.model_adapter import ModelAdapter
 from stepguard.proxy.routing import Router
 
@@ -50,6 +51,8 @@ class Stepguard:
         for kind in ("openai", "anthropic"):
             adapters[kind] = ModelAdapter(kind, self.runs, self.forwarder, self.settings,
                                           self.observer, self.boundaries, http)
+        adapters["mcp"] = McpAdapter(self.runs, self.forwarder, self.settings, self.observer,
+                                     self.boundaries, http)
         self.dispatcher = Dispatcher(Router(self.contracts), adapters, self.observer,
                                      self.settings.max_request_bytes)
 
@@ -78,7 +81,8 @@ def build(settings: Settings, contracts: list[Contract], store: Store | None = N
 
 
 def create_app(sg: Stepguard, manage: bool = True) -> web.Application:
-    app = web.Application()
+    # bodies are forwarded as sent; stepguard decodes a copy only to check it (bodies.decode)
+    app = web.Application(handler_args={"auto_decompress": False})
     app[STEPGUARD] = sg
     if manage:
         app.cleanup_ctx.append(_lifecycle)

@@ -79,10 +79,12 @@ class Boundaries:
         return Settled(action, decision_id, event, after)
 
     async def refuse(self, contract: Contract, run_id: str, envelope: Envelope, step: str,
-                     *, timing: Timing, traffic: str,
+                     *, timing: Timing, traffic: str, boundary: str = "entry",
                      extra: dict[str, Any] | None = None) -> Settled:
+        """Record that a call of a stopped run was refused (at entry, or at exit when the run
+        was halted while the call was at the upstream)."""
         decision_id = uuid.uuid4().hex[:16]
-        fields = {"step": step, "boundary": "entry", "verdict": "refused", "action": REFUSE,
+        fields = {"step": step, "boundary": boundary, "verdict": "refused", "action": REFUSE,
                   "decision_id": decision_id, "halted_by": (envelope.halt or {}).get("seq"),
                   **(extra or {})}
         after, event = await self.runs.commit(envelope, fields)

@@ -20,10 +20,17 @@ def trace_id(traceparent: str | None) -> str | None:
     return m.group(1)
 
 
-def run_id_for(contract: Contract, headers: Mapping[str, str], implicit: bool = True) -> str | None:
+def run_id_for(contract: Contract, headers: Mapping[str, str], implicit: bool = True,
+               traceparent: str | None = None) -> str | None:
+    """The run a call belongs to, by the contract's key sources in order: `header:NAME`,
+    `traceparent` (the trace id; `traceparent` given here, e.g. from MCP `params._meta`, before the
+    header), `mcp-session` (the `Mcp-Session-Id` header)."""
     for source in contract.run_keys:
         if source == "traceparent":
-            found = trace_id(headers.get("traceparent"))
+            found = trace_id(traceparent) or trace_id(headers.get("traceparent"))
+        elif source == "mcp-session":
+            found = headers.get("mcp-session-id", "").strip() or None
+            found = found if found and _RUN_ID.match(found) else None
         else:
             found = headers.get(source.removeprefix("header:"), "").strip() or None
             if found and not _RUN_ID.match(found):
@@ -38,5 +45,5 @@ def implicit_run_id(contract: Contract) -> str | None:
 
 
 def describe_keys(contract: Contract) -> str:
-    return " or ".join(k.removeprefix("header:") + (" header" if k.startswith("header:") else "")
-                       for k in contract.run_keys)
+    names = {"traceparent": "a W3C traceparent", "mcp-session": "an Mcp-Session-Id"}
+    return " or ".join(names.get(k, k.removeprefix("header:") + " header") for k in contract.run_keys)

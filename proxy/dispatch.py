@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
+import aiohttp
+import aiohttp.http_exceptions
 from aiohttp import web
 
 from stepguard.metrics.observer import Observer
@@ -33,7 +35,7 @@ class Dispatcher:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         timing = Timing(time.perf_counter())
-        route = self.router.resolve(request.path)
+        route = self.router.resolve(request.path, request.rel_url.raw_path)
         if route is None:
             response: web.StreamResponse = problem(
                 404, "No upstream", f"no upstream is mounted at {request.path!r}; "
@@ -47,6 +49,12 @@ class Dispatcher:
             except BodyTooLarge as exc:
                 response = adapter.error(route, 413, "Request too large",
                                          f"request body exceeds {exc.limit} bytes")
+            except aiohttp.web.HTTPException:
+                raise
+            except (aiohttp.ClientPayloadError, aiohttp.http_exceptions.HttpProcessingError,
+                    ValueError) as exc:
+                response = adapter.error(route, 400, "Unreadable request body",
+                                         f"the request body could not be read: {exc}")
             else:
                 response = await adapter.handle(request, route, body, timing)
         if not response.prepared:

@@ -128,10 +128,13 @@ class Forwarder:
 
     async def stream(self, request: web.Request, method: str, url: str,
                      headers: CIMultiDict[str], body: bytes, timeout_s: float,
-                     timing: Timing) -> web.StreamResponse:
+                     timing: Timing, read_timeout_s: float | None = -1.0) -> web.StreamResponse:
         """Pass a call through without buffering the response (used for unchecked calls).
-        Errors before the response starts raise UpstreamError; after it, the connection is cut."""
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=timeout_s)
+        Errors before the response starts raise UpstreamError; after it, the connection is cut.
+        `read_timeout_s` bounds the silence between chunks (default `timeout_s`; None: none,
+        for long-lived event streams)."""
+        sock_read = timeout_s if read_timeout_s == -1.0 else read_timeout_s
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=sock_read)
         limit = self.max_response_bytes
         since = time.perf_counter()
         try:

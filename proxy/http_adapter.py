@@ -94,11 +94,12 @@ class HttpToolAdapter:
         return await self.forward_unchecked(request, route, headers, body, timing)
 
     async def forward_unchecked(self, request: web.Request, route: Route,
-                                headers: CIMultiDict[str], body: bytes,
-                                timing: Timing) -> web.StreamResponse:
+                                headers: CIMultiDict[str], body: bytes, timing: Timing,
+                                read_timeout_s: float | None = -1.0) -> web.StreamResponse:
         try:
             return await self.forwarder.stream(request, request.method, upstream_url(route, request),
-                                               headers, body, route.upstream.timeout_s, timing)
+                                               headers, body, route.upstream.timeout_s, timing,
+                                               read_timeout_s)
         except UpstreamError as exc:
             return problem(504 if exc.kind == "timeout" else 502, "Upstream failed", exc.detail,
                            upstream=route.upstream.name)
@@ -109,7 +110,8 @@ class HttpToolAdapter:
         try:
             call.input = request_input(call.request.method, dict(call.request.query), call.body,
                                        call.request.content_type if call.body else "",
-                                       call.request.headers.get("content-encoding"))
+                                       call.request.headers.get("content-encoding"),
+                                       self.settings.max_request_bytes)
         except BodyError as exc:
             parse_error = exc
         call.safe_to_retry = (step.idempotent or step.idempotency_key
@@ -153,9 +155,11 @@ class HttpToolAdapter:
             self.observer.upstream(call.route.upstream.name, contract.workflow,
                                    up.status if up else None, waited)
             if up is not None:
-                result = tool_result(up)
+                result = tool_result(up, self.settings.max_response_bytes)
             async with self.runs.locked(call.run_id):
                 envelope = await self.runs.envelope(contract, call.run_id)
+                if envelope.status in ("halted", "escalated"):   # halted while this call ran
+                    return await self._refuse(call, envelope, "exit")
                 decision = check_exit(contract, step, envelope, call.input, result)
                 settled = await self._settle(call, envelope, decision, attempt, result, up)
             if settled.action == RETRY:
@@ -193,11 +197,11 @@ class HttpToolAdapter:
                                  action=settled.action, decision_id=settled.decision_id,
                                  status=status)
 
-    async def _refuse(self, call: Call, envelope: Envelope) -> web.Response:
-        await self.boundaries.refuse(call.contract, call.run_id, envelope, call.step.name,
-                                     timing=call.timing, traffic=TRAFFIC)
+    async def _refuse(self, call: Call, envelope: Envelope, boundary: str = "entry") -> web.Response:
+        settled = await self.boundaries.refuse(call.contract, call.run_id, envelope, call.step.name,
+                                               timing=call.timing, traffic=TRAFFIC, boundary=boundary)
         return halted_problem(call.run_id, call.contract.workflow, envelope.status,
-                              envelope.halt or {})
+                              envelope.halt or {}, call.step.name, boundary, settled.decision_id)
 
     async def _store_failed(self, call: Call, exc: StoreError) -> web.StreamResponse:
         self.observer.store_error("append", str(exc), run_id=call.run_id,
@@ -206,7 +210,7 @@ class HttpToolAdapter:
             return problem(503, "Store unavailable",
                            f"run {call.run_id!r}, step {call.step.name!r}: the event could not "
                            f"be stored ({exc}); the call was not forwarded (fail closed)",
-                           run=call.run_id, step=call.step.name)
+                           retry=True, run=call.run_id, step=call.step.name)
         self.observer.fail_open(call.contract, call.step.name, call.run_id)
         return await self.forward_unchecked(call.request, call.route, call.headers, call.body,
                                             call.timing)
@@ -224,17 +228,17 @@ async def _with_conflict_retries(call: Call, entry: Any, *args: Any) -> web.Stre
     raise StoreError(f"run {call.run_id!r}: lost the race for the run {CONFLICT_RETRIES} times")
 
 
-def tool_result(up: Upstreamed) -> ToolResult:
+def tool_result(up: Upstreamed, limit: int) -> ToolResult:
     if not 200 <= up.status < 300:
         return ToolResult(up.status)
     try:
         output = response_output(up.body, up.headers.get("content-type", ""),
-                                 up.headers.get("content-encoding"))
+                                 up.headers.get("content-encoding"), limit)
     except BodyError as exc:
-        return ToolResult(up.status, error=exc.detail, error_kind="parse")
+        return ToolResult(up.status, error=exc.detail, error_kind="cap" if exc.status == 413 else "parse")
     return ToolResult(up.status, output)
 
 
 def upstream_url(route: Route, request: web.Request) -> str:
-    query = request.query_string
-    return f"{route.upstream.url}{route.path}" + (f"?{query}" if query else "")
+    query = request.rel_url.raw_query_string
+    return f"{route.upstream.url}{route.raw_path}" + (f"?{query}" if query else "")

@@ -17,12 +17,15 @@ def status_for(violation: Violation) -> int:
     return _STATUS.get(violation.check, 422)
 
 
-def problem(status: int, title: str, detail: str, **members: Any) -> web.Response:
+def problem(status: int, title: str, detail: str, retry: bool = False,
+            **members: Any) -> web.Response:
+    """A problem+json answer. `x-should-retry` tells SDK-style clients whether to try again:
+    never for a verdict; yes for a transient failure of stepguard itself (store unavailable)."""
     body = {"type": f"urn:stepguard:problem:{title.lower().replace(' ', '-')}", "title": title,
             "status": status, "detail": detail,
             **{k: v for k, v in members.items() if v is not None}}
     return web.Response(status=status, body=orjson.dumps(body), content_type=PROBLEM_TYPE,
-                        headers={"x-should-retry": "false"})
+                        headers={"x-should-retry": "true" if retry else "false"})
 
 
 def violation_problem(violation: Violation, *, run_id: str, workflow: str, version: str,
@@ -39,12 +42,17 @@ def violation_problem(violation: Violation, *, run_id: str, workflow: str, versi
         schema_path=violation.schema_path, action=action, decision_id=decision_id)
 
 
-def halted_problem(run_id: str, workflow: str, status: str, halt: dict[str, Any]) -> web.Response:
+def halted_problem(run_id: str, workflow: str, status: str, halt: dict[str, Any], step: str,
+                   boundary: str, decision_id: str) -> web.Response:
+    """A call of a stopped run, refused with the reason that stopped it (`halted_by`, and the
+    original step, check and drift at the top level)."""
     violation = halt.get("violation") or {}
     return problem(
         409, "Run halted",
         f"run {run_id!r} is {status}: step {halt.get('step')!r} failed "
-        f"{violation.get('check')} ({violation.get('drift')}): {violation.get('detail')}",
+        f"{violation.get('check')} ({violation.get('drift')}): {violation.get('detail')}; "
+        f"call of step {step!r} refused",
         run=run_id, workflow=workflow, run_status=status, halted_by=halt,
         step=halt.get("step"), check=violation.get("check"), drift=violation.get("drift"),
-        decision_id=halt.get("decision_id"))
+        refused_step=step, boundary=boundary, action="refuse",
+        detection_point=f"{step}.{boundary}.run_status", decision_id=decision_id)

@@ -12,7 +12,8 @@ from stepguard.contracts.model import Contract, Upstream
 class Route:
     contract: Contract
     upstream: Upstream
-    path: str          # the path at the upstream, mount removed
+    path: str          # the path at the upstream, mount removed (decoded: steps match on it)
+    raw_path: str      # the same, still percent-encoded as the client sent it: what is forwarded
 
 
 class Router:
@@ -21,12 +22,14 @@ class Router:
         mounts = [(u.mount, c, u) for c in contracts for u in c.upstreams.values()]
         self._mounts = sorted(mounts, key=lambda m: len(m[0]), reverse=True)
 
-    def resolve(self, path: str) -> Route | None:
+    def resolve(self, path: str, raw_path: str | None = None) -> Route | None:
+        raw = raw_path if raw_path is not None else path
         for mount, contract, upstream in self._mounts:
             if mount == "/":
-                return Route(contract, upstream, path)
+                return Route(contract, upstream, path, raw)
             if path == mount or path.startswith(mount + "/"):
-                return Route(contract, upstream, path[len(mount):] or "/")
+                raw_rest = raw[len(mount):] if raw.startswith(mount) else raw
+                return Route(contract, upstream, path[len(mount):] or "/", raw_rest or "/")
         return None
 
     def mounts(self) -> list[str]:

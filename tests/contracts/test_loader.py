@@ -79,7 +79,7 @@ def test_optional_top_level_settings_take_their_documented_defaults(make_contrac
     contract = make_contract()
     assert contract.mode == "enforce"
     assert contract.unmatched == "pass"
-    assert contract.run_keys == ("header:x-stepguard-run", "traceparent")
+    assert contract.run_keys == ("header:x-stepguard-run", "traceparent", "mcp-session")
     assert contract.implicit_run is False
     assert contract.completion is None
     assert (contract.webhook, contract.webhook_timeout_s) == (None, 5.0)

@@ -6,6 +6,7 @@ x-should-retry: false, a stored decision behind it)."""
 from __future__ import annotations
 
 import copy
+import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,6 +81,13 @@ def recording(seen: list[Seen]) -> Any:
 
 async def answer_ok(request: web.Request) -> web.Response:
     return web.json_response({"id": "item-1", "status": "ok"})
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on (until someone binds it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 # --- contracts --------------------------------------------------------------------------------
@@ -170,7 +178,7 @@ class OrderFlow:
     """The example's four steps, called through the proxy as the example agent calls them."""
 
     px: Proxy | Remote
-    run: str
+    run: str | None
     order_id: str = "ord-17"
     slot_id: str = ""
 
@@ -193,7 +201,7 @@ class OrderFlow:
         replies = []
         for step in steps:
             reply = await self.call(step)
-            assert reply.status == 200, (step, reply.body)
+            assert reply.status == 200, (step, reply.body[:300])
             replies.append(reply)
         return replies
 
@@ -213,11 +221,11 @@ def clean(*steps: str) -> list[tuple[str, str, str, str]]:
                                             (s, "exit", "pass", "advance"))]
 
 
-def problem(reply: Reply, status: int) -> dict[str, Any]:
+def problem(reply: Reply, status: int, should_retry: str = "false") -> dict[str, Any]:
     """The problem+json body of a call stepguard answered itself."""
-    assert reply.status == status, reply.body
+    assert reply.status == status, reply.body[:300]
     assert reply.headers["content-type"] == "application/problem+json"
-    assert reply.headers["x-should-retry"] == "false"
+    assert reply.headers["x-should-retry"] == should_retry
     body: dict[str, Any] = reply.json
     assert body["status"] == status
     assert body["title"] and body["detail"]

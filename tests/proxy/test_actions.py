@@ -1,5 +1,6 @@
-"""What stepguard does about a violation: halted runs stay halted, retries happen only when they
-are safe, escalations reach the webhook, observe mode only watches, and a slow tool times out."""
+"""What stepguard does about a violation: halted runs stay halted, tool refusals and failures are
+told apart, nothing is forwarded that cannot be recorded, retries happen only when they are safe,
+escalations reach the webhook, observe mode only watches, and a slow tool times out."""
 
 from __future__ import annotations
 
@@ -11,13 +12,17 @@ import pytest
 from aiohttp import web
 from sgtest import (
     OrderFlow,
+    Upstream,
     decided,
     drift_problem,
     example_contract,
+    free_port,
     make_contract,
     problem,
     trail,
 )
+
+from stepguard.examples.order_confirmation import tools as tools_mod
 
 
 async def unavailable(request: web.Request) -> web.Response:
@@ -27,18 +32,16 @@ async def unavailable(request: web.Request) -> web.Response:
 # --- halted runs ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("stop", "run_status", "later"), [
-    (("lookup_order", "shape", "output_schema"), "halted", "lookup_order"),
-    (("lookup_order", "shape", "output_schema"), "halted", "check_policy"),
-    (("reserve_slot", None, "order"), "escalated", "check_policy"),
-])
+@pytest.mark.parametrize(("before", "step", "drift", "check", "run_status", "later"), [
+    ((), "lookup_order", "shape", "output_schema", "halted", "lookup_order"),
+    ((), "lookup_order", "shape", "output_schema", "halted", "check_policy"),
+    (("lookup_order",), "reserve_slot", None, "order", "escalated", "check_policy"),
+], ids=["halted-same-step", "halted-next-step", "escalated"])
 async def test_a_stopped_run_refuses_every_later_call_naming_the_step_and_check_that_stopped_it(
-        proxy, tools, stop, run_status, later):
+        proxy, tools, before, step, drift, check, run_status, later):
     px = await proxy(example_contract(tools))
     flow = OrderFlow(px, "stopped-1")
-    if stop[0] != "lookup_order":
-        await flow.through("lookup_order")
-    step, drift, check = stop
+    await flow.through(*before)
     stopped = (await flow.call(step, drift=drift)).json
     hits_before = tools.hits()
 
@@ -48,13 +51,16 @@ async def test_a_stopped_run_refuses_every_later_call_naming_the_step_and_check_
     assert body["title"] == "Run halted"
     assert (body["run"], body["run_status"], body["step"], body["check"]) == (
         "stopped-1", run_status, step, check)
-    assert body["decision_id"] == stopped["decision_id"]
+    assert body["halted_by"]["decision_id"] == stopped["decision_id"]
     assert tools.hits() == hits_before
     history = await px.history("stopped-1")
     stopping = decided(history, stopped)
     refusal = history[-1]
+    assert body["decision_id"] == refusal["decision_id"] != stopped["decision_id"]
     assert trail(history)[-1] == (later, "entry", "refused", "refuse")
     assert refusal["halted_by"] == stopping["seq"] == body["halted_by"]["seq"]
+    assert (body["halted_by"]["boundary"], body["halted_by"]["action"]) == (
+        stopping["boundary"], stopping["action"])
     assert await px.status("stopped-1") == run_status
 
 
@@ -69,6 +75,104 @@ async def test_every_refusal_is_recorded_and_the_run_stays_stopped(proxy, tools)
     assert [t[3] for t in trail(await px.history("stopped-2"))] == [
         "forward", "halt", "refuse", "refuse", "refuse"]
     assert await px.status("stopped-2") == "halted"
+
+
+async def test_a_run_halted_while_a_call_is_in_flight_stays_halted_when_that_call_returns(
+        proxy, aiohttp_server):
+    gate = asyncio.Event()
+
+    @web.middleware
+    async def held_confirm(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.path == "/confirm":
+            await asyncio.wait_for(gate.wait(), 10)
+        return await handler(request)
+
+    app = tools_mod.create_app()
+    app.middlewares.append(held_confirm)
+    tools = Upstream(await aiohttp_server(app))
+    px = await proxy(example_contract(tools))
+    flow = OrderFlow(px, "raced-1")
+    # confirm is at the tool when a stale policy check halts the run; then confirm returns
+    await flow.through("lookup_order", "check_policy", "reserve_slot")
+    in_flight = asyncio.create_task(flow.call("confirm"))
+    try:
+        for _ in range(200):
+            if len(await px.history("raced-1")) == 7:  # confirm's entry is stored
+                break
+            await asyncio.sleep(0.01)
+        halting = await flow.call("check_policy", {"order_id": "ord-16"})
+        assert halting.status == 422
+    finally:
+        gate.set()
+    await in_flight
+
+    assert await px.status("raced-1") == "halted"
+    assert (await flow.call("confirm")).status == 409
+
+
+async def test_a_tool_refusing_a_call_with_4xx_is_relayed_and_recorded_without_advancing(
+        proxy, make_upstream):
+    async def refuse(request: web.Request) -> web.Response:
+        return web.json_response({"error": "card declined"}, status=402,
+                                 headers={"x-tool": "billing"})
+
+    tool = await make_upstream(refuse)
+    px = await proxy(make_contract(tool.url, {"charge": {}, "ship": {"after": ["charge"]}}))
+
+    reply = await px.call("/tools/charge", {"amount": 5}, run="declined-1")
+
+    assert reply.status == 402
+    assert reply.json == {"error": "card declined"}
+    assert reply.headers["x-tool"] == "billing"
+    history = await px.history("declined-1")
+    assert trail(history) == [("charge", "entry", "pass", "forward"),
+                              ("charge", "exit", "rejected", "rejected")]
+    assert history[1]["upstream_status"] == 402
+    assert await px.status("declined-1") == "active"
+    assert problem(await px.call("/tools/ship", {}, run="declined-1"), 409)["check"] == "order"
+
+
+async def test_an_unreachable_upstream_is_a_tool_error_answered_502(proxy):
+    px = await proxy(make_contract(f"http://127.0.0.1:{free_port()}", {"act": {}}))
+
+    reply = await px.call("/tools/act", {}, run="down-1")
+
+    body = drift_problem(reply, 502, run="down-1", step="act", check="tool_error",
+                         drift="tool_error", boundary="exit", action="halt")
+    history = await px.history("down-1")
+    assert trail(history) == [("act", "entry", "pass", "forward"),
+                              ("act", "exit", "violation", "halt")]
+    assert decided(history, body)["upstream_status"] is None
+
+
+# --- the store --------------------------------------------------------------------------------
+
+
+async def test_a_checked_call_is_not_forwarded_when_its_event_cannot_be_stored(
+        proxy, make_upstream):
+    tool = await make_upstream()
+    px = await proxy(make_contract(tool.url, {"act": {}}))
+    await px.sg.store.close()
+
+    reply = await px.call("/tools/act", {}, run="nostore-1")
+
+    body = problem(reply, 503, should_retry="true")   # stepguard's own failure: later may work
+    assert (body["run"], body["step"]) == ("nostore-1", "act")
+    assert "not forwarded" in body["detail"]
+    assert tool.hits() == 0
+
+
+async def test_fail_open_forwards_a_checked_call_unchecked_when_the_store_fails(
+        proxy, make_upstream):
+    tool = await make_upstream()
+    px = await proxy(make_contract(tool.url, {"act": {}}), fail_open=True)
+    await px.sg.store.close()
+
+    reply = await px.call("/tools/act", {"amount": 1}, run="nostore-2")
+
+    assert reply.status == 200
+    assert reply.json == {"id": "item-1", "status": "ok"}
+    assert tool.hits("/act") == 1
 
 
 # --- retries ----------------------------------------------------------------------------------
@@ -203,6 +307,22 @@ async def test_an_escalation_is_posted_to_the_webhook_as_the_stored_record(
     assert await px.status("esc-1") == "escalated"
 
 
+async def test_an_undeliverable_webhook_leaves_the_answer_and_the_stored_record_intact(
+        proxy, make_upstream):
+    tool = await make_upstream(unavailable)
+    px = await proxy(make_contract(
+        tool.url, {"reserve": {"on_failure": "escalate"}},
+        escalation={"webhook": f"http://127.0.0.1:{free_port()}/hook", "timeout_s": 1}))
+
+    reply = await px.call("/tools/reserve", {"order_id": "ord-1"}, run="esc-2")
+
+    body = drift_problem(reply, 502, run="esc-2", step="reserve", check="tool_error",
+                         drift="tool_error", boundary="exit", action="escalate")
+    (stored,) = await px.sg.store.escalations("esc-2")
+    assert stored["decision_id"] == body["decision_id"]
+    assert await px.status("esc-2") == "escalated"
+
+
 # --- observe mode -----------------------------------------------------------------------------
 
 
@@ -282,3 +402,24 @@ async def test_an_upstream_slower_than_the_step_timeout_is_a_tool_error_answered
     assert event["upstream_status"] is None
     assert "0.2 s" in event["tool_error"]
     assert await px.status("slow-1") == "halted"
+
+
+async def test_an_unmatched_call_to_a_stalled_upstream_is_answered_504_after_its_timeout(
+        proxy, make_upstream):
+    release = asyncio.Event()
+
+    async def stalled(request: web.Request) -> web.Response:
+        await asyncio.wait_for(release.wait(), 10)
+        return web.json_response({"id": "late"})
+
+    tool = await make_upstream(stalled)
+    contract = make_contract(tool.url, upstreams={"tools": {"url": tool.url, "mount": "/tools",
+                                                            "timeout_s": 0.2}})
+    px = await proxy(contract)
+    try:
+        reply = await px.call("/tools/search", method="GET", run=None)
+    finally:
+        release.set()
+
+    body = problem(reply, 504)
+    assert "0.2 s" in body["detail"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 import sys
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -15,7 +14,17 @@ from typing import IO, Any
 import aiohttp
 import pytest
 import yaml
-from sgtest import EXAMPLE, STEPS, OrderFlow, Remote, clean, example_contract, problem, trail
+from sgtest import (
+    EXAMPLE,
+    STEPS,
+    OrderFlow,
+    Remote,
+    clean,
+    example_contract,
+    free_port,
+    problem,
+    trail,
+)
 
 from stepguard.contracts.sqlite_store import SQLiteStore
 
@@ -52,6 +61,8 @@ async def test_a_fresh_stepguard_still_checks_order_against_the_stored_run(proxy
 
     assert problem(reply, 409)["field"] == "check_policy"
     assert tools.hits("/reserve_slot") == 0
+    assert trail(await second.history("restart-2")) == [
+        *clean("lookup_order"), ("reserve_slot", "entry", "violation", "escalate")]
 
 
 async def test_a_fresh_stepguard_keeps_refusing_a_halted_run(proxy, tools):
@@ -63,18 +74,12 @@ async def test_a_fresh_stepguard_keeps_refusing_a_halted_run(proxy, tools):
     flow.px = second = await proxy(example_contract(tools))
     body = problem(await flow.call("check_policy"), 409)
 
-    assert (body["title"], body["decision_id"]) == ("Run halted", halted["decision_id"])
+    assert (body["title"], body["halted_by"]["decision_id"]) == ("Run halted", halted["decision_id"])
     assert [t[3] for t in trail(await second.history("restart-3"))] == [
         "forward", "halt", "refuse"]
 
 
 # --- the real server, killed ------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture

@@ -1,0 +1,82 @@
+"""A scripted agent for the order-confirmation workflow that reaches its tools through an MCP
+server with the real `mcp` SDK client (streamable HTTP), configured only by the server URL.
+Like the HTTP agent it is a rolling-context runner: it stops only when a call raises."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx2
+from mcp import Client, MCPError
+from mcp.client.streamable_http import streamable_http_client
+
+from stepguard.examples.order_confirmation.tools import DRIFT_HEADER
+
+
+@dataclass
+class McpCall:
+    tool: str
+    ok: bool
+    result: Any = None
+    error: MCPError | None = None
+
+    @property
+    def from_stepguard(self) -> bool:
+        data = self.error.data if self.error is not None else None
+        return isinstance(data, dict) and "run" in data
+
+
+@dataclass
+class McpAgentRun:
+    run_id: str
+    drift: str | None
+    calls: list[McpCall] = field(default_factory=list)
+    tool_errors: list[str] = field(default_factory=list)
+    completed: bool = False
+
+    @property
+    def stopped_at(self) -> McpCall | None:
+        return next((c for c in self.calls if not c.ok), None)
+
+
+async def run_mcp_agent(url: str, run_id: str, order_num: int, drift: str | None = None,
+                        mode: str = "auto") -> McpAgentRun:
+    run = McpAgentRun(run_id, drift)
+    headers = {"x-stepguard-run": run_id}
+    if drift:
+        headers[DRIFT_HEADER] = drift
+    order_id = f"ord-{order_num}"
+    http = httpx2.AsyncClient(headers=headers, timeout=httpx2.Timeout(30.0))
+    async with http, Client(streamable_http_client(url, http_client=http), mode=mode,
+                            read_timeout_seconds=30) as client:
+
+        async def call(tool: str, arguments: dict[str, Any]) -> dict[str, Any] | None:
+            try:
+                result = await client.call_tool(tool, arguments)
+            except MCPError as exc:
+                run.calls.append(McpCall(tool, False, error=exc))
+                return None
+            payload = result.structured_content if isinstance(result.structured_content, dict) else {}
+            run.calls.append(McpCall(tool, True, payload))
+            if result.is_error:
+                run.tool_errors.append(f"{tool}: {payload}")
+            return payload
+
+        if await call("lookup_order", {"order_id": order_id}) is None:
+            return run
+        steps = [("check_policy", {"order_id": f"ord-{order_num - 1}" if drift == "stale_input"
+                                   else order_id}),
+                 ("reserve_slot", {"order_id": order_id})]
+        if drift == "reordered":
+            steps.reverse()
+        slot: dict[str, Any] = {}
+        for tool, arguments in steps:
+            result = await call(tool, arguments)
+            if result is None:
+                return run
+            if tool == "reserve_slot":
+                slot = result
+        done = await call("confirm", {"order_id": order_id, "slot_id": str(slot.get("slot_id", ""))})
+        run.completed = bool(done and done.get("done") is True)
+    return run

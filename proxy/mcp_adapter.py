@@ -1,0 +1,371 @@
+"""The adapter for MCP tool traffic over the streamable HTTP transport.
+
+A `tools/call` is a step (`match: {tool: NAME}` on an `mcp` upstream): its arguments are the
+entry boundary's input; its result (`structuredContent`, else the JSON text content) is the exit
+boundary's output; `isError: true`, a JSON-RPC error, a transport failure or a timeout is a tool
+error. Everything else — discover, initialize, notifications, tools/list, resources, prompts,
+pings, the GET stream, DELETE — passes through untouched, in both protocol generations (session
+based, and the stateless 2026-07-28 protocol).
+A violation is a JSON-RPC error answering the call's id (code -31000, details in `data`), so
+MCP clients raise `MCPError`. SSE responses are relayed event by event (progress notifications
+flow at once); only the event that answers the call is held until the exit check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+from multidict import CIMultiDict
+
+from stepguard.contracts.engine import check_entry, check_exit
+from stepguard.contracts.envelope import Envelope
+from stepguard.contracts.errors import ConflictError, StoreError
+from stepguard.contracts.events import OBSERVE, RETRY, Decision, ToolResult, Violation
+from stepguard.contracts.model import Contract, Step
+from stepguard.contracts.runs import RunBook
+from stepguard.metrics.observer import Observer
+from stepguard.proxy.bodies import BodyError, parse_json
+from stepguard.proxy.boundaries import Boundaries, Evidence, Settled
+from stepguard.proxy.config import Settings
+from stepguard.proxy.correlation import describe_keys, run_id_for
+from stepguard.proxy.forward import HOP_BY_HOP, Forwarder, Timing, end_to_end
+from stepguard.proxy.http_adapter import CONFLICT_RETRIES, HttpToolAdapter, upstream_url
+from stepguard.proxy.routing import Route
+from stepguard.proxy.sse import SSESplitter
+
+TRAFFIC = "mcp"
+VIOLATION_CODE = -31000      # outside JSON-RPC's and MCP's reserved ranges
+HALTED_CODE = -31001
+REQUEST_CODE = -31002        # the call itself cannot be checked (no run key, a batch of calls)
+
+
+class Refusal(Exception):
+    def __init__(self, code: int, message: str, data: dict[str, Any]) -> None:
+        self.code, self.message, self.data = code, message, data
+        super().__init__(message)
+
+
+@dataclass(slots=True)
+class ToolCall:
+    route: Route
+    step: Step
+    run_id: str
+    request: web.Request
+    headers: CIMultiDict[str]
+    body: bytes
+    rpc_id: Any
+    arguments: Any
+    timing: Timing
+    out: web.StreamResponse | None = None     # prepared once an SSE answer starts flowing
+
+    @property
+    def contract(self) -> Contract:
+        return self.route.contract
+
+
+@dataclass(slots=True)
+class Answer:
+    """What the upstream said to one attempt of a tools/call."""
+
+    result: ToolResult
+    status: int | None = None
+    headers: CIMultiDict[str] | None = None
+    body: bytes = b""               # the JSON answer, or the held SSE event that answers the call
+    sse: bool = False
+
+
+def rpc_error(rpc_id: Any, code: int, message: str, data: dict[str, Any]) -> dict[str, Any]:
+    return {"jsonrpc": "2.0", "id": rpc_id, "error": {"code": code, "message": message,
+                                                        "data": data}}
+
+
+class McpAdapter:
+    traffic = TRAFFIC
+
+    def __init__(self, runs: RunBook, forwarder: Forwarder, settings: Settings,
+                 observer: Observer, boundaries: Boundaries, http: HttpToolAdapter) -> None:
+        self.runs = runs
+        self.forwarder = forwarder
+        self.settings = settings
+        self.observer = observer
+        self.boundaries = boundaries
+        self.http = http
+
+    def error(self, route: Route, status: int, title: str, detail: str) -> web.Response:
+        body = rpc_error(None, REQUEST_CODE, f"stepguard: {title}: {detail}", {"title": title})
+        return web.json_response(body, status=status, dumps=lambda v: orjson.dumps(v).decode())
+
+    async def handle(self, request: web.Request, route: Route, body: bytes,
+                     timing: Timing) -> web.StreamResponse:
+        headers = end_to_end(request.headers)
+        message = self._message(request, body)
+        if message is None or self.settings.passthrough:
+            return await self.http.forward_unchecked(request, route, headers, body, timing,
+                                                     read_timeout_s=None)
+        if isinstance(message, list):
+            return self._json(None, REQUEST_CODE, "stepguard: a JSON-RPC batch containing "
+                              "tools/call cannot be checked; send each call on its own",
+                              {"check": "request"})
+        params: dict[str, Any] = message["params"] if isinstance(message.get("params"), dict) else {}
+        step = route.contract.step_for_tool(route.upstream.name, str(params.get("name", "")))
+        rpc_id = message.get("id")
+        if step is None:
+            if route.contract.unmatched == "refuse":
+                return self._json(rpc_id, REQUEST_CODE, f"stepguard: tool {params.get('name')!r} "
+                                  f"matches no step of workflow {route.contract.workflow!r}, and "
+                                  "the contract refuses unmatched calls", {"check": "unmatched"})
+            return await self.http.forward_unchecked(request, route, headers, body, timing)
+        meta: dict[str, Any] = params["_meta"] if isinstance(params.get("_meta"), dict) else {}
+        run_id = run_id_for(route.contract, request.headers, traceparent=meta.get("traceparent"))
+        if run_id is None:
+            return self._json(rpc_id, REQUEST_CODE, f"stepguard: call of step {step.name!r} of "
+                              f"workflow {route.contract.workflow!r} carries no run key: send "
+                              f"{describe_keys(route.contract)}",
+                              {"check": "correlation", "step": step.name})
+        call = ToolCall(route, step, run_id, request, headers, body, rpc_id,
+                        params.get("arguments"), timing)
+        try:
+            return await self._checked(call)
+        except Refusal as refusal:
+            return await self._refuse(call, refusal)
+        except StoreError as exc:
+            self.observer.store_error("append", str(exc), run_id=run_id,
+                                      workflow=route.contract.workflow, step=step.name)
+            if call.out is not None or not self.settings.fail_open:
+                return await self._refuse(call, Refusal(
+                    REQUEST_CODE, f"stepguard: run {run_id!r}, step {step.name!r}: the event could "
+                    f"not be stored ({exc}); the call was not forwarded", {"check": "store"}))
+            self.observer.fail_open(route.contract, step.name, run_id)
+            return await self.http.forward_unchecked(request, route, headers, body, timing)
+
+    @staticmethod
+    def _message(request: web.Request, body: bytes) -> Any:
+        """The JSON-RPC tools/call this POST carries (a list: a batch with one), else None."""
+        if request.method != "POST" or b"tools/call" not in body:
+            return None
+        try:
+            message = parse_json(body, "request body")
+        except BodyError:
+            return None     # the MCP server answers malformed JSON-RPC itself
+        if isinstance(message, list):
+            calls = [m for m in message if isinstance(m, dict) and m.get("method") == "tools/call"]
+            return message if calls else None
+        if isinstance(message, dict) and message.get("method") == "tools/call":
+            return message
+        return None
+
+    # -- boundaries -----------------------------------------------------------------------------
+
+    async def _checked(self, call: ToolCall) -> web.StreamResponse:
+        await self._retrying(self._entry, call)
+        step, contract = call.step, call.contract
+        safe = step.idempotent or step.idempotency_key
+        attempt = 1
+        while True:
+            answer = await self._attempt(call)
+            async with self.runs.locked(call.run_id):
+                envelope = await self.runs.envelope(contract, call.run_id)
+                decision = check_exit(contract, step, envelope, call.arguments, answer.result)
+                settled = await self._settle(call, envelope, decision, answer, attempt, safe)
+            if settled.action == RETRY:
+                backoff_started = time.perf_counter()
+                await asyncio.sleep(step.on_failure.backoff_s * 2 ** (attempt - 1))
+                call.timing.upstream(backoff_started)
+                attempt += 1
+                continue
+            if attempt > 1:
+                self.observer.retry_outcome(contract, step.name, recovered=decision.passed)
+            self._raise_if_stopped(call, decision, settled)
+            return await self._relay(call, answer)
+
+    async def _retrying(self, boundary: Any, call: ToolCall) -> None:
+        for _ in range(CONFLICT_RETRIES):
+            try:
+                await boundary(call)
+                return
+            except ConflictError:
+                continue
+        raise StoreError(f"run {call.run_id!r}: lost the race for the run {CONFLICT_RETRIES} times")
+
+    async def _entry(self, call: ToolCall) -> None:
+        async with self.runs.locked(call.run_id):
+            envelope = await self.runs.envelope(call.contract, call.run_id)
+            if envelope.status in ("halted", "escalated"):
+                await self.boundaries.refuse(call.contract, call.run_id, envelope, call.step.name,
+                                             timing=call.timing, traffic=TRAFFIC)
+                raise _halted(call, envelope)
+            if isinstance(call.arguments, dict) or call.arguments is None:
+                decision = check_entry(call.step, envelope, call.arguments or {})
+            else:
+                decision = Decision(call.step.name, "entry", Violation(
+                    "input_schema", "shape", "tools/call arguments are not a JSON object",
+                    "entry", field="input"))
+            settled = await self.boundaries.settle(
+                call.contract, call.run_id, envelope, decision, Evidence(call.arguments, call.body),
+                timing=call.timing, traffic=TRAFFIC, extra={"rpc_id": call.rpc_id})
+        self._raise_if_stopped(call, decision, settled)
+
+    async def _settle(self, call: ToolCall, envelope: Envelope, decision: Decision, answer: Answer,
+                      attempt: int, safe: bool) -> Settled:
+        return await self.boundaries.settle(
+            call.contract, call.run_id, envelope, decision,
+            Evidence(call.arguments, call.body, answer.result, answer.body),
+            timing=call.timing, traffic=TRAFFIC, attempt=attempt, safe_to_retry=safe,
+            extra={"rpc_id": call.rpc_id})
+
+    def _raise_if_stopped(self, call: ToolCall, decision: Decision, settled: Settled) -> None:
+        violation = decision.violation
+        if violation is None or settled.action == OBSERVE:
+            return
+        data = {"run": call.run_id, "workflow": call.contract.workflow,
+                "contract_version": call.contract.version, "step": call.step.name,
+                **violation.to_dict(),
+                "detection_point": f"{call.step.name}.{violation.boundary}.{violation.check}",
+                "action": settled.action, "decision_id": settled.decision_id}
+        raise Refusal(VIOLATION_CODE, f"stepguard: run {call.run_id!r}, step {call.step.name!r}, "
+                      f"{violation.boundary} {violation.check} ({violation.drift}): "
+                      f"{violation.detail}", data)
+
+    # -- the upstream -----------------------------------------------------------------------------
+
+    async def _attempt(self, call: ToolCall) -> Answer:
+        timeout_s = call.step.timeout_s or call.route.upstream.timeout_s
+        since = time.perf_counter()
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await self._exchange(call, since)
+        except TimeoutError:
+            self._seen(call, None, since)
+            return Answer(ToolResult(None, error=f"MCP server did not answer within {timeout_s:g} s",
+                                     error_kind="timeout"))
+        except aiohttp.ClientError as exc:
+            self._seen(call, None, since)
+            return Answer(ToolResult(None, error=f"MCP server unreachable: {exc}",
+                                     error_kind="transport"))
+
+    async def _exchange(self, call: ToolCall, since: float) -> Answer:
+        async with self.forwarder.session.post(upstream_url(call.route, call.request),
+                                               headers=call.headers, data=call.body,
+                                               allow_redirects=False) as resp:
+            self._seen(call, resp.status, since)
+            headers = end_to_end(resp.headers, HOP_BY_HOP | {"content-length"})
+            if "text/event-stream" in resp.headers.get("content-type", ""):
+                return await self._relay_events(call, resp, headers)
+            body = await resp.read()
+            return Answer(self._result(call, body, resp.status), resp.status, headers, body)
+
+    async def _relay_events(self, call: ToolCall, resp: aiohttp.ClientResponse,
+                            headers: CIMultiDict[str]) -> Answer:
+        splitter = SSESplitter()
+        async for chunk in resp.content.iter_any():
+            for raw, event in splitter.feed(chunk):
+                message = _json(event.data) if event is not None else {}
+                if message.get("id") == call.rpc_id and ("result" in message or "error" in message):
+                    return Answer(self._message_result(message), resp.status, headers, raw, sse=True)
+                out = await self._out(call, resp.status, headers)
+                await out.write(raw)
+        return Answer(ToolResult(None, error="MCP server ended the event stream without answering "
+                                 "the call", error_kind="transport"), resp.status, headers)
+
+    async def _out(self, call: ToolCall, status: int, headers: CIMultiDict[str]) -> web.StreamResponse:
+        if call.out is None:
+            call.out = web.StreamResponse(status=status, headers=headers)
+            call.timing.stamp(call.out)
+            await call.out.prepare(call.request)
+        return call.out
+
+    def _seen(self, call: ToolCall, status: int | None, since: float) -> None:
+        waited = call.timing.upstream(since)
+        self.observer.upstream(call.route.upstream.name, call.contract.workflow, status, waited)
+
+    def _result(self, call: ToolCall, body: bytes, status: int) -> ToolResult:
+        if status >= 500:
+            return ToolResult(status, error=f"MCP server answered {status}", error_kind="transport")
+        try:
+            message = parse_json(body, "MCP server response")
+        except BodyError as exc:
+            return ToolResult(status, error=exc.detail, error_kind="transport")
+        if not isinstance(message, dict):
+            return ToolResult(status, error="MCP server response is not a JSON-RPC object",
+                              error_kind="transport")
+        return self._message_result(message)
+
+    @staticmethod
+    def _message_result(message: dict[str, Any]) -> ToolResult:
+        if "error" in message:
+            error: dict[str, Any] = message["error"] if isinstance(message["error"], dict) else {}
+            return ToolResult(None, error=f"JSON-RPC error {error.get('code')}: "
+                              f"{error.get('message')}", error_kind="tool")
+        result: dict[str, Any] = message["result"] if isinstance(message.get("result"), dict) else {}
+        output = result.get("structuredContent")
+        parse_error = None
+        if output is None:
+            text = "".join(c.get("text", "") for c in result.get("content") or []
+                           if isinstance(c, dict) and c.get("type") == "text")
+            try:
+                output = orjson.loads(text)
+            except orjson.JSONDecodeError:
+                output = {"text": text}
+                parse_error = "tool result has neither structuredContent nor JSON text"
+        if result.get("isError") is True:
+            return ToolResult(None, output, error="tool reported isError: "
+                              f"{orjson.dumps(output).decode()[:500]}", error_kind="tool")
+        if parse_error:
+            return ToolResult(200, None, error=parse_error, error_kind="parse")
+        return ToolResult(200, output)
+
+    # -- answers ----------------------------------------------------------------------------------
+
+    async def _relay(self, call: ToolCall, answer: Answer) -> web.StreamResponse:
+        if call.out is not None:
+            await _finish(call.out, answer.body)
+            return call.out
+        if answer.status is None:   # no answer at all, but the contract let it pass (observe)
+            return self._json(call.rpc_id, REQUEST_CODE, f"stepguard: {answer.result.error}",
+                              {"check": "tool_error"}, status=502)
+        return web.Response(status=answer.status, headers=answer.headers, body=answer.body)
+
+    async def _refuse(self, call: ToolCall, refusal: Refusal) -> web.StreamResponse:
+        body = orjson.dumps(rpc_error(call.rpc_id, refusal.code, refusal.message, refusal.data))
+        if call.out is not None:
+            await _finish(call.out, b"event: message\r\ndata: " + body + b"\r\n\r\n")
+            return call.out
+        return web.Response(body=body, content_type="application/json")
+
+    def _json(self, rpc_id: Any, code: int, message: str, data: dict[str, Any],
+              status: int = 200) -> web.Response:
+        return web.Response(status=status, body=orjson.dumps(rpc_error(rpc_id, code, message, data)),
+                            content_type="application/json")
+
+
+def _halted(call: ToolCall, envelope: Envelope) -> Refusal:
+    halt = envelope.halt or {}
+    violation = halt.get("violation") or {}
+    return Refusal(HALTED_CODE, f"stepguard: run {call.run_id!r} is {envelope.status}: step "
+                   f"{halt.get('step')!r} failed {violation.get('check')} "
+                   f"({violation.get('drift')}): {violation.get('detail')}",
+                   {"run": call.run_id, "run_status": envelope.status, "halted_by": halt})
+
+
+def _json(data: str) -> dict[str, Any]:
+    try:
+        value = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+async def _finish(out: web.StreamResponse, raw: bytes) -> None:
+    """Write the last event; the MCP client hangs up as soon as it has its answer, so a closing
+    transport here is the normal end, not an error."""
+    try:
+        await out.write(raw)
+        await out.write_eof()
+    except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+        pass

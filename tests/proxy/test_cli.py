@@ -1,0 +1,172 @@
+"""The `stepguard` command line, run as a real process: `check` validates contracts and names every
+error, `runs` shows what the proxy stored, `bench drift` reproduces the article's table."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import yaml
+from sgtest import EXAMPLE, OrderFlow, example_contract
+
+
+@dataclass(frozen=True)
+class Ran:
+    code: int
+    out: str
+    err: str
+
+    @property
+    def lines(self) -> list[str]:
+        return self.out.splitlines()
+
+
+async def stepguard(*args: str | Path) -> Ran:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "stepguard.proxy.cli", *map(str, args),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 50)
+    assert proc.returncode is not None
+    return Ran(proc.returncode, out.decode(), err.decode())
+
+
+def write(path: Path, document: dict[str, Any]) -> Path:
+    path.write_text(yaml.safe_dump(document, sort_keys=False))
+    return path
+
+
+def broken(**steps: Any) -> dict[str, Any]:
+    return {"workflow": "broken-flow", "contract_version": 1,
+            "upstreams": {"tools": {"url": "http://127.0.0.1:9"}}, "steps": steps}
+
+
+def match(path: str, upstream: str = "tools") -> dict[str, Any]:
+    return {"upstream": upstream, "method": "POST", "path": path}
+
+
+# --- check ------------------------------------------------------------------------------------
+
+
+async def test_check_accepts_the_example_contract():
+    ran = await stepguard("check", EXAMPLE)
+
+    assert ran.code == 0, ran.err
+    assert ran.lines == [line for line in ran.lines if "ok: workflow 'order-confirmation'" in line]
+    assert "4 steps" in ran.out
+
+
+@pytest.mark.parametrize(("document", "expected"), [
+    (broken(a={"match": match("/a", upstream="nope")},
+            b={"match": match("/b"), "precondition": ["input.x =="]},
+            c={"match": match("/c"), "after": ["ghost"]}),
+     ["steps.a.match.upstream: unknown upstream 'nope'", "steps.b.precondition[0]: CEL expression",
+      "steps.c.after[0]: unknown step 'ghost'"]),
+    ({**broken(a={}, b={"match": match("/b"), "on_failure": {"retry": 99}}), "mode": "sometimes"},
+     ["mode: 'sometimes' is not one of", "steps.a: 'match' is a required property",
+      "steps.b.on_failure.retry: 99 is greater than the maximum of 10"]),
+], ids=["compile-errors", "format-errors"])
+async def test_check_rejects_a_broken_contract_printing_every_error_with_file_step_and_field(
+        tmp_path, document, expected):
+    path = write(tmp_path / "broken.yaml", document)
+
+    ran = await stepguard("check", EXAMPLE, path)
+
+    assert ran.code == 1
+    assert len(ran.lines) == len(expected)
+    for line, fragment in zip(ran.lines, expected, strict=True):
+        assert line.startswith(f"{path}: "), line
+        assert fragment in line
+    assert f"{len(expected)} error(s)" in ran.err
+    assert "order-confirmation" not in ran.out
+
+
+# --- runs -------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def halted_store(proxy, tools, store_path) -> Path:
+    """A store holding one completed run and one halted by a stale input, then refused once."""
+    px = await proxy(example_contract(tools))
+    await OrderFlow(px, "clean-cli").through("lookup_order", "check_policy", "reserve_slot",
+                                             "confirm")
+    stale = OrderFlow(px, "stale-cli")
+    await stale.through("lookup_order")
+    assert (await stale.call("check_policy", {"order_id": "ord-16"})).status == 422
+    assert (await stale.call("reserve_slot")).status == 409
+    await px.close()
+    return store_path
+
+
+async def test_runs_list_prints_each_run_with_its_status_and_where_it_halted(halted_store):
+    ran = await stepguard("runs", "--store", halted_store, "list")
+
+    assert ran.code == 0, ran.err
+    (stale,) = [line for line in ran.lines if line.startswith("stale-cli")]
+    (done,) = [line for line in ran.lines if line.startswith("clean-cli")]
+    assert "halted" in stale and "check_policy precondition (freshness)" in stale
+    assert "completed" in done and "order-confirmation" in done
+
+
+async def test_runs_list_filters_by_status(halted_store):
+    ran = await stepguard("runs", "--store", halted_store, "list", "--status", "halted",
+                          "--json")
+
+    assert ran.code == 0, ran.err
+    (run,) = orjson.loads(ran.out)
+    assert (run["run_id"], run["status"], run["halt"]["step"]) == (
+        "stale-cli", "halted", "check_policy")
+
+
+async def test_runs_show_prints_the_history_and_marks_the_first_violation(halted_store):
+    ran = await stepguard("runs", "--store", halted_store, "show", "stale-cli")
+
+    assert ran.code == 0, ran.err
+    assert "stale-cli" in ran.lines[0] and "HALTED" in ran.lines[0]
+    rows = [line for line in ran.lines if re.match(r"^(>>|  )\s+\d+\s", line)]
+    assert [(row[:2], row[2:].split()[2]) for row in rows] == [
+        ("  ", "lookup_order"), ("  ", "lookup_order"), (">>", "check_policy"),
+        ("  ", "reserve_slot")]
+    assert "precondition (freshness)" in rows[2]
+    assert "refuse" in rows[3]
+
+
+async def test_runs_show_json_holds_envelope_and_complete_history(halted_store):
+    ran = await stepguard("runs", "--store", halted_store, "show", "stale-cli", "--json")
+
+    shown = orjson.loads(ran.out)
+    assert shown["envelope"]["status"] == "halted"
+    assert [(e["step"], e["action"]) for e in shown["history"]] == [
+        ("lookup_order", "forward"), ("lookup_order", "advance"), ("check_policy", "halt"),
+        ("reserve_slot", "refuse")]
+
+
+async def test_runs_show_of_an_unknown_run_fails(halted_store):
+    ran = await stepguard("runs", "--store", halted_store, "show", "no-such-run")
+
+    assert ran.code == 1
+    assert "no-such-run" in ran.err
+
+
+# --- bench ------------------------------------------------------------------------------------
+
+
+async def test_bench_drift_reproduces_the_table_contract_catches_all_baseline_only_tool_errors():
+    ran = await stepguard("bench", "drift", "--json")
+
+    assert ran.code == 0, ran.err
+    result = orjson.loads(ran.out)
+    classes = result["classes"]
+    assert list(classes) == ["shape", "freshness", "order", "tool_error", "false_completion"]
+    assert {c: (r["contract_detected"], r["runs"]) for c, r in classes.items()} == {
+        c: (5, 5) for c in classes}
+    assert {c: r["baseline_detected"] for c, r in classes.items()} == {
+        "shape": 0, "freshness": 0, "order": 0, "tool_error": 5, "false_completion": 0}
+    assert [r["first_stop_step"] for r in classes.values()] == [1, 2, 3, 3, 4]
+    assert (result["control"]["passed"], result["control"]["runs"]) == (10, 10)
+    assert result["control"]["baseline_passed"] == 10

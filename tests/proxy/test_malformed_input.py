@@ -1,0 +1,103 @@
+"""Malformed input on a checked step is an entry violation: answered with a problem that says
+what is wrong, stored in the run's history, never forwarded, and the proxy goes on serving."""
+
+from __future__ import annotations
+
+import pytest
+from sgtest import OrderFlow, decided, drift_problem, example_contract, make_contract, trail
+
+NESTED = b"[" * 100_000 + b"]" * 100_000
+
+MALFORMED = [
+    pytest.param(b'{"order_id": ', "application/json", {}, 400, ("request body", "JSON"),
+                 id="invalid-json"),
+    pytest.param(b"order_id=ord-1", "application/x-www-form-urlencoded", {}, 415,
+                 ("must be JSON", "application/x-www-form-urlencoded"), id="wrong-content-type"),
+    pytest.param(b'{"order_id": "ord-1"}', "text/plain", {}, 415, ("must be JSON",),
+                 id="json-sent-as-text"),
+    pytest.param(b'{"order_id": "ord-\xff\xfe"}', "application/json", {}, 400, ("UTF-8",),
+                 id="non-utf8"),
+    pytest.param(NESTED, "application/json", {}, 400, ("request body", "JSON", "depth"),
+                 id="nested-100000-levels"),
+    pytest.param(b'{"order_id": "ord-1"}', "application/json",
+                 {"content-encoding": "compress"}, 415, ("content-encoding", "compress"),
+                 id="unsupported-content-encoding"),
+]
+
+
+@pytest.mark.parametrize(("data", "content_type", "headers", "status", "says"), MALFORMED)
+async def test_malformed_input_is_refused_at_entry_with_a_clear_problem_and_recorded(
+        proxy, tools, data, content_type, headers, status, says):
+    px = await proxy(example_contract(tools))
+
+    reply = await px.call("/tools/lookup_order", data=data, run="bad-in",
+                          headers={"content-type": content_type, **headers})
+
+    body = drift_problem(reply, status, run="bad-in", step="lookup_order", check="input_schema",
+                         drift="shape", boundary="entry", action="halt")
+    assert body["field"] == "input"
+    assert [s for s in says if s not in body["detail"]] == []
+    assert tools.hits() == 0
+    history = await px.history("bad-in")
+    assert trail(history) == [("lookup_order", "entry", "violation", "halt")]
+    event = decided(history, body)
+    assert event["violation"]["detail"] in body["detail"]
+    assert await px.status("bad-in") == "halted"
+
+
+@pytest.mark.parametrize(("data", "content_type", "headers", "status", "says"), MALFORMED)
+async def test_the_proxy_serves_the_next_run_after_malformed_input(
+        proxy, tools, data, content_type, headers, status, says):
+    px = await proxy(example_contract(tools))
+    await px.call("/tools/lookup_order", data=data, run="bad-in",
+                  headers={"content-type": content_type, **headers})
+
+    replies = await OrderFlow(px, "good-after").through("lookup_order", "check_policy")
+
+    assert [r.status for r in replies] == [200, 200]
+    assert tools.hits() == 2
+
+
+async def test_input_failing_the_step_input_schema_names_the_field(proxy, tools):
+    px = await proxy(example_contract(tools))
+
+    reply = await px.call("/tools/lookup_order", {"order_id": "17"}, run="bad-schema")
+
+    body = drift_problem(reply, 422, run="bad-schema", step="lookup_order", check="input_schema",
+                         drift="shape", boundary="entry", action="halt")
+    assert body["field"] == "input.order_id"
+    assert "order_ref.v1" in body["schema_path"]
+    assert tools.hits() == 0
+    decided(await px.history("bad-schema"), body)
+
+
+async def test_a_get_step_checks_its_query_as_input(proxy, make_upstream):
+    tool = await make_upstream()
+    px = await proxy(make_contract(tool.url, {"find": {
+        "match": {"upstream": "tools", "method": "GET", "path": "/find"},
+        "input": {"schema": {"type": "object", "required": ["id"],
+                             "properties": {"id": {"pattern": "^ord-[0-9]+$"}}}}}}))
+
+    good = await px.call("/tools/find?id=ord-3", method="GET", run="get-1")
+    bad = await px.call("/tools/find?id=3", method="GET", run="get-2")
+
+    assert good.status == 200
+    assert tool.last().query == "id=ord-3"
+    assert (await px.history("get-1"))[0]["input"] == {"id": "ord-3"}
+    body = drift_problem(bad, 422, run="get-2", step="find", check="input_schema",
+                         drift="shape", boundary="entry", action="halt")
+    assert body["field"] == "input.id"
+    assert tool.hits() == 1
+
+
+async def test_an_input_larger_than_payload_history_bytes_is_not_stored_verbatim(
+        proxy, tools):
+    px = await proxy(example_contract(tools), payload_history_bytes=64)
+    payload = {"order_id": "ord-1", "note": "n" * 500}
+
+    reply = await px.call("/tools/lookup_order", payload, run="big-history")
+
+    assert reply.status == 200
+    stored = (await px.history("big-history"))[0]["input"]
+    assert stored != payload
+    assert "n" * 100 not in str(stored)
