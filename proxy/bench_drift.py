@@ -110,6 +110,29 @@ async def _drive_model(contract: Contract, passthrough: bool, plan: Plan,
     return observed
 
 
+async def _drive_mcp(contract: Contract, passthrough: bool, plan: Plan,
+                     store: Path) -> list[Observed]:
+    from stepguard.examples.order_confirmation import mcp_agent, mcp_tools
+
+    with mcp_tools.serve(mcp_tools.create_app()) as tools_url:
+        contract = _repointed(contract, {"tools": tools_url})
+        sg = build(Settings(store=str(store), passthrough=passthrough), [contract])
+        mount = contract.upstreams["tools"].mount
+        async with running(create_app(sg)) as proxy_url:
+            url = f"{proxy_url}{mount}{mcp_tools.MCP_PATH}"
+            finished = await asyncio.gather(*(
+                mcp_agent.run_mcp_agent(url, f"{cls}-{i}", 100 + n, injector)
+                for n, (cls, injector, i) in enumerate(plan)))
+            observed = []
+            for run in finished:
+                stop = run.stopped_at
+                history, status = await _observe(sg, run.run_id)
+                observed.append(Observed(run.run_id, stop is not None and stop.from_stepguard,
+                                         stop is not None or bool(run.tool_errors),
+                                         run.completed, history, status))
+    return observed
+
+
 def _first_violation(obs: Observed) -> dict[str, Any] | None:
     return next((e for e in obs.history if e.get("verdict") == "violation"), None)
 
@@ -161,10 +184,11 @@ def _repointed(contract: Contract, urls: dict[str, str]) -> Contract:
 async def run_bench(runs: int = 5, controls: int = 10, traffic: str = "http") -> dict[str, Any]:
     plan = _plan(runs, controls)
     with tempfile.TemporaryDirectory(prefix="stepguard-bench-") as tmp:
-        if traffic == "model":
-            contract = load_contract(example_contract_path("contract.model.yaml"))
-            enforced = await _drive_model(contract, False, plan, Path(tmp) / "contract.db")
-            baseline = await _drive_model(contract, True, plan, Path(tmp) / "baseline.db")
+        if traffic in ("model", "mcp"):
+            contract = load_contract(example_contract_path(f"contract.{traffic}.yaml"))
+            drive = _drive_model if traffic == "model" else _drive_mcp
+            enforced = await drive(contract, False, plan, Path(tmp) / "contract.db")
+            baseline = await drive(contract, True, plan, Path(tmp) / "baseline.db")
         else:
             async with running(tools_mod.create_app()) as tools_url:
                 contract = contract_with_upstreams(example_contract_path(), {"tools": tools_url})

@@ -73,9 +73,10 @@ def _parser() -> argparse.ArgumentParser:
     drift = bench_sub.add_parser("drift", help="the drift table of the source article")
     drift.add_argument("--runs", type=int, default=5, help="injected runs per drift class")
     drift.add_argument("--controls", type=int, default=10, help="clean control runs")
-    drift.add_argument("--traffic", choices=["http", "model"], default="http",
+    drift.add_argument("--traffic", choices=["http", "model", "mcp"], default="http",
                        help="http: the agent calls its tools over HTTP through stepguard; model: "
-                            "tools run in-process and only model traffic crosses stepguard")
+                            "tools run in-process and only model traffic crosses stepguard; mcp: "
+                            "the agent reaches its tools through an MCP server behind stepguard")
     drift.add_argument("--json", action="store_true")
     drift.set_defaults(func=_bench_drift)
 
