@@ -69,11 +69,19 @@ class Metrics:
             "stepguard_contract", "Each loaded contract: workflow, version and content hash.",
             ["workflow", "contract_version", "sha256"], registry=r)
 
-    def contracts_loaded(self, contracts: Iterable[tuple[str, str, str]]) -> None:
+    def contracts_loaded(self, contracts: Iterable[tuple[str, str, str, Iterable[str]]]) -> None:
+        """Record the loaded contracts, and create the series that alerts watch with
+        `increase(...) > 0` at zero, so their first increment is visible as an increase."""
         self.contract_info.clear()
-        for workflow, version, sha in contracts:
+        for workflow, version, sha, steps in contracts:
             self.contract_info.labels(workflow, version, sha).info({})
             self.contract_loads.labels("ok").inc()
+            self.webhook_failures.labels(workflow)
+            for step in steps:
+                self.escalations.labels(workflow, step)
+                self.fail_open.labels(workflow, step)
+        for operation in ("append", "count_runs"):
+            self.store_errors.labels(operation)
 
     def set_runs(self, counts: Iterable[tuple[str, str, int]]) -> None:
         self.runs.clear()

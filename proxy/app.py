@@ -38,7 +38,7 @@ class Stepguard:
 
     def __post_init__(self) -> None:
         self.metrics = self.observer.metrics
-        self.metrics.contracts_loaded((c.workflow, c.version, c.content_hash)
+        self.metrics.contracts_loaded((c.workflow, c.version, c.content_hash, list(c.steps))
                                       for c in self.contracts)
         self.forwarder = Forwarder(self.settings.max_response_bytes)
         self.runs = RunBook(self.store)
