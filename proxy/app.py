@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from stepguard.contracts.errors import StepguardError
+from stepguard.contracts.errors import ContractError, StepguardError
+from stepguard.contracts.loader import load_contracts
 from stepguard.contracts.model import Contract
 from stepguard.contracts.runs import RunBook
 from stepguard.contracts.sqlite_store import SQLiteStore
@@ -55,6 +56,15 @@ class Stepguard:
                                      self.boundaries, http)
         self.dispatcher = Dispatcher(Router(self.contracts), adapters, self.observer,
                                      self.settings.max_request_bytes)
+
+    def reload(self, contracts: list[Contract]) -> None:
+        """Swap in newly loaded contracts. Calls in flight finish under the contract they
+        started with; runs keep their history and envelope."""
+        self.contracts = contracts
+        self.dispatcher.router = Router(contracts)
+        self.boundaries.use(contracts)
+        self.metrics.contracts_loaded((c.workflow, c.version, c.content_hash, list(c.steps))
+                                      for c in contracts)
 
     async def start(self) -> None:
         await self.store.open()
@@ -130,6 +140,24 @@ async def _readyz(request: web.Request) -> web.Response:
     return web.json_response(body, status=200 if sg.ready else 503)
 
 
+async def reload_contracts(sg: Stepguard, paths: list[str]) -> bool:
+    """Load the contract files again (SIGHUP); on any error keep the contracts in force."""
+    log = get_logger("stepguard")
+    try:
+        contracts = await asyncio.to_thread(load_contracts, paths)
+    except ContractError as exc:
+        sg.metrics.contract_reload_failures.inc()
+        sg.metrics.contract_loads.labels("error").inc()
+        log.error("contract_reload_failed", errors=[str(i) for i in exc.issues],
+                  kept=[f"{c.workflow} v{c.version}" for c in sg.contracts])
+        return False
+    sg.reload(contracts)
+    log.info("contracts_reloaded", contracts=[
+        {"workflow": c.workflow, "contract_version": c.version, "sha256": c.content_hash}
+        for c in contracts])
+    return True
+
+
 async def serve(settings: Settings, contracts: list[Contract]) -> None:
     log = get_logger("stepguard")
     sg = build(settings, contracts)
@@ -143,6 +171,14 @@ async def serve(settings: Settings, contracts: list[Contract]) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    reloads: set[asyncio.Task[None]] = set()
+
+    def on_hangup() -> None:
+        task = loop.create_task(reload_contracts(sg, settings.contracts))
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+
+    loop.add_signal_handler(signal.SIGHUP, on_hangup)
     try:
         await web.TCPSite(proxy_runner, settings.host, settings.port).start()
         await web.TCPSite(admin_runner, settings.admin_host, settings.admin_port).start()

@@ -57,6 +57,9 @@ class Boundaries:
         self.observer = observer
         self.escalator = escalator
         self.payload_limit = payload_history_bytes
+        self.use(contracts)
+
+    def use(self, contracts: list[Contract]) -> None:
         self.redactors = {c.workflow: Redactor(c.redact) for c in contracts}
 
     async def settle(self, contract: Contract, run_id: str, envelope: Envelope,
@@ -113,7 +116,7 @@ class Boundaries:
         }
         if decision.violation:
             fields["violation"] = decision.violation.to_dict()
-        redact = self.redactors[contract.workflow]
+        redact = self.redactors.get(contract.workflow) or Redactor(contract.redact)
         result = evidence.result
         if decision.boundary == "entry":
             fields["input"] = redact(history_payload(evidence.input, len(evidence.raw_input),
@@ -139,7 +142,7 @@ class Boundaries:
                            decision_id: str, evidence: Evidence, seq: int) -> dict[str, Any]:
         violation = decision.violation
         assert violation is not None
-        redact = self.redactors[contract.workflow]
+        redact = self.redactors.get(contract.workflow) or Redactor(contract.redact)
         result = evidence.result
         output: Any = None
         if result is not None and result.output is not None:

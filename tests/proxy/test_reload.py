@@ -1,0 +1,128 @@
+"""Contract reload (SIGHUP): a valid file set replaces the contracts in force; a broken one is
+refused, counted, and changes nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry
+
+from stepguard.contracts.loader import load_contract
+from stepguard.examples.order_confirmation import tools
+from stepguard.metrics.prom import Metrics
+from stepguard.proxy.app import build, create_app, reload_contracts
+from stepguard.proxy.bench_drift import example_contract_path
+from stepguard.proxy.config import Settings
+
+
+def write_contract(path: Path, tools_url: str, **changes: Any) -> str:
+    doc = yaml.safe_load(example_contract_path().read_text())
+    doc["upstreams"]["tools"]["url"] = tools_url
+    doc.update(changes)
+    path.write_text(yaml.safe_dump(doc))
+    return str(path)
+
+
+@pytest.fixture
+async def tools_url(aiohttp_server: Any) -> str:
+    return str((await aiohttp_server(tools.create_app())).make_url("")).rstrip("/")
+
+
+async def test_a_valid_reload_puts_the_new_contract_in_force(tmp_path, aiohttp_client, tools_url):
+    path = write_contract(tmp_path / "c.yaml", tools_url)
+    metrics = Metrics(CollectorRegistry())
+    sg = build(Settings(store=str(tmp_path / "s.db")), [load_contract(path)], metrics=metrics)
+    client = await aiohttp_client(create_app(sg))
+    write_contract(tmp_path / "c.yaml", tools_url, contract_version=2, mode="observe")
+
+    assert await reload_contracts(sg, [path])
+
+    reply = await client.post("/tools/check_policy", json={"order_id": "ord-1"},
+                              headers={"x-stepguard-run": "reload-1"})
+    assert reply.status == 200          # observe mode now: the order violation is only recorded
+    [event] = [e for e in await sg.store.history("reload-1") if e["boundary"] == "entry"]
+    assert (event["contract_version"], event["action"]) == ("2", "observe")
+    assert metrics.registry.get_sample_value(
+        "stepguard_contract_info", {"workflow": "order-confirmation", "contract_version": "2",
+                                    "sha256": sg.contracts[0].content_hash}) == 1
+
+
+async def test_a_broken_reload_keeps_the_contracts_in_force_and_is_counted(
+        tmp_path, aiohttp_client, tools_url):
+    path = write_contract(tmp_path / "c.yaml", tools_url)
+    metrics = Metrics(CollectorRegistry())
+    sg = build(Settings(store=str(tmp_path / "s.db")), [load_contract(path)], metrics=metrics)
+    client = await aiohttp_client(create_app(sg))
+    (tmp_path / "c.yaml").write_text("workflow: order-confirmation\nsteps: {}\n")
+
+    assert not await reload_contracts(sg, [path])
+
+    reply = await client.post("/tools/check_policy", json={"order_id": "ord-1"},
+                              headers={"x-stepguard-run": "reload-2"})
+    assert reply.status == 409          # still enforced: check_policy before lookup_order
+    assert metrics.registry.get_sample_value("stepguard_contract_reload_failures_total") == 1
+    assert metrics.registry.get_sample_value("stepguard_contract_loads_total",
+                                             {"result": "error"}) == 1
+
+
+@pytest.mark.timeout(60)
+async def test_sighup_reloads_a_running_sidecar(tmp_path, tools_url):
+    path = write_contract(tmp_path / "c.yaml", tools_url)
+    port, admin = _free_port(), _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "stepguard.proxy.cli", "serve", "--contract", path, "--port",
+         str(port), "--admin-port", str(admin), "--store", str(tmp_path / "s.db"),
+         "--log-format", "json"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        async with aiohttp.ClientSession() as session:
+            await _ready(session, admin)
+            write_contract(tmp_path / "c.yaml", tools_url, contract_version=7)
+            os.kill(proc.pid, signal.SIGHUP)
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                async with session.get(f"http://127.0.0.1:{admin}/readyz") as reply:
+                    versions = [c["contract_version"] for c in (await reply.json())["contracts"]]
+                if versions == ["7"]:
+                    break
+                await _sleep()
+            assert versions == ["7"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=20)
+    assert proc.returncode == 0
+    assert b"contracts_reloaded" in out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _sleep() -> None:
+
+    await asyncio.sleep(0.1)
+
+
+async def _ready(session: aiohttp.ClientSession, admin: int) -> None:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            async with session.get(f"http://127.0.0.1:{admin}/readyz") as reply:
+                if reply.status == 200:
+                    return
+        except aiohttp.ClientError:
+            pass
+        await _sleep()
+    raise AssertionError("stepguard did not become ready")
