@@ -171,7 +171,7 @@ async def serve(settings: Settings, contracts: list[Contract]) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    reloads: set[asyncio.Task[None]] = set()
+    reloads: set[asyncio.Task[bool]] = set()
 
     def on_hangup() -> None:
         task = loop.create_task(reload_contracts(sg, settings.contracts))

@@ -7,7 +7,6 @@ import asyncio
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -80,10 +79,10 @@ async def test_a_broken_reload_keeps_the_contracts_in_force_and_is_counted(
 async def test_sighup_reloads_a_running_sidecar(tmp_path, tools_url):
     path = write_contract(tmp_path / "c.yaml", tools_url)
     port, admin = _free_port(), _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "stepguard.proxy.cli", "serve", "--contract", path, "--port",
-         str(port), "--admin-port", str(admin), "--store", str(tmp_path / "s.db"),
-         "--log-format", "json"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "stepguard.proxy.cli", "serve", "--contract", path, "--port",
+        str(port), "--admin-port", str(admin), "--store", str(tmp_path / "s.db"),
+        "--log-format", "json", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
     try:
         async with aiohttp.ClientSession() as session:
             await _ready(session, admin)
@@ -99,7 +98,7 @@ async def test_sighup_reloads_a_running_sidecar(tmp_path, tools_url):
             assert versions == ["7"]
     finally:
         proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=20)
+        out, _ = await asyncio.wait_for(proc.communicate(), 20)
     assert proc.returncode == 0
     assert b"contracts_reloaded" in out
 
