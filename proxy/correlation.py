@@ -11,8 +11,8 @@ _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}
 _RUN_ID = re.compile(r"^[\x21-\x7e]{1,200}$")
 
 
-def trace_id(traceparent: str | None) -> str | None:
-    if not traceparent:
+def trace_id(traceparent: object) -> str | None:
+    if not isinstance(traceparent, str) or not traceparent:
         return None
     m = _TRACEPARENT.match(traceparent.strip().lower())
     if not m or m.group(1) == "0" * 32:
@@ -21,7 +21,7 @@ def trace_id(traceparent: str | None) -> str | None:
 
 
 def run_id_for(contract: Contract, headers: Mapping[str, str], implicit: bool = True,
-               traceparent: str | None = None) -> str | None:
+               traceparent: object = None) -> str | None:
     """The run a call belongs to, by the contract's key sources in order: `header:NAME`,
     `traceparent` (the trace id; `traceparent` given here, e.g. from MCP `params._meta`, before the
     header), `mcp-session` (the `Mcp-Session-Id` header)."""

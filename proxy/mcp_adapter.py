@@ -171,6 +171,8 @@ class McpAdapter:
             answer = await self._attempt(call)
             async with self.runs.locked(call.run_id):
                 envelope = await self.runs.envelope(contract, call.run_id)
+                if envelope.status in ("halted", "escalated"):   # halted while this call ran
+                    await self._refuse_stopped(call, envelope, "exit")
                 decision = check_exit(contract, step, envelope, call.arguments, answer.result)
                 settled = await self._settle(call, envelope, decision, answer, attempt, safe)
             if settled.action == RETRY:
@@ -197,9 +199,7 @@ class McpAdapter:
         async with self.runs.locked(call.run_id):
             envelope = await self.runs.envelope(call.contract, call.run_id)
             if envelope.status in ("halted", "escalated"):
-                await self.boundaries.refuse(call.contract, call.run_id, envelope, call.step.name,
-                                             timing=call.timing, traffic=TRAFFIC)
-                raise _halted(call, envelope)
+                await self._refuse_stopped(call, envelope, "entry")
             if isinstance(call.arguments, dict) or call.arguments is None:
                 decision = check_entry(call.step, envelope, call.arguments or {})
             else:
@@ -210,6 +210,12 @@ class McpAdapter:
                 call.contract, call.run_id, envelope, decision, Evidence(call.arguments, call.body),
                 timing=call.timing, traffic=TRAFFIC, extra={"rpc_id": call.rpc_id})
         self._raise_if_stopped(call, decision, settled)
+
+    async def _refuse_stopped(self, call: ToolCall, envelope: Envelope, boundary: str) -> None:
+        settled = await self.boundaries.refuse(call.contract, call.run_id, envelope,
+                                               call.step.name, timing=call.timing, traffic=TRAFFIC,
+                                               boundary=boundary, extra={"rpc_id": call.rpc_id})
+        raise _halted(call, envelope, boundary, settled.decision_id)
 
     async def _settle(self, call: ToolCall, envelope: Envelope, decision: Decision, answer: Answer,
                       attempt: int, safe: bool) -> Settled:
@@ -344,13 +350,19 @@ class McpAdapter:
                             content_type="application/json")
 
 
-def _halted(call: ToolCall, envelope: Envelope) -> Refusal:
+def _halted(call: ToolCall, envelope: Envelope, boundary: str, decision_id: str) -> Refusal:
     halt = envelope.halt or {}
     violation = halt.get("violation") or {}
     return Refusal(HALTED_CODE, f"stepguard: run {call.run_id!r} is {envelope.status}: step "
                    f"{halt.get('step')!r} failed {violation.get('check')} "
-                   f"({violation.get('drift')}): {violation.get('detail')}",
-                   {"run": call.run_id, "run_status": envelope.status, "halted_by": halt})
+                   f"({violation.get('drift')}): {violation.get('detail')}; call of step "
+                   f"{call.step.name!r} refused",
+                   {"run": call.run_id, "workflow": call.contract.workflow,
+                    "run_status": envelope.status, "halted_by": halt, "step": halt.get("step"),
+                    "check": violation.get("check"), "drift": violation.get("drift"),
+                    "refused_step": call.step.name, "boundary": boundary, "action": "refuse",
+                    "detection_point": f"{call.step.name}.{boundary}.run_status",
+                    "decision_id": decision_id})
 
 
 def _json(data: str) -> dict[str, Any]:
