@@ -133,6 +133,7 @@ class _Compiler:
             redact=tuple(doc.get("redact", ())),
             source=self.source,
             content_hash=content_hash,
+            run_keys_declared="key" in run,
         )
 
     def upstreams(self, specs: Mapping[str, Any]) -> dict[str, Upstream]:

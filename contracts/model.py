@@ -106,6 +106,7 @@ class Contract:
     redact: tuple[str, ...]
     source: str
     content_hash: str
+    run_keys_declared: bool = False   # `run.key` written in the file, not the default
 
     def step_for(self, upstream: str, method: str, path: str) -> Step | None:
         for step in self.steps.values():

@@ -40,6 +40,7 @@ import importlib.resources
 import math
 import os
 import re
+import select
 import shutil
 import signal
 import socket
@@ -539,8 +540,9 @@ class _Bench:
         port, admin, store = free_port(), free_port(), self.dir / f"{name}.db"
         env = {k: v for k, v in os.environ.items() if not k.startswith("STEPGUARD_")}
         proc = self.spawn(name, [sys.executable, "-m", "stepguard.proxy.cli", "serve",
-                                 "--contract", str(path), "--port", str(port), "--admin-port",
-                                 str(admin), "--store", str(store), "--log-level", "warning"],
+                                 "--contract", str(path), "--host", "127.0.0.1", "--port", str(port),
+                                 "--admin-host", "127.0.0.1", "--admin-port", str(admin),
+                                 "--store", str(store), "--log-level", "warning"],
                           env=env)
         self._wait_http(proc, admin, "/readyz", "GET")
         return proc, port, store
@@ -605,8 +607,6 @@ class _Bench:
 
 
 def _readline(stream: Any, timeout: float) -> bytes:
-    import select
-
     ready, _, _ = select.select([stream], [], [], timeout)
     line: bytes = stream.readline() if ready else b""
     return line
@@ -747,6 +747,9 @@ def _measure_row(bench: _Bench, name: str, upstream_url: str, wrk_ok: str | None
         row.max_ms, row.send_lag_p99_ms, row.server = lat["max_ms"], lat["send_lag_p99_ms"], lat["server"]
         if traffic.stream:
             row.ttfb_p50_ms = lat["ttfb_p50_ms"]
+        if (row.send_lag_p99_ms or 0) > 2:
+            row.notes.append(f"the latency client fell behind its schedule by {row.send_lag_p99_ms:.1f} "
+                             "ms at p99: the machine was busy, tails are noisy")
         if lat["failed"]:
             row.notes.append(f"latency phase: {lat['failed']} of {lat['sent']} failed "
                              f"(statuses {lat['statuses']}, {'; '.join(lat['errors'])})")
@@ -832,6 +835,7 @@ def run(options: BenchOptions) -> dict[str, Any]:
             or options.rate_duration_s <= 0:
         raise ValueError("concurrency, duration, rate and rate duration must be positive")
     began = time.perf_counter()
+    load_before = os.getloadavg()[0]
     micro = boundary_micro(options.micro_n) if options.micro_n > 0 else None
     wrk_missing = None
     if not (Path(options.wrk).is_file() and os.access(options.wrk, os.X_OK)):
@@ -863,7 +867,10 @@ def run(options: BenchOptions) -> dict[str, Any]:
             "targets": _targets(rows, ratios, micro), "micro": micro,
             "options": asdict(options),
             "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0],
-                        "platform": sys.platform},
+                        "platform": sys.platform,
+                        # 1-minute load average when the run began and ended: other work on the
+                        # machine shows up in the latency tails (CPU time per request is immune)
+                        "load_avg": [round(load_before, 2), round(os.getloadavg()[0], 2)]},
             "elapsed_s": round(time.perf_counter() - began, 1)}
 
 
@@ -923,8 +930,9 @@ def render(result: dict[str, Any]) -> str:
         lines.append(f"  [{verdict:^6}] {t['target']}: {_fmt(t['value'], 3)}{unit} "
                      f"(target {t['op']} {t['limit']:g}{unit})")
     machine = result["machine"]
-    lines += ["", f"{machine['cpus']} cpus, python {machine['python']}; "
-                  f"took {result['elapsed_s']:.1f} s"]
+    before, after = machine["load_avg"]
+    lines += ["", f"{machine['cpus']} cpus, python {machine['python']}, 1-min load average "
+                  f"{before:.2f} at start, {after:.2f} at end; took {result['elapsed_s']:.1f} s"]
     return "\n".join(lines)
 
 

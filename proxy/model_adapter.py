@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
@@ -131,7 +131,14 @@ class ModelAdapter:
     # -- correlation ---------------------------------------------------------------------------
 
     async def _correlate(self, ex: Exchange) -> None:
-        run_id = run_id_for(ex.contract, ex.request.headers, implicit=False)
+        # A header or traceparent the contract names explicitly outranks the conversation's own
+        # tool-call ids. By default only the run header does: OpenTelemetry instrumentation puts
+        # a traceparent on every model call, one trace per call or one per orchestrator, and
+        # neither is a conversation.
+        contract = ex.contract
+        if not contract.run_keys_declared:
+            contract = replace(contract, run_keys=("header:x-stepguard-run",))
+        run_id = run_id_for(contract, ex.request.headers, implicit=False)
         if run_id is None:
             found = {r for key in ex.dialect.known_ids(ex.body)
                      if (r := await self.runs.store.find_run(key)) is not None}
@@ -237,6 +244,10 @@ class ModelAdapter:
 
     async def _relay_events(self, ex: Exchange, resp: aiohttp.ClientResponse,
                             out: web.StreamResponse) -> None:
+        """Relay each event as it completes, hold the terminator, check the assembled turn.
+        An agent that hangs up early (it has its tool call) does not stop the check: the turn
+        is still read to its end, checked and recorded."""
+        client = _Client(out)
         splitter, assembler = SSESplitter(), ex.dialect.assembler()
         held: list[bytes] = []
         streaming_since = time.perf_counter()
@@ -248,27 +259,27 @@ class ModelAdapter:
                         continue
                     if event is not None:
                         assembler.feed(event)
-                    await out.write(raw)
-        except (aiohttp.ClientError, TimeoutError) as exc:
+                    await client.write(raw)
+        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, TimeoutError) as exc:
             ex.timing.upstream(streaming_since)
-            await out.write(ex.dialect.stream_error(f"stepguard: upstream stream failed: {exc}",
-                                                    {"check": "upstream"}))
-            await out.write_eof()
+            await client.write(ex.dialect.stream_error(f"stepguard: upstream stream failed: {exc}",
+                                                       {"check": "upstream"}))
+            await client.close()
             return
         ex.timing.upstream(streaming_since)
         held.append(splitter.rest())
         try:
             await self._retrying(self._entries, ex, assembler.turn())
         except Stop as stop:
-            await out.write(ex.dialect.stream_error(stop.message, stop.details))
+            await client.write(ex.dialect.stream_error(stop.message, stop.details))
         except StoreError as exc:
             self.observer.store_error("append", str(exc), run_id=ex.run_id)
-            await out.write(ex.dialect.stream_error(
+            await client.write(ex.dialect.stream_error(
                 f"stepguard: the event could not be stored ({exc})", {"check": "store"}))
         else:
             for raw in held:
-                await out.write(raw)
-        await out.write_eof()
+                await client.write(raw)
+        await client.close()
 
     def _upstream_seen(self, ex: Exchange, status: int | None, since: float) -> None:
         waited = ex.timing.upstream(since)
@@ -356,3 +367,26 @@ class ModelAdapter:
                 else {"error": {"message": message, "type": "stepguard_error", "stepguard": details}})
         return web.Response(status=status, body=orjson.dumps(body),
                             content_type="application/json", headers=_NO_RETRY)
+
+
+class _Client:
+    """The agent's end of a relayed stream; once it has hung up, writes are dropped."""
+
+    def __init__(self, out: web.StreamResponse) -> None:
+        self.out = out
+        self.gone = False
+
+    async def write(self, data: bytes) -> None:
+        if self.gone:
+            return
+        try:
+            await self.out.write(data)
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            self.gone = True
+
+    async def close(self) -> None:
+        if not self.gone:
+            try:
+                await self.out.write_eof()
+            except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+                self.gone = True

@@ -143,7 +143,8 @@ class ChatCompletions:
         return _ChatAssembler()
 
     def error_body(self, message: str, details: dict[str, Any]) -> dict[str, Any]:
-        return {"error": {"message": message, "type": "stepguard_violation",
+        kind = "stepguard_violation" if "drift" in details else "invalid_request_error"
+        return {"error": {"message": message, "type": kind,
                           "param": details.get("field"), "code": details.get("drift"),
                           "stepguard": details}}
 

@@ -8,12 +8,16 @@
   increasing `sequence_number`s, ended by `response.completed` (no `[DONE]`).
 - `POST /v1/messages`: Anthropic Messages. Streams are `event: <type>` + `data: <event>` pairs
   (`message_start`, `ping`, `content_block_*`, `message_delta`, `message_stop`).
+- `GET /v1/models`: the model list, in Anthropic's shape when the request has an
+  `anthropic-version` header, else in OpenAI's (not scripted, not recorded).
 
 What the model says next is scripted: a `Script` is a queue of turns (`ToolCalls`, `Reply`,
 `Failure`) per conversation, picked by the `x-fake-conversation` request header, else the default
 script. Each request pops one turn; an exhausted script answers 400 in the provider's error
 shape. Tool-call arguments (and text) are streamed in several fragments, so clients have to
-assemble them. Every request body is recorded in `FakeModel.requests` as `(path, body)`.
+assemble them. Every request body is recorded in `FakeModel.requests` as `(path, body)`, with its
+headers in `request_headers` and its bytes as received in `raw_bodies`; every stream's start and
+end times are recorded in `FakeModel.streams`.
 
 `ThreadedServer` runs the app on a loopback port in a thread of its own (for synchronous
 clients); `serve` runs it on the running event loop.
@@ -39,6 +43,7 @@ from aiohttp import web
 
 CONVERSATION_HEADER = "x-fake-conversation"
 CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
+MODELS_PATH = "/v1/models"
 RESPONSES_PATH = "/v1/responses"
 MESSAGES_PATH = "/v1/messages"
 
@@ -144,19 +149,32 @@ class RecordedRequest(NamedTuple):
     body: JSONObject
 
 
+class StreamTiming(NamedTuple):
+    """One SSE response: when its headers went out and when its last event had been written
+    (`time.perf_counter()` seconds, comparable within the process)."""
+
+    path: str
+    started: float
+    finished: float
+
+
 class FakeModel:
     """Scripts and request log shared by the app's handlers; safe to use from another thread.
 
     `fragments`: how many pieces each tool call's arguments (and each text) is streamed in.
     `chunk_delay`: seconds to wait before each SSE event (to make streams observably slow)."""
 
-    def __init__(self, turns: Iterable[Turn] = (), *, fragments: int = 3, chunk_delay: float = 0.0) -> None:
+    def __init__(self, turns: Iterable[Turn] = (), *, fragments: int = 3, chunk_delay: float = 0.0,
+                 models: Sequence[str] = ("fake-model",)) -> None:
         if fragments < 1:
             raise ValueError("fragments must be at least 1")
         self.fragments = fragments
         self.chunk_delay = chunk_delay
+        self.models = tuple(models)
         self.requests: list[RecordedRequest] = []
         self.request_headers: list[dict[str, str]] = []  # lower-cased names, parallel to `requests`
+        self.raw_bodies: list[bytes] = []                # the bytes received, parallel to `requests`
+        self.streams: list[StreamTiming] = []
         self._lock = threading.Lock()
         self._default = Script(turns)
         self._scripts: dict[str, Script] = {}
@@ -182,10 +200,15 @@ class FakeModel:
             script = self._scripts.get(conversation_id)
             return script.pop() if script is not None else None
 
-    def record(self, path: str, body: JSONObject, headers: Mapping[str, str]) -> None:
+    def record(self, path: str, body: JSONObject, headers: Mapping[str, str], raw: bytes = b"") -> None:
         with self._lock:
             self.requests.append(RecordedRequest(path, body))
             self.request_headers.append({k.lower(): v for k, v in headers.items()})
+            self.raw_bodies.append(raw)
+
+    def record_stream(self, timing: StreamTiming) -> None:
+        with self._lock:
+            self.streams.append(timing)
 
     def bodies(self, path: str) -> list[JSONObject]:
         """The recorded bodies sent to `path`, oldest first."""
@@ -509,12 +532,14 @@ async def _write_sse(request: web.Request, api: Api, events: Sequence[SSEEvent],
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                        "Cache-Control": "no-cache", _request_id_header(api): new_id("req")})
     await resp.prepare(request)
+    started = time.perf_counter()
     with contextlib.suppress(ConnectionResetError):  # the client may hang up once it has what it needs
         for event, data in events:
             if delay:
                 await asyncio.sleep(delay)
             await resp.write(encode_sse(event, data))
         await resp.write_eof()
+    request.app[MODEL_KEY].record_stream(StreamTiming(request.path, started, time.perf_counter()))
     return resp
 
 
@@ -527,7 +552,7 @@ async def _handle(request: web.Request, api: Api) -> web.StreamResponse:
         body = None
     if not isinstance(body, dict):
         return _json_error(api, 400, "the request body must be a JSON object")
-    model.record(request.path, body, request.headers)
+    model.record(request.path, body, request.headers, raw)
     missing = [key for key in _REQUIRED[api] if key not in body]
     if missing:
         return _json_error(api, 400, f"{missing[0]}: Field required", code="missing_required_parameter")
@@ -560,12 +585,30 @@ async def _messages(request: web.Request) -> web.StreamResponse:
     return await _handle(request, "messages")
 
 
+_MODELS_CREATED = 1_700_000_000
+
+
+async def _models(request: web.Request) -> web.StreamResponse:
+    ids = request.app[MODEL_KEY].models
+    if "anthropic-version" in request.headers:
+        created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(_MODELS_CREATED))
+        return web.json_response(
+            {"data": [{"type": "model", "id": i, "display_name": i, "created_at": created} for i in ids],
+             "has_more": False, "first_id": ids[0] if ids else None, "last_id": ids[-1] if ids else None},
+            headers={"request-id": new_id("req")})
+    return web.json_response(
+        {"object": "list",
+         "data": [{"id": i, "object": "model", "created": _MODELS_CREATED, "owned_by": "fake"} for i in ids]},
+        headers={"x-request-id": new_id("req")})
+
+
 def create_app(model: FakeModel) -> web.Application:
     app = web.Application()
     app[MODEL_KEY] = model
     app.router.add_post(CHAT_COMPLETIONS_PATH, _chat_completions)
     app.router.add_post(RESPONSES_PATH, _responses)
     app.router.add_post(MESSAGES_PATH, _messages)
+    app.router.add_get(MODELS_PATH, _models)
     return app
 
 

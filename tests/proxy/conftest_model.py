@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import inspect
 import json
 import sqlite3
@@ -43,6 +45,7 @@ CONTRACT = (Path(__file__).resolve().parents[2] / "examples" / "order-confirmati
 RUN_HEADER = "x-stepguard-run"
 MODEL = "fake-model"
 STEPS = ("lookup_order", "check_policy", "reserve_slot", "confirm")
+QUESTION = "Please confirm order ord-7."
 
 Api = Literal["chat", "responses", "messages"]
 APIS: tuple[Api, ...] = ("chat", "responses", "messages")
@@ -82,13 +85,22 @@ def modes(**only: Any) -> list[Any]:
 # --- the contract -------------------------------------------------------------------------------
 
 
-def model_contract(api: Api, model_url: str) -> Contract:
-    """The example model contract pointed at `model_url`; its Anthropic variant for `messages`."""
-    if api != "messages":
-        return contract_with_upstreams(CONTRACT, {"model": model_url})
+@functools.cache
+def _parsed_contract(kind: str) -> Contract:
+    if kind == "openai":
+        return contract_with_upstreams(CONTRACT, {"model": "http://127.0.0.1:9"})
     document: dict[str, Any] = yaml.safe_load(CONTRACT.read_bytes())
-    document["upstreams"]["model"].update(url=model_url, kind="anthropic", mount="/anthropic")
+    document["upstreams"]["model"].update(kind="anthropic", mount="/anthropic")
     return parse_contract(yaml.safe_dump(document, sort_keys=False).encode(), str(CONTRACT))
+
+
+def model_contract(api: Api, model_url: str) -> Contract:
+    """The example model contract pointed at `model_url` (`kind: openai`, mounted at /openai), or
+    its Anthropic variant (`kind: anthropic`, mounted at /anthropic) for `messages`. Parsing
+    (schemas, CEL) is done once per kind; repointing a parsed contract is a dataclass replace."""
+    contract = _parsed_contract("anthropic" if api == "messages" else "openai")
+    upstream = contract.upstreams["model"]
+    return dataclasses.replace(contract, upstreams={"model": dataclasses.replace(upstream, url=model_url)})
 
 
 # --- the stack: fake model + stepguard, in a thread of their own --------------------------------
@@ -143,7 +155,8 @@ class Stack:
             self._thread = None
 
     async def aclose(self) -> None:
-        for client in self.clients:
+        clients, self.clients = self.clients, []
+        for client in clients:
             if isinstance(client, openai.AsyncOpenAI | anthropic.AsyncAnthropic):
                 await client.close()
             else:
@@ -172,9 +185,11 @@ class Stack:
         return client
 
     def agent(self, mode: Mode, tools: Tools | None = None, *, conversation: str | None = None,
-              headers: dict[str, str] | None = None, client: Any = None, **client_options: Any) -> Agent:
-        return Agent(mode, client or self.client(mode, **client_options),
-                     tools or OrderTools(7), conversation=conversation, headers=headers)
+              headers: dict[str, str] | None = None, stateful: bool = False,
+              **client_options: Any) -> Agent:
+        """An agent for `mode` on a fresh client; `tools` default to the example's, for ord-7."""
+        return Agent(mode, self.client(mode, **client_options), tools or OrderTools(7),
+                     conversation=conversation, headers=headers, stateful=stateful)
 
     # -- what stepguard stored -----------------------------------------------------------------------
 
@@ -201,8 +216,9 @@ class Stack:
         with contextlib.closing(sqlite3.connect(self.store)) as db:
             tables = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
             for table in tables:
-                for row in db.execute(f"SELECT * FROM {table}"):  # noqa: S608 - names from sqlite_master
-                    yield table, b"\x1f".join(v if isinstance(v, bytes) else str(v).encode() for v in row)
+                for row in db.execute(f"SELECT * FROM {table}"):
+                    yield table, b"\x1f".join(v if isinstance(v, bytes) else str(v).encode()
+                                               for v in row)
 
 
 # --- tools, run in-process by the agent ----------------------------------------------------------
@@ -256,6 +272,7 @@ class ModelTurn:
 
     calls: list[Call]
     text: str | None
+    response_id: str | None
     run_id: str | None                                   # the x-stepguard-run response header
     headers: dict[str, str]
     started: float                                       # perf_counter before the request
@@ -274,9 +291,10 @@ class _Reader:
         self.calls: dict[Any, dict[str, Any]] = {}
         self.text: list[str] = []
         self.arrivals: list[float] = []
-        self.ended = False   # the stream's own end was seen (not just the connection closing)
+        self.response_id: str | None = None
 
     def whole(self, obj: Any) -> None:
+        self.response_id = obj.id
         if self.api == "chat":
             message = obj.choices[0].message
             for c in message.tool_calls or []:
@@ -301,6 +319,7 @@ class _Reader:
     def event(self, event: Any) -> None:
         self.arrivals.append(time.perf_counter())
         if self.api == "chat":
+            self.response_id = event.id
             for choice in event.choices:
                 delta = choice.delta
                 if delta.content:
@@ -311,11 +330,11 @@ class _Reader:
                     if part.function is not None:
                         call["name"] = part.function.name or call["name"]
                         call["parts"].append(part.function.arguments or "")
-                self.ended = self.ended or choice.finish_reason is not None
         elif self.api == "responses":
             if event.type == "response.completed":
                 self.whole(event.response)
-                self.ended = True
+        elif event.type == "message_start":
+            self.response_id = event.message.id
         elif event.type == "content_block_start" and event.content_block.type == "tool_use":
             block = event.content_block
             self.calls[event.index] = {"id": block.id, "name": block.name, "parts": []}
@@ -324,14 +343,12 @@ class _Reader:
                 self.calls[event.index]["parts"].append(event.delta.partial_json)
             elif event.delta.type == "text_delta":
                 self.text.append(event.delta.text)
-        elif event.type == "message_stop":
-            self.ended = True
 
     def turn(self, headers: Any, started: float) -> ModelTurn:
         calls = [Call(c["id"], c["name"], json.loads("".join(c["parts"]) or "{}"))
                  for c in self.calls.values()]
-        return ModelTurn(calls, "".join(self.text) if self.text else None, headers.get(RUN_HEADER),
-                         dict(headers), started, self.arrivals)
+        return ModelTurn(calls, "".join(self.text) if self.text else None, self.response_id,
+                         headers.get(RUN_HEADER), dict(headers), started, self.arrivals)
 
 
 class Agent:
@@ -339,13 +356,17 @@ class Agent:
     send the results back, until it gives a final answer. `turns` keeps what it received."""
 
     def __init__(self, mode: Mode, client: Any, tools: Tools, *, conversation: str | None = None,
-                 headers: dict[str, str] | None = None, question: str = "Please confirm order ord-7.") -> None:
+                 headers: dict[str, str] | None = None, stateful: bool = False) -> None:
         self.mode, self.client, self.tools = mode, client, tools
         self.headers = dict(headers or {})
         if conversation is not None:
             self.headers[CONVERSATION_HEADER] = conversation
+        # Responses only: continue by previous_response_id, sending only the new items
+        self.stateful = stateful
+        assert not stateful or mode.api == "responses"
         self.turns: list[ModelTurn] = []
-        self.conversation: list[Any] = [{"role": "user", "content": question}]
+        self.conversation: list[Any] = [{"role": "user", "content": QUESTION}]
+        self._sent = 0                          # stateful: items the model already has
         self.closed_streams: list[bool] = []   # per streamed turn: was the HTTP response closed
 
     @property
@@ -359,7 +380,9 @@ class Agent:
         if self.mode.api == "chat":
             request.update(messages=self.conversation, tools=CHAT_TOOLS)
         elif self.mode.api == "responses":
-            request.update(input=self.conversation, tools=RESPONSES_TOOLS)
+            request.update(input=self.conversation[self._sent:], tools=RESPONSES_TOOLS)
+            if self.stateful and self.turns:
+                request["previous_response_id"] = self.turns[-1].response_id
         else:
             request.update(messages=self.conversation, tools=ANTHROPIC_TOOLS, max_tokens=1024)
         return request
@@ -378,6 +401,8 @@ class Agent:
             headers = await self._ask_async(request, reader)
         turn = reader.turn(headers, started)
         self.turns.append(turn)
+        if self.stateful:
+            self._sent = len(self.conversation)
         return turn
 
     def _ask_sync(self, request: dict[str, Any], reader: _Reader) -> Any:
@@ -423,8 +448,9 @@ class Agent:
             self.conversation += [{"role": "tool", "tool_call_id": c.id, "content": text(a)}
                                   for c, a in results]
         elif api == "responses":
-            self.conversation += [{"type": "function_call", "call_id": c.id, "name": c.name,
-                                   "arguments": json.dumps(c.arguments)} for c in turn.calls]
+            if not self.stateful:   # a stateful conversation's calls are already with the model
+                self.conversation += [{"type": "function_call", "call_id": c.id, "name": c.name,
+                                       "arguments": json.dumps(c.arguments)} for c in turn.calls]
             self.conversation += [{"type": "function_call_output", "call_id": c.id, "output": text(a)}
                                   for c, a in results]
         else:
@@ -500,15 +526,16 @@ def sse_events(raw: bytes) -> list[tuple[str | None, Any]]:
     return events
 
 
-def first_request(api: Api, *, stream: bool = False, question: str = "Please confirm order ord-7.") -> dict[str, Any]:
+def first_request(api: Api, *, stream: bool = False) -> dict[str, Any]:
     """The body of an agent's first request to the model, as the SDKs would send it."""
     body: dict[str, Any] = {"model": MODEL}
+    question = [{"role": "user", "content": QUESTION}]
     if api == "chat":
-        body.update(messages=[{"role": "user", "content": question}], tools=CHAT_TOOLS)
+        body.update(messages=question, tools=CHAT_TOOLS)
     elif api == "responses":
-        body.update(input=[{"role": "user", "content": question}], tools=RESPONSES_TOOLS)
+        body.update(input=question, tools=RESPONSES_TOOLS)
     else:
-        body.update(messages=[{"role": "user", "content": question}], tools=ANTHROPIC_TOOLS, max_tokens=1024)
+        body.update(messages=question, tools=ANTHROPIC_TOOLS, max_tokens=1024)
     if stream:
         body["stream"] = True
     return body
