@@ -86,6 +86,7 @@ PAYLOAD_HISTORY_BYTES = 16 * 1024      # stepguard's default: bodies up to this 
 _WARMUP_S = 0.5
 _READY_TIMEOUT_S = 30.0
 _STOP_TIMEOUT_S = 10.0
+_LAG_NOTE_MS = 5.0
 
 
 @dataclass
@@ -704,7 +705,7 @@ def _plan(rows: Sequence[str]) -> list[str]:
     return [r for r in _ORDER if r in wanted]
 
 
-def _measure_row(bench: _Bench, name: str, upstream_url: str, wrk_ok: str | None) -> Row:
+def _measure_row(bench: _Bench, name: str, upstream_url: str, wrk_missing: str | None) -> Row:
     row = Row(name, reference=REFERENCE.get(name))
     traffic = {"model": _CHAT, "model_direct": _CHAT, "model_stream": _CHAT_STREAM,
                "model_stream_direct": _CHAT_STREAM}.get(name, _TOOL)
@@ -725,8 +726,8 @@ def _measure_row(bench: _Bench, name: str, upstream_url: str, wrk_ok: str | None
             prefix = MODEL_MOUNT
         url = f"http://127.0.0.1:{port}{prefix}{traffic.path}"
         _smoke(name, port, prefix + traffic.path, traffic)
-        if wrk_ok is not None:
-            row.notes.append(f"rps not measured: {wrk_ok}")
+        if wrk_missing is not None:
+            row.notes.append(f"rps not measured: {wrk_missing}")
         else:
             bench.wrk(url, traffic.body, f"{name}-wrkwarm" if traffic.run_ids else None,
                       min(_WARMUP_S, bench.options.duration_s))
@@ -747,9 +748,9 @@ def _measure_row(bench: _Bench, name: str, upstream_url: str, wrk_ok: str | None
         row.max_ms, row.send_lag_p99_ms, row.server = lat["max_ms"], lat["send_lag_p99_ms"], lat["server"]
         if traffic.stream:
             row.ttfb_p50_ms = lat["ttfb_p50_ms"]
-        if (row.send_lag_p99_ms or 0) > 2:
-            row.notes.append(f"the latency client fell behind its schedule by {row.send_lag_p99_ms:.1f} "
-                             "ms at p99: the machine was busy, tails are noisy")
+        if (row.send_lag_p99_ms or 0) > _LAG_NOTE_MS:
+            row.notes.append(f"the latency client started requests up to {row.send_lag_p99_ms:.1f} ms "
+                             "late (p99): it was short of CPU, so the tails are noisy")
         if lat["failed"]:
             row.notes.append(f"latency phase: {lat['failed']} of {lat['sent']} failed "
                              f"(statuses {lat['statuses']}, {'; '.join(lat['errors'])})")

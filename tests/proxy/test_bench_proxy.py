@@ -1,0 +1,318 @@
+"""`stepguard bench proxy`: a real (tiny) run of every row, the open-loop client, the bench upstream,
+the micro-benchmark, and the pure helpers. No test asserts how fast anything is: only shapes,
+counts, and that each hop really was in the path."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from aiohttp import web
+
+from stepguard.proxy import bench_upstream
+from stepguard.proxy.bench_proxy import (
+    ROWS,
+    BenchOptions,
+    _children,
+    _parse_wrk,
+    _percentile,
+    _plan,
+    boundary_micro,
+    loadgen,
+    render,
+    run,
+)
+
+ALL_ROWS = ["direct", "nginx", "passthrough", "contract", "model_direct", "model",
+            "model_stream_direct", "model_stream"]
+HOPS = ("nginx", "passthrough", "contract", "model", "model_stream")
+needs_tools = pytest.mark.skipif(not (Path("/usr/bin/wrk").exists() and Path("/usr/sbin/nginx").exists()),
+                                 reason="wrk and nginx are needed (apt-get install -y wrk nginx-light)")
+
+
+# --- the bench upstream ------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def upstream(*args: str) -> Iterator[int]:
+    """`python -m stepguard.proxy.bench_upstream --port 0 ARGS`, yielding its port."""
+    proc = subprocess.Popen([sys.executable, "-m", "stepguard.proxy.bench_upstream", "--port", "0",
+                             *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        match = re.fullmatch(rb"listening (\d+)\s*", line)
+        assert match, line
+        yield int(match.group(1))
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=10)
+    assert proc.returncode == 0
+
+
+def exchange(port: int, raw: bytes, responses: int) -> list[tuple[bytes, bytes]]:
+    """Send raw bytes on one connection; read `responses` Content-Length or chunked answers."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(raw)
+        buffer, answers = b"", list[tuple[bytes, bytes]]()
+        while len(answers) < responses:
+            head_end = buffer.find(b"\r\n\r\n")
+            if head_end >= 0:
+                head = buffer[:head_end]
+                length = re.search(rb"(?i)content-length: (\d+)", head)
+                rest = buffer[head_end + 4:]
+                if length and len(rest) >= int(length.group(1)):
+                    size = int(length.group(1))
+                    answers.append((head, rest[:size]))
+                    buffer = rest[size:]
+                    continue
+                last_chunk = rest.find(b"\r\n0\r\n\r\n")
+                if not length and last_chunk >= 0:
+                    end = last_chunk + len(b"\r\n0\r\n\r\n")
+                    answers.append((head, rest[:end]))
+                    buffer = rest[end:]
+                    continue
+            chunk = sock.recv(65536)
+            assert chunk, f"connection closed after {len(answers)} answers"
+            buffer += chunk
+        return answers
+
+
+def test_upstream_answers_keep_alive_pipelined_and_chunked() -> None:
+    order = bench_upstream.order_body()
+    assert 9_000 <= len(order) <= 12_000
+    chat = bench_upstream.chat_request(stream=False)
+    stream = bench_upstream.chat_request(stream=True)
+    chunked_body = b"%x\r\n%s\r\n0\r\n\r\n" % (len(chat), chat)
+    raw = (b"POST /lookup_order HTTP/1.1\r\nHost: x\r\nContent-Length: 21\r\n\r\n"
+           b'{"order_id":"ord-17"}'
+           b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+           + chunked_body +
+           b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+           % (len(stream), stream) +
+           b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    with upstream() as port:
+        answers = exchange(port, raw, 4)
+    (h1, b1), (h2, b2), (h3, b3), (_, b4) = answers
+    assert h1.startswith(b"HTTP/1.1 200") and orjson.loads(b1) == orjson.loads(order)
+    assert b"application/json" in h2
+    completion = orjson.loads(b2)
+    call = completion["choices"][0]["message"]["tool_calls"][0]
+    assert call["function"]["name"] == "lookup_order"
+    assert orjson.loads(call["function"]["arguments"]) == {"order_id": "ord-17"}
+    assert b"text/event-stream" in h3 and b"chunked" in h3.lower()
+    assert b"data: [DONE]" in b3 and b"lookup_order" in b3
+    assert orjson.loads(b4) == {"ok": True}
+
+
+def test_upstream_gives_every_tool_call_a_new_id() -> None:
+    body = bench_upstream.chat_request(stream=False)
+    request = b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    with upstream() as port:
+        answers = exchange(port, request * 3, 3)
+    ids = {orjson.loads(b)["choices"][0]["message"]["tool_calls"][0]["id"] for _, b in answers}
+    assert len(ids) == 3
+    assert all(len(i) == len(bench_upstream.CALL_PLACEHOLDER) for i in ids)
+
+
+def test_upstream_refuses_garbage_and_closes() -> None:
+    with upstream() as port, socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"NONSENSE\r\n\r\n")
+        data = b""
+        while chunk := sock.recv(4096):
+            data += chunk
+    assert data.startswith(b"HTTP/1.1 400")
+
+
+# --- the open-loop client ----------------------------------------------------------------------
+
+
+async def test_loadgen_keeps_its_schedule_when_answers_are_slow(aiohttp_server: Any) -> None:
+    """A closed-loop client would send one request per answer; this one sends on schedule and
+    opens as many connections as the slow upstream needs."""
+    inflight, peak = 0, 0
+
+    async def slow(request: web.Request) -> web.Response:
+        nonlocal inflight, peak
+        inflight += 1
+        peak = max(peak, inflight)
+        await asyncio.sleep(0.3)
+        inflight -= 1
+        return web.json_response({"ok": True})
+
+    app = web.Application()
+    app.router.add_post("/slow", slow)
+    server = await aiohttp_server(app)
+    result = await loadgen(str(server.make_url("/slow")), rate=40, duration_s=0.5, body=b"{}")
+    assert result["sent"] == 20 and result["completed"] == 20 and result["failed"] == 0
+    assert peak >= 5                      # answers take 0.3 s, one is sent every 25 ms
+    assert result["p50_ms"] >= 300        # the client measured the upstream's delay
+    assert result["p50_ms"] <= result["p90_ms"] <= result["p99_ms"] <= result["max_ms"]
+
+
+@pytest.mark.timeout(180)
+def test_loadgen_process_sends_rate_times_duration_against_a_slow_upstream(tmp_path: Path) -> None:
+    body = tmp_path / "body.json"
+    body.write_bytes(bench_upstream.order_request())
+    with upstream("--delay-ms", "200") as port:
+        done = subprocess.run(
+            [sys.executable, "-m", "stepguard.proxy.bench_proxy", "--loadgen", "--url",
+             f"http://127.0.0.1:{port}/lookup_order", "--rate", "50", "--duration", "1",
+             "--body-file", str(body), "--run-prefix", "lg"],
+            capture_output=True, timeout=120, check=True)
+    result = orjson.loads(done.stdout)
+    assert result["sent"] == 50 == result["completed"] == result["ok"]
+    assert result["statuses"] == [200]
+    assert result["p50_ms"] >= 200
+    # closed-loop on one connection this would take 50 x 200 ms = 10 s of sending
+    assert result["send_s"] < 5
+
+
+# --- the whole bench, tiny ---------------------------------------------------------------------
+
+
+@needs_tools
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_quick_run_measures_every_row() -> None:
+    options = BenchOptions(concurrency=4, duration_s=0.5, rate=50, rate_duration_s=0.5, micro_n=30)
+    result = run(options)
+    orjson.dumps(result)                                    # JSON all the way down
+    assert set(result) >= {"rows", "ratios", "options", "machine", "micro", "targets"}
+    assert list(result["rows"]) == ALL_ROWS
+    assert result["machine"]["cpus"] >= 1
+    assert result["options"]["rows"] == list(ROWS)
+    rows = result["rows"]
+    for name, row in rows.items():
+        assert row["status"] == "ok", (name, row["reason"])
+        assert row["rps"] > 0 and row["requests"] > 0, name
+        assert row["non_2xx"] == 0 and row["socket_errors"] == 0, name
+        assert row["sent"] == 25 == row["completed"] and row["failed_requests"] == 0, name
+        assert 0 < row["p50_ms"] <= row["p90_ms"] <= row["p99_ms"], name
+        if name in HOPS:
+            assert row["cpu_s_per_1k"] > 0 and row["rss_mb"] > 0, name
+            assert row["added_p50_ms"] is not None and row["added_p99_ms"] is not None, name
+        else:
+            assert row["cpu_s_per_1k"] is None and row["rss_mb"] is None, name
+            assert row["added_p50_ms"] is None, name
+    # nginx really was in the path: its Server header, its own process's CPU
+    assert rows["nginx"]["server"].startswith("nginx")
+    assert rows["direct"]["server"] == "stepguard-bench-upstream"
+    # stepguard stored what it checked: two events per checked call, one per model tool call,
+    # none for unmatched pass-through
+    assert rows["passthrough"]["stored_events"] == 0
+    assert rows["contract"]["stored_events"] >= 2 * (rows["contract"]["requests"] + 25)
+    assert rows["model"]["stored_events"] >= rows["model"]["requests"] + 25
+    assert rows["model_stream"]["stored_events"] >= rows["model_stream"]["requests"] + 25
+    assert rows["model_stream"]["ttfb_added_p50_ms"] is not None
+    assert rows["model"]["reference"] == "model_direct"
+    assert all(v is not None and v > 0 for v in result["ratios"].values())
+    assert {t["met"] for t in result["targets"]} <= {True, False}
+    assert result["micro"]["n"] == 30
+    assert _children(os.getpid()) == []                     # upstream, nginx, stepguards: gone
+    text = render(result)
+    for name in [*ALL_ROWS, "contract/passthrough", "contract/nginx", "passthrough/nginx",
+                 "targets:", "micro-benchmark"]:
+        assert name in text
+
+
+@pytest.mark.timeout(180)
+def test_missing_wrk_and_nginx_are_reported_not_fatal(tmp_path: Path) -> None:
+    options = BenchOptions(concurrency=2, duration_s=0.5, rate=20, rate_duration_s=0.5,
+                           rows=["nginx"], wrk=str(tmp_path / "no-wrk"),
+                           nginx=str(tmp_path / "no-nginx"), micro_n=0)
+    result = run(options)
+    rows = result["rows"]
+    assert list(rows) == ["direct", "nginx"]
+    assert rows["nginx"]["status"] == "skipped" and "nginx not found" in rows["nginx"]["reason"]
+    direct = rows["direct"]
+    assert direct["status"] == "ok" and direct["rps"] is None
+    assert any("wrk not found" in note for note in direct["notes"])
+    assert direct["p50_ms"] > 0                             # the latency phase still ran
+    assert result["micro"] is None
+    text = render(result)
+    assert "SKIPPED" in text and "nginx not found" in text
+
+
+@needs_tools
+@pytest.mark.timeout(180)
+def test_cli_bench_proxy_json() -> None:
+    done = subprocess.run([sys.executable, "-m", "stepguard.proxy.cli", "bench", "proxy", "--rows",
+                           "direct", "--duration", "0.5", "--rate", "20", "--rate-duration", "0.5",
+                           "--json"], capture_output=True, timeout=170, check=True)
+    result = orjson.loads(done.stdout)
+    assert list(result["rows"]) == ["direct"] and result["rows"]["direct"]["rps"] > 0
+    assert result["micro"]["median_us"] > 0
+
+
+def test_no_temp_dirs_or_processes_left_behind_by_a_failed_row(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A row whose hop never comes up is reported as failed; the run goes on and cleans up."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr("stepguard.proxy.bench_proxy.model_contract",
+                        lambda url: {"workflow": "broken"})      # stepguard refuses to start
+    options = BenchOptions(concurrency=2, duration_s=0.5, rate=20, rate_duration_s=0.5,
+                           rows=["model"], wrk="/nonexistent/wrk", micro_n=0)
+    result = run(options)
+    assert result["rows"]["model_direct"]["status"] == "ok"
+    model = result["rows"]["model"]
+    assert model["status"] == "failed" and "exited" in model["reason"]
+    assert list(tmp_path.iterdir()) == []
+    assert _children(os.getpid()) == []
+
+
+# --- the micro-benchmark and the helpers ------------------------------------------------------
+
+
+def test_boundary_micro_returns_sane_numbers() -> None:
+    micro = boundary_micro(50)
+    assert micro["n"] == 50
+    assert 9_000 <= micro["body_bytes"] <= 12_000
+    assert 0 < micro["median_us"] <= micro["p90_us"] < 10_000_000
+    parts = [micro[f"{p}_median_us"] for p in ("parse", "checks", "events", "store")]
+    assert all(p > 0 for p in parts)
+    with pytest.raises(ValueError):
+        boundary_micro(0)
+
+
+def test_plan_adds_the_reference_rows_and_names_unknown_ones() -> None:
+    assert _plan(["contract"]) == ["direct", "contract"]
+    assert _plan(["model_stream", "model"]) == ["model_direct", "model", "model_stream_direct",
+                                                "model_stream"]
+    assert _plan(list(ROWS)) == ALL_ROWS
+    with pytest.raises(ValueError, match=r"unknown row.*nope"):
+        _plan(["direct", "nope"])
+
+
+def test_parse_wrk() -> None:
+    out = """Running 4s test @ http://127.0.0.1:1/tools/lookup_order
+  1 threads and 32 connections
+  Thread Stats   Avg      Stdev     Max   +/- Stdev
+    Latency     2.10ms    1.00ms  10.00ms   90.00%
+    Req/Sec     1.50k   100.00     2.00k    70.00%
+  6012 requests in 4.00s, 60.10MB read
+  Socket errors: connect 0, read 1, write 0, timeout 2
+  Non-2xx or 3xx responses: 7
+Requests/sec:   1503.00
+Transfer/sec:     15.02MB
+"""
+    assert _parse_wrk(out) == {"rps": 1503.0, "requests": 6012, "non_2xx": 7, "socket_errors": 3}
+    with pytest.raises(RuntimeError, match="wrk printed no result"):
+        _parse_wrk("unable to connect to 127.0.0.1:1 Connection refused")
+
+
+def test_percentile_is_nearest_rank() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert _percentile(values, 50) == 50 and _percentile(values, 99) == 99
+    assert _percentile(values, 100) == 100 and _percentile([3.0], 99) == 3.0
