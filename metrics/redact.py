@@ -19,15 +19,42 @@ class Redactor:
         self.keys = ALWAYS | {f.lower() for f in fields}
 
     def __call__(self, value: Any) -> Any:
-        if isinstance(value, dict):
-            return {k: REDACTED if isinstance(k, str) and k.lower() in self.keys else self(v)
-                    for k, v in value.items()}
-        if isinstance(value, list):
-            return [self(v) for v in value]
-        return value
+        """`value` with every sensitive key's value replaced; containers are copied only where
+        something changed, so a clean payload comes back as the same object."""
+        return _redacted(value, self.keys)
 
     def headers(self, headers: Iterable[tuple[str, str]]) -> dict[str, str]:
         return {k: REDACTED if k.lower() in self.keys else v for k, v in headers}
+
+
+def _redacted(value: Any, keys: frozenset[str]) -> Any:
+    kind = type(value)
+    if kind is dict:
+        copy: dict[Any, Any] | None = None
+        for k, v in value.items():
+            if type(k) is str and k.lower() in keys:
+                new: Any = REDACTED
+            elif type(v) is dict or type(v) is list:
+                new = _redacted(v, keys)
+                if new is v:
+                    continue
+            else:
+                continue
+            if copy is None:
+                copy = dict(value)
+            copy[k] = new
+        return value if copy is None else copy
+    if kind is list:
+        items: list[Any] | None = None
+        for i, v in enumerate(value):
+            if type(v) is dict or type(v) is list:
+                new = _redacted(v, keys)
+                if new is not v:
+                    if items is None:
+                        items = list(value)
+                    items[i] = new
+        return value if items is None else items
+    return value
 
 
 def truncate(text: str, limit: int) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -86,7 +87,8 @@ def build(settings: Settings, contracts: list[Contract], store: Store | None = N
           metrics: Metrics | None = None) -> Stepguard:
     """A Stepguard on the settings' SQLite store (or `store`), with a fresh metrics registry."""
     observer = Observer(metrics or Metrics(), settings.log_payloads, settings.payload_log_bytes)
-    store = store or SQLiteStore(settings.store, settings.sqlite_synchronous)
+    store = store or SQLiteStore(settings.store, settings.sqlite_synchronous,
+                                 retention_s=settings.retention_hours * 3600)
     return Stepguard(settings, contracts, store, observer)
 
 
@@ -162,6 +164,7 @@ async def serve(settings: Settings, contracts: list[Contract]) -> None:
     log = get_logger("stepguard")
     sg = build(settings, contracts)
     await sg.start()
+    gc.freeze()   # what start-up built lives as long as the process: keep it out of GC passes
     proxy_runner = web.AppRunner(create_app(sg, manage=False), access_log=None,
                                  handle_signals=False)
     admin_runner = web.AppRunner(create_admin_app(sg), access_log=None, handle_signals=False)

@@ -69,6 +69,7 @@ from stepguard.contracts.sqlite_store import SQLiteStore
 from stepguard.metrics.redact import Redactor
 from stepguard.proxy import bench_upstream
 from stepguard.proxy.bodies import history_payload
+from stepguard.proxy.config import Settings
 
 ROWS = ("direct", "nginx", "passthrough", "contract", "model", "model_stream")
 REFERENCE = {"nginx": "direct", "passthrough": "direct", "contract": "direct",
@@ -81,7 +82,7 @@ RUN_HEADER = "x-stepguard-run"
 TOOL_PATH = "/lookup_order"
 MOUNT = "/tools"
 MODEL_MOUNT = "/openai"
-PAYLOAD_HISTORY_BYTES = 16 * 1024      # stepguard's default: bodies up to this size are stored
+PAYLOAD_HISTORY_BYTES = Settings().payload_history_bytes   # stepguard's default
 
 _WARMUP_S = 0.5
 _READY_TIMEOUT_S = 30.0

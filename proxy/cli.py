@@ -47,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="forward everything unchecked (a baseline, not for production)")
     serve.add_argument("--fail-open", action="store_true", default=None,
                        help="forward unchecked when the store fails (counted; default: refuse)")
+    serve.add_argument("--no-uvloop", dest="uvloop", action="store_false", default=None,
+                       help="run on asyncio's own event loop instead of uvloop (STEPGUARD_UVLOOP)")
     serve.add_argument("--log-format", choices=["auto", "json", "console"])
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(func=_serve)
@@ -134,7 +136,12 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"  {issue}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(serve(settings, contracts))
+        if settings.uvloop:
+            import uvloop
+
+            uvloop.run(serve(settings, contracts))
+        else:
+            asyncio.run(serve(settings, contracts))
     except OSError as exc:
         print(f"stepguard serve: {exc}", file=sys.stderr)
         return 1

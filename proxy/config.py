@@ -33,9 +33,11 @@ class Settings:
     sqlite_synchronous: str = "NORMAL"
     max_request_bytes: int = 10 * 1024 * 1024
     max_response_bytes: int = 10 * 1024 * 1024
-    payload_history_bytes: int = 16 * 1024
+    payload_history_bytes: int = 4 * 1024
+    retention_hours: float = 168.0
     passthrough: bool = False
     fail_open: bool = False
+    uvloop: bool = True
     log_payloads: bool = False
     payload_log_bytes: int = 2048
     log_format: str = "auto"

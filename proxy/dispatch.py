@@ -3,6 +3,7 @@ call to the adapter for that upstream's kind. Stamps every answer with the time 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Protocol
 
@@ -52,7 +53,7 @@ class Dispatcher:
             except aiohttp.web.HTTPException:
                 raise
             except (aiohttp.ClientPayloadError, aiohttp.http_exceptions.HttpProcessingError,
-                    ValueError) as exc:
+                    asyncio.IncompleteReadError, ValueError) as exc:
                 response = adapter.error(route, 400, "Unreadable request body",
                                          f"the request body could not be read: {exc}")
             else:

@@ -18,6 +18,7 @@ HOP_BY_HOP = frozenset({
 })
 _NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length"}
 _CHUNK = 64 * 1024
+_SMALL = 256 * 1024     # pass-through bodies up to this size (Content-Length known) are not streamed
 
 
 class BodyTooLarge(Exception):
@@ -70,8 +71,11 @@ def end_to_end(headers: CIMultiDictProxy[str] | CIMultiDict[str],
 
 
 async def read_body(request: web.Request, limit: int) -> bytes:
-    if request.content_length is not None and request.content_length > limit:
+    length = request.content_length
+    if length is not None and length > limit:
         raise BodyTooLarge(limit)
+    if length is not None:
+        return await request.content.readexactly(length) if length else b""
     chunks, size = [], 0
     async for chunk in request.content.iter_chunked(_CHUNK):
         size += len(chunk)
@@ -148,6 +152,16 @@ class Forwarder:
         async with resp:
             if resp.content_length is not None and resp.content_length > limit:
                 raise UpstreamError("cap", f"upstream response exceeds {limit} bytes")
+            if resp.content_length is not None and resp.content_length <= _SMALL:
+                # a small body of known size: one read, one write, as cheap as a proxy gets
+                try:
+                    body_in = await resp.read()
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    raise UpstreamError("transport", f"upstream failed mid-body: {exc}") from None
+                small = web.Response(status=resp.status, reason=resp.reason, body=body_in,
+                                     headers=end_to_end(resp.headers))
+                timing.stamp(small)
+                return small
             out = web.StreamResponse(status=resp.status, reason=resp.reason,
                                      headers=end_to_end(resp.headers, HOP_BY_HOP))
             if resp.content_length is not None:
