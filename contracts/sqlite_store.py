@@ -170,20 +170,25 @@ class SQLiteStore:
                 _settle(future, None, StoreError(f"store {self.path} is closed"))
             return
         results: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = []
+        alone = len(batch) == 1   # no savepoints needed: a failure rolls back the transaction
         try:
             conn.execute("BEGIN IMMEDIATE")
             for op, future in batch:
-                conn.execute("SAVEPOINT op")
+                if not alone:
+                    conn.execute("SAVEPOINT op")
                 try:
                     results.append((future, op(conn), None))
-                    conn.execute("RELEASE op")
+                    if not alone:
+                        conn.execute("RELEASE op")
                 except Exception as exc:  # one bad append must not sink the batch
-                    conn.execute("ROLLBACK TO op")
-                    conn.execute("RELEASE op")
+                    conn.execute("ROLLBACK" if alone else "ROLLBACK TO op")
+                    if not alone:
+                        conn.execute("RELEASE op")
                     error = exc if isinstance(exc, StoreError) else StoreError(str(exc))
                     results.append((future, None, error))
-            self._purge_if_due(conn)
-            conn.execute("COMMIT")
+            if conn.in_transaction:
+                self._purge_if_due(conn)
+                conn.execute("COMMIT")
         except sqlite3.Error as exc:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
