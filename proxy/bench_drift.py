@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -65,6 +66,25 @@ async def _observe(sg: Any, run_id: str | None) -> tuple[list[dict[str, Any]], s
     return await sg.store.history(run_id), envelope.status if envelope else None
 
 
+async def _collect(sg: Any, finished: Sequence[Any], by_stepguard: Callable[[Any], bool],
+                   saw_failure: Callable[[Any], bool]) -> list[Observed]:
+    observed = []
+    for run in finished:
+        history, status = await _observe(sg, run.run_id)
+        observed.append(Observed(run.run_id, by_stepguard(run), saw_failure(run), run.completed,
+                                 history, status))
+    return observed
+
+
+def _stopped_by_stepguard(run: Any) -> bool:
+    return run.stopped_at is not None and bool(run.stopped_at.from_stepguard)
+
+
+def _saw_failure(run: Any) -> bool:
+    """A rolling-context agent notices a failed call or a tool that said it failed."""
+    return run.stopped_at is not None or bool(run.tool_errors)
+
+
 async def _drive_http(contract: Contract, passthrough: bool, plan: Plan,
                       store: Path) -> list[Observed]:
     sg = build(Settings(store=str(store), passthrough=passthrough), [contract])
@@ -73,13 +93,11 @@ async def _drive_http(contract: Contract, passthrough: bool, plan: Plan,
         finished = await asyncio.gather(*(
             agent_mod.run_agent(session, proxy_url + mount, f"{cls}-{i}", 100 + n, injector)
             for n, (cls, injector, i) in enumerate(plan)))
-        observed = []
-        for run in finished:
-            stop = run.stopped_at
-            history, status = await _observe(sg, run.run_id)
-            observed.append(Observed(run.run_id, stop is not None and "problem+json" in stop.content_type,
-                                     stop is not None, run.completed, history, status))
-    return observed
+        return await _collect(
+            sg, finished,
+            by_stepguard=lambda r: r.stopped_at is not None
+            and "problem+json" in r.stopped_at.content_type,
+            saw_failure=lambda r: r.stopped_at is not None)
 
 
 async def _drive_model(contract: Contract, passthrough: bool, plan: Plan,
@@ -100,14 +118,8 @@ async def _drive_model(contract: Contract, passthrough: bool, plan: Plan,
             finished = await asyncio.gather(*(
                 model_agent.run_model_agent(client, f"{cls}-{i}", 100 + n, injector)
                 for n, (cls, injector, i) in enumerate(plan)))
-            observed = []
-            for run in finished:
-                stop = run.stopped_at
-                history, status = await _observe(sg, run.run_id)
-                observed.append(Observed(run.run_id, stop is not None and stop.from_stepguard,
-                                         stop is not None or bool(run.tool_errors),
-                                         run.completed, history, status))
-    return observed
+            return await _collect(sg, finished, by_stepguard=_stopped_by_stepguard,
+                                  saw_failure=_saw_failure)
 
 
 async def _drive_mcp(contract: Contract, passthrough: bool, plan: Plan,
@@ -123,14 +135,8 @@ async def _drive_mcp(contract: Contract, passthrough: bool, plan: Plan,
             finished = await asyncio.gather(*(
                 mcp_agent.run_mcp_agent(url, f"{cls}-{i}", 100 + n, injector)
                 for n, (cls, injector, i) in enumerate(plan)))
-            observed = []
-            for run in finished:
-                stop = run.stopped_at
-                history, status = await _observe(sg, run.run_id)
-                observed.append(Observed(run.run_id, stop is not None and stop.from_stepguard,
-                                         stop is not None or bool(run.tool_errors),
-                                         run.completed, history, status))
-    return observed
+            return await _collect(sg, finished, by_stepguard=_stopped_by_stepguard,
+                                  saw_failure=_saw_failure)
 
 
 def _first_violation(obs: Observed) -> dict[str, Any] | None:

@@ -3,14 +3,16 @@ an escalation record and correlation keys), observe it, and only then let the ad
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from stepguard.contracts.engine import FINAL, action_for
 from stepguard.contracts.envelope import Envelope
+from stepguard.contracts.errors import ConflictError, StoreError
 from stepguard.contracts.events import (
     ADVANCE,
     COMPLETE,
@@ -21,7 +23,7 @@ from stepguard.contracts.events import (
     Decision,
     ToolResult,
 )
-from stepguard.contracts.model import Contract
+from stepguard.contracts.model import Contract, Step
 from stepguard.contracts.runs import RunBook
 from stepguard.metrics.observer import Observer
 from stepguard.metrics.redact import Redactor, truncate
@@ -30,6 +32,29 @@ from stepguard.proxy.escalation import Escalator
 from stepguard.proxy.forward import Timing
 
 _RAW_LIMIT = 65536
+
+
+CONFLICT_RETRIES = 3
+T = TypeVar("T")
+
+
+async def retrying_conflicts(run_id: str, boundary: Callable[[], Awaitable[T]]) -> T:
+    """Run a boundary again when another writer advanced the run under it (the run book has
+    dropped its cached envelope, so the next try reads the store)."""
+    for _ in range(CONFLICT_RETRIES):
+        try:
+            return await boundary()
+        except ConflictError:
+            continue
+    raise StoreError(f"run {run_id!r}: lost the race for the run {CONFLICT_RETRIES} times")
+
+
+async def back_off(step: Step, attempt: int, timing: Timing) -> None:
+    """Wait before retrying a tool error: the step's backoff, doubled at every attempt. The
+    wait is not stepguard's own work, so it is not counted as time added."""
+    started = time.perf_counter()
+    await asyncio.sleep(step.on_failure.backoff_s * 2 ** (attempt - 1))
+    timing.upstream(started)
 
 
 def new_decision_id() -> str:

@@ -4,7 +4,6 @@ understands."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import time
 from dataclasses import dataclass
@@ -15,13 +14,13 @@ from multidict import CIMultiDict
 
 from stepguard.contracts.engine import check_entry, check_exit
 from stepguard.contracts.envelope import Envelope
-from stepguard.contracts.errors import ConflictError, StoreError
+from stepguard.contracts.errors import StoreError
 from stepguard.contracts.events import OBSERVE, RETRY, Decision, ToolResult, Violation
 from stepguard.contracts.model import Contract, Step
 from stepguard.contracts.runs import RunBook
 from stepguard.metrics.observer import Observer
 from stepguard.proxy.bodies import BodyError, request_input, response_output
-from stepguard.proxy.boundaries import Boundaries, Evidence, Settled
+from stepguard.proxy.boundaries import Boundaries, Evidence, Settled, back_off, retrying_conflicts
 from stepguard.proxy.config import Settings
 from stepguard.proxy.correlation import describe_keys, run_id_for
 from stepguard.proxy.forward import Forwarder, Timing, Upstreamed, UpstreamError, end_to_end
@@ -29,7 +28,6 @@ from stepguard.proxy.problems import halted_problem, problem, violation_problem
 from stepguard.proxy.routing import Route
 
 TRAFFIC = "http"
-CONFLICT_RETRIES = 3
 
 
 @dataclass(slots=True)
@@ -119,7 +117,7 @@ class HttpToolAdapter:
         if step.idempotency_key and "idempotency-key" not in call.headers:
             digest = hashlib.sha256(f"{call.run_id}\0{step.name}".encode()).hexdigest()[:32]
             call.headers["Idempotency-Key"] = f"sg-{digest}"
-        response = await _with_conflict_retries(call, self._entry, parse_error)
+        response = await retrying_conflicts(call.run_id, lambda: self._entry(call, parse_error))
         if response is not None:
             return response
         return await self._forward_and_exit(call)
@@ -163,9 +161,7 @@ class HttpToolAdapter:
                 decision = check_exit(contract, step, envelope, call.input, result)
                 settled = await self._settle(call, envelope, decision, attempt, result, up)
             if settled.action == RETRY:
-                backoff_started = time.perf_counter()
-                await asyncio.sleep(step.on_failure.backoff_s * 2 ** (attempt - 1))
-                call.timing.upstream(backoff_started)
+                await back_off(step, attempt, call.timing)
                 attempt += 1
                 continue
             if attempt > 1:
@@ -214,18 +210,6 @@ class HttpToolAdapter:
         self.observer.fail_open(call.contract, call.step.name, call.run_id)
         return await self.forward_unchecked(call.request, call.route, call.headers, call.body,
                                             call.timing)
-
-
-async def _with_conflict_retries(call: Call, entry: Any, *args: Any) -> web.StreamResponse | None:
-    """Run an entry boundary again when another writer advanced the run under us (the run book
-    has dropped its cached envelope, so the next try reads the store)."""
-    for _ in range(CONFLICT_RETRIES):
-        try:
-            response: web.StreamResponse | None = await entry(call, *args)
-            return response
-        except ConflictError:
-            continue
-    raise StoreError(f"run {call.run_id!r}: lost the race for the run {CONFLICT_RETRIES} times")
 
 
 def tool_result(up: Upstreamed, limit: int) -> ToolResult:

@@ -25,17 +25,17 @@ from multidict import CIMultiDict
 
 from stepguard.contracts.engine import check_entry, check_exit
 from stepguard.contracts.envelope import Envelope
-from stepguard.contracts.errors import ConflictError, StoreError
+from stepguard.contracts.errors import StoreError
 from stepguard.contracts.events import OBSERVE, RETRY, Decision, ToolResult, Violation
 from stepguard.contracts.model import Contract, Step
 from stepguard.contracts.runs import RunBook
 from stepguard.metrics.observer import Observer
 from stepguard.proxy.bodies import BodyError, parse_json
-from stepguard.proxy.boundaries import Boundaries, Evidence, Settled
+from stepguard.proxy.boundaries import Boundaries, Evidence, Settled, back_off, retrying_conflicts
 from stepguard.proxy.config import Settings
 from stepguard.proxy.correlation import describe_keys, run_id_for
 from stepguard.proxy.forward import HOP_BY_HOP, Forwarder, Timing, end_to_end
-from stepguard.proxy.http_adapter import CONFLICT_RETRIES, HttpToolAdapter, upstream_url
+from stepguard.proxy.http_adapter import HttpToolAdapter, upstream_url
 from stepguard.proxy.routing import Route
 from stepguard.proxy.sse import SSESplitter
 
@@ -163,7 +163,7 @@ class McpAdapter:
     # -- boundaries -----------------------------------------------------------------------------
 
     async def _checked(self, call: ToolCall) -> web.StreamResponse:
-        await self._retrying(self._entry, call)
+        await retrying_conflicts(call.run_id, lambda: self._entry(call))
         step, contract = call.step, call.contract
         safe = step.idempotent or step.idempotency_key
         attempt = 1
@@ -176,24 +176,13 @@ class McpAdapter:
                 decision = check_exit(contract, step, envelope, call.arguments, answer.result)
                 settled = await self._settle(call, envelope, decision, answer, attempt, safe)
             if settled.action == RETRY:
-                backoff_started = time.perf_counter()
-                await asyncio.sleep(step.on_failure.backoff_s * 2 ** (attempt - 1))
-                call.timing.upstream(backoff_started)
+                await back_off(step, attempt, call.timing)
                 attempt += 1
                 continue
             if attempt > 1:
                 self.observer.retry_outcome(contract, step.name, recovered=decision.passed)
             self._raise_if_stopped(call, decision, settled)
             return await self._relay(call, answer)
-
-    async def _retrying(self, boundary: Any, call: ToolCall) -> None:
-        for _ in range(CONFLICT_RETRIES):
-            try:
-                await boundary(call)
-                return
-            except ConflictError:
-                continue
-        raise StoreError(f"run {call.run_id!r}: lost the race for the run {CONFLICT_RETRIES} times")
 
     async def _entry(self, call: ToolCall) -> None:
         async with self.runs.locked(call.run_id):

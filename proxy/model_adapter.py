@@ -26,13 +26,13 @@ from multidict import CIMultiDict
 
 from stepguard.contracts.engine import FINAL, check_entry, check_exit, check_final
 from stepguard.contracts.envelope import Envelope
-from stepguard.contracts.errors import ConflictError, StoreError
+from stepguard.contracts.errors import StoreError
 from stepguard.contracts.events import OBSERVE, Decision, ToolResult, Violation
 from stepguard.contracts.model import Contract
 from stepguard.contracts.runs import RunBook
 from stepguard.metrics.observer import Observer
 from stepguard.proxy.bodies import BodyError, is_json_type, parse_json
-from stepguard.proxy.boundaries import Boundaries, Evidence, Settled
+from stepguard.proxy.boundaries import Boundaries, Evidence, Settled, retrying_conflicts
 from stepguard.proxy.config import Settings
 from stepguard.proxy.correlation import implicit_run_id, run_id_for
 from stepguard.proxy.forward import (
@@ -42,7 +42,7 @@ from stepguard.proxy.forward import (
     UpstreamError,
     end_to_end,
 )
-from stepguard.proxy.http_adapter import CONFLICT_RETRIES, HttpToolAdapter
+from stepguard.proxy.http_adapter import HttpToolAdapter
 from stepguard.proxy.model_dialects import Dialect, ToolCall, ToolOutput, Turn, dialect_for
 from stepguard.proxy.routing import Route
 from stepguard.proxy.sse import SSESplitter
@@ -112,7 +112,7 @@ class ModelAdapter:
         headers.popall("accept-encoding", None)   # identity bodies: stepguard reads them
         try:
             await self._correlate(ex)
-            await self._retrying(self._exits, ex)
+            await retrying_conflicts(ex.run_id, lambda: self._exits(ex))
             if payload.get("stream") is True:
                 return await self._stream(ex, headers)
             return await self._complete(ex, headers)
@@ -150,14 +150,6 @@ class ModelAdapter:
         if run_id is None:
             run_id, ex.new_run = f"run-{uuid.uuid4().hex[:20]}", True
         ex.run_id = run_id
-
-    async def _retrying(self, boundary: Any, ex: Exchange, *args: Any) -> Any:
-        for _ in range(CONFLICT_RETRIES):
-            try:
-                return await boundary(ex, *args)
-            except ConflictError:
-                continue
-        raise StoreError(f"run {ex.run_id!r}: lost the race for the run {CONFLICT_RETRIES} times")
 
     # -- exit boundaries: tool results the request carries ------------------------------------
 
@@ -212,7 +204,8 @@ class ModelAdapter:
         except BodyError as exc:
             raise Stop(502, f"stepguard: {exc.detail}", {"check": "upstream"}) from None
         if isinstance(response, dict):
-            await self._retrying(self._entries, ex, ex.dialect.turn(response))
+            turn = ex.dialect.turn(response)
+            await retrying_conflicts(ex.run_id, lambda: self._entries(ex, turn))
         out = web.Response(status=up.status, headers=up.headers, body=up.body)
         out.headers[RUN_HEADER] = ex.run_id
         return out
@@ -269,7 +262,8 @@ class ModelAdapter:
         ex.timing.upstream(streaming_since)
         held.append(splitter.rest())
         try:
-            await self._retrying(self._entries, ex, assembler.turn())
+            turn = assembler.turn()
+            await retrying_conflicts(ex.run_id, lambda: self._entries(ex, turn))
         except Stop as stop:
             await client.write(ex.dialect.stream_error(stop.message, stop.details))
         except StoreError as exc:
