@@ -43,7 +43,6 @@ import re
 import select
 import shutil
 import signal
-import socket
 import sqlite3
 import statistics
 import subprocess
@@ -70,6 +69,7 @@ from stepguard.metrics.redact import Redactor
 from stepguard.proxy import bench_upstream
 from stepguard.proxy.bodies import history_payload
 from stepguard.proxy.config import Settings
+from stepguard.proxy.harness import free_port
 
 ROWS = ("direct", "nginx", "passthrough", "contract", "model", "model_stream")
 REFERENCE = {"nginx": "direct", "passthrough": "direct", "contract": "direct",
@@ -384,13 +384,6 @@ def _loadgen_main(argv: Sequence[str] | None) -> int:
 
 class BenchError(RuntimeError):
     """A row could not be measured (reported on the row, the run goes on)."""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _cpu_s(pids: Sequence[int]) -> float:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -12,6 +14,20 @@ from aiohttp import web
 
 from stepguard.contracts.loader import parse_contract
 from stepguard.contracts.model import Contract
+
+_recent_ports: deque[int] = deque(maxlen=64)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on right now, and not one handed out recently: asking twice in
+    a row for a proxy port and an admin port must not give the same number twice."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            port: int = sock.getsockname()[1]
+        if port not in _recent_ports:
+            _recent_ports.append(port)
+            return port
 
 
 @asynccontextmanager

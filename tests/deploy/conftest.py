@@ -6,13 +6,13 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 from collections.abc import Callable
 
 import pytest
 from prometheus_client.metrics import MetricWrapperBase
 
 from stepguard.metrics.prom import Metrics
+from stepguard.proxy import harness
 
 INSTALL_HINT = "run deploy/install-test-deps.sh (Debian package `prometheus`)"
 # labels Prometheus adds to every scraped series
@@ -50,13 +50,7 @@ def prometheus_binary() -> str:
 def free_port() -> Callable[[], int]:
     """free_port() -> a loopback TCP port nothing listens on right now."""
 
-    def pick() -> int:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port: int = sock.getsockname()[1]
-            return port
-
-    return pick
+    return harness.free_port
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,6 @@ x-should-retry: false, a stored decision behind it)."""
 from __future__ import annotations
 
 import copy
-import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +21,7 @@ from multidict import CIMultiDictProxy
 from stepguard.contracts.loader import parse_contract
 from stepguard.contracts.model import Contract
 from stepguard.examples.order_confirmation import tools as tools_mod
+from stepguard.proxy import harness
 from stepguard.proxy.app import Stepguard
 from stepguard.proxy.harness import contract_with_upstreams
 
@@ -84,10 +84,8 @@ async def answer_ok(request: web.Request) -> web.Response:
 
 
 def free_port() -> int:
-    """A loopback port nothing listens on (until someone binds it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port nothing listens on (until someone binds it), not handed out recently."""
+    return harness.free_port()
 
 
 # --- contracts --------------------------------------------------------------------------------

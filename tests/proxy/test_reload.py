@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ from stepguard.metrics.prom import Metrics
 from stepguard.proxy.app import build, create_app, reload_contracts
 from stepguard.proxy.bench_drift import example_contract_path
 from stepguard.proxy.config import Settings
+from stepguard.proxy.harness import free_port
 
 
 def write_contract(path: Path, tools_url: str, **changes: Any) -> str:
@@ -78,7 +78,7 @@ async def test_a_broken_reload_keeps_the_contracts_in_force_and_is_counted(
 @pytest.mark.timeout(60)
 async def test_sighup_reloads_a_running_sidecar(tmp_path, tools_url):
     path = write_contract(tmp_path / "c.yaml", tools_url)
-    port, admin = _free_port(), _free_port()
+    port, admin = free_port(), free_port()
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "stepguard.proxy.cli", "serve", "--contract", path, "--port",
         str(port), "--admin-port", str(admin), "--store", str(tmp_path / "s.db"),
@@ -101,12 +101,6 @@ async def test_sighup_reloads_a_running_sidecar(tmp_path, tools_url):
         out, _ = await asyncio.wait_for(proc.communicate(), 20)
     assert proc.returncode == 0
     assert b"contracts_reloaded" in out
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def _sleep() -> None:
