@@ -22,22 +22,31 @@ class Observer:
         self.log = get_logger("stepguard")
         self.log_payloads = log_payloads
         self.payload_log_bytes = payload_log_bytes
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """The labelled child of a metric, looked up once (labels() takes a lock every call)."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     def verdict(self, contract: Contract, run_id: str, event: dict[str, Any], added_s: float,
                 traffic: str = "http") -> None:
         m = self.metrics
         step, action = event.get("step", ""), event.get("action", "")
         verdict = event.get("verdict", "")
-        m.boundary_checks.labels(contract.workflow, contract.version, step,
-                                 event.get("boundary", ""), verdict, traffic).inc()
+        self._child(m.boundary_checks, contract.workflow, contract.version, step,
+                    event.get("boundary", ""), verdict, traffic).inc()
         violation = event.get("violation") or {}
         if violation:
-            m.violations.labels(contract.workflow, contract.version, step, violation["check"],
-                                violation["drift"], traffic).inc()
+            self._child(m.violations, contract.workflow, contract.version, step,
+                        violation["check"], violation["drift"], traffic).inc()
         if action in _ACTIONS:
-            m.actions.labels(contract.workflow, step, action, traffic).inc()
+            self._child(m.actions, contract.workflow, step, action, traffic).inc()
         if action == "escalate":
-            m.escalations.labels(contract.workflow, step).inc()
+            self._child(m.escalations, contract.workflow, step).inc()
         fields: dict[str, Any] = {
             "run_id": run_id, "workflow": contract.workflow,
             "contract_version": contract.version, "step": step,
@@ -61,11 +70,11 @@ class Observer:
                                     "recovered" if recovered else "exhausted").inc()
 
     def added(self, traffic: str, seconds: float) -> None:
-        self.metrics.added.labels(traffic).observe(seconds)
+        self._child(self.metrics.added, traffic).observe(seconds)
 
     def upstream(self, upstream: str, workflow: str, status: int | None, seconds: float) -> None:
-        self.metrics.upstream_requests.labels(upstream, workflow, status_class(status)).inc()
-        self.metrics.upstream_latency.labels(upstream).observe(seconds)
+        self._child(self.metrics.upstream_requests, upstream, workflow, status_class(status)).inc()
+        self._child(self.metrics.upstream_latency, upstream).observe(seconds)
 
     def escalation(self, record: dict[str, Any], delivered: bool | None, detail: str = "") -> None:
         if delivered is False:

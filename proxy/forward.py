@@ -122,6 +122,8 @@ class Forwarder:
         limit = self.max_response_bytes
         if resp.content_length is not None and resp.content_length > limit:
             raise UpstreamError("cap", f"upstream response exceeds {limit} bytes")
+        if resp.content_length is not None:
+            return await resp.read()   # the length is known and under the cap: one read
         chunks, size = [], 0
         async for chunk in resp.content.iter_chunked(_CHUNK):
             size += len(chunk)
