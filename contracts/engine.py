@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
+
 from stepguard.contracts.conditions import Condition
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.events import HALT, OBSERVE, RETRY, Decision, ToolResult, Violation
@@ -131,14 +133,23 @@ def _tool_error(step: Step, result: ToolResult, context: dict[str, Any]) -> Viol
 
 
 def _record(step: Step, context: dict[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """Recorded values as plain JSON: what the store will give back after a restart is what
+    the conditions see now. A value JSON cannot hold (a CEL duration, say) is not recorded."""
     recorded, unrecorded = {}, []
     for key, cond in step.record.items():
         outcome = cond.evaluate(context)
-        if outcome.ok:
-            recorded[key] = outcome.value
-        else:
+        try:
+            value = orjson.loads(orjson.dumps(outcome.value)) if outcome.ok else _UNSET
+        except TypeError:
+            value = _UNSET
+        if value is _UNSET:
             unrecorded.append(key)
+        else:
+            recorded[key] = value
     return recorded, tuple(unrecorded)
+
+
+_UNSET = object()
 
 
 def _claims_completion(contract: Contract, context: dict[str, Any], verified: set[str]) -> bool:

@@ -40,3 +40,12 @@ class ConflictError(StoreError):
     def __init__(self, run_id: str, expected: int, actual: int) -> None:
         self.run_id, self.expected, self.actual = run_id, expected, actual
         super().__init__(f"run {run_id!r}: expected sequence {expected}, store has {actual}")
+
+
+class RunOfAnotherWorkflow(StepguardError, ValueError):
+    """A run id that already belongs to another workflow: runs are never shared."""
+
+    def __init__(self, run_id: str, owner: str, workflow: str) -> None:
+        self.run_id, self.owner, self.workflow = run_id, owner, workflow
+        super().__init__(f"run {run_id!r} belongs to workflow {owner!r}, not {workflow!r}: give "
+                         "each workflow its own run keys")

@@ -6,6 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import orjson
+
 from stepguard.contracts.conditions import Condition
 
 Mode = Literal["enforce", "observe"]
@@ -37,7 +39,25 @@ class Schema:
         if isinstance(prop, str):
             path.append(prop)
         schema_path = "/".join(str(p) for p in error.schema_path)
-        return SchemaFault(".".join(path), error.message, f"{self.name}#/{schema_path}")
+        return SchemaFault(".".join(path), _safe_message(error), f"{self.name}#/{schema_path}")
+
+
+# keywords whose messages name properties only; every other message would quote the value,
+# which may be a secret the contract redacts everywhere else
+_NAMES_ONLY = frozenset({"required", "additionalProperties", "unevaluatedProperties",
+                         "dependentRequired", "propertyNames"})
+
+
+def _safe_message(error: Any) -> str:
+    """What the schema wanted, never the value it got."""
+    keyword = str(getattr(error.kind, "name", "") or "schema")
+    if keyword in _NAMES_ONLY:
+        return str(error.message)
+    expected = getattr(error.kind, "value", None)
+    if expected is None:
+        return f"value fails {keyword}"
+    shown = orjson.dumps(expected, default=str).decode()
+    return f"value fails {keyword} {shown[:200]}"
 
 
 @dataclass(frozen=True, slots=True)

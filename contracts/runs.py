@@ -16,6 +16,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from stepguard.contracts.envelope import Envelope
+from stepguard.contracts.errors import RunOfAnotherWorkflow
 from stepguard.contracts.model import Contract
 from stepguard.contracts.store import Store
 
@@ -43,6 +44,8 @@ class RunBook:
                 del self._waiters[run_id], self._locks[run_id]
 
     async def envelope(self, contract: Contract, run_id: str) -> Envelope:
+        """The run's envelope (a fresh one for a new run). A run id that another workflow's
+        contract already owns raises RunOfAnotherWorkflow: two workflows never share state."""
         envelope = self._cache.get(run_id)
         if envelope is None:
             envelope = await self.store.load(run_id) or Envelope(
@@ -50,6 +53,8 @@ class RunBook:
             self._remember(envelope)
         else:
             self._cache.move_to_end(run_id)
+        if envelope.workflow != contract.workflow:
+            raise RunOfAnotherWorkflow(run_id, envelope.workflow, contract.workflow)
         return envelope
 
     async def commit(self, envelope: Envelope, fields: dict[str, Any],
@@ -64,9 +69,6 @@ class RunBook:
             raise
         self._remember(after)
         return after, event
-
-    def forget(self, run_id: str) -> None:
-        self._cache.pop(run_id, None)
 
     def _remember(self, envelope: Envelope) -> None:
         self._cache[envelope.run_id] = envelope

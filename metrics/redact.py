@@ -23,9 +23,6 @@ class Redactor:
         something changed, so a clean payload comes back as the same object."""
         return _redacted(value, self.keys)
 
-    def headers(self, headers: Iterable[tuple[str, str]]) -> dict[str, str]:
-        return {k: REDACTED if k.lower() in self.keys else v for k, v in headers}
-
 
 def _redacted(value: Any, keys: frozenset[str]) -> Any:
     kind = type(value)

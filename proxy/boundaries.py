@@ -10,6 +10,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import orjson
+
 from stepguard.contracts.engine import FINAL, action_for
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.errors import ConflictError, StoreError
@@ -26,13 +28,10 @@ from stepguard.contracts.events import (
 from stepguard.contracts.model import Contract, Step
 from stepguard.contracts.runs import RunBook
 from stepguard.metrics.observer import Observer
-from stepguard.metrics.redact import Redactor, truncate
+from stepguard.metrics.redact import Redactor
 from stepguard.proxy.bodies import history_payload
 from stepguard.proxy.escalation import Escalator
 from stepguard.proxy.forward import Timing
-
-_RAW_LIMIT = 65536
-
 
 CONFLICT_RETRIES = 3
 T = TypeVar("T")
@@ -179,7 +178,7 @@ class Boundaries:
         if result is not None and result.output is not None:
             output = redact(result.output)
         elif evidence.raw_output is not None:
-            output = _raw(evidence.raw_output)
+            output = _raw(evidence.raw_output, redact)
         return {
             "run_id": run_id, "workflow": contract.workflow,
             "contract_version": contract.version, "step": decision.step,
@@ -187,13 +186,20 @@ class Boundaries:
             "violation": violation.to_dict(), "decision_id": decision_id, "seq": seq,
             "ts": time.time(),
             "input": redact(evidence.input) if evidence.input is not None
-            else _raw(evidence.raw_input),
+            else _raw(evidence.raw_input, redact),
             "output": output,
             "tool_result": {"status": result.status if result else None,
                             "error": result.error if result else None},
         }
 
 
-def _raw(body: bytes) -> str:
-    """A body that could not be parsed, kept as text for the person reading the escalation."""
-    return truncate(body.decode("utf-8", "replace"), _RAW_LIMIT)
+def _raw(body: bytes, redact: Redactor) -> Any:
+    """A body the boundary did not parse (a 5xx answer, an unparseable request), for the person
+    reading the escalation: redacted JSON when it is JSON, otherwise only its size, since
+    stepguard cannot tell which part of unparsed text is a secret."""
+    if not body:
+        return None
+    try:
+        return redact(orjson.loads(body))
+    except orjson.JSONDecodeError:
+        return {"unparsed": True, "bytes": len(body)}

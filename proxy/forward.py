@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -85,6 +86,54 @@ async def read_body(request: web.Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+_IDLE_CHECK_S = 15.0
+
+
+async def _chunks(resp: aiohttp.ClientResponse, request: web.Request,
+                  read_timeout_s: float | None) -> AsyncIterator[bytes]:
+    """The body as it arrives. Without a read timeout (a long-lived event stream), look every
+    15 s of silence whether the client is still there, so a client that left does not keep an
+    upstream stream open forever."""
+    if read_timeout_s is not None:
+        async for chunk in resp.content.iter_any():
+            yield chunk
+        return
+    while True:
+        try:
+            chunk = await asyncio.wait_for(resp.content.readany(), _IDLE_CHECK_S)
+        except TimeoutError:
+            if request.transport is None or request.transport.is_closing():
+                return
+            continue
+        if not chunk:
+            return
+        yield chunk
+
+
+class ClientEnd:
+    """The agent's end of a relayed stream; once it has hung up, writes are dropped (the relay
+    goes on reading the upstream so the boundary is still checked and recorded)."""
+
+    def __init__(self, out: web.StreamResponse) -> None:
+        self.out = out
+        self.gone = False
+
+    async def write(self, data: bytes) -> None:
+        if self.gone:
+            return
+        try:
+            await self.out.write(data)
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            self.gone = True
+
+    async def close(self) -> None:
+        if not self.gone:
+            try:
+                await self.out.write_eof()
+            except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+                self.gone = True
+
+
 class Forwarder:
     def __init__(self, max_response_bytes: int) -> None:
         self.max_response_bytes = max_response_bytes
@@ -111,14 +160,15 @@ class Forwarder:
             async with self.session.request(
                     method, url, headers=headers, data=body or None, allow_redirects=False,
                     timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-                data = await self._read_capped(resp)
+                data = await self.read_capped(resp)
                 return Upstreamed(resp.status, end_to_end(resp.headers), data)
         except TimeoutError:
             raise UpstreamError("timeout", f"upstream did not answer within {timeout_s:g} s") from None
         except aiohttp.ClientError as exc:
             raise UpstreamError("transport", f"upstream unreachable: {exc}") from None
 
-    async def _read_capped(self, resp: aiohttp.ClientResponse) -> bytes:
+    async def read_capped(self, resp: aiohttp.ClientResponse) -> bytes:
+        """The whole body, or UpstreamError("cap") past `max_response_bytes`."""
         limit = self.max_response_bytes
         if resp.content_length is not None and resp.content_length > limit:
             raise UpstreamError("cap", f"upstream response exceeds {limit} bytes")
@@ -172,7 +222,7 @@ class Forwarder:
             await out.prepare(request)
             sent = 0
             try:
-                async for chunk in resp.content.iter_any():
+                async for chunk in _chunks(resp, request, sock_read):
                     sent += len(chunk)
                     if sent > limit:
                         raise UpstreamError("cap", f"upstream response exceeds {limit} bytes")

@@ -14,7 +14,7 @@ from multidict import CIMultiDict
 
 from stepguard.contracts.engine import check_entry, check_exit
 from stepguard.contracts.envelope import Envelope
-from stepguard.contracts.errors import StoreError
+from stepguard.contracts.errors import RunOfAnotherWorkflow, StoreError
 from stepguard.contracts.events import OBSERVE, RETRY, Decision, ToolResult, Violation
 from stepguard.contracts.model import Contract, Step
 from stepguard.contracts.runs import RunBook
@@ -43,6 +43,8 @@ class Call:
     timing: Timing
     input: Any = None
     safe_to_retry: bool = False
+    forwarded: bool = False               # the upstream has been called: never call it again
+    answer: Upstreamed | None = None      # ... and what it answered last
 
     @property
     def contract(self) -> Contract:
@@ -81,6 +83,9 @@ class HttpToolAdapter:
             return await self._checked(call)
         except StoreError as exc:
             return await self._store_failed(call, exc)
+        except RunOfAnotherWorkflow as exc:
+            return problem(409, "Run of another workflow", str(exc), run=run_id,
+                           workflow=route.contract.workflow, step=step.name, owner=exc.owner)
 
     async def _unmatched(self, request: web.Request, route: Route, headers: CIMultiDict[str],
                          body: bytes, timing: Timing) -> web.StreamResponse:
@@ -144,6 +149,7 @@ class HttpToolAdapter:
         while True:
             upstream_started = time.perf_counter()
             up: Upstreamed | None = None
+            call.forwarded = True
             try:
                 up = await self.forwarder.fetch(call.request.method, url, call.headers, call.body,
                                                 timeout)
@@ -154,12 +160,12 @@ class HttpToolAdapter:
                                    up.status if up else None, waited)
             if up is not None:
                 result = tool_result(up, self.settings.max_response_bytes)
-            async with self.runs.locked(call.run_id):
-                envelope = await self.runs.envelope(contract, call.run_id)
-                if envelope.status in ("halted", "escalated"):   # halted while this call ran
-                    return await self._refuse(call, envelope, "exit")
-                decision = check_exit(contract, step, envelope, call.input, result)
-                settled = await self._settle(call, envelope, decision, attempt, result, up)
+            call.answer = up
+            exit_ = await retrying_conflicts(
+                call.run_id, lambda: self._exit(call, attempt, result, up))  # noqa: B023
+            if isinstance(exit_, web.Response):
+                return exit_
+            decision, settled = exit_
             if settled.action == RETRY:
                 await back_off(step, attempt, call.timing)
                 attempt += 1
@@ -172,6 +178,17 @@ class HttpToolAdapter:
                 return response
             assert up is not None
             return web.Response(status=up.status, headers=up.headers, body=up.body)
+
+    async def _exit(self, call: Call, attempt: int, result: ToolResult,
+                    up: Upstreamed | None) -> tuple[Decision, Settled] | web.Response:
+        """The exit boundary, under the run's lock: the envelope may have moved while the call
+        was at the upstream (a run halted meanwhile refuses the answer)."""
+        async with self.runs.locked(call.run_id):
+            envelope = await self.runs.envelope(call.contract, call.run_id)
+            if envelope.status in ("halted", "escalated"):
+                return await self._refuse(call, envelope, "exit")
+            decision = check_exit(call.contract, call.step, envelope, call.input, result)
+            return decision, await self._settle(call, envelope, decision, attempt, result, up)
 
     async def _settle(self, call: Call, envelope: Envelope, decision: Decision, attempt: int = 1,
                       result: ToolResult | None = None, up: Upstreamed | None = None) -> Settled:
@@ -202,6 +219,8 @@ class HttpToolAdapter:
     async def _store_failed(self, call: Call, exc: StoreError) -> web.StreamResponse:
         self.observer.store_error("append", str(exc), run_id=call.run_id,
                                   workflow=call.contract.workflow, step=call.step.name)
+        if call.forwarded:
+            return self._exit_not_stored(call, exc)
         if not self.settings.fail_open:
             return problem(503, "Store unavailable",
                            f"run {call.run_id!r}, step {call.step.name!r}: the event could not "
@@ -210,6 +229,21 @@ class HttpToolAdapter:
         self.observer.fail_open(call.contract, call.step.name, call.run_id)
         return await self.forward_unchecked(call.request, call.route, call.headers, call.body,
                                             call.timing)
+
+
+    def _exit_not_stored(self, call: Call, exc: StoreError) -> web.StreamResponse:
+        """The tool ran but its exit could not be stored. It is never called a second time:
+        fail-open hands back the answer it gave (counted); fail-closed withholds it and says so,
+        and tells the client not to retry blindly (the side effect may have happened)."""
+        if self.settings.fail_open and call.answer is not None:
+            self.observer.fail_open(call.contract, call.step.name, call.run_id)
+            up = call.answer
+            return web.Response(status=up.status, headers=up.headers, body=up.body)
+        return problem(502, "Exit not recorded",
+                       f"run {call.run_id!r}, step {call.step.name!r}: the tool was called, but "
+                       f"its exit could not be stored ({exc}); its answer is withheld (fail "
+                       "closed). The side effect may have happened: check before retrying.",
+                       run=call.run_id, step=call.step.name, boundary="exit")
 
 
 def tool_result(up: Upstreamed, limit: int) -> ToolResult:

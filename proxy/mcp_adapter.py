@@ -25,19 +25,19 @@ from multidict import CIMultiDict
 
 from stepguard.contracts.engine import check_entry, check_exit
 from stepguard.contracts.envelope import Envelope
-from stepguard.contracts.errors import StoreError
+from stepguard.contracts.errors import RunOfAnotherWorkflow, StoreError
 from stepguard.contracts.events import OBSERVE, RETRY, Decision, ToolResult, Violation
 from stepguard.contracts.model import Contract, Step
 from stepguard.contracts.runs import RunBook
 from stepguard.metrics.observer import Observer
-from stepguard.proxy.bodies import BodyError, parse_json
+from stepguard.proxy.bodies import BodyError, decode, parse_json
 from stepguard.proxy.boundaries import Boundaries, Evidence, Settled, back_off, retrying_conflicts
 from stepguard.proxy.config import Settings
 from stepguard.proxy.correlation import describe_keys, run_id_for
-from stepguard.proxy.forward import HOP_BY_HOP, Forwarder, Timing, end_to_end
+from stepguard.proxy.forward import HOP_BY_HOP, ClientEnd, Forwarder, Timing, UpstreamError, end_to_end
 from stepguard.proxy.http_adapter import HttpToolAdapter, upstream_url
 from stepguard.proxy.routing import Route
-from stepguard.proxy.sse import SSESplitter
+from stepguard.proxy.sse import EventTooLarge, SSESplitter
 
 TRAFFIC = "mcp"
 VIOLATION_CODE = -31000      # outside JSON-RPC's and MCP's reserved ranges
@@ -62,7 +62,9 @@ class ToolCall:
     rpc_id: Any
     arguments: Any
     timing: Timing
-    out: web.StreamResponse | None = None     # prepared once an SSE answer starts flowing
+    out: ClientEnd | None = None     # the client's stream, once an SSE answer starts flowing
+    forwarded: bool = False          # the MCP server has been called: never call it again
+    answer: Answer | None = None     # ... and what it answered last
 
     @property
     def contract(self) -> Contract:
@@ -104,7 +106,11 @@ class McpAdapter:
     async def handle(self, request: web.Request, route: Route, body: bytes,
                      timing: Timing) -> web.StreamResponse:
         headers = end_to_end(request.headers)
-        message = self._message(request, body)
+        try:
+            message = self._message(request, body, self.settings.max_request_bytes)
+        except BodyError as exc:
+            return self._json(None, REQUEST_CODE, f"stepguard: the request body cannot be read "
+                              f"to be checked: {exc.detail}", {"check": "request"})
         if message is None or self.settings.passthrough:
             return await self.http.forward_unchecked(request, route, headers, body, timing,
                                                      read_timeout_s=None)
@@ -134,25 +140,44 @@ class McpAdapter:
             return await self._checked(call)
         except Refusal as refusal:
             return await self._refuse(call, refusal)
+        except RunOfAnotherWorkflow as exc:
+            return await self._refuse(call, Refusal(REQUEST_CODE, f"stepguard: {exc}",
+                                                    {"check": "correlation", "run": run_id}))
         except StoreError as exc:
             self.observer.store_error("append", str(exc), run_id=run_id,
                                       workflow=route.contract.workflow, step=step.name)
-            if call.out is not None or not self.settings.fail_open:
-                return await self._refuse(call, Refusal(
-                    REQUEST_CODE, f"stepguard: run {run_id!r}, step {step.name!r}: the event could "
-                    f"not be stored ({exc}); the call was not forwarded", {"check": "store"}))
-            self.observer.fail_open(route.contract, step.name, run_id)
-            return await self.http.forward_unchecked(request, route, headers, body, timing)
+            return await self._store_failed(call, exc)
+
+    async def _store_failed(self, call: ToolCall, exc: StoreError) -> web.StreamResponse:
+        """Fail closed, or (counted) fail open. Once the tool has been called it is never called
+        again: fail-open hands back the answer it gave, fail-closed withholds it."""
+        answer = call.answer
+        if self.settings.fail_open and not call.forwarded:
+            self.observer.fail_open(call.contract, call.step.name, call.run_id)
+            return await self.http.forward_unchecked(call.request, call.route, call.headers,
+                                                     call.body, call.timing)
+        if self.settings.fail_open and answer is not None and answer.status is not None:
+            self.observer.fail_open(call.contract, call.step.name, call.run_id)
+            return await self._relay(call, answer)
+        what = ("the tool was called, but its exit could not be stored; its answer is withheld "
+                "(the side effect may have happened)") if call.forwarded else (
+                "the event could not be stored; the call was not forwarded")
+        return await self._refuse(call, Refusal(
+            REQUEST_CODE, f"stepguard: run {call.run_id!r}, step {call.step.name!r}: {what} "
+            f"({exc})", {"check": "store", "forwarded": call.forwarded}))
 
     @staticmethod
-    def _message(request: web.Request, body: bytes) -> Any:
-        """The JSON-RPC tools/call this POST carries (a list: a batch with one), else None."""
-        if request.method != "POST" or b"tools/call" not in body:
+    def _message(request: web.Request, body: bytes, limit: int) -> Any:
+        r"""The JSON-RPC tools/call this POST carries (a list: a batch with one), else None.
+        Every POST body is parsed (a byte search for "tools/call" would miss `tools\/call`);
+        one that is content-encoded and does not decode raises BodyError."""
+        if request.method != "POST" or not body:
             return None
+        raw = decode(body, request.headers.get("content-encoding"), limit)
         try:
-            message = parse_json(body, "request body")
+            message = parse_json(raw, "request body")
         except BodyError:
-            return None     # the MCP server answers malformed JSON-RPC itself
+            return None     # not JSON: the MCP server answers malformed JSON-RPC itself
         if isinstance(message, list):
             calls = [m for m in message if isinstance(m, dict) and m.get("method") == "tools/call"]
             return message if calls else None
@@ -165,16 +190,13 @@ class McpAdapter:
     async def _checked(self, call: ToolCall) -> web.StreamResponse:
         await retrying_conflicts(call.run_id, lambda: self._entry(call))
         step, contract = call.step, call.contract
-        safe = step.idempotent or step.idempotency_key
+        safe = step.idempotent   # MCP calls carry no idempotency key stepguard could add
         attempt = 1
         while True:
-            answer = await self._attempt(call)
-            async with self.runs.locked(call.run_id):
-                envelope = await self.runs.envelope(contract, call.run_id)
-                if envelope.status in ("halted", "escalated"):   # halted while this call ran
-                    await self._refuse_stopped(call, envelope, "exit")
-                decision = check_exit(contract, step, envelope, call.arguments, answer.result)
-                settled = await self._settle(call, envelope, decision, answer, attempt, safe)
+            call.forwarded = True
+            answer = call.answer = await self._attempt(call)
+            decision, settled = await retrying_conflicts(
+                call.run_id, lambda: self._exit(call, answer, attempt, safe))  # noqa: B023
             if settled.action == RETRY:
                 await back_off(step, attempt, call.timing)
                 attempt += 1
@@ -183,6 +205,15 @@ class McpAdapter:
                 self.observer.retry_outcome(contract, step.name, recovered=decision.passed)
             self._raise_if_stopped(call, decision, settled)
             return await self._relay(call, answer)
+
+    async def _exit(self, call: ToolCall, answer: Answer, attempt: int,
+                    safe: bool) -> tuple[Decision, Settled]:
+        async with self.runs.locked(call.run_id):
+            envelope = await self.runs.envelope(call.contract, call.run_id)
+            if envelope.status in ("halted", "escalated"):   # halted while this call ran
+                await self._refuse_stopped(call, envelope, "exit")
+            decision = check_exit(call.contract, call.step, envelope, call.arguments, answer.result)
+            return decision, await self._settle(call, envelope, decision, answer, attempt, safe)
 
     async def _entry(self, call: ToolCall) -> None:
         async with self.runs.locked(call.run_id):
@@ -252,14 +283,21 @@ class McpAdapter:
             headers = end_to_end(resp.headers, HOP_BY_HOP | {"content-length"})
             if "text/event-stream" in resp.headers.get("content-type", ""):
                 return await self._relay_events(call, resp, headers)
-            body = await resp.read()
+            try:
+                body = await self.forwarder.read_capped(resp)
+            except UpstreamError as exc:
+                return Answer(ToolResult(None, error=exc.detail, error_kind="cap"), resp.status)
             return Answer(self._result(call, body, resp.status), resp.status, headers, body)
 
     async def _relay_events(self, call: ToolCall, resp: aiohttp.ClientResponse,
                             headers: CIMultiDict[str]) -> Answer:
-        splitter = SSESplitter()
+        splitter = SSESplitter(self.settings.max_response_bytes)
         async for chunk in resp.content.iter_any():
-            for raw, event in splitter.feed(chunk):
+            try:
+                events = splitter.feed(chunk)
+            except EventTooLarge as exc:
+                return Answer(ToolResult(None, error=str(exc), error_kind="cap"), resp.status)
+            for raw, event in events:
                 message = _json(event.data) if event is not None else {}
                 if message.get("id") == call.rpc_id and ("result" in message or "error" in message):
                     return Answer(self._message_result(message), resp.status, headers, raw, sse=True)
@@ -268,11 +306,12 @@ class McpAdapter:
         return Answer(ToolResult(None, error="MCP server ended the event stream without answering "
                                  "the call", error_kind="transport"), resp.status, headers)
 
-    async def _out(self, call: ToolCall, status: int, headers: CIMultiDict[str]) -> web.StreamResponse:
+    async def _out(self, call: ToolCall, status: int, headers: CIMultiDict[str]) -> ClientEnd:
         if call.out is None:
-            call.out = web.StreamResponse(status=status, headers=headers)
-            call.timing.stamp(call.out)
-            await call.out.prepare(call.request)
+            out = web.StreamResponse(status=status, headers=headers)
+            call.timing.stamp(out)
+            await out.prepare(call.request)
+            call.out = ClientEnd(out)
         return call.out
 
     def _seen(self, call: ToolCall, status: int | None, since: float) -> None:
@@ -319,8 +358,9 @@ class McpAdapter:
 
     async def _relay(self, call: ToolCall, answer: Answer) -> web.StreamResponse:
         if call.out is not None:
-            await _finish(call.out, answer.body)
-            return call.out
+            await call.out.write(answer.body)
+            await call.out.close()
+            return call.out.out
         if answer.status is None:   # no answer at all, but the contract let it pass (observe)
             return self._json(call.rpc_id, REQUEST_CODE, f"stepguard: {answer.result.error}",
                               {"check": "tool_error"}, status=502)
@@ -329,8 +369,9 @@ class McpAdapter:
     async def _refuse(self, call: ToolCall, refusal: Refusal) -> web.StreamResponse:
         body = orjson.dumps(rpc_error(call.rpc_id, refusal.code, refusal.message, refusal.data))
         if call.out is not None:
-            await _finish(call.out, b"event: message\r\ndata: " + body + b"\r\n\r\n")
-            return call.out
+            await call.out.write(b"event: message\r\ndata: " + body + b"\r\n\r\n")
+            await call.out.close()
+            return call.out.out
         return web.Response(body=body, content_type="application/json")
 
     def _json(self, rpc_id: Any, code: int, message: str, data: dict[str, Any],
@@ -360,13 +401,3 @@ def _json(data: str) -> dict[str, Any]:
     except orjson.JSONDecodeError:
         return {}
     return value if isinstance(value, dict) else {}
-
-
-async def _finish(out: web.StreamResponse, raw: bytes) -> None:
-    """Write the last event; the MCP client hangs up as soon as it has its answer, so a closing
-    transport here is the normal end, not an error."""
-    try:
-        await out.write(raw)
-        await out.write_eof()
-    except (ConnectionResetError, aiohttp.ClientConnectionResetError):
-        pass

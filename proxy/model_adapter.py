@@ -14,10 +14,12 @@ tool calls are checked, and replaced by a provider-shaped error event on a viola
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import orjson
@@ -26,7 +28,7 @@ from multidict import CIMultiDict
 
 from stepguard.contracts.engine import FINAL, check_entry, check_exit, check_final
 from stepguard.contracts.envelope import Envelope
-from stepguard.contracts.errors import StoreError
+from stepguard.contracts.errors import RunOfAnotherWorkflow, StoreError
 from stepguard.contracts.events import OBSERVE, Decision, ToolResult, Violation
 from stepguard.contracts.model import Contract
 from stepguard.contracts.runs import RunBook
@@ -37,17 +39,21 @@ from stepguard.proxy.config import Settings
 from stepguard.proxy.correlation import implicit_run_id, run_id_for
 from stepguard.proxy.forward import (
     HOP_BY_HOP,
+    ClientEnd,
     Forwarder,
     Timing,
+    Upstreamed,
     UpstreamError,
     end_to_end,
 )
 from stepguard.proxy.http_adapter import HttpToolAdapter
 from stepguard.proxy.model_dialects import Dialect, ToolCall, ToolOutput, Turn, dialect_for
 from stepguard.proxy.routing import Route
-from stepguard.proxy.sse import SSESplitter
+from stepguard.proxy.sse import EventTooLarge, SSESplitter
 
 RUN_HEADER = "x-stepguard-run"
+_INFLIGHT_WAIT_S = 30.0
+T = TypeVar("T")
 _NO_RETRY = {"x-should-retry": "false"}
 
 
@@ -88,6 +94,9 @@ class ModelAdapter:
         self.observer = observer
         self.boundaries = boundaries
         self.http = http
+        # tool calls a stream has shown its client before their entry is stored: a request
+        # that carries one waits for that store before it is correlated (see _correlate)
+        self._inflight: dict[str, asyncio.Event] = {}
 
     def error(self, route: Route, status: int, title: str, detail: str) -> web.Response:
         dialect = dialect_for(route.upstream.kind, route.path)
@@ -118,6 +127,9 @@ class ModelAdapter:
             return await self._complete(ex, headers)
         except Stop as stop:
             return self._error(dialect, stop.status, stop.message, stop.details)
+        except RunOfAnotherWorkflow as exc:
+            return self._error(dialect, 409, f"stepguard: {exc}", {"check": "correlation",
+                                                                  "run": ex.run_id})
         except StoreError as exc:
             self.observer.store_error("append", str(exc), run_id=ex.run_id,
                                       workflow=ex.contract.workflow)
@@ -140,7 +152,9 @@ class ModelAdapter:
             contract = replace(contract, run_keys=("header:x-stepguard-run",))
         run_id = run_id_for(contract, ex.request.headers, implicit=False)
         if run_id is None:
-            found = {r for key in ex.dialect.known_ids(ex.body)
+            keys = self._parsed(ex, lambda: ex.dialect.known_ids(ex.body))
+            await self._settled_in_flight(keys)
+            found = {r for key in keys
                      if (r := await self.runs.store.find_run(key)) is not None}
             if len(found) > 1:
                 raise Stop(400, f"stepguard: the conversation carries tool calls of several runs "
@@ -153,8 +167,17 @@ class ModelAdapter:
 
     # -- exit boundaries: tool results the request carries ------------------------------------
 
+    async def _settled_in_flight(self, keys: list[str]) -> None:
+        """An agent may act on a streamed tool call before the stream has ended and the call
+        has been stored; its next request then waits for that store (bounded)."""
+        waiting = [e for key in keys if (e := self._inflight.get(key.removeprefix("call:")))]
+        if waiting:
+            await asyncio.wait([asyncio.ensure_future(e.wait()) for e in waiting],
+                               timeout=_INFLIGHT_WAIT_S)
+
     async def _exits(self, ex: Exchange) -> None:
-        outputs = ex.dialect.tool_outputs(ex.body)
+        outputs = self._parsed(ex, lambda: ex.dialect.tool_outputs(ex.body))
+        echoed = self._parsed(ex, lambda: ex.dialect.echoed_calls(ex.body)) if outputs else {}
         if ex.new_run:
             return
         async with self.runs.locked(ex.run_id):
@@ -165,11 +188,18 @@ class ModelAdapter:
                 pending = envelope.pending.get(output.call_id)
                 if pending is None:
                     continue   # answered before, or a call no step matched
+                pending = {**pending, "input": echoed.get(output.call_id, pending.get("input"))}
                 envelope = await self._exit(ex, envelope, output, pending)
 
     async def _exit(self, ex: Exchange, envelope: Envelope, output: ToolOutput,
                     pending: dict[str, Any]) -> Envelope:
-        step = ex.contract.steps[pending["step"]]
+        step = ex.contract.steps.get(pending["step"])
+        if step is None:    # the step went away in a contract reload: the call is forgotten
+            settled = await self.boundaries.settle(
+                ex.contract, ex.run_id, envelope,
+                Decision(pending["step"], "exit", rejected=True), Evidence(pending.get("input")),
+                timing=ex.timing, traffic=self.traffic, extra={"call_id": output.call_id})
+            return settled.envelope
         if output.is_error:
             result = ToolResult(None, output.content, error=f"tool {step.name} reported an error: "
                                 f"{orjson.dumps(output.content).decode()[:500]}", error_kind="tool")
@@ -197,6 +227,10 @@ class ModelAdapter:
             raise Stop(504 if exc.kind == "timeout" else 502, f"stepguard: {exc.detail}",
                        {"check": "upstream"}) from None
         self._upstream_seen(ex, up.status, since)
+        return await self._checked_answer(ex, up)
+
+    async def _checked_answer(self, ex: Exchange, up: Upstreamed) -> web.Response:
+        """A whole model answer: its tool calls and final answer checked, then handed on."""
         if up.status != 200 or not is_json_type(up.headers.get("content-type", "")):
             return web.Response(status=up.status, headers=up.headers, body=up.body)
         try:
@@ -204,8 +238,11 @@ class ModelAdapter:
         except BodyError as exc:
             raise Stop(502, f"stepguard: {exc.detail}", {"check": "upstream"}) from None
         if isinstance(response, dict):
-            turn = ex.dialect.turn(response)
-            await retrying_conflicts(ex.run_id, lambda: self._entries(ex, turn))
+            turn = self._parsed(ex, lambda: ex.dialect.turn(response))
+            try:
+                await retrying_conflicts(ex.run_id, lambda: self._entries(ex, turn))
+            except StoreError as exc:
+                self._entries_not_stored(ex, exc)   # raises unless fail-open
         out = web.Response(status=up.status, headers=up.headers, body=up.body)
         out.headers[RUN_HEADER] = ex.run_id
         return out
@@ -222,6 +259,14 @@ class ModelAdapter:
             raise Stop(502, f"stepguard: upstream unreachable: {exc}", {"check": "upstream"}) from None
         self._upstream_seen(ex, resp.status, since)
         async with resp:
+            if resp.status == 200 and is_json_type(resp.headers.get("content-type", "")):
+                # a server that ignored "stream": one JSON answer, checked like any other
+                try:
+                    body = await self.forwarder.read_capped(resp)
+                except (UpstreamError, aiohttp.ClientError) as exc:
+                    raise Stop(502, f"stepguard: {exc}", {"check": "upstream"}) from None
+                return await self._checked_answer(ex, Upstreamed(
+                    resp.status, end_to_end(resp.headers), body))
             out = web.StreamResponse(status=resp.status, reason=resp.reason,
                                      headers=end_to_end(resp.headers, HOP_BY_HOP | {"content-length"}))
             out.headers[RUN_HEADER] = ex.run_id
@@ -240,8 +285,20 @@ class ModelAdapter:
         """Relay each event as it completes, hold the terminator, check the assembled turn.
         An agent that hangs up early (it has its tool call) does not stop the check: the turn
         is still read to its end, checked and recorded."""
-        client = _Client(out)
-        splitter, assembler = SSESplitter(), ex.dialect.assembler()
+        splitter = SSESplitter(self.settings.max_response_bytes)
+        assembler = ex.dialect.assembler()
+        stored = asyncio.Event()
+        shown: list[str] = []
+        try:
+            await self._relay_turn(ex, resp, ClientEnd(out), splitter, assembler, stored, shown)
+        finally:   # the turn's calls are stored (or refused): requests waiting on them go on
+            stored.set()
+            for call_id in shown:
+                self._inflight.pop(call_id, None)
+
+    async def _relay_turn(self, ex: Exchange, resp: aiohttp.ClientResponse, client: ClientEnd,
+                          splitter: SSESplitter, assembler: Any, stored: asyncio.Event,
+                          shown: list[str]) -> None:
         held: list[bytes] = []
         streaming_since = time.perf_counter()
         try:
@@ -251,29 +308,64 @@ class ModelAdapter:
                         held.append(raw)
                         continue
                     if event is not None:
-                        assembler.feed(event)
+                        self._parsed(ex, lambda: assembler.feed(event))  # noqa: B023
+                        for call_id in assembler.call_ids():
+                            if call_id not in self._inflight:
+                                self._inflight[call_id] = stored
+                                shown.append(call_id)
                     await client.write(raw)
-        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, TimeoutError) as exc:
+        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, TimeoutError,
+                EventTooLarge) as exc:
             ex.timing.upstream(streaming_since)
             await client.write(ex.dialect.stream_error(f"stepguard: upstream stream failed: {exc}",
                                                        {"check": "upstream"}))
             await client.close()
             return
+        except Stop as stop:     # the upstream's events have a shape the dialect cannot read
+            ex.timing.upstream(streaming_since)
+            await client.write(ex.dialect.stream_error(stop.message, stop.details))
+            await client.close()
+            return
         ex.timing.upstream(streaming_since)
         held.append(splitter.rest())
         try:
-            turn = assembler.turn()
+            turn = self._parsed(ex, assembler.turn)
             await retrying_conflicts(ex.run_id, lambda: self._entries(ex, turn))
         except Stop as stop:
             await client.write(ex.dialect.stream_error(stop.message, stop.details))
         except StoreError as exc:
-            self.observer.store_error("append", str(exc), run_id=ex.run_id)
-            await client.write(ex.dialect.stream_error(
-                f"stepguard: the event could not be stored ({exc})", {"check": "store"}))
+            try:
+                self._entries_not_stored(ex, exc)
+            except Stop as stop:
+                await client.write(ex.dialect.stream_error(stop.message, stop.details))
+            else:
+                for raw in held:
+                    await client.write(raw)
         else:
             for raw in held:
                 await client.write(raw)
         await client.close()
+
+    def _entries_not_stored(self, ex: Exchange, exc: StoreError) -> None:
+        """The model answered, but its tool calls could not be stored. The model is never asked a
+        second time: fail-open hands its answer on unchecked (counted); fail-closed raises."""
+        self.observer.store_error("append", str(exc), run_id=ex.run_id,
+                                  workflow=ex.contract.workflow)
+        if self.settings.fail_open:
+            self.observer.fail_open(ex.contract, "", ex.run_id)
+            return
+        raise Stop(503, f"stepguard: run {ex.run_id!r}: the model's answer could not be checked "
+                   f"and stored ({exc}); it is withheld (fail closed)", {"check": "store"})
+
+    @staticmethod
+    def _parsed(ex: Exchange, read: Callable[[], T]) -> T:
+        """A dialect's reading of a body; a body of the right JSON but the wrong shape (a number
+        where messages go, a non-string text part) is a clear 400, not a crash."""
+        try:
+            return read()
+        except (TypeError, AttributeError, ValueError, KeyError, IndexError) as exc:
+            raise Stop(400, f"stepguard: {ex.dialect.name} body has an unexpected shape: "
+                       f"{type(exc).__name__}: {exc}", {"check": "request"}) from None
 
     def _upstream_seen(self, ex: Exchange, status: int | None, since: float) -> None:
         waited = ex.timing.upstream(since)
@@ -323,7 +415,8 @@ class ModelAdapter:
             decision = check_entry(step, envelope, call.arguments)
         goes_ahead = decision.passed or contract.mode == "observe"
         settled = await self.boundaries.settle(
-            contract, ex.run_id, envelope, decision, Evidence(call.arguments, b""),
+            contract, ex.run_id, envelope, decision,
+            Evidence(call.arguments, orjson.dumps(call.arguments)),
             timing=ex.timing, traffic=self.traffic,
             extra={"call_id": call.call_id, "tool": call.name, "pending": goes_ahead},
             keys=[f"call:{call.call_id}", *keys])
@@ -362,25 +455,3 @@ class ModelAdapter:
         return web.Response(status=status, body=orjson.dumps(body),
                             content_type="application/json", headers=_NO_RETRY)
 
-
-class _Client:
-    """The agent's end of a relayed stream; once it has hung up, writes are dropped."""
-
-    def __init__(self, out: web.StreamResponse) -> None:
-        self.out = out
-        self.gone = False
-
-    async def write(self, data: bytes) -> None:
-        if self.gone:
-            return
-        try:
-            await self.out.write(data)
-        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
-            self.gone = True
-
-    async def close(self) -> None:
-        if not self.gone:
-            try:
-                await self.out.write_eof()
-            except (ConnectionResetError, aiohttp.ClientConnectionResetError):
-                self.gone = True

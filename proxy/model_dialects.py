@@ -50,6 +50,9 @@ class Turn:
 class Assembler(Protocol):
     def feed(self, event: ServerSentEvent) -> None: ...
 
+    def call_ids(self) -> list[str]:
+        """The tool-call ids the events fed so far have shown the client."""
+
     def is_terminal(self, event: ServerSentEvent) -> bool: ...
 
     def turn(self) -> Turn: ...
@@ -65,6 +68,10 @@ class Dialect(Protocol):
         """Correlation keys the request carries: `call:<tool call id>`, `resp:<response id>`."""
 
     def turn(self, body: dict[str, Any]) -> Turn: ...
+
+    def echoed_calls(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The tool calls the conversation repeats back (call id -> arguments): the exit check
+        reads a call's input here, unredacted, rather than from the stored history copy."""
 
     def assembler(self) -> Assembler: ...
 
@@ -131,6 +138,13 @@ class ChatCompletions:
                for c in m.get("tool_calls") or [] if isinstance(c, dict) and c.get("id")]
         return [f"call:{i}" for i in ids + [o.call_id for o in self.tool_outputs(body)]]
 
+    def echoed_calls(self, body: dict[str, Any]) -> dict[str, Any]:
+        return {call.call_id: call.arguments for m in body.get("messages") or []
+                if isinstance(m, dict) and m.get("role") == "assistant"
+                for c in m.get("tool_calls") or [] if isinstance(c, dict)
+                for call in [_arguments(str(c.get("id")), "", (c.get("function") or {})
+                                        .get("arguments"))] if call.error is None}
+
     def turn(self, body: dict[str, Any]) -> Turn:
         choices = body.get("choices") or [{}]
         message = choices[0].get("message") or {}
@@ -173,6 +187,9 @@ class _ChatAssembler:
                 call["name"] = function.get("name") or call["name"]
                 call["arguments"].append(function.get("arguments") or "")
 
+    def call_ids(self) -> list[str]:
+        return [c["id"] for c in self.calls.values() if c["id"]]
+
     def is_terminal(self, event: ServerSentEvent) -> bool:
         return event.data.strip() == "[DONE]"
 
@@ -200,6 +217,13 @@ class Responses:
                and i.get("type") in ("function_call", "function_call_output") and i.get("call_id")]
         previous = body.get("previous_response_id")
         return [f"call:{i}" for i in ids] + ([f"resp:{previous}"] if previous else [])
+
+    def echoed_calls(self, body: dict[str, Any]) -> dict[str, Any]:
+        items = body.get("input") if isinstance(body.get("input"), list) else []
+        return {call.call_id: call.arguments for i in items or [] if isinstance(i, dict)
+                and i.get("type") == "function_call"
+                for call in [_arguments(str(i.get("call_id")), "", i.get("arguments"))]
+                if call.error is None}
 
     def turn(self, body: dict[str, Any]) -> Turn:
         items = body.get("output") or []
@@ -239,6 +263,9 @@ class _ResponsesAssembler:
         if kind == "response.completed" and isinstance(response, dict):
             self.completed = response
 
+    def call_ids(self) -> list[str]:
+        return [str(i["call_id"]) for i in self.items if i.get("call_id")]
+
     def is_terminal(self, event: ServerSentEvent) -> bool:
         return event.event == "response.completed" or (
             event.event in ("", "message") and _json(event.data).get("type") == "response.completed")
@@ -267,6 +294,10 @@ class Messages:
     def known_ids(self, body: dict[str, Any]) -> list[str]:
         ids = [str(b.get("id")) for b in self._blocks(body, "tool_use") if b.get("id")]
         return [f"call:{i}" for i in ids + [o.call_id for o in self.tool_outputs(body)]]
+
+    def echoed_calls(self, body: dict[str, Any]) -> dict[str, Any]:
+        return {str(b.get("id")): b.get("input") for b in self._blocks(body, "tool_use")
+                if isinstance(b.get("input"), dict)}
 
     def turn(self, body: dict[str, Any]) -> Turn:
         blocks = [b for b in body.get("content") or [] if isinstance(b, dict)]
@@ -307,6 +338,10 @@ class _MessagesAssembler:
                 block["_json"].append(delta.get("partial_json", ""))
             elif delta.get("type") == "text_delta":
                 block["text"] = block.get("text", "") + delta.get("text", "")
+
+    def call_ids(self) -> list[str]:
+        return [str(b["id"]) for b in self.blocks.values()
+                if b.get("type") == "tool_use" and b.get("id")]
 
     def is_terminal(self, event: ServerSentEvent) -> bool:
         return event.event == "message_stop"

@@ -20,16 +20,31 @@ def decode_event(raw: bytes) -> ServerSentEvent | None:
     return event
 
 
+class EventTooLarge(ValueError):
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        super().__init__(f"a server-sent event exceeds {limit} bytes")
+
+
 class SSESplitter:
-    def __init__(self) -> None:
+    """Cuts a byte stream into whole events. Only new bytes are searched for a boundary, and an
+    event that grows past `limit` without ending raises EventTooLarge: an upstream cannot make
+    stepguard buffer without bound."""
+
+    def __init__(self, limit: int = 10 * 1024 * 1024) -> None:
         self._buffer = b""
+        self._limit = limit
 
     def feed(self, chunk: bytes) -> list[tuple[bytes, ServerSentEvent | None]]:
+        scan_from = max(0, len(self._buffer) - 3)   # a boundary may straddle two chunks
         self._buffer += chunk
         events = []
-        while (m := _BOUNDARY.search(self._buffer)) is not None:
+        while (m := _BOUNDARY.search(self._buffer, scan_from)) is not None:
             raw, self._buffer = self._buffer[:m.end()], self._buffer[m.end():]
             events.append((raw, decode_event(raw)))
+            scan_from = 0
+        if len(self._buffer) > self._limit:
+            raise EventTooLarge(self._limit)
         return events
 
     def rest(self) -> bytes:
