@@ -48,6 +48,8 @@ def decode(body: bytes, content_encoding: str | None, limit: int = 10 * 1024 * 1
         raise BodyError(f"body does not decode as {encoding}: {exc}") from None
     if len(data) > limit or inflater.unconsumed_tail:
         raise BodyError(f"body inflates past {limit} bytes", 413)
+    if not inflater.eof:
+        raise BodyError(f"body is truncated: its {encoding} stream does not end")
     return data
 
 

@@ -170,14 +170,13 @@ class McpAdapter:
     def _message(request: web.Request, body: bytes, limit: int) -> Any:
         r"""The JSON-RPC tools/call this POST carries (a list: a batch with one), else None.
         Every POST body is parsed (a byte search for "tools/call" would miss `tools\/call`);
-        one that is content-encoded and does not decode raises BodyError."""
+        one that does not decode or is not strict JSON raises BodyError."""
         if request.method != "POST" or not body:
             return None
         raw = decode(body, request.headers.get("content-encoding"), limit)
-        try:
-            message = parse_json(raw, "request body")
-        except BodyError:
-            return None     # not JSON: the MCP server answers malformed JSON-RPC itself
+        # a body that is not strict JSON may still be a call a lenient server runs (NaN, 1e999,
+        # \u-escaped names): it is refused (BodyError) rather than let through unchecked
+        message = parse_json(raw, "request body")
         if isinstance(message, list):
             calls = [m for m in message if isinstance(m, dict) and m.get("method") == "tools/call"]
             return message if calls else None

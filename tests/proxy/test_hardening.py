@@ -1,0 +1,776 @@
+"""Hardening: the edges a code review found, each pinned as the behaviour stepguard keeps there.
+
+Every test drives a real stepguard (SQLite in tmp_path) in front of real aiohttp upstreams on
+loopback: MCP servers answering JSON or SSE, model servers streaming or not, plain HTTP tools.
+A store that cannot record exits is a real SQLite store with that one fault injected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+import yaml
+from aiohttp import web
+from aiohttp.test_utils import TestClient
+from sgtest import Reply, problem, trail
+from structlog.testing import capture_logs
+
+from stepguard.contracts.envelope import Envelope
+from stepguard.contracts.errors import StoreError
+from stepguard.contracts.loader import parse_contract
+from stepguard.contracts.model import Contract
+from stepguard.contracts.sqlite_store import SQLiteStore
+from stepguard.contracts.store import Store
+from stepguard.metrics.redact import REDACTED
+from stepguard.proxy.app import Stepguard, build, create_app
+from stepguard.proxy.config import Settings
+from stepguard.proxy.harness import running
+
+RUN_HEADER = "x-stepguard-run"
+MCP_ACCEPT = {"accept": "application/json, text/event-stream"}
+VIOLATION, REQUEST = -31000, -31002
+CARD = "4111 1111 1111 1111"
+CHAT = "/o/v1/chat/completions"
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+# --- real parts: upstreams, contracts, stepguard --------------------------------------------------
+
+
+@dataclass
+class Tool:
+    """An upstream on loopback that counts the requests each path received."""
+
+    url: str
+    hits: dict[str, int] = field(default_factory=dict)
+
+    def count(self, path: str) -> int:
+        return self.hits.get(path, 0)
+
+
+@pytest.fixture
+def upstream(aiohttp_server: Any) -> Callable[[dict[str, Handler]], Awaitable[Tool]]:
+    """upstream({path: handler}) -> a server answering POST `path` with `handler`."""
+
+    async def serve(routes: dict[str, Handler]) -> Tool:
+        tool = Tool("")
+
+        def counted(path: str, handler: Handler) -> Handler:
+            async def handle(request: web.Request) -> web.StreamResponse:
+                tool.hits[path] = tool.count(path) + 1
+                return await handler(request)
+            return handle
+
+        app = web.Application()
+        for path, handler in routes.items():
+            app.router.add_post(path, counted(path, handler))
+        server = await aiohttp_server(app)
+        tool.url = str(server.make_url("")).rstrip("/")
+        return tool
+
+    return serve
+
+
+@dataclass
+class Guard:
+    sg: Stepguard
+    client: TestClient
+
+    async def history(self, run: str) -> list[dict[str, Any]]:
+        return await self.sg.store.history(run)
+
+    async def envelope(self, run: str) -> Envelope:
+        envelope = await self.sg.store.load(run)
+        assert envelope is not None
+        return envelope
+
+    def fail_open_passes(self, workflow: str, step: str) -> float:
+        return self.sg.metrics.registry.get_sample_value(
+            "stepguard_fail_open_passes_total", {"workflow": workflow, "step": step}) or 0.0
+
+
+async def settled(sg: Stepguard, run: str, events: int) -> list[dict[str, Any]]:
+    """The run's history once it holds `events` events (stepguard may still be recording)."""
+    for _ in range(250):
+        history = await sg.store.history(run)
+        if len(history) >= events:
+            return history
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"run {run!r} has {await sg.store.history(run)}, not {events} events")
+
+
+@pytest.fixture
+def stepguard(aiohttp_client: Any, tmp_path: Path) -> Callable[..., Awaitable[Guard]]:
+    """stepguard(*contracts, store=None, **settings) -> stepguard on tmp_path/s.db (or `store`)."""
+
+    async def start(*contracts: Contract, store: Store | None = None, **settings: Any) -> Guard:
+        sg = build(Settings(store=str(tmp_path / "s.db"), **settings), list(contracts), store=store)
+        return Guard(sg, await aiohttp_client(create_app(sg)))
+
+    return start
+
+
+def contract(steps: dict[str, Any], upstreams: dict[str, Any], workflow: str = "w",
+             **top: Any) -> Contract:
+    doc = {"workflow": workflow, "contract_version": 1, "upstreams": upstreams, "steps": steps, **top}
+    return parse_contract(yaml.safe_dump(doc).encode(), "test.yaml")
+
+
+def http_step(path: str, **spec: Any) -> dict[str, Any]:
+    return {"match": {"upstream": "t", "method": "POST", "path": path}, **spec}
+
+
+def http_contract(url: str, steps: dict[str, Any], **top: Any) -> Contract:
+    return contract(steps, {"t": {"url": url, "mount": "/t", "timeout_s": 5}}, **top)
+
+
+def mcp_contract(url: str, steps: dict[str, Any], **top: Any) -> Contract:
+    return contract({name: {"match": {"upstream": "m", "tool": name}, **spec}
+                     for name, spec in steps.items()},
+                    {"m": {"url": url, "kind": "mcp", "mount": "/m", "timeout_s": 5}}, **top)
+
+
+def model_contract(url: str, steps: dict[str, Any], **top: Any) -> Contract:
+    return contract({name: {"match": {"tool": name}, **spec} for name, spec in steps.items()},
+                    {"o": {"url": url, "kind": "openai", "mount": "/o", "timeout_s": 5}}, **top)
+
+
+class ExitsNotStored(SQLiteStore):
+    """A real SQLite store whose disk fails for exit events: entries are stored, exits are not."""
+
+    async def append(self, envelope: Envelope, event: dict[str, Any],
+                     escalation: dict[str, Any] | None = None, keys: Any = ()) -> None:
+        if event.get("boundary") == "exit":
+            raise StoreError("disk I/O error (injected)")
+        await super().append(envelope, event, escalation, keys)
+
+
+# --- answers the fake upstreams give -------------------------------------------------------------
+
+
+async def ok(request: web.Request) -> web.Response:
+    return web.json_response({"ok": True, "confirmation_id": "c-1"})
+
+
+def mcp_result(rpc_id: Any, output: dict[str, Any]) -> dict[str, Any]:
+    return {"jsonrpc": "2.0", "id": rpc_id,
+            "result": {"structuredContent": output,
+                       "content": [{"type": "text", "text": json.dumps(output)}]}}
+
+
+async def mcp_ok(request: web.Request) -> web.Response:
+    message = await request.json()
+    return web.json_response(mcp_result(message["id"], {"ok": True}))
+
+
+def tools_call(name: str, arguments: dict[str, Any], rpc_id: int = 1) -> dict[str, Any]:
+    return {"jsonrpc": "2.0", "id": rpc_id, "method": "tools/call",
+            "params": {"name": name, "arguments": arguments}}
+
+
+def chat_answer(*calls: tuple[str, str, dict[str, Any]], text: str | None = None) -> dict[str, Any]:
+    """A Chat Completions answer: tool calls (id, name, arguments), or a final text."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if calls:
+        message["tool_calls"] = [{"id": i, "type": "function",
+                                  "function": {"name": n, "arguments": json.dumps(a)}}
+                                 for i, n, a in calls]
+    return {"id": "resp-1", "object": "chat.completion",
+            "choices": [{"index": 0, "message": message,
+                         "finish_reason": "tool_calls" if calls else "stop"}]}
+
+
+def tool_message(call_id: str, content: dict[str, Any]) -> dict[str, Any]:
+    return {"role": "tool", "tool_call_id": call_id, "content": json.dumps(content)}
+
+
+def sse(data: Any) -> bytes:
+    return b"data: " + (data if isinstance(data, bytes) else orjson.dumps(data)) + b"\n\n"
+
+
+async def reply(resp: Any) -> Reply:
+    return Reply(resp.status, resp.headers, await resp.read())
+
+
+def rpc_error(body: bytes) -> dict[str, Any]:
+    message = orjson.loads(body)
+    assert "result" not in message, message
+    error: dict[str, Any] = message["error"]
+    return error
+
+
+# --- 1. MCP: every tools/call is checked ---------------------------------------------------------
+
+
+async def test_an_mcp_tools_call_written_with_an_escaped_slash_is_checked_like_any_other(
+        upstream, stepguard):
+    server = await upstream({"/mcp": mcp_ok})
+    guard = await stepguard(mcp_contract(server.url, {"reserve": {}, "confirm": {"after": ["reserve"]}}))
+    body = (b'{"jsonrpc": "2.0", "id": 7, "method": "tools\\/call", '
+            b'"params": {"name": "confirm", "arguments": {"slot_id": "s-1"}}}')
+    assert orjson.loads(body)["method"] == "tools/call"
+
+    resp = await guard.client.post("/m/mcp", data=body, headers={
+        RUN_HEADER: "m1", "content-type": "application/json", **MCP_ACCEPT})
+
+    error = rpc_error(await resp.read())
+    assert (error["code"], error["data"]["check"], error["data"]["step"]) == (VIOLATION, "order",
+                                                                              "confirm")
+    assert trail(await guard.history("m1")) == [("confirm", "entry", "violation", "halt")]
+    assert server.count("/mcp") == 0
+
+
+async def test_a_gzip_encoded_tools_call_is_decoded_and_checked(upstream, stepguard):
+    server = await upstream({"/mcp": mcp_ok})
+    guard = await stepguard(mcp_contract(server.url, {"reserve": {}, "confirm": {"after": ["reserve"]}}))
+
+    resp = await guard.client.post("/m/mcp", data=gzip.compress(orjson.dumps(tools_call(
+        "confirm", {"slot_id": "s-1"}))), headers={
+        RUN_HEADER: "m1", "content-type": "application/json", "content-encoding": "gzip",
+        **MCP_ACCEPT})
+
+    error = rpc_error(await resp.read())
+    assert (error["code"], error["data"]["check"]) == (VIOLATION, "order")
+    assert server.count("/mcp") == 0
+
+
+CALL_GZIPPED = gzip.compress(orjson.dumps(tools_call("confirm", {"slot_id": "s-1"})))
+
+
+@pytest.mark.parametrize("body", [
+    pytest.param(b"\x1f\x8b\x08\x00 certainly not deflate data", id="corrupt"),
+    pytest.param(CALL_GZIPPED[:len(CALL_GZIPPED) // 2], id="truncated"),
+])
+async def test_a_gzip_tools_call_body_that_does_not_decode_is_refused_not_passed_through(
+        upstream, stepguard, body):
+    server = await upstream({"/mcp": mcp_ok})
+    guard = await stepguard(mcp_contract(server.url, {"confirm": {}}))
+
+    resp = await guard.client.post("/m/mcp", data=body, headers={
+        RUN_HEADER: "m1", "content-type": "application/json", "content-encoding": "gzip",
+        **MCP_ACCEPT})
+
+    assert server.count("/mcp") == 0
+    error = rpc_error(await resp.read())
+    assert error["code"] == REQUEST
+    assert "gzip" in error["message"]
+    assert await guard.history("m1") == []
+
+
+@pytest.mark.parametrize("value", [b"NaN", b"1e999"])
+async def test_a_tools_call_that_mcp_servers_parse_but_strict_json_does_not_is_not_passed_through(
+        upstream, stepguard, value):
+    # the MCP SDK's server reads bodies with pydantic_core.from_json, which takes NaN and 1e999
+    server = await upstream({"/mcp": mcp_ok})
+    guard = await stepguard(mcp_contract(server.url, {"reserve": {}, "confirm": {"after": ["reserve"]}}))
+    body = (b'{"jsonrpc": "2.0", "id": 7, "method": "tools/call", '
+            b'"params": {"name": "confirm", "arguments": {"amount": ' + value + b'}}}')
+
+    resp = await guard.client.post("/m/mcp", data=body, headers={
+        RUN_HEADER: "m1", "content-type": "application/json", **MCP_ACCEPT})
+
+    assert server.count("/mcp") == 0
+    assert rpc_error(await resp.read())["code"] in (VIOLATION, REQUEST)
+
+
+# --- 2. an exit that cannot be stored: the tool is never called twice -----------------------------
+
+
+async def test_an_exit_not_stored_fails_closed_with_502_and_the_tool_is_called_once(
+        upstream, stepguard, tmp_path):
+    tool = await upstream({"/confirm": ok})
+    guard = await stepguard(http_contract(tool.url, {"confirm": http_step("/confirm")}),
+                            store=ExitsNotStored(str(tmp_path / "s.db")))
+
+    resp = await guard.client.post("/t/confirm", json={"order_id": "o"}, headers={RUN_HEADER: "r1"})
+
+    body = problem(await reply(resp), 502)
+    assert body["title"] == "Exit not recorded"
+    assert (body["run"], body["step"], body["boundary"]) == ("r1", "confirm", "exit")
+    assert tool.count("/confirm") == 1
+
+
+async def test_an_exit_not_stored_fails_open_with_the_tools_own_answer_counted(
+        upstream, stepguard, tmp_path):
+    tool = await upstream({"/confirm": ok})
+    guard = await stepguard(http_contract(tool.url, {"confirm": http_step("/confirm")}),
+                            store=ExitsNotStored(str(tmp_path / "s.db")), fail_open=True)
+
+    resp = await guard.client.post("/t/confirm", json={"order_id": "o"}, headers={RUN_HEADER: "r1"})
+
+    assert resp.status == 200
+    assert await resp.json() == {"ok": True, "confirmation_id": "c-1"}
+    assert tool.count("/confirm") == 1
+    assert guard.fail_open_passes("w", "confirm") == 1
+
+
+async def test_an_mcp_exit_not_stored_fails_closed_with_a_json_rpc_error_and_one_call(
+        upstream, stepguard, tmp_path):
+    server = await upstream({"/mcp": mcp_ok})
+    guard = await stepguard(mcp_contract(server.url, {"confirm": {}}),
+                            store=ExitsNotStored(str(tmp_path / "s.db")))
+
+    resp = await guard.client.post("/m/mcp", json=tools_call("confirm", {}),
+                                   headers={RUN_HEADER: "m1", **MCP_ACCEPT})
+
+    error = rpc_error(await resp.read())
+    assert error["code"] == REQUEST
+    assert error["data"] == {"check": "store", "forwarded": True}
+    assert server.count("/mcp") == 1
+
+
+async def test_an_mcp_exit_not_stored_fails_open_with_the_servers_answer_and_one_call(
+        upstream, stepguard, tmp_path):
+    server = await upstream({"/mcp": mcp_ok})
+    guard = await stepguard(mcp_contract(server.url, {"confirm": {}}),
+                            store=ExitsNotStored(str(tmp_path / "s.db")), fail_open=True)
+
+    resp = await guard.client.post("/m/mcp", json=tools_call("confirm", {}),
+                                   headers={RUN_HEADER: "m1", **MCP_ACCEPT})
+
+    assert await resp.json() == mcp_result(1, {"ok": True})
+    assert server.count("/mcp") == 1
+    assert guard.fail_open_passes("w", "confirm") == 1
+
+
+# --- 3. a streamed tool call acted on before the stream ends --------------------------------------
+
+
+async def test_a_tool_result_sent_before_the_stream_ends_is_checked_in_the_same_run(
+        upstream, stepguard):
+    release = asyncio.Event()
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        out = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await out.prepare(request)
+        call = {"index": 0, "id": "call_1", "type": "function",
+                "function": {"name": "lookup", "arguments": '{"order_id": "o1"}'}}
+        await out.write(sse({"id": "c1", "object": "chat.completion.chunk", "choices": [
+            {"index": 0, "delta": {"role": "assistant", "tool_calls": [call]},
+             "finish_reason": "tool_calls"}]}))
+        await release.wait()           # the usage chunk and the terminator come later
+        await out.write(sse({"id": "c1", "object": "chat.completion.chunk", "choices": [],
+                             "usage": {"total_tokens": 5}}))
+        await out.write(sse(b"[DONE]"))
+        return out
+
+    model = await upstream({"/v1/chat/completions": chat})
+    guard = await stepguard(model_contract(model.url, {"lookup": {
+        "output": {"schema": {"type": "object", "required": ["customer"]}}}}))
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "look up o1"}]
+
+    first = await guard.client.post(CHAT, json={"model": "m", "stream": True, "messages": messages})
+    run = first.headers[RUN_HEADER]
+    event = orjson.loads((await first.content.readline()).removeprefix(b"data: "))
+    call = event["choices"][0]["delta"]["tool_calls"][0]
+    messages += [{"role": "assistant", "content": None, "tool_calls": [
+                     {"id": call["id"], "type": "function", "function": call["function"]}]},
+                 tool_message(call["id"], {"customer_name": "wrong shape"})]
+    second = asyncio.ensure_future(guard.client.post(
+        CHAT, json={"model": "m", "stream": True, "messages": messages}))
+    await asyncio.sleep(0.2)           # the agent's next request is in before [DONE]
+    release.set()
+    refused = await second
+    await first.read()
+
+    assert refused.status == 422
+    assert (await refused.json())["error"]["stepguard"]["check"] == "output_schema"
+    assert [e.run_id for e in await guard.sg.store.runs()] == [run]
+    assert trail(await guard.history(run)) == [("lookup", "entry", "pass", "forward"),
+                                               ("lookup", "exit", "violation", "halt")]
+    assert (await guard.envelope(run)).status == "halted"
+    assert model.count("/v1/chat/completions") == 1
+
+
+# --- 4. runs are never shared between workflows ---------------------------------------------------
+
+
+async def test_a_run_id_of_another_workflow_is_refused_409_and_that_run_is_untouched(
+        upstream, stepguard):
+    tool = await upstream({"/a": ok})
+    billing = contract({"a": {"match": {"upstream": "b", "method": "POST", "path": "/a"}}},
+                       {"b": {"url": tool.url, "mount": "/b"}}, workflow="billing")
+    shipping = contract({"a": {"match": {"upstream": "s", "method": "POST", "path": "/a"}}},
+                        {"s": {"url": tool.url, "mount": "/s"}}, workflow="shipping")
+    guard = await stepguard(billing, shipping)
+    assert (await guard.client.post("/b/a", json={}, headers={RUN_HEADER: "shared"})).status == 200
+    before = (await guard.envelope("shared")).to_dict()
+
+    resp = await guard.client.post("/s/a", json={}, headers={RUN_HEADER: "shared"})
+
+    body = problem(await reply(resp), 409)
+    assert body["title"] == "Run of another workflow"
+    assert (body["owner"], body["workflow"]) == ("billing", "shipping")
+    assert (await guard.envelope("shared")).to_dict() == before
+    assert len(await guard.history("shared")) == 2
+    assert tool.count("/a") == 1
+
+
+# --- 5. an MCP client hanging up mid-stream -------------------------------------------------------
+
+
+async def test_an_mcp_client_hanging_up_during_an_sse_answer_leaves_the_tools_success_recorded(
+        upstream, tmp_path):
+    async def mcp(request: web.Request) -> web.StreamResponse:
+        message = await request.json()
+        out = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await out.prepare(request)
+        for progress in (0.5, 0.9):
+            await out.write(b"event: message\n" + sse({
+                "jsonrpc": "2.0", "method": "notifications/progress",
+                "params": {"progressToken": 1, "progress": progress}}))
+            await asyncio.sleep(0.2)
+        await out.write(b"event: message\n" + sse(mcp_result(message["id"], {"ok": True})))
+        return out
+
+    server = await upstream({"/mcp": mcp})
+    sg = build(Settings(store=str(tmp_path / "s.db")), [mcp_contract(server.url, {"s": {}})])
+    # served as `stepguard serve` serves it: aiohttp's test server would cancel the handler
+    # when the client leaves, stepguard's own runner lets it finish
+    async with running(create_app(sg)) as url, aiohttp.ClientSession() as session:
+        async with session.post(url + "/m/mcp", json=tools_call("s", {}),
+                                headers={RUN_HEADER: "r1", **MCP_ACCEPT}) as resp:
+            assert await resp.content.readline() == b"event: message\n"
+            resp.close()                # the client hangs up after the first progress event
+        history = await settled(sg, "r1", 2)
+        envelope = await sg.store.load("r1")
+
+    assert trail(history) == [("s", "entry", "pass", "forward"), ("s", "exit", "pass", "advance")]
+    assert "tool_error" not in history[1]
+    assert envelope is not None and envelope.status == "active"
+    assert server.count("/mcp") == 1
+
+
+# --- 6. redaction and the history cap do not change what the exit check reads -------------------
+
+
+def transfer_model(note: str) -> Handler:
+    async def chat(request: web.Request) -> web.Response:
+        body = await request.json()
+        if body["messages"][-1]["role"] == "tool":
+            return web.json_response(chat_answer(text="done"))
+        return web.json_response(chat_answer(
+            ("call_1", "transfer", {"account_id": "acct-42", "note": note})))
+    return chat
+
+
+async def transfer_round_trip(guard: Guard, account_in_result: str) -> tuple[str, int, Any]:
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "transfer"}]
+    first = await guard.client.post(CHAT, json={"model": "m", "messages": messages})
+    assert first.status == 200, await first.read()
+    messages += [(await first.json())["choices"][0]["message"],
+                 tool_message("call_1", {"account_id": account_in_result})]
+    second = await guard.client.post(CHAT, json={"model": "m", "messages": messages})
+    return first.headers[RUN_HEADER], second.status, await second.json()
+
+
+TRANSFER = {"transfer": {"postcondition": ["output.account_id == input.account_id"]}}
+
+
+@pytest.mark.parametrize("note", [pytest.param("short", id="small-arguments"),
+                                  pytest.param("x" * 10_000, id="arguments-over-history-cap")])
+async def test_a_postcondition_on_a_redacted_input_reads_the_conversations_own_arguments(
+        upstream, stepguard, note):
+    model = await upstream({"/v1/chat/completions": transfer_model(note)})
+    guard = await stepguard(model_contract(model.url, TRANSFER, redact=["account_id"]))
+
+    run, status, answer = await transfer_round_trip(guard, "acct-42")
+
+    assert (status, answer["choices"][0]["message"]["content"]) == (200, "done")
+    assert trail(await guard.history(run)) == [("transfer", "entry", "pass", "forward"),
+                                               ("transfer", "exit", "pass", "advance")]
+
+
+async def test_a_postcondition_on_a_redacted_input_still_catches_a_wrong_result(
+        upstream, stepguard):
+    model = await upstream({"/v1/chat/completions": transfer_model("short")})
+    guard = await stepguard(model_contract(model.url, TRANSFER, redact=["account_id"]))
+
+    run, status, answer = await transfer_round_trip(guard, "acct-99")
+
+    assert status == 422
+    assert answer["error"]["stepguard"]["check"] == "postcondition"
+    assert trail(await guard.history(run))[-1] == ("transfer", "exit", "violation", "halt")
+
+
+@pytest.mark.parametrize(("note", "stored"), [
+    pytest.param("short", {"account_id": REDACTED, "note": "short"}, id="redacted"),
+    pytest.param("x" * 10_000, {"truncated": True, "bytes": len(orjson.dumps(
+        {"account_id": "acct-42", "note": "x" * 10_000}))}, id="over-history-cap"),
+])
+async def test_a_model_tool_calls_stored_input_is_redacted_and_held_to_the_history_cap(
+        upstream, stepguard, note, stored):
+    model = await upstream({"/v1/chat/completions": transfer_model(note)})
+    guard = await stepguard(model_contract(model.url, TRANSFER, redact=["account_id"]))
+
+    run, _, _ = await transfer_round_trip(guard, "acct-42")
+
+    [entry] = [e for e in await guard.history(run) if e["boundary"] == "entry"]
+    assert entry["input"] == stored
+
+
+# --- 7. secrets stay out of violation details and escalation records -----------------------------
+
+
+@pytest.mark.parametrize(("schema", "keyword"), [
+    pytest.param({"type": "string", "pattern": "^[0-9]{16}$"}, "pattern", id="pattern"),
+    pytest.param({"type": "string", "maxLength": 16}, "maxLength", id="maxLength"),
+    pytest.param({"enum": ["visa-token", "amex-token"]}, "enum", id="enum"),
+    pytest.param({"const": "tok-1"}, "const", id="const"),
+    pytest.param({"type": "integer"}, "type", id="type"),
+])
+async def test_a_schema_violation_names_the_keyword_and_never_quotes_the_value(
+        upstream, stepguard, schema, keyword):
+    tool = await upstream({"/pay": ok})
+    guard = await stepguard(http_contract(tool.url, {"pay": http_step("/pay", input={"schema": {
+        "type": "object", "properties": {"card_number": schema}}})}, redact=["card_number"]))
+
+    with capture_logs() as logs:
+        resp = await guard.client.post("/t/pay", json={"card_number": CARD},
+                                       headers={RUN_HEADER: "r1"})
+        answered = await resp.read()
+
+    [event] = await guard.history("r1")
+    assert (resp.status, event["violation"]["field"]) == (422, "input.card_number")
+    assert keyword in event["violation"]["detail"]
+    assert event["input"] == {"card_number": REDACTED}
+    for where in (answered.decode(), repr(event), repr(logs)):
+        assert "4111" not in where
+    assert tool.count("/pay") == 0
+
+
+def escalating(url: str) -> Contract:
+    return http_contract(url, {"pay": http_step("/pay", on_failure="escalate")}, redact=["card_number"])
+
+
+async def test_an_escalation_record_holds_redacted_json_of_a_json_body(upstream, stepguard):
+    async def failing(request: web.Request) -> web.Response:
+        return web.json_response({"error": "db down", "card_number": CARD}, status=500)
+
+    tool = await upstream({"/pay": failing})
+    guard = await stepguard(escalating(tool.url))
+
+    resp = await guard.client.post("/t/pay", json={"card_number": CARD}, headers={RUN_HEADER: "r1"})
+
+    assert resp.status == 502
+    [record] = await guard.sg.store.escalations("r1")
+    assert record["input"] == {"card_number": REDACTED}
+    assert record["output"] == {"error": "db down", "card_number": REDACTED}
+
+
+async def test_an_escalation_record_holds_only_the_size_of_an_unparseable_request(
+        upstream, stepguard):
+    tool = await upstream({"/pay": ok})
+    guard = await stepguard(escalating(tool.url))
+    body = b'{"card_number": "' + CARD.encode() + b'", "password": "hunter2"'     # cut short
+
+    resp = await guard.client.post("/t/pay", data=body, headers={
+        RUN_HEADER: "r1", "content-type": "application/json"})
+
+    assert resp.status == 400
+    [record] = await guard.sg.store.escalations("r1")
+    assert record["input"] == {"unparsed": True, "bytes": len(body)}
+    assert tool.count("/pay") == 0
+
+
+async def test_an_escalation_record_holds_only_the_size_of_an_unparseable_answer(
+        upstream, stepguard):
+    answer = f"Internal error: charge of card {CARD} failed".encode()
+
+    async def failing(request: web.Request) -> web.Response:
+        return web.Response(status=500, body=answer, content_type="text/plain")
+
+    tool = await upstream({"/pay": failing})
+    guard = await stepguard(escalating(tool.url))
+
+    resp = await guard.client.post("/t/pay", json={"amount": 5}, headers={RUN_HEADER: "r1"})
+
+    assert resp.status == 502
+    [record] = await guard.sg.store.escalations("r1")
+    assert record["output"] == {"unparsed": True, "bytes": len(answer)}
+
+
+# --- 8. a reload that removes the step of a pending model tool call --------------------------------
+
+
+async def test_a_conversation_goes_on_after_a_reload_removed_the_step_of_its_pending_call(
+        upstream, stepguard):
+    async def chat(request: web.Request) -> web.Response:
+        body = await request.json()
+        if body["messages"][-1]["role"] == "tool":
+            return web.json_response(chat_answer(text="ok"))
+        return web.json_response(chat_answer(("call_1", "lookup", {"order_id": "o1"})))
+
+    model = await upstream({"/v1/chat/completions": chat})
+    guard = await stepguard(model_contract(model.url, {"lookup": {}}))
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "look up o1"}]
+    first = await guard.client.post(CHAT, json={"model": "m", "messages": messages})
+    run = first.headers[RUN_HEADER]
+    assert "call_1" in (await guard.envelope(run)).pending
+
+    guard.sg.reload([model_contract(model.url, {"lookup_order": {}})])    # the step is renamed
+    messages += [(await first.json())["choices"][0]["message"],
+                 tool_message("call_1", {"order_id": "o1"})]
+    statuses = []
+    for _ in range(2):
+        resp = await guard.client.post(CHAT, json={"model": "m", "messages": messages})
+        statuses.append(resp.status)
+        await resp.read()
+
+    assert statuses == [200, 200]
+    assert (await guard.envelope(run)).pending == {}
+    assert trail(await guard.history(run))[-1] == ("lookup", "exit", "rejected", "rejected")
+    assert model.count("/v1/chat/completions") == 3
+
+
+# --- 9. answers over max_response_bytes ----------------------------------------------------------
+
+CAP = 64 * 1024
+
+
+async def test_an_mcp_json_answer_over_max_response_bytes_is_a_tool_error(upstream, stepguard):
+    async def big(request: web.Request) -> web.Response:
+        message = await request.json()
+        return web.json_response(mcp_result(message["id"], {"blob": "x" * (4 * CAP)}))
+
+    server = await upstream({"/mcp": big})
+    guard = await stepguard(mcp_contract(server.url, {"big": {}}), max_response_bytes=CAP)
+
+    resp = await guard.client.post("/m/mcp", json=tools_call("big", {}),
+                                   headers={RUN_HEADER: "r1", **MCP_ACCEPT})
+
+    error = rpc_error(await resp.read())
+    assert (error["code"], error["data"]["check"]) == (VIOLATION, "tool_error")
+    [_, exit_] = await guard.history("r1")
+    assert (exit_["verdict"], exit_["violation"]["drift"]) == ("violation", "tool_error")
+    assert str(CAP) in exit_["tool_error"]
+
+
+async def test_a_model_event_growing_past_max_response_bytes_ends_the_stream_with_an_error_event(
+        upstream, stepguard):
+    async def endless_event(request: web.Request) -> web.StreamResponse:
+        out = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await out.prepare(request)
+        await out.write(sse({"id": "c1", "object": "chat.completion.chunk",
+                             "choices": [{"index": 0, "delta": {"content": "hi"}}]}))
+        await out.write(b"data: ")
+        try:
+            for _ in range(16):                     # one 1 MiB event, in 64 KiB writes
+                await out.write(b"y" * CAP)
+            await out.write(b"\n\n" + sse(b"[DONE]"))
+        except ConnectionResetError:
+            pass                                     # stepguard stopped reading: expected
+        return out
+
+    model = await upstream({"/v1/chat/completions": endless_event})
+    guard = await stepguard(model_contract(model.url, {"lookup": {}}), max_response_bytes=CAP)
+
+    resp = await guard.client.post(CHAT, json={"model": "m", "stream": True, "messages": []})
+    received = await resp.read()
+
+    assert resp.status == 200
+    assert len(received) < CAP
+    assert b"yyyy" not in received
+    last = [e for e in received.split(b"\n\n") if e.strip()][-1]
+    error = orjson.loads(last.removeprefix(b"data: "))["error"]
+    assert str(CAP) in error["message"]
+    assert error["stepguard"]["check"] == "upstream"
+
+
+# --- 10. model bodies of valid JSON but the wrong shape ------------------------------------------
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    pytest.param("/o/v1/chat/completions", {"model": "m", "messages": 5}, id="chat-messages-number"),
+    pytest.param("/o/v1/chat/completions", {"model": "m", "messages": [
+        {"role": "tool", "tool_call_id": "c", "content": [{"type": "text", "text": 5}]}]},
+        id="chat-tool-part-text-number"),
+    pytest.param("/o/v1/responses", {"model": "m", "input": [
+        {"type": "function_call_output", "call_id": "c", "output": [{"text": None}]}]},
+        id="responses-output-text-null"),
+    pytest.param("/a/v1/messages", {"model": "m", "max_tokens": 5, "messages": [
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c",
+                                      "content": [{"type": "text", "text": {"a": 1}}]}]}]},
+        id="messages-tool-result-text-object"),
+])
+async def test_a_model_body_of_valid_json_but_the_wrong_shape_gets_a_provider_shaped_400(
+        upstream, stepguard, path, body):
+    model = await upstream({p: ok for p in ("/v1/chat/completions", "/v1/responses", "/v1/messages")})
+    guard = await stepguard(contract(
+        {"lookup": {"match": {"tool": "lookup"}}},
+        {"o": {"url": model.url, "kind": "openai", "mount": "/o"},
+         "a": {"url": model.url, "kind": "anthropic", "mount": "/a"}}))
+
+    resp = await guard.client.post(path, json=body)
+
+    assert resp.status == 400
+    assert resp.headers["x-should-retry"] == "false"
+    answer = await resp.json()
+    if path.startswith("/a/"):
+        assert answer["type"] == "error"
+    assert answer["error"]["type"] == "invalid_request_error"
+    assert "unexpected shape" in answer["error"]["message"]
+    assert sum(model.hits.values()) == 0
+
+
+# --- 11. a streaming request answered with one JSON body -----------------------------------------
+
+
+async def test_a_streaming_request_answered_with_plain_json_is_checked_like_a_whole_answer(
+        upstream, stepguard):
+    async def ignores_stream(request: web.Request) -> web.Response:
+        body = await request.json()
+        if body["messages"][-1]["role"] == "tool":      # the policy check asks for an older order
+            return web.json_response(chat_answer(("call_2", "check", {"order_id": "o0"})))
+        return web.json_response(chat_answer(("call_1", "lookup", {"order_id": "o1"})))
+
+    model = await upstream({"/v1/chat/completions": ignores_stream})
+    guard = await stepguard(model_contract(model.url, {
+        "lookup": {"record": {"order_id": "output.order_id"}},
+        "check": {"after": ["lookup"], "precondition": [
+            {"expr": "input.order_id == state.order_id", "drift": "freshness"}]}}))
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "check o1"}]
+
+    first = await guard.client.post(CHAT, json={"model": "m", "stream": True, "messages": messages})
+    answer = await first.json()
+    assert first.status == 200
+    assert answer == chat_answer(("call_1", "lookup", {"order_id": "o1"}))
+    messages += [answer["choices"][0]["message"], tool_message("call_1", {"order_id": "o1"})]
+    second = await guard.client.post(CHAT, json={"model": "m", "stream": True, "messages": messages})
+
+    refused = await second.json()
+    assert second.status == 422
+    assert (refused["error"]["stepguard"]["check"], refused["error"]["code"]) == (
+        "precondition", "freshness")
+    run = first.headers[RUN_HEADER]
+    assert trail(await guard.history(run))[-1] == ("check", "entry", "violation", "halt")
+    assert (await guard.envelope(run)).status == "halted"
+
+
+# --- 12. a recorded value JSON cannot hold -------------------------------------------------------
+
+
+async def test_a_recorded_value_json_cannot_hold_is_left_unrecorded_and_the_call_succeeds(
+        upstream, stepguard):
+    tool = await upstream({"/confirm": ok})
+    guard = await stepguard(http_contract(tool.url, {"confirm": http_step("/confirm", record={
+        "ttl": "duration('1h')", "confirmation_id": "output.confirmation_id"})}))
+
+    resp = await guard.client.post("/t/confirm", json={}, headers={RUN_HEADER: "r1"})
+
+    assert (resp.status, await resp.json()) == (200, {"ok": True, "confirmation_id": "c-1"})
+    exit_ = (await guard.history("r1"))[-1]
+    assert (exit_["verdict"], exit_["action"]) == ("pass", "advance")
+    assert exit_["unrecorded"] == ["ttl"]
+    assert exit_["recorded"] == {"confirmation_id": "c-1"}
+    assert (await guard.envelope("r1")).state == {"confirmation_id": "c-1"}
