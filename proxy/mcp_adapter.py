@@ -37,7 +37,7 @@ from stepguard.proxy.correlation import describe_keys, run_id_for
 from stepguard.proxy.forward import HOP_BY_HOP, ClientEnd, Forwarder, Timing, UpstreamError, end_to_end
 from stepguard.proxy.http_adapter import HttpToolAdapter, upstream_url
 from stepguard.proxy.routing import Route
-from stepguard.proxy.sse import EventTooLarge, SSESplitter
+from stepguard.proxy.sse import EventTooLarge, SSESplitter, event_json
 
 TRAFFIC = "mcp"
 VIOLATION_CODE = -31000      # outside JSON-RPC's and MCP's reserved ranges
@@ -297,7 +297,7 @@ class McpAdapter:
             except EventTooLarge as exc:
                 return Answer(ToolResult(None, error=str(exc), error_kind="cap"), resp.status)
             for raw, event in events:
-                message = _json(event.data) if event is not None else {}
+                message = event_json(event.data) if event is not None else {}
                 if message.get("id") == call.rpc_id and ("result" in message or "error" in message):
                     return Answer(self._message_result(message), resp.status, headers, raw, sse=True)
                 out = await self._out(call, resp.status, headers)
@@ -393,10 +393,3 @@ def _halted(call: ToolCall, envelope: Envelope, boundary: str, decision_id: str)
                     "detection_point": f"{call.step.name}.{boundary}.run_status",
                     "decision_id": decision_id})
 
-
-def _json(data: str) -> dict[str, Any]:
-    try:
-        value = orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return {}
-    return value if isinstance(value, dict) else {}

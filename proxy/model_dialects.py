@@ -10,6 +10,8 @@ from typing import Any, Protocol
 import orjson
 from httpx_sse import ServerSentEvent
 
+from stepguard.proxy.sse import event_json
+
 
 @dataclass(frozen=True, slots=True)
 class ToolCall:
@@ -114,13 +116,6 @@ def _sse(data: dict[str, Any], event: str | None = None) -> bytes:
     return head + b"data: " + orjson.dumps(data) + b"\n\n"
 
 
-def _json(data: str) -> dict[str, Any]:
-    try:
-        value = orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return {}
-    return value if isinstance(value, dict) else {}
-
 
 class ChatCompletions:
     """OpenAI Chat Completions: `role: tool` messages in, `tool_calls` out, `[DONE]` ends."""
@@ -173,7 +168,7 @@ class _ChatAssembler:
         self.text: list[str] = []
 
     def feed(self, event: ServerSentEvent) -> None:
-        chunk = _json(event.data)
+        chunk = event_json(event.data)
         self.response_id = self.response_id or chunk.get("id")
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
@@ -253,7 +248,7 @@ class _ResponsesAssembler:
         self.completed: dict[str, Any] | None = None
 
     def feed(self, event: ServerSentEvent) -> None:
-        data = _json(event.data)
+        data = event_json(event.data)
         kind = data.get("type") or event.event
         response = data.get("response")
         if isinstance(response, dict) and response.get("id"):
@@ -268,7 +263,7 @@ class _ResponsesAssembler:
 
     def is_terminal(self, event: ServerSentEvent) -> bool:
         return event.event == "response.completed" or (
-            event.event in ("", "message") and _json(event.data).get("type") == "response.completed")
+            event.event in ("", "message") and event_json(event.data).get("type") == "response.completed")
 
     def turn(self) -> Turn:
         if self.completed and self.completed.get("output"):
@@ -323,7 +318,7 @@ class _MessagesAssembler:
         self.blocks: dict[int, dict[str, Any]] = {}
 
     def feed(self, event: ServerSentEvent) -> None:
-        data = _json(event.data)
+        data = event_json(event.data)
         kind = data.get("type") or event.event
         if kind == "message_start":
             self.message_id = (data.get("message") or {}).get("id")

@@ -4,11 +4,22 @@ for pass-through, and its fields are decoded by httpx-sse's spec-following decod
 from __future__ import annotations
 
 import re
+from typing import Any
 
+import orjson
 from httpx_sse import ServerSentEvent
 from httpx_sse._decoders import SSEDecoder, SSELineDecoder
 
 _BOUNDARY = re.compile(rb"\r\n\r\n|\n\n|\r\r")
+
+
+def event_json(data: str) -> dict[str, Any]:
+    """An event's data as a JSON object ({} when it is not one)."""
+    try:
+        value = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def decode_event(raw: bytes) -> ServerSentEvent | None:
