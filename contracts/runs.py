@@ -11,8 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
 from typing import Any
 
 from stepguard.contracts.envelope import Envelope
@@ -29,19 +28,9 @@ class RunBook:
         self._locks: dict[str, asyncio.Lock] = {}
         self._waiters: dict[str, int] = {}
 
-    @asynccontextmanager
-    async def locked(self, run_id: str) -> AsyncIterator[None]:
-        lock = self._locks.get(run_id)
-        if lock is None:
-            lock = self._locks[run_id] = asyncio.Lock()
-        self._waiters[run_id] = self._waiters.get(run_id, 0) + 1
-        try:
-            async with lock:
-                yield
-        finally:
-            self._waiters[run_id] -= 1
-            if not self._waiters[run_id]:
-                del self._waiters[run_id], self._locks[run_id]
+    def locked(self, run_id: str) -> _RunLock:
+        """`async with runs.locked(run_id):` one boundary of a run at a time."""
+        return _RunLock(self, run_id)
 
     async def envelope(self, contract: Contract, run_id: str) -> Envelope:
         """The run's envelope (a fresh one for a new run). A run id that another workflow's
@@ -75,3 +64,35 @@ class RunBook:
         self._cache.move_to_end(envelope.run_id)
         while len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
+
+
+class _RunLock:
+    """The run's lock, created on first use and dropped when nobody holds or waits for it."""
+
+    __slots__ = ("book", "lock", "run_id")
+
+    def __init__(self, book: RunBook, run_id: str) -> None:
+        self.book, self.run_id = book, run_id
+        lock = book._locks.get(run_id)
+        if lock is None:
+            lock = book._locks[run_id] = asyncio.Lock()
+        self.lock = lock
+
+    async def __aenter__(self) -> None:
+        waiters = self.book._waiters
+        waiters[self.run_id] = waiters.get(self.run_id, 0) + 1
+        try:
+            await self.lock.acquire()
+        except BaseException:
+            self._leave()
+            raise
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.lock.release()
+        self._leave()
+
+    def _leave(self) -> None:
+        waiters = self.book._waiters
+        waiters[self.run_id] -= 1
+        if not waiters[self.run_id]:
+            del waiters[self.run_id], self.book._locks[self.run_id]

@@ -17,12 +17,13 @@ _ACTIONS = frozenset({"halt", "retry", "escalate", "observe", "refuse"})
 
 class Observer:
     def __init__(self, metrics: Metrics | None = None, log_payloads: bool = False,
-                 payload_log_bytes: int = 2048) -> None:
+                 payload_log_bytes: int = 2048, log_level: str = "info") -> None:
         self.metrics = metrics or Metrics()
         self.log = get_logger("stepguard")
         self.log_payloads = log_payloads
         self.payload_log_bytes = payload_log_bytes
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self.log_passes = log_level.lower() in ("debug", "info")
 
     def _child(self, metric: Any, *labels: str) -> Any:
         """The labelled child of a metric, looked up once (labels() takes a lock every call)."""
@@ -47,6 +48,9 @@ class Observer:
             self._child(m.actions, contract.workflow, step, action, traffic).inc()
         if action == "escalate":
             self._child(m.escalations, contract.workflow, step).inc()
+        warn = bool(violation) or action == "refuse"
+        if not warn and not self.log_passes:
+            return   # pass lines are filtered out at this log level: do not build them
         fields: dict[str, Any] = {
             "run_id": run_id, "workflow": contract.workflow,
             "contract_version": contract.version, "step": step,
@@ -60,7 +64,7 @@ class Observer:
             payload = event.get("input", event.get("output"))
             if payload is not None:
                 fields["payload"] = truncate(orjson.dumps(payload).decode(), self.payload_log_bytes)
-        if violation or action == "refuse":
+        if warn:
             self.log.warning("boundary", **fields)
         else:
             self.log.info("boundary", **fields)

@@ -86,7 +86,8 @@ STEPGUARD = web.AppKey("stepguard", Stepguard)
 def build(settings: Settings, contracts: list[Contract], store: Store | None = None,
           metrics: Metrics | None = None) -> Stepguard:
     """A Stepguard on the settings' SQLite store (or `store`), with a fresh metrics registry."""
-    observer = Observer(metrics or Metrics(), settings.log_payloads, settings.payload_log_bytes)
+    observer = Observer(metrics or Metrics(), settings.log_payloads, settings.payload_log_bytes,
+                        settings.log_level)
     store = store or SQLiteStore(settings.store, settings.sqlite_synchronous,
                                  retention_s=settings.retention_hours * 3600)
     return Stepguard(settings, contracts, store, observer)
