@@ -32,6 +32,7 @@ from stepguard.metrics.redact import Redactor
 from stepguard.proxy.bodies import history_payload
 from stepguard.proxy.escalation import Escalator
 from stepguard.proxy.forward import Timing
+from stepguard.proxy.routing import Route
 
 CONFLICT_RETRIES = 3
 T = TypeVar("T")
@@ -110,6 +111,12 @@ class Boundaries:
         if escalation is not None:
             self.escalator.submit(contract, escalation)
         return Settled(action, decision_id, event, after)
+
+    def upstream_seen(self, route: Route, timing: Timing, since: float,
+                      status: int | None) -> None:
+        """The upstream answered (status None: it did not): its time is not stepguard's own."""
+        waited = timing.upstream(since)
+        self.observer.upstream(route.upstream.name, route.contract.workflow, status, waited)
 
     async def refuse(self, contract: Contract, run_id: str, envelope: Envelope, step: str,
                      *, timing: Timing, traffic: str, boundary: str = "entry",

@@ -87,6 +87,7 @@ async def read_body(request: web.Request, limit: int) -> bytes:
 
 
 _IDLE_CHECK_S = 15.0
+SAME_AS_TIMEOUT = -1.0   # read timeout default: the call's own timeout (None: no read timeout)
 
 
 async def _chunks(resp: aiohttp.ClientResponse, request: web.Request,
@@ -184,12 +185,12 @@ class Forwarder:
 
     async def stream(self, request: web.Request, method: str, url: str,
                      headers: CIMultiDict[str], body: bytes, timeout_s: float,
-                     timing: Timing, read_timeout_s: float | None = -1.0) -> web.StreamResponse:
+                     timing: Timing, read_timeout_s: float | None = SAME_AS_TIMEOUT) -> web.StreamResponse:
         """Pass a call through without buffering the response (used for unchecked calls).
         Errors before the response starts raise UpstreamError; after it, the connection is cut.
         `read_timeout_s` bounds the silence between chunks (default `timeout_s`; None: none,
         for long-lived event streams)."""
-        sock_read = timeout_s if read_timeout_s == -1.0 else read_timeout_s
+        sock_read = timeout_s if read_timeout_s == SAME_AS_TIMEOUT else read_timeout_s
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=sock_read)
         limit = self.max_response_bytes
         since = time.perf_counter()

@@ -23,7 +23,7 @@ from stepguard.proxy.bodies import BodyError, request_input, response_output
 from stepguard.proxy.boundaries import Boundaries, Evidence, Settled, back_off, retrying_conflicts
 from stepguard.proxy.config import Settings
 from stepguard.proxy.correlation import describe_keys, run_id_for
-from stepguard.proxy.forward import Forwarder, Timing, Upstreamed, UpstreamError, end_to_end
+from stepguard.proxy.forward import SAME_AS_TIMEOUT, Forwarder, Timing, Upstreamed, UpstreamError, end_to_end
 from stepguard.proxy.problems import halted_problem, problem, violation_problem
 from stepguard.proxy.routing import Route
 
@@ -98,7 +98,7 @@ class HttpToolAdapter:
 
     async def forward_unchecked(self, request: web.Request, route: Route,
                                 headers: CIMultiDict[str], body: bytes, timing: Timing,
-                                read_timeout_s: float | None = -1.0) -> web.StreamResponse:
+                                read_timeout_s: float | None = SAME_AS_TIMEOUT) -> web.StreamResponse:
         try:
             return await self.forwarder.stream(request, request.method, upstream_url(route, request),
                                                headers, body, route.upstream.timeout_s, timing,
@@ -155,9 +155,8 @@ class HttpToolAdapter:
                                                 timeout)
             except UpstreamError as exc:
                 result = ToolResult(None, error=exc.detail, error_kind=exc.kind)
-            waited = call.timing.upstream(upstream_started)
-            self.observer.upstream(call.route.upstream.name, contract.workflow,
-                                   up.status if up else None, waited)
+            self.boundaries.upstream_seen(call.route, call.timing, upstream_started,
+                                          up.status if up else None)
             if up is not None:
                 result = tool_result(up, self.settings.max_response_bytes)
             call.answer = up

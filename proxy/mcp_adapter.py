@@ -314,8 +314,7 @@ class McpAdapter:
         return call.out
 
     def _seen(self, call: ToolCall, status: int | None, since: float) -> None:
-        waited = call.timing.upstream(since)
-        self.observer.upstream(call.route.upstream.name, call.contract.workflow, status, waited)
+        self.boundaries.upstream_seen(call.route, call.timing, since, status)
 
     def _result(self, call: ToolCall, body: bytes, status: int) -> ToolResult:
         if status >= 500:

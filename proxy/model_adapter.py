@@ -368,8 +368,7 @@ class ModelAdapter:
                        f"{type(exc).__name__}: {exc}", {"check": "request"}) from None
 
     def _upstream_seen(self, ex: Exchange, status: int | None, since: float) -> None:
-        waited = ex.timing.upstream(since)
-        self.observer.upstream(ex.route.upstream.name, ex.contract.workflow, status, waited)
+        self.boundaries.upstream_seen(ex.route, ex.timing, since, status)
 
     @staticmethod
     def _url(ex: Exchange) -> str:
