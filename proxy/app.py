@@ -161,11 +161,20 @@ async def reload_contracts(sg: Stepguard, paths: list[str]) -> bool:
     return True
 
 
+GC_THRESHOLDS = (50_000, 20, 100)
+
+
 async def serve(settings: Settings, contracts: list[Contract]) -> None:
     log = get_logger("stepguard")
     sg = build(settings, contracts)
     await sg.start()
     gc.freeze()   # what start-up built lives as long as the process: keep it out of GC passes
+    # Each checked call allocates a few thousand short-lived objects (a parsed 10 KB body alone
+    # is ~700), which at the default threshold (700) runs a young-generation pass every call
+    # and promotes live request state into older generations that are then rescanned.
+    # Measured with the bench contract: 1.25 → 1.06 ms CPU per call. Cycles are still
+    # collected, only less often.
+    gc.set_threshold(*GC_THRESHOLDS)
     proxy_runner = web.AppRunner(create_app(sg, manage=False), access_log=None,
                                  handle_signals=False)
     admin_runner = web.AppRunner(create_admin_app(sg), access_log=None, handle_signals=False)

@@ -13,6 +13,8 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from stepguard.proxy.h1client import BodyCapExceeded, H1Client, H1Response, UpstreamConnectionError
+
 HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
     "trailers", "transfer-encoding", "upgrade", "proxy-connection",
@@ -90,19 +92,18 @@ _IDLE_CHECK_S = 15.0
 SAME_AS_TIMEOUT = -1.0   # read timeout default: the call's own timeout (None: no read timeout)
 
 
-async def _chunks(resp: aiohttp.ClientResponse, request: web.Request,
+async def read_chunks(resp: H1Response, request: web.Request,
                   read_timeout_s: float | None) -> AsyncIterator[bytes]:
-    """The body as it arrives. Without a read timeout (a long-lived event stream), look every
-    15 s of silence whether the client is still there, so a client that left does not keep an
-    upstream stream open forever."""
-    if read_timeout_s is not None:
-        async for chunk in resp.content.iter_any():
-            yield chunk
-        return
+    """The body as it arrives, each read bounded by `read_timeout_s`. Without a read timeout
+    (a long-lived event stream), look every 15 s of silence whether the client is still there,
+    so a client that left does not keep an upstream stream open forever."""
     while True:
         try:
-            chunk = await asyncio.wait_for(resp.content.readany(), _IDLE_CHECK_S)
+            async with asyncio.timeout(read_timeout_s or _IDLE_CHECK_S):
+                chunk = await resp.readany()
         except TimeoutError:
+            if read_timeout_s is not None:
+                raise
             if request.transport is None or request.transport.is_closing():
                 return
             continue
@@ -136,17 +137,21 @@ class ClientEnd:
 
 
 class Forwarder:
+    """Every upstream call of the hot path goes through one `H1Client` (keep-alive pools per
+    origin). `session` is an aiohttp client for what is off the hot path (escalation webhooks)."""
+
     def __init__(self, max_response_bytes: int) -> None:
         self.max_response_bytes = max_response_bytes
+        self.client = H1Client(keepalive_s=30.0)
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30)
-        self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
+        self._session = aiohttp.ClientSession(auto_decompress=False,
                                               skip_auto_headers=("User-Agent", "Accept-Encoding",
                                                                  "Accept", "Content-Type"))
 
     async def close(self) -> None:
+        await self.client.close()
         if self._session is not None:
             await self._session.close()
 
@@ -155,52 +160,54 @@ class Forwarder:
         assert self._session is not None, "forwarder not started"
         return self._session
 
-    async def fetch(self, method: str, url: str, headers: CIMultiDict[str], body: bytes,
-                    timeout_s: float) -> Upstreamed:
+    async def open(self, method: str, url: str, headers: CIMultiDict[str], body: bytes,
+                   timeout_s: float, head_timeout_s: float | None = SAME_AS_TIMEOUT) -> H1Response:
+        """Send a call and wait for the head of the answer (connect within `timeout_s`, the head
+        within `head_timeout_s`, default `timeout_s`). The caller reads and releases it."""
+        wait = timeout_s if head_timeout_s == SAME_AS_TIMEOUT else head_timeout_s
         try:
-            async with self.session.request(
-                    method, url, headers=headers, data=body or None, allow_redirects=False,
-                    timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-                data = await self.read_capped(resp)
-                return Upstreamed(resp.status, end_to_end(resp.headers), data)
+            async with asyncio.timeout(wait):
+                return await self.client.request(method, url, headers, body, timeout_s)
         except TimeoutError:
-            raise UpstreamError("timeout", f"upstream did not answer within {timeout_s:g} s") from None
-        except aiohttp.ClientError as exc:
+            raise UpstreamError("timeout", f"upstream did not answer within {wait:g} s") from None
+        except UpstreamConnectionError as exc:
             raise UpstreamError("transport", f"upstream unreachable: {exc}") from None
 
-    async def read_capped(self, resp: aiohttp.ClientResponse) -> bytes:
-        """The whole body, or UpstreamError("cap") past `max_response_bytes`."""
-        limit = self.max_response_bytes
-        if resp.content_length is not None and resp.content_length > limit:
-            raise UpstreamError("cap", f"upstream response exceeds {limit} bytes")
-        if resp.content_length is not None:
-            return await resp.read()   # the length is known and under the cap: one read
-        chunks, size = [], 0
-        async for chunk in resp.content.iter_chunked(_CHUNK):
-            size += len(chunk)
-            if size > limit:
-                raise UpstreamError("cap", f"upstream response exceeds {limit} bytes")
-            chunks.append(chunk)
-        return b"".join(chunks)
+    async def fetch(self, method: str, url: str, headers: CIMultiDict[str], body: bytes,
+                    timeout_s: float) -> Upstreamed:
+        """The whole answer, within `timeout_s` from start to last byte."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                resp = await self.client.request(method, url, headers, body, timeout_s)
+                async with resp:
+                    data = await self.read_capped(resp)
+        except TimeoutError:
+            raise UpstreamError("timeout", f"upstream did not answer within {timeout_s:g} s") from None
+        except UpstreamConnectionError as exc:
+            raise UpstreamError("transport", f"upstream unreachable: {exc}") from None
+        return Upstreamed(resp.status, end_to_end(resp.headers), data)
+
+    async def read_capped(self, resp: H1Response) -> bytes:
+        """The whole body, or UpstreamError("cap") past `max_response_bytes`; UpstreamError
+        ("transport") if the upstream fails mid-body."""
+        try:
+            return await resp.read(self.max_response_bytes)
+        except BodyCapExceeded as exc:
+            raise UpstreamError("cap", str(exc)) from None
+        except UpstreamConnectionError as exc:
+            raise UpstreamError("transport", f"upstream failed mid-body: {exc}") from None
 
     async def stream(self, request: web.Request, method: str, url: str,
                      headers: CIMultiDict[str], body: bytes, timeout_s: float,
                      timing: Timing, read_timeout_s: float | None = SAME_AS_TIMEOUT) -> web.StreamResponse:
         """Pass a call through without buffering the response (used for unchecked calls).
         Errors before the response starts raise UpstreamError; after it, the connection is cut.
-        `read_timeout_s` bounds the silence between chunks (default `timeout_s`; None: none,
-        for long-lived event streams)."""
+        `read_timeout_s` bounds the wait for the head and the silence between chunks (default
+        `timeout_s`; None: none, for long-lived event streams)."""
         sock_read = timeout_s if read_timeout_s == SAME_AS_TIMEOUT else read_timeout_s
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=sock_read)
         limit = self.max_response_bytes
         since = time.perf_counter()
-        try:
-            resp = await self.session.request(method, url, headers=headers, data=body or None,
-                                              allow_redirects=False, timeout=timeout)
-        except TimeoutError:
-            raise UpstreamError("timeout", f"upstream did not answer within {timeout_s:g} s") from None
-        except aiohttp.ClientError as exc:
-            raise UpstreamError("transport", f"upstream unreachable: {exc}") from None
+        resp = await self.open(method, url, headers, body, timeout_s, sock_read)
         timing.upstream(since)
         async with resp:
             if resp.content_length is not None and resp.content_length > limit:
@@ -208,8 +215,11 @@ class Forwarder:
             if resp.content_length is not None and resp.content_length <= _SMALL:
                 # a small body of known size: one read, one write, as cheap as a proxy gets
                 try:
-                    body_in = await resp.read()
-                except (aiohttp.ClientError, TimeoutError) as exc:
+                    async with asyncio.timeout(sock_read):
+                        body_in = await resp.read()
+                except TimeoutError:
+                    raise UpstreamError("timeout", "upstream stalled mid-body") from None
+                except UpstreamConnectionError as exc:
                     raise UpstreamError("transport", f"upstream failed mid-body: {exc}") from None
                 small = web.Response(status=resp.status, reason=resp.reason, body=body_in,
                                      headers=end_to_end(resp.headers))
@@ -223,13 +233,12 @@ class Forwarder:
             await out.prepare(request)
             sent = 0
             try:
-                async for chunk in _chunks(resp, request, sock_read):
+                async for chunk in read_chunks(resp, request, sock_read):
                     sent += len(chunk)
                     if sent > limit:
                         raise UpstreamError("cap", f"upstream response exceeds {limit} bytes")
                     await out.write(chunk)
-            except (aiohttp.ClientError, asyncio.IncompleteReadError, TimeoutError,
-                    UpstreamError):
+            except (UpstreamConnectionError, TimeoutError, UpstreamError):
                 if request.transport is not None:
                     request.transport.close()
                 return out

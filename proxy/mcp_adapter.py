@@ -18,7 +18,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import orjson
 from aiohttp import web
 from multidict import CIMultiDict
@@ -35,6 +34,7 @@ from stepguard.proxy.boundaries import Boundaries, Evidence, Settled, back_off, 
 from stepguard.proxy.config import Settings
 from stepguard.proxy.correlation import describe_keys, run_id_for
 from stepguard.proxy.forward import HOP_BY_HOP, ClientEnd, Forwarder, Timing, UpstreamError, end_to_end
+from stepguard.proxy.h1client import H1Response, UpstreamConnectionError
 from stepguard.proxy.http_adapter import HttpToolAdapter, upstream_url
 from stepguard.proxy.routing import Route
 from stepguard.proxy.sse import EventTooLarge, SSESplitter, event_json
@@ -269,15 +269,16 @@ class McpAdapter:
             self._seen(call, None, since)
             return Answer(ToolResult(None, error=f"MCP server did not answer within {timeout_s:g} s",
                                      error_kind="timeout"))
-        except aiohttp.ClientError as exc:
+        except UpstreamConnectionError as exc:
             self._seen(call, None, since)
             return Answer(ToolResult(None, error=f"MCP server unreachable: {exc}",
                                      error_kind="transport"))
 
     async def _exchange(self, call: ToolCall, since: float) -> Answer:
-        async with self.forwarder.session.post(upstream_url(call.route, call.request),
-                                               headers=call.headers, data=call.body,
-                                               allow_redirects=False) as resp:
+        timeout_s = call.step.timeout_s or call.route.upstream.timeout_s
+        async with await self.forwarder.client.request(
+                "POST", upstream_url(call.route, call.request), call.headers, call.body,
+                timeout_s) as resp:
             self._seen(call, resp.status, since)
             headers = end_to_end(resp.headers, HOP_BY_HOP | {"content-length"})
             if "text/event-stream" in resp.headers.get("content-type", ""):
@@ -285,13 +286,13 @@ class McpAdapter:
             try:
                 body = await self.forwarder.read_capped(resp)
             except UpstreamError as exc:
-                return Answer(ToolResult(None, error=exc.detail, error_kind="cap"), resp.status)
+                return Answer(ToolResult(None, error=exc.detail, error_kind=exc.kind), resp.status)
             return Answer(self._result(call, body, resp.status), resp.status, headers, body)
 
-    async def _relay_events(self, call: ToolCall, resp: aiohttp.ClientResponse,
+    async def _relay_events(self, call: ToolCall, resp: H1Response,
                             headers: CIMultiDict[str]) -> Answer:
         splitter = SSESplitter(self.settings.max_response_bytes)
-        async for chunk in resp.content.iter_any():
+        async for chunk in resp.iter_any():
             try:
                 events = splitter.feed(chunk)
             except EventTooLarge as exc:

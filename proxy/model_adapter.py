@@ -21,7 +21,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-import aiohttp
 import orjson
 from aiohttp import web
 from multidict import CIMultiDict
@@ -45,7 +44,9 @@ from stepguard.proxy.forward import (
     Upstreamed,
     UpstreamError,
     end_to_end,
+    read_chunks,
 )
+from stepguard.proxy.h1client import H1Response, UpstreamConnectionError
 from stepguard.proxy.http_adapter import HttpToolAdapter
 from stepguard.proxy.model_dialects import Dialect, ToolCall, ToolOutput, Turn, dialect_for
 from stepguard.proxy.routing import Route
@@ -248,23 +249,24 @@ class ModelAdapter:
         return out
 
     async def _stream(self, ex: Exchange, headers: CIMultiDict[str]) -> web.StreamResponse:
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=ex.route.upstream.timeout_s,
-                                        sock_read=ex.route.upstream.timeout_s)
+        timeout_s = ex.route.upstream.timeout_s
         since = time.perf_counter()
         try:
-            resp = await self.forwarder.session.post(self._url(ex), headers=headers, data=ex.raw,
-                                                     timeout=timeout)
-        except (aiohttp.ClientError, TimeoutError) as exc:
+            resp = await self.forwarder.open("POST", self._url(ex), headers, ex.raw, timeout_s)
+        except UpstreamError as exc:
             self._upstream_seen(ex, None, since)
-            raise Stop(502, f"stepguard: upstream unreachable: {exc}", {"check": "upstream"}) from None
+            raise Stop(504 if exc.kind == "timeout" else 502, f"stepguard: {exc.detail}",
+                       {"check": "upstream"}) from None
         self._upstream_seen(ex, resp.status, since)
         async with resp:
             if resp.status == 200 and is_json_type(resp.headers.get("content-type", "")):
                 # a server that ignored "stream": one JSON answer, checked like any other
                 try:
-                    body = await self.forwarder.read_capped(resp)
-                except (UpstreamError, aiohttp.ClientError) as exc:
-                    raise Stop(502, f"stepguard: {exc}", {"check": "upstream"}) from None
+                    async with asyncio.timeout(timeout_s):
+                        body = await self.forwarder.read_capped(resp)
+                except (UpstreamError, TimeoutError) as exc:
+                    raise Stop(502, f"stepguard: {exc or 'upstream stalled mid-body'}",
+                               {"check": "upstream"}) from None
                 return await self._checked_answer(ex, Upstreamed(
                     resp.status, end_to_end(resp.headers), body))
             out = web.StreamResponse(status=resp.status, reason=resp.reason,
@@ -273,14 +275,19 @@ class ModelAdapter:
             ex.timing.stamp(out)
             await out.prepare(ex.request)
             if resp.status != 200 or "text/event-stream" not in resp.headers.get("content-type", ""):
-                async for chunk in resp.content.iter_any():
-                    await out.write(chunk)
+                try:
+                    async for chunk in read_chunks(resp, ex.request, timeout_s):
+                        await out.write(chunk)
+                except (UpstreamConnectionError, TimeoutError):
+                    if ex.request.transport is not None:
+                        ex.request.transport.close()
+                    return out
                 await out.write_eof()
                 return out
             await self._relay_events(ex, resp, out)
             return out
 
-    async def _relay_events(self, ex: Exchange, resp: aiohttp.ClientResponse,
+    async def _relay_events(self, ex: Exchange, resp: H1Response,
                             out: web.StreamResponse) -> None:
         """Relay each event as it completes, hold the terminator, check the assembled turn.
         An agent that hangs up early (it has its tool call) does not stop the check: the turn
@@ -296,13 +303,13 @@ class ModelAdapter:
             for call_id in shown:
                 self._inflight.pop(call_id, None)
 
-    async def _relay_turn(self, ex: Exchange, resp: aiohttp.ClientResponse, client: ClientEnd,
+    async def _relay_turn(self, ex: Exchange, resp: H1Response, client: ClientEnd,
                           splitter: SSESplitter, assembler: Any, stored: asyncio.Event,
                           shown: list[str]) -> None:
         held: list[bytes] = []
         streaming_since = time.perf_counter()
         try:
-            async for chunk in resp.content.iter_any():
+            async for chunk in read_chunks(resp, ex.request, ex.route.upstream.timeout_s):
                 for raw, event in splitter.feed(chunk):
                     if held or (event is not None and assembler.is_terminal(event)):
                         held.append(raw)
@@ -314,8 +321,7 @@ class ModelAdapter:
                                 self._inflight[call_id] = stored
                                 shown.append(call_id)
                     await client.write(raw)
-        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, TimeoutError,
-                EventTooLarge) as exc:
+        except (UpstreamConnectionError, TimeoutError, EventTooLarge) as exc:
             ex.timing.upstream(streaming_since)
             await client.write(ex.dialect.stream_error(f"stepguard: upstream stream failed: {exc}",
                                                        {"check": "upstream"}))
