@@ -210,9 +210,10 @@ class Forwarder:
         resp = await self.open(method, url, headers, body, timeout_s, sock_read)
         timing.upstream(since)
         async with resp:
-            if resp.content_length is not None and resp.content_length > limit:
+            length = resp.content_length if resp.has_body else 0
+            if length is not None and length > limit:
                 raise UpstreamError("cap", f"upstream response exceeds {limit} bytes")
-            if resp.content_length is not None and resp.content_length <= _SMALL:
+            if length is not None and length <= _SMALL:
                 # a small body of known size: one read, one write, as cheap as a proxy gets
                 try:
                     async with asyncio.timeout(sock_read):

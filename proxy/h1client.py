@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import ssl
 import time
 from collections import deque
@@ -70,11 +71,17 @@ def split_url(url: str) -> tuple[Origin, str]:
     scheme = parts.scheme.lower()
     if scheme not in ("http", "https") or not parts.hostname:
         raise UpstreamConnectionError(f"not an http(s) URL: {url!r}")
-    port = parts.port or (443 if scheme == "https" else 80)
+    try:
+        port = parts.port or (443 if scheme == "https" else 80)
+    except ValueError as exc:
+        raise UpstreamConnectionError(f"URL {url!r}: {exc}") from None
     target = parts.path or "/"
     if parts.query:
         target = f"{target}?{parts.query}"
     return Origin(scheme, parts.hostname, port), target
+
+
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")   # RFC 9110 §5.6.2
 
 
 def _has_ctl(text: str) -> bool:
@@ -89,7 +96,9 @@ def _request_head(method: str, target: str, origin: Origin, headers: CIMultiDict
     for name, value in headers.items():
         if name.lower() in _NOT_SENT:
             continue
-        if _has_ctl(name) or _has_ctl(value) or ":" in name:
+        if not _TOKEN.fullmatch(name):
+            raise UpstreamConnectionError(f"header name {name!r} is not an HTTP token")
+        if _has_ctl(value):
             raise UpstreamConnectionError(f"header {name!r} holds a control character")
         lines.append(f"{name}: {value}")
     if body_len or method in _BODY_METHODS:
@@ -220,8 +229,9 @@ class _Pool:
 
 class H1Response:
     """A response whose head has arrived. Read the body with `read` or `iter_any`, then
-    `release` (or use `async with`): the connection is reused only if the body was read to its
-    end and the upstream allows keep-alive."""
+    `release` (or use `async with`). The connection goes back to its pool as soon as the whole
+    answer has arrived (the body stays buffered here) and the upstream allows keep-alive; a
+    response released before that closes its connection."""
 
     def __init__(self, conn: _Connection, method: str) -> None:
         self._conn: _Connection | None = conn
@@ -231,7 +241,8 @@ class H1Response:
         self.reason_bytes = b""
         self.raw_headers: list[tuple[bytes, bytes]] = []
         self.headers: CIMultiDict[str] = CIMultiDict()
-        self.content_length: int | None = None
+        self.content_length: int | None = None   # as announced (a HEAD answer announces one)
+        self.has_body = True                     # False for HEAD, 204 and 304 answers
         self.complete = False
         self._keep_alive = False
         self._eof_delimited = False
@@ -275,6 +286,7 @@ class H1Response:
         self.headers = headers
         self._keep_alive = keep_alive
         no_body = self.method == "HEAD" or status in (204, 304)
+        self.has_body = not no_body
         self._eof_delimited = not no_body and not chunked and self.content_length is None
         if not self._head.done():
             self._head.set_result(None)
@@ -377,7 +389,8 @@ class H1Response:
 
     async def read(self, limit: int | None = None) -> bytes:
         """The whole body; `BodyCapExceeded` as soon as it passes `limit` bytes."""
-        if limit is not None and self.content_length is not None and self.content_length > limit:
+        if limit is not None and self.has_body and self.content_length is not None \
+                and self.content_length > limit:
             self.release()
             raise BodyCapExceeded(limit)
         chunks: list[bytes] = []
