@@ -169,26 +169,11 @@ class SQLiteStore:
             for _, future in batch:
                 _settle(future, None, StoreError(f"store {self.path} is closed"))
             return
-        results: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = []
-        alone = len(batch) == 1   # no savepoints needed: a failure rolls back the transaction
         try:
-            conn.execute("BEGIN IMMEDIATE")
-            for op, future in batch:
-                if not alone:
-                    conn.execute("SAVEPOINT op")
-                try:
-                    results.append((future, op(conn), None))
-                    if not alone:
-                        conn.execute("RELEASE op")
-                except Exception as exc:  # one bad append must not sink the batch
-                    conn.execute("ROLLBACK" if alone else "ROLLBACK TO op")
-                    if not alone:
-                        conn.execute("RELEASE op")
-                    error = exc if isinstance(exc, StoreError) else StoreError(str(exc))
-                    results.append((future, None, error))
-            if conn.in_transaction:
-                self._purge_if_due(conn)
-                conn.execute("COMMIT")
+            try:
+                results = self._batch(conn, batch, isolated=False)
+            except _Replay:      # an append failed half-way: redo the batch, each in a savepoint
+                results = self._batch(conn, batch, isolated=True)
         except sqlite3.Error as exc:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
@@ -196,6 +181,34 @@ class SQLiteStore:
             results = [(future, None, failure) for _, future in batch]
         for future, value, failed in results:
             _settle(future, value, failed)
+
+    def _batch(self, conn: sqlite3.Connection, batch: list[tuple[_Op, asyncio.Future[Any]]],
+               isolated: bool) -> list[tuple[asyncio.Future[Any], Any, BaseException | None]]:
+        """One transaction for the batch. Not isolated (the common case): no savepoints; an
+        append that loses its compare-and-set has written nothing (the CAS is its first write)
+        and fails alone, any other failure rolls everything back and raises _Replay. Isolated:
+        each append in a savepoint, so one bad append never sinks the others."""
+        results: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = []
+        conn.execute("BEGIN IMMEDIATE")
+        for op, future in batch:
+            if isolated:
+                conn.execute("SAVEPOINT op")
+            try:
+                results.append((future, op(conn), None))
+            except ConflictError as exc:
+                results.append((future, None, exc))
+            except Exception as exc:
+                if not isolated:
+                    conn.execute("ROLLBACK")
+                    raise _Replay from exc
+                conn.execute("ROLLBACK TO op")
+                error = exc if isinstance(exc, StoreError) else StoreError(str(exc))
+                results.append((future, None, error))
+            if isolated:
+                conn.execute("RELEASE op")
+        self._purge_if_due(conn)
+        conn.execute("COMMIT")
+        return results
 
     def _purge_if_due(self, conn: sqlite3.Connection) -> None:
         if self.retention_s <= 0:
@@ -218,6 +231,10 @@ class SQLiteStore:
                     continue    # busy: the next round catches up
         finally:
             conn.close()
+
+
+class _Replay(Exception):
+    """An append of a batch failed after writing: the batch is redone with savepoints."""
 
 
 def _settle(future: asyncio.Future[Any], value: Any, failed: BaseException | None) -> None:

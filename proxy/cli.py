@@ -264,7 +264,11 @@ def _bench_proxy(args: argparse.Namespace) -> int:
     options = BenchOptions(concurrency=args.concurrency, duration_s=args.duration,
                            rate=args.rate, rate_duration_s=args.rate_duration,
                            rows=[r for r in args.rows.split(",") if r])
-    result = run(options)
+    try:
+        result = run(options)
+    except ValueError as exc:     # bad flags: an unknown row, a rate or duration out of range
+        print(f"stepguard bench proxy: {exc}", file=sys.stderr)
+        return 2
     print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode() if args.json else render(result))
     return 0
 

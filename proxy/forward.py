@@ -68,9 +68,10 @@ class Upstreamed:
 
 def end_to_end(headers: CIMultiDictProxy[str] | CIMultiDict[str],
                drop: frozenset[str] = _NOT_FORWARDED) -> CIMultiDict[str]:
-    listed = {t.strip().lower() for v in headers.getall("connection", []) for t in v.split(",")}
-    return CIMultiDict((k, v) for k, v in headers.items()
-                       if k.lower() not in drop and k.lower() not in listed)
+    connection = headers.getall("connection", None)
+    if connection:
+        drop = drop | {t.strip().lower() for v in connection for t in v.split(",")}
+    return CIMultiDict([(k, v) for k, v in headers.items() if k.lower() not in drop])
 
 
 async def read_body(request: web.Request, limit: int) -> bytes:

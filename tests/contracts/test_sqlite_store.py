@@ -259,3 +259,30 @@ async def test_an_event_that_cannot_be_stored_fails_its_append_and_the_store_kee
         await asyncio.wait_for(store.append(envelope, event), BOUND_S)
     assert await asyncio.wait_for(store.load("run-1"), BOUND_S) is None
     assert await advance(store, start()) is not None
+
+
+async def test_an_append_failing_half_way_in_a_batch_leaves_nothing_and_sinks_no_other(store):
+    good_first, bad, good_last = start("run-a"), start("run-b"), start("run-c")
+    broken = step(bad, note={"a", "b"})   # the run row is written, then the event fails to encode
+    appends = [asyncio.ensure_future(store.append(*step(good_first))),
+               asyncio.ensure_future(store.append(*broken)),
+               asyncio.ensure_future(store.append(*step(good_last)))]
+    done = await asyncio.wait_for(asyncio.gather(*appends, return_exceptions=True), BOUND_S)
+    assert done[0] is None and done[2] is None
+    assert isinstance(done[1], StoreError)
+    assert await store.load("run-b") is None
+    assert await store.history("run-b") == []
+    assert [e["seq"] for e in await store.history("run-a")] == [1]
+    assert [e["seq"] for e in await store.history("run-c")] == [1]
+
+
+async def test_a_conflict_in_a_batch_fails_only_its_own_append(store):
+    first = await advance(store, start("run-a"))
+    stale = step(start("run-a"))                       # seq 1 again: loses the compare-and-set
+    appends = [asyncio.ensure_future(store.append(*stale)),
+               asyncio.ensure_future(store.append(*step(first))),
+               asyncio.ensure_future(store.append(*step(start("run-b"))))]
+    done = await asyncio.wait_for(asyncio.gather(*appends, return_exceptions=True), BOUND_S)
+    assert isinstance(done[0], ConflictError)
+    assert done[1:] == [None, None]
+    assert [e["seq"] for e in await store.history("run-a")] == [1, 2]

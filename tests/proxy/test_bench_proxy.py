@@ -295,6 +295,14 @@ def test_plan_adds_the_reference_rows_and_names_unknown_ones() -> None:
         _plan(["direct", "nope"])
 
 
+def test_the_command_names_an_unknown_row_without_a_traceback() -> None:
+    done = subprocess.run([sys.executable, "-m", "stepguard.proxy.cli", "bench", "proxy",
+                           "--rows", "contract,nope"], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2
+    assert "unknown row(s) nope" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def test_parse_wrk() -> None:
     out = """Running 4s test @ http://127.0.0.1:1/tools/lookup_order
   1 threads and 32 connections
