@@ -100,6 +100,7 @@ class BenchOptions:
     wrk: str = WRK
     nginx: str = NGINX
     micro_n: int = 2000          # boundary pairs timed by boundary_micro (0: skip it)
+    repeat: int = 1              # rounds of every row; each figure is the median of its rounds
 
 
 @dataclass
@@ -131,6 +132,7 @@ class Row:
     send_lag_p99_ms: float | None = None
     server: str | None = None             # the Server header the client saw
     stored_events: int | None = None      # events in stepguard's SQLite history after the row
+    rps_rounds: list[float] = field(default_factory=list)   # each round's rps (--repeat)
 
 
 # --- contracts -----------------------------------------------------------------------------
@@ -763,6 +765,37 @@ def _measure_row(bench: _Bench, name: str, upstream_url: str, wrk_missing: str |
     return row
 
 
+_MEDIAN_FIELDS = ("rps", "cpu_s_per_1k", "p50_ms", "p90_ms", "p99_ms", "ttfb_p50_ms")
+_SUM_FIELDS = ("requests", "non_2xx", "socket_errors", "sent", "completed", "failed_requests")
+_MAX_FIELDS = ("max_ms", "send_lag_p99_ms", "rss_mb")
+
+
+def combine_rounds(rounds: list[Row]) -> Row:
+    """One row from its rounds: the median of rates, latencies and CPU, the sum of counts, the
+    worst of maxima. A round that failed or was skipped makes the row so."""
+    bad = next((r for r in rounds if r.status != "ok"), None)
+    if bad is not None:
+        return bad
+    if len(rounds) == 1:
+        row = rounds[0]
+        row.rps_rounds = [row.rps] if row.rps is not None else []
+        return row
+    row = Row(rounds[0].name, reference=rounds[0].reference, server=rounds[0].server,
+              stored_events=rounds[-1].stored_events)
+    for name in _MEDIAN_FIELDS:
+        values = [v for r in rounds if (v := getattr(r, name)) is not None]
+        setattr(row, name, round(statistics.median(values), 4) if values else None)
+    for name in _SUM_FIELDS:
+        values = [v for r in rounds if (v := getattr(r, name)) is not None]
+        setattr(row, name, sum(values) if values else None)
+    for name in _MAX_FIELDS:
+        values = [v for r in rounds if (v := getattr(r, name)) is not None]
+        setattr(row, name, max(values) if values else None)
+    row.rps_rounds = [r.rps for r in rounds if r.rps is not None]
+    row.notes = list(dict.fromkeys(note for r in rounds for note in r.notes))
+    return row
+
+
 def _smoke(name: str, port: int, path: str, traffic: _Traffic) -> None:
     """One request before measuring: the hop must answer what the upstream answers, unrefused."""
     headers = {"content-type": "application/json"}
@@ -827,22 +860,24 @@ def run(options: BenchOptions) -> dict[str, Any]:
     """Measure every row of `options.rows` (plus the references they need) in one run."""
     plan = _plan(options.rows)
     if options.concurrency < 1 or options.duration_s <= 0 or options.rate <= 0 \
-            or options.rate_duration_s <= 0:
-        raise ValueError("concurrency, duration, rate and rate duration must be positive")
+            or options.rate_duration_s <= 0 or options.repeat < 1:
+        raise ValueError("concurrency, duration, rate, rate duration and repeat must be positive")
     began = time.perf_counter()
     load_before = os.getloadavg()[0]
     micro = boundary_micro(options.micro_n) if options.micro_n > 0 else None
     wrk_missing = None
     if not (Path(options.wrk).is_file() and os.access(options.wrk, os.X_OK)):
         wrk_missing = f"wrk not found at {options.wrk} (apt-get install -y wrk)"
-    rows: dict[str, Row] = {}
+    rounds: list[dict[str, Row]] = []
     bench = _Bench(options)
     try:
         upstream_url = bench.start_upstream()
-        for name in plan:
-            rows[name] = _measure_row(bench, name, upstream_url, wrk_missing)
+        for _ in range(options.repeat):     # rows interleaved: drift of the machine hits all alike
+            rounds.append({name: _measure_row(bench, name, upstream_url, wrk_missing)
+                           for name in plan})
     finally:
         bench.close()
+    rows = {name: combine_rounds([r[name] for r in rounds]) for name in plan}
     for row in rows.values():
         ref = rows.get(row.reference) if row.reference else None
         if ref is None or row.status != "ok" or ref.status != "ok":
@@ -903,6 +938,11 @@ def render(result: dict[str, Any]) -> str:
         if n == 0:
             lines.append("  ".join("-" * w for w in widths))
     o = result["options"]
+    if o["repeat"] > 1:
+        lines += ["", f"{o['repeat']} rounds, rows interleaved; each figure is the median of its "
+                      "rounds (counts summed, maxima the worst). rps per round:"]
+        lines += [f"  {name:<20} " + ", ".join(f"{v:,.0f}" for v in row["rps_rounds"])
+                  for name, row in result["rows"].items() if row["status"] == "ok"]
     lines += ["", f"rps: wrk, 1 thread, {o['concurrency']} connections, {o['duration_s']:g} s. "
               f"Latency: open-loop, {o['rate']:g} req/s for {o['rate_duration_s']:g} s. "
               f"+ = minus the reference row (direct; model rows: model*_direct) at that rate.",

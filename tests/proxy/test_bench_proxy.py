@@ -24,11 +24,13 @@ from stepguard.proxy import bench_upstream
 from stepguard.proxy.bench_proxy import (
     ROWS,
     BenchOptions,
+    Row,
     _children,
     _parse_wrk,
     _percentile,
     _plan,
     boundary_micro,
+    combine_rounds,
     loadgen,
     render,
     run,
@@ -301,6 +303,26 @@ def test_the_command_names_an_unknown_row_without_a_traceback() -> None:
     assert done.returncode == 2
     assert "unknown row(s) nope" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_rounds_combine_into_medians_sums_and_worst_maxima() -> None:
+    rounds = [Row("contract", rps=r, p50_ms=p, requests=100, max_ms=m, rss_mb=rss, notes=[n])
+              for r, p, m, rss, n in [(900.0, 2.0, 9.0, 70.0, "a"), (1200.0, 3.0, 5.0, 75.0, "a"),
+                                      (1000.0, 2.5, 7.0, 72.0, "b")]]
+    row = combine_rounds(rounds)
+    assert (row.rps, row.p50_ms, row.requests, row.max_ms, row.rss_mb) == (1000.0, 2.5, 300, 9.0, 75.0)
+    assert row.rps_rounds == [900.0, 1200.0, 1000.0]
+    assert row.notes == ["a", "b"]
+
+
+def test_a_failed_round_fails_the_row() -> None:
+    failed = Row("contract", status="failed", reason="hop exited")
+    assert combine_rounds([Row("contract", rps=1.0), failed]) is failed
+
+
+def test_a_repeat_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="repeat"):
+        run(BenchOptions(repeat=0, micro_n=0))
 
 
 def test_parse_wrk() -> None:
