@@ -170,7 +170,9 @@ class Forwarder:
             async with asyncio.timeout(wait):
                 return await self.client.request(method, url, headers, body, timeout_s)
         except TimeoutError:
-            raise UpstreamError("timeout", f"upstream did not answer within {wait:g} s") from None
+            what = (f"did not answer within {wait:g} s" if wait is not None
+                    else f"could not be reached within {timeout_s:g} s")
+            raise UpstreamError("timeout", f"upstream {what}") from None
         except UpstreamConnectionError as exc:
             raise UpstreamError("transport", f"upstream unreachable: {exc}") from None
 

@@ -19,6 +19,7 @@ idle connection as the request was sent) — the same rule as aiohttp's client.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import re
 import ssl
@@ -27,7 +28,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import cast
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import httptools
 from multidict import CIMultiDict
@@ -37,6 +38,8 @@ _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})   # these send Content-Lengt
 _HIGH_WATER = 256 * 1024    # buffered body bytes at which the socket stops being read
 _LOW_WATER = 64 * 1024
 _NOT_SENT = frozenset({"host", "content-length", "transfer-encoding", "connection"})
+MAX_HEAD_BYTES = 64 * 1024  # status line and header fields of an answer (aiohttp: 8190 a line)
+MAX_HEADERS = 128           # header fields of an answer (aiohttp's limit too)
 
 
 class UpstreamConnectionError(Exception):
@@ -45,6 +48,10 @@ class UpstreamConnectionError(Exception):
 
 class UpstreamProtocolError(UpstreamConnectionError):
     """The upstream's bytes are not a valid HTTP/1.1 response."""
+
+
+class _HeadTooLarge(Exception):
+    pass
 
 
 class _Unanswered(UpstreamConnectionError):
@@ -65,8 +72,9 @@ class Origin:
         return host if self.port == default else f"{host}:{self.port}"
 
 
-def split_url(url: str) -> tuple[Origin, str]:
-    """The origin and the request target (path and query, as given: already encoded)."""
+def split_url(url: str) -> tuple[Origin, str, str | None]:
+    """The origin, the request target (path and query, as given: already encoded), and the
+    Basic credentials of a URL with `user:password@` (as aiohttp's client sent them)."""
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     if scheme not in ("http", "https") or not parts.hostname:
@@ -78,7 +86,11 @@ def split_url(url: str) -> tuple[Origin, str]:
     target = parts.path or "/"
     if parts.query:
         target = f"{target}?{parts.query}"
-    return Origin(scheme, parts.hostname, port), target
+    auth = None
+    if parts.username is not None:
+        secret = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
+        auth = "Basic " + base64.b64encode(secret.encode("latin-1", "replace")).decode("ascii")
+    return Origin(scheme, parts.hostname, port), target, auth
 
 
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")   # RFC 9110 §5.6.2
@@ -89,7 +101,7 @@ def _has_ctl(text: str) -> bool:
 
 
 def _request_head(method: str, target: str, origin: Origin, headers: CIMultiDict[str],
-                  body_len: int) -> bytes:
+                  body_len: int, auth: str | None = None) -> bytes:
     if _has_ctl(method) or " " in method or _has_ctl(target) or " " in target:
         raise UpstreamConnectionError("request line holds a control character or space")
     lines = [f"{method} {target} HTTP/1.1", f"Host: {origin.host_header}"]
@@ -101,6 +113,8 @@ def _request_head(method: str, target: str, origin: Origin, headers: CIMultiDict
         if _has_ctl(value):
             raise UpstreamConnectionError(f"header {name!r} holds a control character")
         lines.append(f"{name}: {value}")
+    if auth is not None and "authorization" not in headers:
+        lines.append(f"Authorization: {auth}")
     if body_len or method in _BODY_METHODS:
         lines.append(f"Content-Length: {body_len}")
     lines.append("\r\n")
@@ -114,6 +128,10 @@ class _Connection(asyncio.Protocol):
         self.pool = pool
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
+        # the leniencies aiohttp's client parser has: upstreams that worked through it still do
+        self.parser.set_dangerous_leniencies(lenient_headers=True,
+                                             lenient_optional_cr_before_lf=True,
+                                             lenient_spaces_after_chunk_size=True)
         self.exchange: H1Response | None = None
         self.alive = True
         self.idle_since = 0.0
@@ -132,11 +150,21 @@ class _Connection(asyncio.Protocol):
             return
         try:
             self.parser.feed_data(data)
+            if not exchange.head_arrived:         # all of this chunk was head (or interim answers)
+                exchange.head_bytes += len(data)
+                if exchange.head_bytes > MAX_HEAD_BYTES:
+                    raise _HeadTooLarge(f"more than {MAX_HEAD_BYTES} bytes")
+        except _HeadTooLarge as exc:
+            exchange.fail(UpstreamProtocolError(f"upstream response head too large: {exc}"))
+            self.close()
         except httptools.HttpParserUpgrade:
             exchange.fail(UpstreamProtocolError("upstream switched protocols"))
             self.close()
         except httptools.HttpParserError as exc:
-            exchange.fail(UpstreamProtocolError(f"invalid HTTP response from upstream: {exc}"))
+            cause = exc.__context__     # an exception raised by one of our callbacks
+            detail = (f"upstream response head too large: {cause}"
+                      if isinstance(cause, _HeadTooLarge) else f"invalid HTTP response from upstream: {exc}")
+            exchange.fail(UpstreamProtocolError(detail))
             self.close()
 
     def eof_received(self) -> bool:
@@ -177,7 +205,10 @@ class _Connection(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if self.exchange is not None:
-            self.exchange.raw_headers.append((name, value))
+            headers = self.exchange.raw_headers
+            headers.append((name, value))
+            if len(headers) > MAX_HEADERS:
+                raise _HeadTooLarge(f"more than {MAX_HEADERS} header fields")
 
     def on_headers_complete(self) -> None:
         if self.exchange is not None:
@@ -254,6 +285,8 @@ class H1Response:
         self._waiter: asyncio.Future[None] | None = None
         self._error: BaseException | None = None
         self.received_any = False
+        self.head_arrived = False
+        self.head_bytes = 0
 
     # fed by the connection -----------------------------------------------------------------
 
@@ -288,6 +321,7 @@ class H1Response:
         no_body = self.method == "HEAD" or status in (204, 304)
         self.has_body = not no_body
         self._eof_delimited = not no_body and not chunked and self.content_length is None
+        self.head_arrived = True
         if not self._head.done():
             self._head.set_result(None)
         if self.method == "HEAD":    # llhttp does not know the method: end the exchange here
@@ -447,8 +481,8 @@ class H1Client:
         are the caller's (`asyncio.timeout`): cancelled, the connection is closed."""
         if self.closed:
             raise UpstreamConnectionError("client is closed")
-        origin, target = split_url(url)
-        head = _request_head(method, target, origin, headers, len(body))
+        origin, target, auth = split_url(url)
+        head = _request_head(method, target, origin, headers, len(body), auth)
         pool = self._pools.get(origin)
         if pool is None:
             pool = self._pools[origin] = _Pool(origin, self)

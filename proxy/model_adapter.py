@@ -264,8 +264,10 @@ class ModelAdapter:
                 try:
                     async with asyncio.timeout(timeout_s):
                         body = await self.forwarder.read_capped(resp)
-                except (UpstreamError, TimeoutError) as exc:
-                    raise Stop(502, f"stepguard: {exc or 'upstream stalled mid-body'}",
+                except UpstreamError as exc:
+                    raise Stop(502, f"stepguard: {exc.detail}", {"check": "upstream"}) from None
+                except TimeoutError:
+                    raise Stop(504, f"stepguard: upstream stalled mid-body for {timeout_s:g} s",
                                {"check": "upstream"}) from None
                 return await self._checked_answer(ex, Upstreamed(
                     resp.status, end_to_end(resp.headers), body))
@@ -323,7 +325,9 @@ class ModelAdapter:
                     await client.write(raw)
         except (UpstreamConnectionError, TimeoutError, EventTooLarge) as exc:
             ex.timing.upstream(streaming_since)
-            await client.write(ex.dialect.stream_error(f"stepguard: upstream stream failed: {exc}",
+            why = (f"no event for {ex.route.upstream.timeout_s:g} s"
+                   if isinstance(exc, TimeoutError) else str(exc))
+            await client.write(ex.dialect.stream_error(f"stepguard: upstream stream failed: {why}",
                                                        {"check": "upstream"}))
             await client.close()
             return

@@ -746,7 +746,7 @@ async def test_the_host_header_brackets_an_ipv6_literal(serve: ServerFactory, cl
     ("http://[::1]:8080/", "[::1]:8080"),
 ])
 def test_the_host_header_omits_the_default_port_of_the_scheme(url: str, host: str) -> None:
-    origin, _ = split_url(url)
+    origin, _, _ = split_url(url)
     assert origin.host_header == host
 
 
@@ -847,3 +847,60 @@ async def test_a_url_with_an_invalid_port_is_refused_as_a_connection_error(
         client: H1Client, url: str) -> None:
     with pytest.raises(UpstreamConnectionError):
         await ask(client, url)
+
+
+# --- what aiohttp's client accepted, and limits on the head -------------------------------------
+
+
+@pytest.mark.parametrize("raw", [
+    b"HTTP/1.1 200 OK\nContent-Length: 2\n\nok",                                   # bare LF
+    http("200 OK", "Transfer-Encoding: chunked", body=b"2  \r\nok\r\n0\r\n\r\n"),  # "2  " size
+    http("200 OK", "Content-Length: 2", "X-Odd: a\x01b", body=b"ok"),              # control char
+], ids=["bare-lf", "spaces-after-chunk-size", "control-char-in-value"])
+async def test_answers_aiohttps_client_accepted_are_read(
+        serve: ServerFactory, client: H1Client, raw: bytes) -> None:
+    server = await serve(answering(raw))
+    async with await ask(client, server.url()) as response:
+        assert (response.status, await response.read()) == (200, b"ok")
+
+
+async def test_a_response_head_past_64_kib_is_a_protocol_error_and_closes_the_connection(
+        serve: ServerFactory, client: H1Client) -> None:
+    huge = "X-Big: " + "a" * (256 * 1024)
+    server = await serve(stalling(http("200 OK", huge, huge, huge, "Content-Length: 2", body=b"ok")))
+    with pytest.raises(UpstreamProtocolError, match="head too large"):
+        await ask(client, server.url())
+    await asyncio.wait_for(server.peers[0].done.wait(), 1.0)     # reset, with the rest unread
+
+
+async def test_more_than_128_header_fields_is_a_protocol_error(
+        serve: ServerFactory, client: H1Client) -> None:
+    fields = [f"X-F{i}: v" for i in range(129)]
+    server = await serve(stalling(http("200 OK", *fields, "Content-Length: 2", body=b"ok")))
+    with pytest.raises(UpstreamProtocolError, match="header fields"):
+        await ask(client, server.url())
+
+
+async def test_a_head_arriving_with_a_large_body_in_one_read_is_not_mistaken_for_a_large_head(
+        serve: ServerFactory, client: H1Client) -> None:
+    body = b"x" * (200 * 1024)
+    server = await serve(answering(ok(body)))
+    async with await ask(client, server.url()) as response:
+        assert await response.read() == body
+
+
+async def test_credentials_in_the_url_are_sent_as_basic_authorization(
+        serve: ServerFactory, client: H1Client) -> None:
+    server = await serve(answering(ok()))
+    url = server.url().replace("http://", "http://user:s%40cret@")
+    await fetch(client, url)
+    assert server.received[0].values("authorization") == ["Basic dXNlcjpzQGNyZXQ="]
+
+
+async def test_an_authorization_header_of_the_caller_wins_over_url_credentials(
+        serve: ServerFactory, client: H1Client) -> None:
+    server = await serve(answering(ok()))
+    url = server.url().replace("http://", "http://user:secret@")
+    async with await ask(client, url, headers=CIMultiDict({"Authorization": "Bearer t"})) as r:
+        await r.read()
+    assert server.received[0].values("authorization") == ["Bearer t"]

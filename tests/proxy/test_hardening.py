@@ -8,8 +8,10 @@ A store that cannot record exits is a real SQLite store with that one fault inje
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import json
+import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +23,7 @@ import pytest
 import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestClient
+from multidict import CIMultiDict
 from sgtest import Reply, problem, trail
 from structlog.testing import capture_logs
 
@@ -33,6 +36,7 @@ from stepguard.contracts.store import Store
 from stepguard.metrics.redact import REDACTED
 from stepguard.proxy.app import Stepguard, build, create_app
 from stepguard.proxy.config import Settings
+from stepguard.proxy.forward import Forwarder, UpstreamError
 from stepguard.proxy.harness import running
 
 RUN_HEADER = "x-stepguard-run"
@@ -774,3 +778,57 @@ async def test_a_recorded_value_json_cannot_hold_is_left_unrecorded_and_the_call
     assert exit_["unrecorded"] == ["ttl"]
     assert exit_["recorded"] == {"confirmation_id": "c-1"}
     assert (await guard.envelope("r1")).state == {"confirmation_id": "c-1"}
+
+
+# --- 13. the upstream client: timeouts say what happened ------------------------------------------
+
+
+async def test_a_stream_without_read_timeout_whose_connect_times_out_is_an_upstream_timeout():
+    """A listener whose backlog is full drops further SYNs, so connecting hangs."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fillers = []
+    for _ in range(8):
+        filler = socket.socket()
+        filler.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            filler.connect(("127.0.0.1", port))
+        fillers.append(filler)
+    forwarder = Forwarder(1 << 20)
+    await forwarder.start()
+    try:
+        with pytest.raises(UpstreamError) as caught:
+            await forwarder.open("GET", f"http://127.0.0.1:{port}/mcp", CIMultiDict(), b"", 0.3,
+                                 head_timeout_s=None)
+        assert caught.value.kind == "timeout"
+        assert "within 0.3 s" in caught.value.detail
+    finally:
+        await forwarder.close()
+        for sock in (*fillers, listener):
+            sock.close()
+
+
+async def test_a_model_stream_that_stalls_ends_with_an_error_event_naming_the_silence(
+        upstream, stepguard):
+    async def stalls(request: web.Request) -> web.StreamResponse:
+        out = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await out.prepare(request)
+        await out.write(sse({"id": "c1", "object": "chat.completion.chunk",
+                             "choices": [{"index": 0, "delta": {"content": "hi"}}]}))
+        await asyncio.sleep(5)
+        return out
+
+    model = await upstream({"/v1/chat/completions": stalls})
+    stalled = contract({"lookup": {"match": {"tool": "lookup"}}},
+                       {"o": {"url": model.url, "kind": "openai", "mount": "/o", "timeout_s": 0.3}})
+    guard = await stepguard(stalled)
+
+    resp = await guard.client.post(CHAT, json={"model": "m", "stream": True, "messages": []})
+    received = await resp.read()
+
+    last = [e for e in received.split(b"\n\n") if e.strip()][-1]
+    error = orjson.loads(last.removeprefix(b"data: "))["error"]
+    assert "no event for 0.3 s" in error["message"]
+    assert error["stepguard"]["check"] == "upstream"
