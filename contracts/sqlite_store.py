@@ -37,7 +37,11 @@ CREATE TABLE IF NOT EXISTS runs (
     created REAL NOT NULL,
     updated REAL NOT NULL
 );
-CREATE INDEX IF NOT EXISTS runs_by_status ON runs (status, updated);
+-- runs that stopped or completed, for `runs list --status`: an active run moves through this
+-- index only when its status changes, not at every event (a full (status, updated) index cost
+-- ~20% of each single-append commit, in page writes)
+DROP INDEX IF EXISTS runs_by_status;
+CREATE INDEX IF NOT EXISTS runs_settled ON runs (status, updated) WHERE status != 'active';
 CREATE TABLE IF NOT EXISTS events (
     run_id TEXT NOT NULL,
     seq INTEGER NOT NULL,
@@ -298,7 +302,10 @@ def read_history(conn: sqlite3.Connection, run_id: str) -> list[dict[str, Any]]:
 
 
 def read_runs(conn: sqlite3.Connection, status: str | None, limit: int) -> list[Envelope]:
-    if status:
+    if status and status != "active":   # the literal condition lets SQLite use runs_settled
+        rows = conn.execute("SELECT envelope FROM runs WHERE status = ? AND status != 'active' "
+                            "ORDER BY updated DESC LIMIT ?", (status, limit))
+    elif status:
         rows = conn.execute("SELECT envelope FROM runs WHERE status = ? ORDER BY updated DESC "
                             "LIMIT ?", (status, limit))
     else:

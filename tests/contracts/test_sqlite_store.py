@@ -4,6 +4,7 @@ sequence number, with group commit in one writer thread."""
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ import pytest
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.errors import ConflictError, StoreError
 from stepguard.contracts.events import ADVANCE, ESCALATE, HALT
-from stepguard.contracts.sqlite_store import SQLiteStore
+from stepguard.contracts.sqlite_store import SQLiteStore, connect
 
 # every await on the store is bounded, so a dead writer thread fails a test instead of hanging it
 BOUND_S = 2
@@ -286,3 +287,38 @@ async def test_a_conflict_in_a_batch_fails_only_its_own_append(store):
     assert isinstance(done[0], ConflictError)
     assert done[1:] == [None, None]
     assert [e["seq"] for e in await store.history("run-a")] == [1, 2]
+
+
+async def test_listing_runs_of_a_stopped_status_searches_an_index_not_the_table(tmp_path):
+    conn = connect(tmp_path / "runs.db")
+    try:
+        plan = conn.execute("EXPLAIN QUERY PLAN SELECT envelope FROM runs WHERE status = ? AND "
+                            "status != 'active' ORDER BY updated DESC LIMIT ?",
+                            ("halted", 10)).fetchall()
+    finally:
+        conn.close()
+    assert "USING INDEX runs_settled" in " ".join(str(row[3]) for row in plan)
+    assert sqlite3.sqlite_version_info >= (3, 8, 0)      # partial indexes
+
+
+async def test_a_store_made_with_the_old_status_index_is_migrated_on_open(tmp_path):
+    path = tmp_path / "runs.db"
+    old = sqlite3.connect(path)
+    old.executescript("CREATE TABLE runs (run_id TEXT PRIMARY KEY, workflow TEXT NOT NULL, "
+                      "contract_version TEXT NOT NULL, status TEXT NOT NULL, seq INTEGER NOT NULL, "
+                      "envelope BLOB NOT NULL, created REAL NOT NULL, updated REAL NOT NULL);"
+                      "CREATE INDEX runs_by_status ON runs (status, updated);")
+    old.close()
+    store = SQLiteStore(path)
+    await store.open()
+    try:
+        halted = await advance(store, start("run-h"), HALT)
+        await advance(store, start("run-a"))
+        assert [e.run_id for e in await store.runs(status="halted")] == [halted.run_id]
+        assert [e.run_id for e in await store.runs(status="active")] == ["run-a"]
+    finally:
+        await store.close()
+    check = sqlite3.connect(path)
+    names = {row[0] for row in check.execute("SELECT name FROM sqlite_master WHERE type='index'")}
+    check.close()
+    assert "runs_by_status" not in names and "runs_settled" in names
