@@ -464,12 +464,16 @@ class _Bench:
         self.dir = Path(tempfile.mkdtemp(prefix="stepguard-bench-"))
         self.procs: list[_Proc] = []
         self.upstream_port = 0
+        self.round = 0          # --repeat: each round's hops get files of their own
+
+    def tagged(self, name: str) -> str:
+        return name if self.round == 0 else f"{name}-r{self.round + 1}"
 
     # processes -------------------------------------------------------------------------------
 
     def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None,
               stop_signal: int = signal.SIGTERM, stdout: int | None = None) -> _Proc:
-        log = self.dir / f"{name}.log"
+        log = self.dir / f"{self.tagged(name)}.log"
         with log.open("wb") as out:
             popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL,
                                      stdout=stdout if stdout is not None else out, stderr=out,
@@ -519,7 +523,7 @@ class _Bench:
         binary = self.options.nginx
         if not (Path(binary).is_file() and os.access(binary, os.X_OK)):
             raise FileNotFoundError(f"nginx not found at {binary} (apt-get install -y nginx-light)")
-        root = self.dir / "nginx"
+        root = self.dir / self.tagged("nginx")
         root.mkdir()
         if os.geteuid() == 0:                  # workers run as nobody: let them reach their dirs
             self.dir.chmod(0o711)
@@ -533,8 +537,8 @@ class _Bench:
         return proc, port
 
     def start_stepguard(self, name: str, contract: dict[str, Any]) -> tuple[_Proc, int, Path]:
-        path = _write_contract(self.dir / f"{name}.contract.yaml", contract)
-        port, admin, store = free_port(), free_port(), self.dir / f"{name}.db"
+        path = _write_contract(self.dir / f"{self.tagged(name)}.contract.yaml", contract)
+        port, admin, store = free_port(), free_port(), self.dir / f"{self.tagged(name)}.db"
         env = {k: v for k, v in os.environ.items() if not k.startswith("STEPGUARD_")}
         proc = self.spawn(name, [sys.executable, "-m", "stepguard.proxy.cli", "serve",
                                  "--contract", str(path), "--host", "127.0.0.1", "--port", str(port),
@@ -872,7 +876,7 @@ def run(options: BenchOptions) -> dict[str, Any]:
     bench = _Bench(options)
     try:
         upstream_url = bench.start_upstream()
-        for _ in range(options.repeat):     # rows interleaved: drift of the machine hits all alike
+        for bench.round in range(options.repeat):   # rows interleaved: machine drift hits all alike
             rounds.append({name: _measure_row(bench, name, upstream_url, wrk_missing)
                            for name in plan})
     finally:

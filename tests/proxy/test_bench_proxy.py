@@ -229,6 +229,21 @@ def test_quick_run_measures_every_row() -> None:
         assert name in text
 
 
+@needs_tools
+@pytest.mark.timeout(180)
+def test_a_repeated_run_measures_every_hop_in_every_round() -> None:
+    options = BenchOptions(concurrency=2, duration_s=0.5, rate=20, rate_duration_s=0.5,
+                           rows=["nginx", "contract"], micro_n=0, repeat=2)
+    rows = run(options)["rows"]
+    for name in ("direct", "nginx", "contract"):
+        assert rows[name]["status"] == "ok", (name, rows[name]["reason"])
+        assert len(rows[name]["rps_rounds"]) == 2, name
+    # each round's stepguard had a store of its own: the last one holds about half of the events
+    # of all rounds' calls (one shared store would hold them all, plus the warm-ups)
+    contract = rows["contract"]
+    assert 0 < contract["stored_events"] < 2 * (contract["requests"] + contract["completed"])
+
+
 @pytest.mark.timeout(180)
 def test_missing_wrk_and_nginx_are_reported_not_fatal(tmp_path: Path) -> None:
     options = BenchOptions(concurrency=2, duration_s=0.5, rate=20, rate_duration_s=0.5,
