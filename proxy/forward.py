@@ -13,7 +13,13 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from stepguard.proxy.h1client import BodyCapExceeded, H1Client, H1Response, UpstreamConnectionError
+from stepguard.proxy.h1client import (
+    BodyCapExceeded,
+    H1Client,
+    H1Response,
+    ReadTimeout,
+    UpstreamConnectionError,
+)
 
 HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
@@ -94,15 +100,15 @@ SAME_AS_TIMEOUT = -1.0   # read timeout default: the call's own timeout (None: n
 
 
 async def read_chunks(resp: H1Response, request: web.Request,
-                  read_timeout_s: float | None) -> AsyncIterator[bytes]:
-    """The body as it arrives, each read bounded by `read_timeout_s`. Without a read timeout
-    (a long-lived event stream), look every 15 s of silence whether the client is still there,
-    so a client that left does not keep an upstream stream open forever."""
+                      read_timeout_s: float | None) -> AsyncIterator[bytes]:
+    """The body as it arrives, each wait bounded by `read_timeout_s` (`ReadTimeout`, a
+    TimeoutError). Without a read timeout (a long-lived event stream), look every 15 s of
+    silence whether the client is still there, so a client that left does not keep an upstream
+    stream open forever."""
     while True:
         try:
-            async with asyncio.timeout(read_timeout_s or _IDLE_CHECK_S):
-                chunk = await resp.readany()
-        except TimeoutError:
+            chunk = await resp.readany(read_timeout_s or _IDLE_CHECK_S)
+        except ReadTimeout:
             if read_timeout_s is not None:
                 raise
             if request.transport is None or request.transport.is_closing():

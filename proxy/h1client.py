@@ -397,18 +397,25 @@ class H1Response:
     async def wait_head(self) -> None:
         await self._head
 
-    async def readany(self) -> bytes:
-        """The next bytes of the body as they arrived; b"" at its end."""
+    async def readany(self, timeout_s: float | None = None) -> bytes:
+        """The next bytes of the body as they arrived; b"" at its end. `timeout_s` bounds the
+        wait when nothing is buffered (`ReadTimeout`): one timer handle, not a timeout scope,
+        since a streamed body is read chunk by chunk."""
         while not self._chunks:
             if self._error is not None:
                 raise self._error
             if self.complete:
                 return b""
-            self._waiter = asyncio.get_running_loop().create_future()
+            loop = asyncio.get_running_loop()
+            waiter = self._waiter = loop.create_future()
+            timer = None if timeout_s is None else loop.call_later(timeout_s, _expire, waiter,
+                                                                    timeout_s)
             try:
-                await self._waiter
+                await waiter
             finally:
                 self._waiter = None
+                if timer is not None:
+                    timer.cancel()
         data = self._chunks.popleft()
         self._buffered -= len(data)
         if self._paused and self._buffered <= _LOW_WATER:
@@ -453,6 +460,15 @@ class H1Response:
 
     async def __aexit__(self, *exc: object) -> None:
         self.release()
+
+
+class ReadTimeout(TimeoutError):
+    """The upstream sent nothing for the read timeout while the body was being read."""
+
+
+def _expire(waiter: asyncio.Future[None], timeout_s: float) -> None:
+    if not waiter.done():
+        waiter.set_exception(ReadTimeout(f"upstream sent nothing for {timeout_s:g} s"))
 
 
 class BodyCapExceeded(Exception):

@@ -904,3 +904,27 @@ async def test_an_authorization_header_of_the_caller_wins_over_url_credentials(
     async with await ask(client, url, headers=CIMultiDict({"Authorization": "Bearer t"})) as r:
         await r.read()
     assert server.received[0].values("authorization") == ["Bearer t"]
+
+
+# --- read timeouts --------------------------------------------------------------------------------
+
+
+async def test_a_body_silent_past_the_read_timeout_raises_a_timeout_error(
+        serve: ServerFactory, client: H1Client) -> None:
+    server = await serve(stalling(http("200 OK", "Content-Length: 10", body=b"01234")))
+    async with await ask(client, server.url()) as response:
+        assert await response.readany(0.1) == b"01234"
+        with pytest.raises(h1client.ReadTimeout) as caught:
+            await response.readany(0.1)
+    assert isinstance(caught.value, TimeoutError)
+
+
+async def test_a_body_trickling_faster_than_the_read_timeout_is_read_whole(
+        serve: ServerFactory, client: H1Client) -> None:
+    parts = [b"ab", b"cd", b"ef", b"gh"]
+    server = await serve(trickling(http("200 OK", "Content-Length: 8"), *parts, pause_s=0.05))
+    async with await ask(client, server.url()) as response:
+        received = b""
+        while chunk := await response.readany(0.5):
+            received += chunk
+    assert received == b"abcdefgh"
