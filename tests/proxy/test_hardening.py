@@ -202,6 +202,22 @@ def sse(data: Any) -> bytes:
     return b"data: " + (data if isinstance(data, bytes) else orjson.dumps(data)) + b"\n\n"
 
 
+async def stream_started(request: web.Request) -> web.StreamResponse:
+    """A Chat Completions event stream, prepared, with its first chunk written."""
+    out = web.StreamResponse(headers={"content-type": "text/event-stream"})
+    await out.prepare(request)
+    await out.write(sse({"id": "c1", "object": "chat.completion.chunk",
+                         "choices": [{"index": 0, "delta": {"content": "hi"}}]}))
+    return out
+
+
+def last_error_event(received: bytes) -> dict[str, Any]:
+    """The error of the last SSE event of a stream that stepguard ended with one."""
+    last = [e for e in received.split(b"\n\n") if e.strip()][-1]
+    error: dict[str, Any] = orjson.loads(last.removeprefix(b"data: "))["error"]
+    return error
+
+
 async def reply(resp: Any) -> Reply:
     return Reply(resp.status, resp.headers, await resp.read())
 
@@ -663,10 +679,7 @@ async def test_an_mcp_json_answer_over_max_response_bytes_is_a_tool_error(upstre
 async def test_a_model_event_growing_past_max_response_bytes_ends_the_stream_with_an_error_event(
         upstream, stepguard):
     async def endless_event(request: web.Request) -> web.StreamResponse:
-        out = web.StreamResponse(headers={"content-type": "text/event-stream"})
-        await out.prepare(request)
-        await out.write(sse({"id": "c1", "object": "chat.completion.chunk",
-                             "choices": [{"index": 0, "delta": {"content": "hi"}}]}))
+        out = await stream_started(request)
         await out.write(b"data: ")
         try:
             for _ in range(16):                     # one 1 MiB event, in 64 KiB writes
@@ -685,8 +698,7 @@ async def test_a_model_event_growing_past_max_response_bytes_ends_the_stream_wit
     assert resp.status == 200
     assert len(received) < CAP
     assert b"yyyy" not in received
-    last = [e for e in received.split(b"\n\n") if e.strip()][-1]
-    error = orjson.loads(last.removeprefix(b"data: "))["error"]
+    error = last_error_event(received)
     assert str(CAP) in error["message"]
     assert error["stepguard"]["check"] == "upstream"
 
@@ -813,10 +825,7 @@ async def test_a_stream_without_read_timeout_whose_connect_times_out_is_an_upstr
 async def test_a_model_stream_that_stalls_ends_with_an_error_event_naming_the_silence(
         upstream, stepguard):
     async def stalls(request: web.Request) -> web.StreamResponse:
-        out = web.StreamResponse(headers={"content-type": "text/event-stream"})
-        await out.prepare(request)
-        await out.write(sse({"id": "c1", "object": "chat.completion.chunk",
-                             "choices": [{"index": 0, "delta": {"content": "hi"}}]}))
+        out = await stream_started(request)
         await asyncio.sleep(5)
         return out
 
@@ -828,7 +837,6 @@ async def test_a_model_stream_that_stalls_ends_with_an_error_event_naming_the_si
     resp = await guard.client.post(CHAT, json={"model": "m", "stream": True, "messages": []})
     received = await resp.read()
 
-    last = [e for e in received.split(b"\n\n") if e.strip()][-1]
-    error = orjson.loads(last.removeprefix(b"data: "))["error"]
+    error = last_error_event(received)
     assert "no event for 0.3 s" in error["message"]
     assert error["stepguard"]["check"] == "upstream"
