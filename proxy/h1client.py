@@ -398,7 +398,8 @@ class H1Response:
         await self._head
 
     async def readany(self, timeout_s: float | None = None) -> bytes:
-        """The next bytes of the body as they arrived; b"" at its end. `timeout_s` bounds the
+        """The bytes of the body that arrived since the last read (waiting for some if none
+        did); b"" at its end. `timeout_s` bounds the
         wait when nothing is buffered (`ReadTimeout`): one timer handle, not a timeout scope,
         since a streamed body is read chunk by chunk."""
         while not self._chunks:
@@ -416,8 +417,10 @@ class H1Response:
                 self._waiter = None
                 if timer is not None:
                     timer.cancel()
-        data = self._chunks.popleft()
-        self._buffered -= len(data)
+        chunks = self._chunks     # everything buffered: a chunked body arrives chunk by chunk
+        data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self._buffered = 0
         if self._paused and self._buffered <= _LOW_WATER:
             self._paused = False
             if self._conn is not None and self._conn.transport is not None:

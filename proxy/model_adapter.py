@@ -310,19 +310,29 @@ class ModelAdapter:
                           shown: list[str]) -> None:
         held: list[bytes] = []
         streaming_since = time.perf_counter()
+        first = True
         try:
             async for chunk in read_chunks(resp, ex.request, ex.route.upstream.timeout_s):
-                for raw, event in splitter.feed(chunk):
-                    if held or (event is not None and assembler.is_terminal(event)):
-                        held.append(raw)
-                        continue
-                    if event is not None:
-                        self._parsed(ex, lambda: assembler.feed(event))  # noqa: B023
-                        for call_id in assembler.call_ids():
-                            if call_id not in self._inflight:
-                                self._inflight[call_id] = stored
-                                shown.append(call_id)
-                    await client.write(raw)
+                relayed: list[bytes] = []    # the events that arrived together leave together
+                try:
+                    for raw, event in splitter.events(chunk):
+                        if held or (event is not None and assembler.is_terminal(event)):
+                            held.append(raw)
+                            continue
+                        if event is not None:
+                            self._parsed(ex, lambda: assembler.feed(event))  # noqa: B023
+                            for call_id in assembler.call_ids():
+                                if call_id not in self._inflight:
+                                    self._inflight[call_id] = stored
+                                    shown.append(call_id)
+                        if first:       # the first byte leaves at once (time to first byte)
+                            first = False
+                            await client.write(raw)
+                        else:
+                            relayed.append(raw)
+                finally:        # events before one that failed are still relayed, in order
+                    if relayed:
+                        await client.write(b"".join(relayed))
         except (UpstreamConnectionError, TimeoutError, EventTooLarge) as exc:
             ex.timing.upstream(streaming_since)
             why = (f"no event for {ex.route.upstream.timeout_s:g} s"

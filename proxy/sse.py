@@ -4,6 +4,7 @@ for pass-through, and its fields are decoded by httpx-sse's spec-following decod
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import orjson
@@ -47,16 +48,19 @@ class SSESplitter:
         self._limit = limit
 
     def feed(self, chunk: bytes) -> list[tuple[bytes, ServerSentEvent | None]]:
+        return list(self.events(chunk))
+
+    def events(self, chunk: bytes) -> Iterator[tuple[bytes, ServerSentEvent | None]]:
+        """`feed`, one event at a time: each is decoded only when the caller takes it, so a
+        relay can pass the first event on before it decodes the others of the same chunk."""
         scan_from = max(0, len(self._buffer) - 3)   # a boundary may straddle two chunks
         self._buffer += chunk
-        events = []
         while (m := _BOUNDARY.search(self._buffer, scan_from)) is not None:
             raw, self._buffer = self._buffer[:m.end()], self._buffer[m.end():]
-            events.append((raw, decode_event(raw)))
+            yield raw, decode_event(raw)
             scan_from = 0
         if len(self._buffer) > self._limit:
             raise EventTooLarge(self._limit)
-        return events
 
     def rest(self) -> bytes:
         rest, self._buffer = self._buffer, b""
