@@ -840,3 +840,28 @@ async def test_a_model_stream_that_stalls_ends_with_an_error_event_naming_the_si
     error = last_error_event(received)
     assert "no event for 0.3 s" in error["message"]
     assert error["stepguard"]["check"] == "upstream"
+
+
+async def test_events_arriving_together_are_relayed_in_order_up_to_one_that_cannot_be_read(
+        upstream, stepguard):
+    def chunk(text: str) -> dict[str, Any]:
+        return {"id": "c1", "object": "chat.completion.chunk",
+                "choices": [{"index": 0, "delta": {"content": text}}]}
+
+    async def one_write(request: web.Request) -> web.StreamResponse:
+        out = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await out.prepare(request)
+        await out.write(sse(chunk("a")) + sse(chunk("b")) + sse(chunk("c")) + sse({"choices": 5})
+                        + sse(b"[DONE]"))
+        return out
+
+    model = await upstream({"/v1/chat/completions": one_write})
+    guard = await stepguard(model_contract(model.url, {"lookup": {}}))
+
+    resp = await guard.client.post(CHAT, json={"model": "m", "stream": True, "messages": []})
+    received = await resp.read()
+
+    events = [e for e in received.split(b"\n\n") if e.strip()]
+    assert events[:3] == [sse(chunk(t)).strip() for t in "abc"]
+    assert len(events) == 4
+    assert "unexpected shape" in last_error_event(received)["message"]
