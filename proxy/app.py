@@ -44,7 +44,7 @@ class Stepguard:
                                       for c in self.contracts)
         self.forwarder = Forwarder(self.settings.max_response_bytes)
         self.runs = RunBook(self.store)
-        self.escalator = Escalator(None, self.observer)
+        self.escalator = Escalator(self.observer)
         self.boundaries = Boundaries(self.runs, self.observer, self.escalator, self.contracts,
                                      self.settings.payload_history_bytes)
         http = HttpToolAdapter(self.runs, self.forwarder, self.settings, self.observer,
@@ -69,13 +69,12 @@ class Stepguard:
 
     async def start(self) -> None:
         await self.store.open()
-        await self.forwarder.start()
-        self.escalator.session = self.forwarder.session
+        await self.escalator.start()
         self.ready = True
 
     async def stop(self) -> None:
         self.ready = False
-        await self.escalator.drain()
+        await self.escalator.close()
         await self.forwarder.close()
         await self.store.close()
 

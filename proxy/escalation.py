@@ -14,10 +14,24 @@ from stepguard.metrics.observer import Observer
 
 
 class Escalator:
-    def __init__(self, session: aiohttp.ClientSession | None, observer: Observer) -> None:
-        self.session = session
+    """Webhook deliveries on an aiohttp session of their own (off the hot path, which uses
+    `H1Client`), started with the proxy and closed after the last delivery."""
+
+    def __init__(self, observer: Observer) -> None:
+        self.session: aiohttp.ClientSession | None = None
         self.observer = observer
         self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        self.session = aiohttp.ClientSession(auto_decompress=False,
+                                             skip_auto_headers=("User-Agent", "Accept-Encoding",
+                                                                "Accept", "Content-Type"))
+
+    async def close(self) -> None:
+        await self.drain()
+        if self.session is not None:
+            await self.session.close()
+            self.session = None
 
     def submit(self, contract: Contract, record: dict[str, Any]) -> None:
         if contract.webhook is None or self.session is None:

@@ -144,28 +144,14 @@ class ClientEnd:
 
 
 class Forwarder:
-    """Every upstream call of the hot path goes through one `H1Client` (keep-alive pools per
-    origin). `session` is an aiohttp client for what is off the hot path (escalation webhooks)."""
+    """Every upstream call goes through one `H1Client` (keep-alive pools per origin)."""
 
     def __init__(self, max_response_bytes: int) -> None:
         self.max_response_bytes = max_response_bytes
         self.client = H1Client(keepalive_s=30.0)
-        self._session: aiohttp.ClientSession | None = None
-
-    async def start(self) -> None:
-        self._session = aiohttp.ClientSession(auto_decompress=False,
-                                              skip_auto_headers=("User-Agent", "Accept-Encoding",
-                                                                 "Accept", "Content-Type"))
 
     async def close(self) -> None:
         await self.client.close()
-        if self._session is not None:
-            await self._session.close()
-
-    @property
-    def session(self) -> aiohttp.ClientSession:
-        assert self._session is not None, "forwarder not started"
-        return self._session
 
     async def open(self, method: str, url: str, headers: CIMultiDict[str], body: bytes,
                    timeout_s: float, head_timeout_s: float | None = SAME_AS_TIMEOUT) -> H1Response:

@@ -135,7 +135,6 @@ class _Connection(asyncio.Protocol):
         self.exchange: H1Response | None = None
         self.alive = True
         self.idle_since = 0.0
-        self.used = 0
         self._drain: asyncio.Future[None] | None = None
 
     # asyncio.Protocol ---------------------------------------------------------------------
@@ -150,7 +149,7 @@ class _Connection(asyncio.Protocol):
             return
         try:
             self.parser.feed_data(data)
-            if not exchange.head_arrived:         # all of this chunk was head (or interim answers)
+            if not exchange.head_done:            # all of this chunk was head (or interim answers)
                 exchange.head_bytes += len(data)
                 if exchange.head_bytes > MAX_HEAD_BYTES:
                     raise _HeadTooLarge(f"more than {MAX_HEAD_BYTES} bytes")
@@ -285,7 +284,6 @@ class H1Response:
         self._waiter: asyncio.Future[None] | None = None
         self._error: BaseException | None = None
         self.received_any = False
-        self.head_arrived = False
         self.head_bytes = 0
 
     # fed by the connection -----------------------------------------------------------------
@@ -321,7 +319,6 @@ class H1Response:
         no_body = self.method == "HEAD" or status in (204, 304)
         self.has_body = not no_body
         self._eof_delimited = not no_body and not chunked and self.content_length is None
-        self.head_arrived = True
         if not self._head.done():
             self._head.set_result(None)
         if self.method == "HEAD":    # llhttp does not know the method: end the exchange here
@@ -393,6 +390,10 @@ class H1Response:
             waiter.set_result(None)
 
     # read by the caller --------------------------------------------------------------------
+
+    @property
+    def head_done(self) -> bool:
+        return self._head.done()
 
     async def wait_head(self) -> None:
         await self._head
@@ -535,7 +536,6 @@ class H1Client:
                         body: bytes) -> H1Response:
         response = H1Response(conn, method)
         conn.exchange = response
-        conn.used += 1
         assert conn.transport is not None
         try:
             if body and len(body) <= 16384:

@@ -377,15 +377,20 @@ async def test_observe_mode_relays_an_answer_failing_its_output_schema_unchanged
 # --- timeouts ---------------------------------------------------------------------------------
 
 
-async def test_an_upstream_slower_than_the_step_timeout_is_a_tool_error_answered_504(
-        proxy, make_upstream):
+async def stalled_upstream(make_upstream):
+    """An upstream that answers nothing until the returned event is set (then a late answer)."""
     release = asyncio.Event()
 
     async def stalled(request: web.Request) -> web.Response:
         await asyncio.wait_for(release.wait(), 10)
         return web.json_response({"id": "late"})
 
-    tool = await make_upstream(stalled)
+    return await make_upstream(stalled), release
+
+
+async def test_an_upstream_slower_than_the_step_timeout_is_a_tool_error_answered_504(
+        proxy, make_upstream):
+    tool, release = await stalled_upstream(make_upstream)
     px = await proxy(make_contract(tool.url, {"slow": {"timeout_s": 0.2}}))
     try:
         reply = await px.call("/tools/slow", {}, run="slow-1")
@@ -406,13 +411,7 @@ async def test_an_upstream_slower_than_the_step_timeout_is_a_tool_error_answered
 
 async def test_an_unmatched_call_to_a_stalled_upstream_is_answered_504_after_its_timeout(
         proxy, make_upstream):
-    release = asyncio.Event()
-
-    async def stalled(request: web.Request) -> web.Response:
-        await asyncio.wait_for(release.wait(), 10)
-        return web.json_response({"id": "late"})
-
-    tool = await make_upstream(stalled)
+    tool, release = await stalled_upstream(make_upstream)
     contract = make_contract(tool.url, upstreams={"tools": {"url": tool.url, "mount": "/tools",
                                                             "timeout_s": 0.2}})
     px = await proxy(contract)

@@ -809,7 +809,6 @@ async def test_a_stream_without_read_timeout_whose_connect_times_out_is_an_upstr
             filler.connect(("127.0.0.1", port))
         fillers.append(filler)
     forwarder = Forwarder(1 << 20)
-    await forwarder.start()
     try:
         with pytest.raises(UpstreamError) as caught:
             await forwarder.open("GET", f"http://127.0.0.1:{port}/mcp", CIMultiDict(), b"", 0.3,
