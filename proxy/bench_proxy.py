@@ -88,6 +88,7 @@ _WARMUP_S = 0.5
 _READY_TIMEOUT_S = 30.0
 _STOP_TIMEOUT_S = 10.0
 _LAG_NOTE_MS = 5.0
+_STEAL_NOTE_PCT = 5.0
 
 
 @dataclass
@@ -101,6 +102,7 @@ class BenchOptions:
     nginx: str = NGINX
     micro_n: int = 2000          # boundary pairs timed by boundary_micro (0: skip it)
     repeat: int = 1              # rounds of every row; each figure is the median of its rounds
+    seq_requests: int = 500      # closed-loop phase: back-to-back requests on one connection
 
 
 @dataclass
@@ -130,6 +132,13 @@ class Row:
     ttfb_p50_ms: float | None = None
     ttfb_added_p50_ms: float | None = None
     send_lag_p99_ms: float | None = None
+    # closed-loop phase (one connection, each request sent when the last answer is read)
+    seq_p50_ms: float | None = None
+    seq_p99_ms: float | None = None
+    added_seq_p50_ms: float | None = None
+    seq_ttfb_p50_ms: float | None = None
+    ttfb_added_seq_p50_ms: float | None = None
+    steal_pct: float | None = None        # CPU time the hypervisor took while the row ran
     server: str | None = None             # the Server header the client saw
     stored_events: int | None = None      # events in stepguard's SQLite history after the row
     rps_rounds: list[float] = field(default_factory=list)   # each round's rps (--repeat)
@@ -396,6 +405,64 @@ def _cpu_s(pids: Sequence[int]) -> float:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             total += int(fields[11]) + int(fields[12])      # utime, stime (fields 14 and 15)
     return total / ticks
+
+
+def _cpu_ticks() -> tuple[int, int] | None:
+    """(steal, total) jiffies of all CPUs from /proc/stat; None where there is no such file."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        with open("/proc/stat", "rb") as stat:
+            values = [int(v) for v in stat.readline().split()[1:9]]
+        return values[7], sum(values)      # user nice system idle iowait irq softirq steal
+    return None
+
+
+def steal_pct(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """The share of all CPU time between two `_cpu_ticks()` readings that the hypervisor gave to
+    other guests (steal): high, and every figure taken meanwhile is noisy."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return round((after[0] - before[0]) / (after[1] - before[1]) * 100, 1)
+
+
+def closed_loop(port: int, path: str, body: bytes, n: int, run_prefix: str | None = None,
+                timeout_s: float = 30.0) -> dict[str, Any]:
+    """`n` requests back to back on one keep-alive connection, each sent when the previous answer
+    has been read whole: how an agent that waits for every call meets the hop, without the idle
+    gaps of a fixed-rate schedule (after which the processes on the path wake up cold). Latency
+    and time to the first body byte from the client's clock; a failed request stops the phase."""
+    if n < 1:
+        raise ValueError("n must be at least 1")
+    clock = time.perf_counter
+    latencies: list[float] = []
+    ttfbs: list[float] = []
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
+    try:
+        for i in range(n):
+            headers = {"content-type": "application/json"}
+            if run_prefix:
+                headers[RUN_HEADER] = f"{run_prefix}-seq-{i}"
+            started = clock()
+            conn.request("POST", path, body=body, headers=headers)
+            resp = conn.getresponse()
+            first = resp.read1(65536)
+            ttfb = clock() - started
+            rest = resp.read()
+            latency = clock() - started
+            if resp.status != 200:
+                raise BenchError(f"closed-loop request {i} to {path} answered {resp.status}: "
+                                 f"{(first + rest)[:300]!r}")
+            latencies.append(latency)
+            ttfbs.append(ttfb)
+    except (OSError, http.client.HTTPException) as exc:
+        raise BenchError(f"closed-loop request {len(latencies)} to {path} failed: "
+                         f"{type(exc).__name__}: {exc}") from None
+    finally:
+        conn.close()
+    latencies.sort()
+    ttfbs.sort()
+    return {"n": n, "p50_ms": round(_percentile(latencies, 50) * 1000, 3),
+            "p99_ms": round(_percentile(latencies, 99) * 1000, 3),
+            "ttfb_p50_ms": round(_percentile(ttfbs, 50) * 1000, 3)}
 
 
 def _peak_rss_mb(pids: Sequence[int]) -> float | None:
@@ -726,6 +793,7 @@ def _measure_row(bench: _Bench, name: str, upstream_url: str, wrk_missing: str |
             prefix = MODEL_MOUNT
         url = f"http://127.0.0.1:{port}{prefix}{traffic.path}"
         _smoke(name, port, prefix + traffic.path, traffic)
+        ticks = _cpu_ticks()
         if wrk_missing is not None:
             row.notes.append(f"rps not measured: {wrk_missing}")
         else:
@@ -754,6 +822,16 @@ def _measure_row(bench: _Bench, name: str, upstream_url: str, wrk_missing: str |
         if lat["failed"]:
             row.notes.append(f"latency phase: {lat['failed']} of {lat['sent']} failed "
                              f"(statuses {lat['statuses']}, {'; '.join(lat['errors'])})")
+        if bench.options.seq_requests > 0:
+            seq = closed_loop(port, prefix + traffic.path, traffic.body, bench.options.seq_requests,
+                              name if traffic.run_ids else None)
+            row.seq_p50_ms, row.seq_p99_ms = seq["p50_ms"], seq["p99_ms"]
+            if traffic.stream:
+                row.seq_ttfb_p50_ms = seq["ttfb_p50_ms"]
+        row.steal_pct = steal_pct(ticks, _cpu_ticks())
+        if (row.steal_pct or 0) > _STEAL_NOTE_PCT:
+            row.notes.append(f"the hypervisor took {row.steal_pct:.0f}% of the CPU time while this "
+                             "row ran (steal): its figures are noisy")
         if hop:
             hop.check_alive()
             row.rss_mb = _peak_rss_mb(hop.pids())
@@ -769,7 +847,8 @@ def _measure_row(bench: _Bench, name: str, upstream_url: str, wrk_missing: str |
     return row
 
 
-_MEDIAN_FIELDS = ("rps", "cpu_s_per_1k", "p50_ms", "p90_ms", "p99_ms", "ttfb_p50_ms")
+_MEDIAN_FIELDS = ("rps", "cpu_s_per_1k", "p50_ms", "p90_ms", "p99_ms", "ttfb_p50_ms",
+                  "seq_p50_ms", "seq_p99_ms", "seq_ttfb_p50_ms", "steal_pct")
 _SUM_FIELDS = ("requests", "non_2xx", "socket_errors", "sent", "completed", "failed_requests")
 _MAX_FIELDS = ("max_ms", "send_lag_p99_ms", "rss_mb")
 
@@ -864,10 +943,12 @@ def run(options: BenchOptions) -> dict[str, Any]:
     """Measure every row of `options.rows` (plus the references they need) in one run."""
     plan = _plan(options.rows)
     if options.concurrency < 1 or options.duration_s <= 0 or options.rate <= 0 \
-            or options.rate_duration_s <= 0 or options.repeat < 1:
-        raise ValueError("concurrency, duration, rate, rate duration and repeat must be positive")
+            or options.rate_duration_s <= 0 or options.repeat < 1 or options.seq_requests < 0:
+        raise ValueError("concurrency, duration, rate, rate duration and repeat must be positive, "
+                         "closed-loop requests not negative")
     began = time.perf_counter()
     load_before = os.getloadavg()[0]
+    ticks = _cpu_ticks()
     micro = boundary_micro(options.micro_n) if options.micro_n > 0 else None
     wrk_missing = None
     if not (Path(options.wrk).is_file() and os.access(options.wrk, os.X_OK)):
@@ -889,6 +970,8 @@ def run(options: BenchOptions) -> dict[str, Any]:
         row.added_p50_ms = _diff(row.p50_ms, ref.p50_ms)
         row.added_p99_ms = _diff(row.p99_ms, ref.p99_ms)
         row.ttfb_added_p50_ms = _diff(row.ttfb_p50_ms, ref.ttfb_p50_ms)
+        row.added_seq_p50_ms = _diff(row.seq_p50_ms, ref.seq_p50_ms)
+        row.ttfb_added_seq_p50_ms = _diff(row.seq_ttfb_p50_ms, ref.seq_ttfb_p50_ms)
 
     def rps(name: str) -> float | None:
         row = rows.get(name)
@@ -904,7 +987,9 @@ def run(options: BenchOptions) -> dict[str, Any]:
                         "platform": sys.platform,
                         # 1-minute load average when the run began and ended: other work on the
                         # machine shows up in the latency tails (CPU time per request is immune)
-                        "load_avg": [round(load_before, 2), round(os.getloadavg()[0], 2)]},
+                        "load_avg": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+                        # the share of CPU time the hypervisor gave elsewhere during the run
+                        "steal_pct": steal_pct(ticks, _cpu_ticks())},
             "elapsed_s": round(time.perf_counter() - began, 1)}
 
 
@@ -923,7 +1008,9 @@ def render(result: dict[str, Any]) -> str:
     columns = [("row", "name", 0), ("rps", "rps", 0), ("p50 ms", "p50_ms", 2),
                ("p90 ms", "p90_ms", 2), ("p99 ms", "p99_ms", 2), ("+p50 ms", "added_p50_ms", 2),
                ("+p99 ms", "added_p99_ms", 2), ("+ttfb p50", "ttfb_added_p50_ms", 2),
-               ("cpu s/1k", "cpu_s_per_1k", 3), ("rss MB", "rss_mb", 1)]
+               ("seq p50", "seq_p50_ms", 2), ("seq +p50", "added_seq_p50_ms", 2),
+               ("cpu s/1k", "cpu_s_per_1k", 3), ("rss MB", "rss_mb", 1),
+               ("steal %", "steal_pct", 1)]
     table: list[list[str]] = [[title for title, _, _ in columns]]
     notes: list[str] = []
     for name, row in result["rows"].items():
@@ -950,7 +1037,10 @@ def render(result: dict[str, Any]) -> str:
     lines += ["", f"rps: wrk, 1 thread, {o['concurrency']} connections, {o['duration_s']:g} s. "
               f"Latency: open-loop, {o['rate']:g} req/s for {o['rate_duration_s']:g} s. "
               f"+ = minus the reference row (direct; model rows: model*_direct) at that rate.",
-              "cpu s/1k: CPU seconds of the hop process per 1000 requests; rss: its peak RSS."]
+              f"seq: closed loop, {o['seq_requests']} requests back to back on one connection "
+              "(an agent waiting for each call); seq +p50 against the reference row the same way.",
+              "cpu s/1k: CPU seconds of the hop process per 1000 requests; rss: its peak RSS; "
+              "steal %: CPU time the hypervisor gave elsewhere while the row ran."]
     if notes:
         lines += ["", *notes]
     lines += ["", "ratios:"]
@@ -970,8 +1060,11 @@ def render(result: dict[str, Any]) -> str:
                      f"(target {t['op']} {t['limit']:g}{unit})")
     machine = result["machine"]
     before, after = machine["load_avg"]
+    steal = machine.get("steal_pct")
+    stolen = f", {steal:.1f}% of CPU time stolen by the hypervisor" if steal is not None else ""
     lines += ["", f"{machine['cpus']} cpus, python {machine['python']}, 1-min load average "
-                  f"{before:.2f} at start, {after:.2f} at end; took {result['elapsed_s']:.1f} s"]
+                  f"{before:.2f} at start, {after:.2f} at end{stolen}; took "
+                  f"{result['elapsed_s']:.1f} s"]
     return "\n".join(lines)
 
 

@@ -107,6 +107,9 @@ def _parser() -> argparse.ArgumentParser:
                              help="seconds of each latency phase")
     proxy_bench.add_argument("--rows", default="direct,nginx,passthrough,contract,model,model_stream",
                              help="comma-separated rows to run")
+    proxy_bench.add_argument("--seq-requests", type=int, default=500,
+                             help="requests of each closed-loop phase (one connection, back to "
+                                  "back); 0 skips it")
     proxy_bench.add_argument("--repeat", type=int, default=1,
                              help="rounds of every row, interleaved; figures are medians")
     proxy_bench.add_argument("--json", action="store_true")
@@ -265,7 +268,8 @@ def _bench_proxy(args: argparse.Namespace) -> int:
 
     options = BenchOptions(concurrency=args.concurrency, duration_s=args.duration,
                            rate=args.rate, rate_duration_s=args.rate_duration,
-                           rows=[r for r in args.rows.split(",") if r], repeat=args.repeat)
+                           rows=[r for r in args.rows.split(",") if r], repeat=args.repeat,
+                           seq_requests=args.seq_requests)
     try:
         result = run(options)
     except ValueError as exc:     # bad flags: an unknown row, a rate or duration out of range

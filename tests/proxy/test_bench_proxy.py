@@ -12,7 +12,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ from aiohttp import web
 from stepguard.proxy import bench_upstream
 from stepguard.proxy.bench_proxy import (
     ROWS,
+    BenchError,
     BenchOptions,
     Row,
     _Bench,
@@ -31,10 +34,12 @@ from stepguard.proxy.bench_proxy import (
     _percentile,
     _plan,
     boundary_micro,
+    closed_loop,
     combine_rounds,
     loadgen,
     render,
     run,
+    steal_pct,
 )
 
 ALL_ROWS = ["direct", "nginx", "passthrough", "contract", "model_direct", "model",
@@ -189,7 +194,8 @@ def test_loadgen_process_sends_rate_times_duration_against_a_slow_upstream(tmp_p
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_quick_run_measures_every_row() -> None:
-    options = BenchOptions(concurrency=4, duration_s=0.5, rate=50, rate_duration_s=0.5, micro_n=30)
+    options = BenchOptions(concurrency=4, duration_s=0.5, rate=50, rate_duration_s=0.5, micro_n=30,
+                           seq_requests=20)
     result = run(options)
     orjson.dumps(result)                                    # JSON all the way down
     assert set(result) >= {"rows", "ratios", "options", "machine", "micro", "targets"}
@@ -203,22 +209,27 @@ def test_quick_run_measures_every_row() -> None:
         assert row["non_2xx"] == 0 and row["socket_errors"] == 0, name
         assert row["sent"] == 25 == row["completed"] and row["failed_requests"] == 0, name
         assert 0 < row["p50_ms"] <= row["p90_ms"] <= row["p99_ms"], name
+        assert 0 < row["seq_p50_ms"] <= row["seq_p99_ms"], name
+        assert row["steal_pct"] is not None and 0 <= row["steal_pct"] <= 100, name
         if name in HOPS:
             assert row["cpu_s_per_1k"] > 0 and row["rss_mb"] > 0, name
             assert row["added_p50_ms"] is not None and row["added_p99_ms"] is not None, name
+            assert row["added_seq_p50_ms"] is not None, name
         else:
             assert row["cpu_s_per_1k"] is None and row["rss_mb"] is None, name
-            assert row["added_p50_ms"] is None, name
+            assert row["added_p50_ms"] is None and row["added_seq_p50_ms"] is None, name
     # nginx really was in the path: its Server header, its own process's CPU
     assert rows["nginx"]["server"].startswith("nginx")
     assert rows["direct"]["server"] == "stepguard-bench-upstream"
     # stepguard stored what it checked: two events per checked call, one per model tool call,
     # none for unmatched pass-through
     assert rows["passthrough"]["stored_events"] == 0
-    assert rows["contract"]["stored_events"] >= 2 * (rows["contract"]["requests"] + 25)
+    assert rows["contract"]["stored_events"] >= 2 * (rows["contract"]["requests"] + 25 + 20)
     assert rows["model"]["stored_events"] >= rows["model"]["requests"] + 25
     assert rows["model_stream"]["stored_events"] >= rows["model_stream"]["requests"] + 25
     assert rows["model_stream"]["ttfb_added_p50_ms"] is not None
+    assert rows["model_stream"]["ttfb_added_seq_p50_ms"] is not None
+    assert 0 <= result["machine"]["steal_pct"] <= 100
     assert rows["model"]["reference"] == "model_direct"
     assert all(v is not None and v > 0 for v in result["ratios"].values())
     assert {t["met"] for t in result["targets"]} <= {True, False}
@@ -344,6 +355,11 @@ def test_a_failed_round_fails_the_row() -> None:
     assert combine_rounds([Row("contract", rps=1.0), failed]) is failed
 
 
+def test_a_negative_closed_loop_count_is_refused() -> None:
+    with pytest.raises(ValueError, match="closed-loop"):
+        run(BenchOptions(seq_requests=-1, micro_n=0))
+
+
 def test_a_repeat_below_one_is_refused() -> None:
     with pytest.raises(ValueError, match="repeat"):
         run(BenchOptions(repeat=0, micro_n=0))
@@ -370,3 +386,83 @@ def test_percentile_is_nearest_rank() -> None:
     values = [float(v) for v in range(1, 101)]
     assert _percentile(values, 50) == 50 and _percentile(values, 99) == 99
     assert _percentile(values, 100) == 100 and _percentile([3.0], 99) == 3.0
+
+
+# --- the closed-loop phase and steal ------------------------------------------------------------
+
+
+class _Recorder(ThreadingHTTPServer):
+    """A real HTTP/1.1 server on loopback that notes each request's client port and run header,
+    and answers `fail_at` (0-based) with a 500."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.seen: list[tuple[int, str | None]] = []
+        self.fail_at = fail_at
+        super().__init__(("127.0.0.1", 0), _RecordingHandler)
+
+
+class _RecordingHandler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _Recorder
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["content-length"]))
+        failing = len(self.server.seen) == self.server.fail_at
+        self.server.seen.append((self.client_address[1], self.headers.get("x-stepguard-run")))
+        body = b'{"ok": true}'
+        self.send_response(500 if failing else 200)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def recorder(fail_at: int | None = None) -> Iterator[_Recorder]:
+    server = _Recorder(fail_at)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+
+
+def test_closed_loop_sends_every_request_on_one_connection() -> None:
+    with recorder() as server:
+        result = closed_loop(server.server_address[1], "/x", b"{}", 25)
+    assert len(server.seen) == 25
+    assert len({port for port, _ in server.seen}) == 1
+    assert result["n"] == 25
+    assert 0 < result["ttfb_p50_ms"] <= result["p50_ms"] <= result["p99_ms"]
+
+
+def test_closed_loop_gives_each_request_a_run_of_its_own() -> None:
+    with recorder() as server:
+        closed_loop(server.server_address[1], "/x", b"{}", 3, run_prefix="contract")
+    assert [run_id for _, run_id in server.seen] == ["contract-seq-0", "contract-seq-1",
+                                                     "contract-seq-2"]
+
+
+def test_closed_loop_stops_at_a_failed_request_and_names_it() -> None:
+    with recorder(fail_at=2) as server, pytest.raises(BenchError, match=r"request 2 .*answered 500"):
+        closed_loop(server.server_address[1], "/x", b"{}", 10)
+    assert len(server.seen) == 3
+
+
+def test_closed_loop_against_no_server_names_the_request_that_failed() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]          # bound, never listening: connections are refused
+        with pytest.raises(BenchError, match=r"closed-loop request 0 to /x failed: Connection"):
+            closed_loop(port, "/x", b"{}", 5)
+
+
+def test_steal_is_the_stolen_share_of_all_cpu_time() -> None:
+    assert steal_pct((100, 10_000), (150, 10_500)) == 10.0
+    assert steal_pct((100, 10_000), (100, 10_000)) is None      # no time passed
+    assert steal_pct(None, (100, 10_000)) is None                # no /proc/stat
