@@ -13,14 +13,19 @@ asyncio server answering a ~10 KB order and a fixed OpenAI tool-call turn), one 
   every response's tool call is a checked entry boundary of a new run; the `*_direct` rows are
   the same requests straight to the upstream, the reference the model rows' added figures use.
 
-Each row has two phases. Throughput: wrk (one thread, `--concurrency` connections, `--duration`
+Each row has three phases. Throughput: wrk (one thread, `--concurrency` connections, `--duration`
 seconds, after a short warm-up) gives `rps`; the hop process's CPU time (/proc/PID/stat,
 nginx master and workers summed) over that phase gives `cpu_s_per_1k`. Latency: an open-loop
 client in a process of its own (`python -m stepguard.proxy.bench_proxy --loadgen`) sends at
 `--rate` per second for `--rate-duration` seconds on a fixed schedule, whatever the answers
 do, and records every request's latency from its own clock (never the proxy's timers):
 `p50_ms`/`p90_ms`/`p99_ms`, and for streams the time to the first body byte. `added_*` is a row
-minus its reference row at the same rate. `rss_mb` is the hop's peak RSS (VmHWM).
+minus its reference row at the same rate. Closed loop (`--seq-requests`, `closed_loop()`): the
+bench process sends requests back to back on one connection, each once the previous answer is
+read, as an agent waiting for every call does: `seq_p50_ms`/`seq_p99_ms` (and
+`seq_ttfb_p50_ms` for streams), `added_seq_p50_ms` against the reference row. `rss_mb` is the
+hop's peak RSS (VmHWM); `steal_pct` the share of all CPU time the hypervisor gave elsewhere while
+the row ran (/proc/stat), the worst of the rounds.
 
 `boundary_micro()` times one checked boundary pair in-process, without sockets: parsing both
 bodies, the entry and exit checks, building the two events, and appending both to SQLite
@@ -409,11 +414,18 @@ def _cpu_s(pids: Sequence[int]) -> float:
 
 def _cpu_ticks() -> tuple[int, int] | None:
     """(steal, total) jiffies of all CPUs from /proc/stat; None where there is no such file."""
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        with open("/proc/stat", "rb") as stat:
-            values = [int(v) for v in stat.readline().split()[1:9]]
-        return values[7], sum(values)      # user nice system idle iowait irq softirq steal
+    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/stat", "rb") as stat:
+        return parse_cpu_line(stat.readline())
     return None
+
+
+def parse_cpu_line(line: bytes) -> tuple[int, int]:
+    """(steal, total) from /proc/stat's `cpu` line: user nice system idle iowait irq softirq
+    steal; guest time is already inside user and nice, so it is not added again."""
+    values = [int(v) for v in line.split()[1:9]]
+    if len(values) < 8:
+        raise ValueError(f"not a /proc/stat cpu line with steal time: {line[:120]!r}")
+    return values[7], sum(values)
 
 
 def steal_pct(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
@@ -424,17 +436,32 @@ def steal_pct(before: tuple[int, int] | None, after: tuple[int, int] | None) -> 
     return round((after[0] - before[0]) / (after[1] - before[1]) * 100, 1)
 
 
+def _refusal(status: int, body: bytes, stream: bool) -> str | None:
+    """Why an answer is not the upstream's own success, or None: a status other than 200, a
+    stepguard refusal (problem+json, or an error event inside a 200 stream), a cut stream."""
+    if status != 200:
+        return f"answered {status}: {body[:300]!r}"
+    if b"stepguard_violation" in body or b"stepguard_error" in body:
+        return f"was refused by stepguard: {body[:300]!r}"
+    if stream and not body.rstrip().endswith(b"data: [DONE]"):
+        return f"streamed no [DONE] at the end: {body[-200:]!r}"
+    return None
+
+
 def closed_loop(port: int, path: str, body: bytes, n: int, run_prefix: str | None = None,
-                timeout_s: float = 30.0) -> dict[str, Any]:
+                stream: bool = False, timeout_s: float = 30.0) -> dict[str, Any]:
     """`n` requests back to back on one keep-alive connection, each sent when the previous answer
     has been read whole: how an agent that waits for every call meets the hop, without the idle
     gaps of a fixed-rate schedule (after which the processes on the path wake up cold). Latency
-    and time to the first body byte from the client's clock; a failed request stops the phase."""
+    and time to the first body byte from the client's clock; a request that fails or is
+    refused stops the phase (BenchError). `connections`: how many the phase took (1 unless the
+    hop closed one)."""
     if n < 1:
         raise ValueError("n must be at least 1")
     clock = time.perf_counter
     latencies: list[float] = []
     ttfbs: list[float] = []
+    sockets: list[Any] = []
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
     try:
         for i in range(n):
@@ -443,14 +470,16 @@ def closed_loop(port: int, path: str, body: bytes, n: int, run_prefix: str | Non
                 headers[RUN_HEADER] = f"{run_prefix}-seq-{i}"
             started = clock()
             conn.request("POST", path, body=body, headers=headers)
+            if not sockets or conn.sock is not sockets[-1]:
+                sockets.append(conn.sock)
             resp = conn.getresponse()
             first = resp.read1(65536)
             ttfb = clock() - started
             rest = resp.read()
             latency = clock() - started
-            if resp.status != 200:
-                raise BenchError(f"closed-loop request {i} to {path} answered {resp.status}: "
-                                 f"{(first + rest)[:300]!r}")
+            refusal = _refusal(resp.status, first + rest, stream)
+            if refusal is not None:
+                raise BenchError(f"closed-loop request {i} to {path} {refusal}")
             latencies.append(latency)
             ttfbs.append(ttfb)
     except (OSError, http.client.HTTPException) as exc:
@@ -460,7 +489,8 @@ def closed_loop(port: int, path: str, body: bytes, n: int, run_prefix: str | Non
         conn.close()
     latencies.sort()
     ttfbs.sort()
-    return {"n": n, "p50_ms": round(_percentile(latencies, 50) * 1000, 3),
+    return {"n": n, "connections": len(sockets),
+            "p50_ms": round(_percentile(latencies, 50) * 1000, 3),
             "p99_ms": round(_percentile(latencies, 99) * 1000, 3),
             "ttfb_p50_ms": round(_percentile(ttfbs, 50) * 1000, 3)}
 
@@ -691,6 +721,7 @@ error_log {root}/error.log warn;
 events {{ worker_connections 4096; }}
 http {{
     access_log off;
+    keepalive_requests 1000000;    # never close a client's connection mid-phase
     client_body_temp_path {temp['client_body']};
     proxy_temp_path {temp['proxy']};
     fastcgi_temp_path {temp['fastcgi']};
@@ -699,6 +730,7 @@ http {{
     upstream bench_upstream {{
         server 127.0.0.1:{upstream_port};
         keepalive 64;
+        keepalive_requests 1000000;
     }}
     server {{
         listen 127.0.0.1:{port};
@@ -823,15 +855,11 @@ def _measure_row(bench: _Bench, name: str, upstream_url: str, wrk_missing: str |
             row.notes.append(f"latency phase: {lat['failed']} of {lat['sent']} failed "
                              f"(statuses {lat['statuses']}, {'; '.join(lat['errors'])})")
         if bench.options.seq_requests > 0:
-            seq = closed_loop(port, prefix + traffic.path, traffic.body, bench.options.seq_requests,
-                              name if traffic.run_ids else None)
-            row.seq_p50_ms, row.seq_p99_ms = seq["p50_ms"], seq["p99_ms"]
-            if traffic.stream:
-                row.seq_ttfb_p50_ms = seq["ttfb_p50_ms"]
+            _closed_loop_phase(bench, row, port, prefix + traffic.path, traffic)
         row.steal_pct = steal_pct(ticks, _cpu_ticks())
         if (row.steal_pct or 0) > _STEAL_NOTE_PCT:
-            row.notes.append(f"the hypervisor took {row.steal_pct:.0f}% of the CPU time while this "
-                             "row ran (steal): its figures are noisy")
+            row.notes.append(f"the hypervisor took over {_STEAL_NOTE_PCT:g}% of the CPU time while "
+                             "this row ran (steal %): its figures are noisy")
         if hop:
             hop.check_alive()
             row.rss_mb = _peak_rss_mb(hop.pids())
@@ -847,10 +875,26 @@ def _measure_row(bench: _Bench, name: str, upstream_url: str, wrk_missing: str |
     return row
 
 
+def _closed_loop_phase(bench: _Bench, row: Row, port: int, path: str, traffic: _Traffic) -> None:
+    """The closed-loop figures of a row; a failure there is a note, the other phases stand."""
+    try:
+        seq = closed_loop(port, path, traffic.body, bench.options.seq_requests,
+                          row.name if traffic.run_ids else None, stream=traffic.stream)
+    except BenchError as exc:
+        row.notes.append(f"closed-loop phase: {exc}")
+        return
+    row.seq_p50_ms, row.seq_p99_ms = seq["p50_ms"], seq["p99_ms"]
+    if traffic.stream:
+        row.seq_ttfb_p50_ms = seq["ttfb_p50_ms"]
+    if seq["connections"] > 1:
+        row.notes.append(f"closed-loop phase: the hop closed the connection; "
+                         f"{seq['connections']} were used")
+
+
 _MEDIAN_FIELDS = ("rps", "cpu_s_per_1k", "p50_ms", "p90_ms", "p99_ms", "ttfb_p50_ms",
-                  "seq_p50_ms", "seq_p99_ms", "seq_ttfb_p50_ms", "steal_pct")
+                  "seq_p50_ms", "seq_p99_ms", "seq_ttfb_p50_ms")
 _SUM_FIELDS = ("requests", "non_2xx", "socket_errors", "sent", "completed", "failed_requests")
-_MAX_FIELDS = ("max_ms", "send_lag_p99_ms", "rss_mb")
+_MAX_FIELDS = ("max_ms", "send_lag_p99_ms", "rss_mb", "steal_pct")
 
 
 def combine_rounds(rounds: list[Row]) -> Row:
@@ -885,13 +929,11 @@ def _smoke(name: str, port: int, path: str, traffic: _Traffic) -> None:
     if traffic.run_ids:
         headers[RUN_HEADER] = f"{name}-smoke"
     status, _, body = _http(port, "POST", path, traffic.body, headers, timeout=10)
-    refused = b"stepguard_violation" in body or b"stepguard_error" in body
-    if status != 200 or refused:
-        raise BenchError(f"smoke request to {path} answered {status}: {body[:300]!r}")
+    refusal = _refusal(status, body, traffic.stream)
+    if refusal is not None:
+        raise BenchError(f"smoke request to {path} {refusal}")
     if traffic is _TOOL and orjson.loads(body) != orjson.loads(bench_upstream.order_body()):
         raise BenchError(f"smoke request to {path} answered another body")
-    if traffic.stream and not body.rstrip().endswith(b"data: [DONE]"):
-        raise BenchError(f"smoke stream from {path} did not end with [DONE]: {body[-200:]!r}")
 
 
 def _count_events(store: Path) -> int | None:
@@ -1037,8 +1079,9 @@ def render(result: dict[str, Any]) -> str:
     lines += ["", f"rps: wrk, 1 thread, {o['concurrency']} connections, {o['duration_s']:g} s. "
               f"Latency: open-loop, {o['rate']:g} req/s for {o['rate_duration_s']:g} s. "
               f"+ = minus the reference row (direct; model rows: model*_direct) at that rate.",
-              f"seq: closed loop, {o['seq_requests']} requests back to back on one connection "
-              "(an agent waiting for each call); seq +p50 against the reference row the same way.",
+              *([f"seq: closed loop, {o['seq_requests']} requests back to back on one connection "
+                 "(an agent waiting for each call); seq +p50 against the reference row the same "
+                 "way."] if o["seq_requests"] else []),
               "cpu s/1k: CPU seconds of the hop process per 1000 requests; rss: its peak RSS; "
               "steal %: CPU time the hypervisor gave elsewhere while the row ran."]
     if notes:

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -37,6 +38,7 @@ from stepguard.proxy.bench_proxy import (
     closed_loop,
     combine_rounds,
     loadgen,
+    parse_cpu_line,
     render,
     run,
     steal_pct,
@@ -245,7 +247,7 @@ def test_quick_run_measures_every_row() -> None:
 @pytest.mark.timeout(180)
 def test_a_repeated_run_measures_every_hop_in_every_round() -> None:
     options = BenchOptions(concurrency=2, duration_s=0.5, rate=20, rate_duration_s=0.5,
-                           rows=["nginx", "contract"], micro_n=0, repeat=2)
+                           rows=["nginx", "contract"], micro_n=0, repeat=2, seq_requests=10)
     rows = run(options)["rows"]
     for name in ("direct", "nginx", "contract"):
         assert rows[name]["status"] == "ok", (name, rows[name]["reason"])
@@ -268,7 +270,7 @@ def test_each_round_names_its_files_apart() -> None:
 def test_missing_wrk_and_nginx_are_reported_not_fatal(tmp_path: Path) -> None:
     options = BenchOptions(concurrency=2, duration_s=0.5, rate=20, rate_duration_s=0.5,
                            rows=["nginx"], wrk=str(tmp_path / "no-wrk"),
-                           nginx=str(tmp_path / "no-nginx"), micro_n=0)
+                           nginx=str(tmp_path / "no-nginx"), micro_n=0, seq_requests=10)
     result = run(options)
     rows = result["rows"]
     assert list(rows) == ["direct", "nginx"]
@@ -287,9 +289,10 @@ def test_missing_wrk_and_nginx_are_reported_not_fatal(tmp_path: Path) -> None:
 def test_cli_bench_proxy_json() -> None:
     done = subprocess.run([sys.executable, "-m", "stepguard.proxy.cli", "bench", "proxy", "--rows",
                            "direct", "--duration", "0.5", "--rate", "20", "--rate-duration", "0.5",
-                           "--json"], capture_output=True, timeout=170, check=True)
+                           "--seq-requests", "10", "--json"], capture_output=True, timeout=170, check=True)
     result = orjson.loads(done.stdout)
     assert list(result["rows"]) == ["direct"] and result["rows"]["direct"]["rps"] > 0
+    assert result["options"]["seq_requests"] == 10 and result["rows"]["direct"]["seq_p50_ms"] > 0
     assert result["micro"]["median_us"] > 0
 
 
@@ -392,23 +395,39 @@ def test_percentile_is_nearest_rank() -> None:
 
 
 class _Recorder(ThreadingHTTPServer):
-    """A real HTTP/1.1 server on loopback that notes each request's client port and run header,
-    and answers `fail_at` (0-based) with a 500."""
+    """A real HTTP/1.1 server on loopback that notes each request's client port and run header.
+    It answers `fail_at` (0-based) with a 500, and `answer` (status, chunks) when set: chunked,
+    a pause between chunks."""
 
-    def __init__(self, fail_at: int | None = None) -> None:
+    def __init__(self, fail_at: int | None = None,
+                 answer: tuple[int, list[bytes]] | None = None) -> None:
         self.seen: list[tuple[int, str | None]] = []
         self.fail_at = fail_at
+        self.answer = answer
         super().__init__(("127.0.0.1", 0), _RecordingHandler)
 
 
 class _RecordingHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True      # each chunk leaves when written
     server: _Recorder
 
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers["content-length"]))
         failing = len(self.server.seen) == self.server.fail_at
         self.server.seen.append((self.client_address[1], self.headers.get("x-stepguard-run")))
+        if self.server.answer is not None:
+            status, chunks = self.server.answer
+            self.send_response(status)
+            self.send_header("transfer-encoding", "chunked")
+            self.end_headers()
+            for n, chunk in enumerate(chunks):
+                if n:
+                    time.sleep(0.02)
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
+            return
         body = b'{"ok": true}'
         self.send_response(500 if failing else 200)
         self.send_header("content-length", str(len(body)))
@@ -420,8 +439,9 @@ class _RecordingHandler(BaseHTTPRequestHandler):
 
 
 @contextlib.contextmanager
-def recorder(fail_at: int | None = None) -> Iterator[_Recorder]:
-    server = _Recorder(fail_at)
+def recorder(fail_at: int | None = None,
+             answer: tuple[int, list[bytes]] | None = None) -> Iterator[_Recorder]:
+    server = _Recorder(fail_at, answer)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -460,6 +480,33 @@ def test_closed_loop_against_no_server_names_the_request_that_failed() -> None:
         port = sock.getsockname()[1]          # bound, never listening: connections are refused
         with pytest.raises(BenchError, match=r"closed-loop request 0 to /x failed: Connection"):
             closed_loop(port, "/x", b"{}", 5)
+
+
+def test_closed_loop_reads_a_chunked_stream_whole_and_times_its_first_chunk_apart() -> None:
+    events = [b"data: {}\n\n", b"data: [DONE]\n\n"]
+    with recorder(answer=(200, events)) as server:
+        result = closed_loop(server.server_address[1], "/x", b"{}", 3, stream=True)
+    assert result["ttfb_p50_ms"] + 15 < result["p50_ms"]      # the second chunk came 20 ms later
+
+
+def test_closed_loop_counts_a_stream_cut_before_done_as_a_failure() -> None:
+    with recorder(answer=(200, [b"data: {}\n\n"])) as server, \
+            pytest.raises(BenchError, match=r"request 0 .*no \[DONE\]"):
+        closed_loop(server.server_address[1], "/x", b"{}", 3, stream=True)
+
+
+def test_closed_loop_counts_a_stepguard_refusal_in_a_200_stream_as_a_failure() -> None:
+    refusal = [b'data: {"error": {"type": "stepguard_violation"}}\n\n', b"data: [DONE]\n\n"]
+    with recorder(answer=(200, refusal)) as server, \
+            pytest.raises(BenchError, match="refused by stepguard"):
+        closed_loop(server.server_address[1], "/x", b"{}", 3, stream=True)
+
+
+def test_the_cpu_line_gives_steal_and_the_sum_without_guest_time() -> None:
+    line = b"cpu  69043 163 16491 201940 1364 0 4609 27888 5 7\n"
+    assert parse_cpu_line(line) == (27888, 321498)
+    with pytest.raises(ValueError, match="steal"):
+        parse_cpu_line(b"cpu  1 2 3 4\n")               # a kernel too old to count steal
 
 
 def test_steal_is_the_stolen_share_of_all_cpu_time() -> None:
