@@ -848,18 +848,12 @@ def _measure_row(bench: _Bench, name: str, upstream_url: str, wrk_missing: str |
         row.max_ms, row.send_lag_p99_ms, row.server = lat["max_ms"], lat["send_lag_p99_ms"], lat["server"]
         if traffic.stream:
             row.ttfb_p50_ms = lat["ttfb_p50_ms"]
-        if (row.send_lag_p99_ms or 0) > _LAG_NOTE_MS:
-            row.notes.append(f"the latency client started requests up to {row.send_lag_p99_ms:.1f} ms "
-                             "late (p99): it was short of CPU, so the tails are noisy")
         if lat["failed"]:
             row.notes.append(f"latency phase: {lat['failed']} of {lat['sent']} failed "
                              f"(statuses {lat['statuses']}, {'; '.join(lat['errors'])})")
         if bench.options.seq_requests > 0:
             _closed_loop_phase(bench, row, port, prefix + traffic.path, traffic)
         row.steal_pct = steal_pct(ticks, _cpu_ticks())
-        if (row.steal_pct or 0) > _STEAL_NOTE_PCT:
-            row.notes.append(f"the hypervisor took over {_STEAL_NOTE_PCT:g}% of the CPU time while "
-                             "this row ran (steal %): its figures are noisy")
         if hop:
             hop.check_alive()
             row.rss_mb = _peak_rss_mb(hop.pids())
@@ -889,6 +883,16 @@ def _closed_loop_phase(bench: _Bench, row: Row, port: int, path: str, traffic: _
     if seq["connections"] > 1:
         row.notes.append(f"closed-loop phase: the hop closed the connection; "
                          f"{seq['connections']} were used")
+
+
+def _noise_notes(row: Row) -> None:
+    """Once per row, from the worst of its rounds: what made its latency figures noisy."""
+    if (row.send_lag_p99_ms or 0) > _LAG_NOTE_MS:
+        row.notes.append(f"the latency client started requests up to {row.send_lag_p99_ms:.1f} ms "
+                         "late (p99): it was short of CPU, so the tails are noisy")
+    if (row.steal_pct or 0) > _STEAL_NOTE_PCT:
+        row.notes.append(f"the hypervisor took up to {row.steal_pct:.0f}% of the CPU time while "
+                         "this row ran (steal): its figures are noisy")
 
 
 _MEDIAN_FIELDS = ("rps", "cpu_s_per_1k", "p50_ms", "p90_ms", "p99_ms", "ttfb_p50_ms",
@@ -1005,6 +1009,8 @@ def run(options: BenchOptions) -> dict[str, Any]:
     finally:
         bench.close()
     rows = {name: combine_rounds([r[name] for r in rounds]) for name in plan}
+    for row in rows.values():
+        _noise_notes(row)
     for row in rows.values():
         ref = rows.get(row.reference) if row.reference else None
         if ref is None or row.status != "ok" or ref.status != "ok":

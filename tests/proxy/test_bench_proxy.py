@@ -31,6 +31,7 @@ from stepguard.proxy.bench_proxy import (
     Row,
     _Bench,
     _children,
+    _noise_notes,
     _parse_wrk,
     _percentile,
     _plan,
@@ -351,6 +352,21 @@ def test_rounds_combine_into_medians_sums_and_worst_maxima() -> None:
     assert (row.rps, row.p50_ms, row.requests, row.max_ms, row.rss_mb) == (1000.0, 2.5, 300, 9.0, 75.0)
     assert row.rps_rounds == [900.0, 1200.0, 1000.0]
     assert row.notes == ["a", "b"]
+
+
+def test_noisy_rounds_give_one_note_each_from_the_worst_round() -> None:
+    rounds = [Row("contract", send_lag_p99_ms=lag, steal_pct=steal)
+              for lag, steal in [(9.0, 8.0), (12.5, 21.0), (1.0, 2.0)]]
+    row = combine_rounds(rounds)
+    _noise_notes(row)
+    assert len(row.notes) == 2
+    assert "up to 12.5 ms late" in row.notes[0] and "up to 21% of the CPU time" in row.notes[1]
+
+
+def test_a_quiet_row_gets_no_noise_note() -> None:
+    row = Row("contract", send_lag_p99_ms=1.0, steal_pct=0.5)
+    _noise_notes(row)
+    assert row.notes == []
 
 
 def test_a_failed_round_fails_the_row() -> None:
