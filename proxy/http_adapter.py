@@ -167,6 +167,9 @@ class HttpToolAdapter:
             decision, settled = exit_
             if settled.action == RETRY:
                 await back_off(step, attempt, call.timing)
+                refused = await retrying_conflicts(call.run_id, lambda: self._stopped_meanwhile(call))
+                if refused is not None:
+                    return refused
                 attempt += 1
                 continue
             if attempt > 1:
@@ -177,6 +180,15 @@ class HttpToolAdapter:
                 return response
             assert up is not None
             return web.Response(status=up.status, headers=up.headers, body=up.body)
+
+    async def _stopped_meanwhile(self, call: Call) -> web.Response | None:
+        """Before a retry is sent: a run halted or escalated during the back-off (by another
+        call of the run) refuses it, so the tool is not called again for a stopped run."""
+        async with self.runs.locked(call.run_id):
+            envelope = await self.runs.envelope(call.contract, call.run_id)
+            if envelope.status in ("halted", "escalated"):
+                return await self._refuse(call, envelope)
+        return None
 
     async def _exit(self, call: Call, attempt: int, result: ToolResult,
                     up: Upstreamed | None) -> tuple[Decision, Settled] | web.Response:

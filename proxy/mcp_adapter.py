@@ -198,6 +198,7 @@ class McpAdapter:
                 call.run_id, lambda: self._exit(call, answer, attempt, safe))  # noqa: B023
             if settled.action == RETRY:
                 await back_off(step, attempt, call.timing)
+                await retrying_conflicts(call.run_id, lambda: self._stopped_meanwhile(call))
                 attempt += 1
                 continue
             if attempt > 1:
@@ -213,6 +214,14 @@ class McpAdapter:
                 await self._refuse_stopped(call, envelope, "exit")
             decision = check_exit(call.contract, call.step, envelope, call.arguments, answer.result)
             return decision, await self._settle(call, envelope, decision, answer, attempt, safe)
+
+    async def _stopped_meanwhile(self, call: ToolCall) -> None:
+        """Before a retry is sent: a run halted or escalated during the back-off (by another
+        call of the run) refuses it, so the tool is not called again for a stopped run."""
+        async with self.runs.locked(call.run_id):
+            envelope = await self.runs.envelope(call.contract, call.run_id)
+            if envelope.status in ("halted", "escalated"):
+                await self._refuse_stopped(call, envelope, "entry")
 
     async def _entry(self, call: ToolCall) -> None:
         async with self.runs.locked(call.run_id):

@@ -229,6 +229,35 @@ async def test_a_retried_call_that_then_succeeds_advances_the_run_with_the_tools
     assert await px.status("pay-2") == "active"
 
 
+async def test_a_retry_is_not_sent_when_the_run_was_halted_during_its_back_off(
+        proxy, make_upstream):
+    async def tools(request: web.Request) -> web.Response:
+        if request.path == "/charge":
+            return web.json_response({"error": "try later"}, status=503)
+        return web.json_response({"ok": True})
+
+    tool = await make_upstream(tools)
+    px = await proxy(make_contract(tool.url, {
+        "charge": {"idempotent": True,
+                   "on_failure": {"retry": 2, "then": "halt", "backoff_ms": 500}},
+        "audit": {"precondition": [{"expr": "input.ok == true", "message": "audit needs ok"}]}}))
+    waiting = asyncio.create_task(px.call("/tools/charge", {"amount": 5}, run="pay-h"))
+    for _ in range(300):                       # the first attempt's retry decision is stored
+        if len(await px.history("pay-h")) == 2:
+            break
+        await asyncio.sleep(0.01)
+    assert (await px.call("/tools/audit", {"ok": False}, run="pay-h")).status == 422
+
+    reply = await waiting
+
+    problem(reply, 409)
+    assert tool.hits("/charge") == 1
+    assert trail(await px.history("pay-h")) == [
+        ("charge", "entry", "pass", "forward"), ("charge", "exit", "violation", "retry"),
+        ("audit", "entry", "violation", "halt"), ("charge", "entry", "refused", "refuse")]
+    assert await px.status("pay-h") == "halted"
+
+
 async def test_idempotency_key_true_adds_one_key_that_the_upstream_sees_on_every_retry(
         proxy, make_upstream):
     tool = await make_upstream(unavailable)

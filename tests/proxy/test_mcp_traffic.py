@@ -538,6 +538,33 @@ async def test_a_tool_error_is_retried_once_on_the_idempotent_step_then_escalate
     assert await guard.status("toolerr-1") == "escalated"
 
 
+@modes(MODERN_MODES[:1])
+async def test_a_retry_is_not_sent_when_the_run_was_halted_during_its_back_off(
+        guarded: StartGuard, server: ToolServer, tmp_path: Path, mode: Mode) -> None:
+    document = yaml.safe_load(CONTRACT.read_bytes())
+    document["steps"]["reserve_slot"]["on_failure"]["backoff_ms"] = 600
+    slow_retry = tmp_path / "contract.slow-retry.yaml"
+    slow_retry.write_text(yaml.safe_dump(document, sort_keys=False))
+    async with guarded(slow_retry) as guard, connect(guard.url, mode, run="backoff-1") as client, \
+            connect(guard.url, mode, run="backoff-1") as other:
+        await through(client, "lookup_order", "check_policy")
+        with sending(drift="tool_error"):
+            retrying = asyncio.create_task(call(client, "reserve_slot"))
+        for _ in range(300):                  # reserve_slot's first answer is decided: retry
+            if len(await guard.history("backoff-1")) == 6:
+                break
+            await asyncio.sleep(0.01)
+        await refused(call(other, "check_policy", {"order_id": "ord-6"}))   # stale: halts the run
+        error = await refused(retrying)
+        history = await guard.history("backoff-1")
+
+    assert error.code == HALTED
+    assert server.recorder.hits("reserve_slot") == 1
+    assert trail(history)[4:] == [
+        ("reserve_slot", "entry", "pass", "forward"), ("reserve_slot", "exit", "violation", "retry"),
+        ("check_policy", "entry", "violation", "halt"), ("reserve_slot", "entry", "refused", "refuse")]
+
+
 async def test_a_false_completion_is_refused_at_the_exit_of_confirm_and_halts(
         guard: Guard, server: ToolServer, mode: Mode) -> None:
     async with connect(guard.url, mode, run="falsedone-1") as client:
