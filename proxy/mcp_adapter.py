@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import orjson
 from aiohttp import web
 from multidict import CIMultiDict
@@ -111,6 +112,9 @@ class McpAdapter:
         except BodyError as exc:
             return self._json(None, REQUEST_CODE, f"stepguard: the request body cannot be read "
                               f"to be checked: {exc.detail}", {"check": "request"})
+        if (request.method == "GET" and "last-event-id" in request.headers
+                and not self.settings.passthrough and _has_checked_tools(route)):
+            return self._resumption_refused(route)
         if message is None or self.settings.passthrough:
             return await self.http.forward_unchecked(request, route, headers, body, timing,
                                                      read_timeout_s=None)
@@ -165,6 +169,20 @@ class McpAdapter:
         return await self._refuse(call, Refusal(
             REQUEST_CODE, f"stepguard: run {call.run_id!r}, step {call.step.name!r}: {what} "
             f"({exc})", {"check": "store", "forwarded": call.forwarded}))
+
+    @staticmethod
+    def _resumption_refused(route: Route) -> web.Response:
+        """A GET resuming an interrupted stream (Last-Event-ID) would replay the server's
+        answers, a checked call's result among them, where no exit check sees them: refused, so
+        an unchecked result never reaches the agent. A checked call whose stream ended without
+        its answer is a tool error instead (recorded, retried only if safe)."""
+        return web.Response(
+            status=405, headers={"Allow": "POST, DELETE", "x-should-retry": "false"},
+            content_type="application/json", body=orjson.dumps({
+                "error": "stream resumption is not offered through stepguard",
+                "detail": f"upstream {route.upstream.name!r} has checked tools, and answers "
+                          "replayed on a resumed stream (Last-Event-ID) would bypass their exit "
+                          "checks; a call whose stream was cut is recorded as a tool error"}))
 
     @staticmethod
     def _message(request: web.Request, body: bytes, limit: int) -> Any:
@@ -285,18 +303,27 @@ class McpAdapter:
 
     async def _exchange(self, call: ToolCall, since: float) -> Answer:
         timeout_s = call.step.timeout_s or call.route.upstream.timeout_s
+        call.headers.popall("accept-encoding", None)
+        call.headers["Accept-Encoding"] = "identity"     # stepguard reads the answer
         async with await self.forwarder.client.request(
                 "POST", upstream_url(call.route, call.request), call.headers, call.body,
                 timeout_s) as resp:
             self._seen(call, resp.status, since)
             headers = end_to_end(resp.headers, HOP_BY_HOP | {"content-length"})
+            encoding = resp.headers.get("content-encoding", "identity").strip().lower()
             if "text/event-stream" in resp.headers.get("content-type", ""):
+                if encoding != "identity":
+                    return Answer(ToolResult(None, error=f"MCP server compressed its event "
+                                             f"stream ({encoding}) though asked for identity: "
+                                             "it cannot be checked", error_kind="transport"),
+                                  resp.status)
                 return await self._relay_events(call, resp, headers)
             try:
                 body = await self.forwarder.read_capped(resp)
             except UpstreamError as exc:
                 return Answer(ToolResult(None, error=exc.detail, error_kind=exc.kind), resp.status)
-            return Answer(self._result(call, body, resp.status), resp.status, headers, body)
+            return Answer(self._result(call, body, resp.status, encoding), resp.status, headers,
+                          body)
 
     async def _relay_events(self, call: ToolCall, resp: H1Response,
                             headers: CIMultiDict[str]) -> Answer:
@@ -319,18 +346,25 @@ class McpAdapter:
         if call.out is None:
             out = web.StreamResponse(status=status, headers=headers)
             call.timing.stamp(out)
-            await out.prepare(call.request)
             call.out = ClientEnd(out)
+            try:
+                await out.prepare(call.request)
+            except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+                call.out.gone = True    # the agent left: the call is still checked and recorded
         return call.out
 
     def _seen(self, call: ToolCall, status: int | None, since: float) -> None:
         self.boundaries.upstream_seen(call.route, call.timing, since, status)
 
-    def _result(self, call: ToolCall, body: bytes, status: int) -> ToolResult:
+    def _result(self, call: ToolCall, body: bytes, status: int,
+                encoding: str = "identity") -> ToolResult:
         if status >= 500:
             return ToolResult(status, error=f"MCP server answered {status}", error_kind="transport")
+        if 400 <= status < 500:     # refused at the HTTP level (auth, an expired session): the
+            return ToolResult(status)   # answer goes back as it came, the step unverified
         try:
-            message = parse_json(body, "MCP server response")
+            message = parse_json(decode(body, encoding, self.settings.max_response_bytes),
+                                 "MCP server response")
         except BodyError as exc:
             return ToolResult(status, error=exc.detail, error_kind="transport")
         if not isinstance(message, dict):
@@ -380,12 +414,20 @@ class McpAdapter:
             await call.out.write(b"event: message\r\ndata: " + body + b"\r\n\r\n")
             await call.out.close()
             return call.out.out
-        return web.Response(body=body, content_type="application/json")
+        # a store that failed before the call was forwarded may work later; nothing else will
+        later = refusal.data.get("check") == "store" and not refusal.data.get("forwarded")
+        return web.Response(body=body, content_type="application/json",
+                            headers={"x-should-retry": "true" if later else "false"})
 
     def _json(self, rpc_id: Any, code: int, message: str, data: dict[str, Any],
               status: int = 200) -> web.Response:
         return web.Response(status=status, body=orjson.dumps(rpc_error(rpc_id, code, message, data)),
-                            content_type="application/json")
+                            content_type="application/json", headers={"x-should-retry": "false"})
+
+
+def _has_checked_tools(route: Route) -> bool:
+    return any(step.match.tool is not None and step.match.upstream in (None, route.upstream.name)
+               for step in route.contract.steps.values())
 
 
 def _halted(call: ToolCall, envelope: Envelope, boundary: str, decision_id: str) -> Refusal:

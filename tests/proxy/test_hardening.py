@@ -864,3 +864,104 @@ async def test_events_arriving_together_are_relayed_in_order_up_to_one_that_cann
     assert events[:3] == [sse(chunk(t)).strip() for t in "abc"]
     assert len(events) == 4
     assert "unexpected shape" in last_error_event(received)["message"]
+
+
+# --- MCP, from a second review ---------------------------------------------------------------------
+
+
+async def test_a_resumed_mcp_stream_is_refused_so_no_replayed_answer_skips_its_exit_check(
+        upstream, stepguard):
+    server = await upstream({"/mcp": mcp_ok})
+    guard = await stepguard(mcp_contract(server.url, {"reserve": {}}))
+
+    resp = await guard.client.get("/m/mcp", headers={"last-event-id": "stream-1:7",
+                                                     "accept": "text/event-stream"})
+
+    assert resp.status == 405
+    assert resp.headers["x-should-retry"] == "false"
+    assert "resumption" in (await resp.json())["error"]
+    assert server.count("/mcp") == 0
+
+
+async def test_a_compressed_mcp_answer_is_decoded_checked_and_relayed_as_it_came(
+        upstream, stepguard):
+    asked: list[str] = []
+
+    async def gzipping(request: web.Request) -> web.Response:
+        asked.append(request.headers.get("accept-encoding", ""))
+        message = await request.json()
+        body = gzip.compress(orjson.dumps(mcp_result(message["id"], {"slot_id": "s-1"})))
+        return web.Response(body=body, headers={"content-type": "application/json",
+                                                "content-encoding": "gzip"})
+
+    server = await upstream({"/mcp": gzipping})
+    guard = await stepguard(mcp_contract(server.url, {"reserve": {}}))
+
+    resp = await guard.client.post("/m/mcp", json=tools_call("reserve", {}), headers={
+        **MCP_ACCEPT, RUN_HEADER: "gz-1", "accept-encoding": "gzip, deflate"})
+
+    assert resp.status == 200
+    assert (await resp.json())["result"]["structuredContent"] == {"slot_id": "s-1"}
+    assert asked == ["identity"]
+    assert trail(await guard.history("gz-1")) == [("reserve", "entry", "pass", "forward"),
+                                                  ("reserve", "exit", "pass", "advance")]
+
+
+async def test_an_mcp_4xx_answer_goes_back_with_its_headers_and_the_run_is_not_halted(
+        upstream, stepguard):
+    async def unauthorized(request: web.Request) -> web.Response:
+        return web.json_response({"error": "invalid_token"}, status=401, headers={
+            "www-authenticate": 'Bearer resource_metadata="https://auth.example/.well-known"'})
+
+    server = await upstream({"/mcp": unauthorized})
+    guard = await stepguard(mcp_contract(server.url, {"reserve": {}}))
+
+    resp = await guard.client.post("/m/mcp", json=tools_call("reserve", {}),
+                                   headers={**MCP_ACCEPT, RUN_HEADER: "auth-1"})
+
+    assert resp.status == 401
+    assert resp.headers["www-authenticate"].startswith("Bearer resource_metadata=")
+    assert await resp.json() == {"error": "invalid_token"}
+    history = await guard.history("auth-1")
+    assert trail(history) == [("reserve", "entry", "pass", "forward"),
+                              ("reserve", "exit", "rejected", "rejected")]
+    assert (await guard.envelope("auth-1")).status == "active"
+
+
+async def test_an_mcp_violation_tells_the_client_not_to_retry(upstream, stepguard):
+    server = await upstream({"/mcp": mcp_ok})
+    guard = await stepguard(mcp_contract(server.url, {"reserve": {}, "confirm": {"after": ["reserve"]}}))
+
+    resp = await guard.client.post("/m/mcp", json=tools_call("confirm", {}),
+                                   headers={**MCP_ACCEPT, RUN_HEADER: "order-1"})
+
+    assert rpc_error(await resp.read())["code"] == VIOLATION
+    assert resp.headers["x-should-retry"] == "false"
+
+
+async def test_an_mcp_call_whose_client_left_before_the_first_event_is_still_checked_and_recorded(
+        upstream, tmp_path):
+    async def slow_stream(request: web.Request) -> web.StreamResponse:
+        message = await request.json()
+        await asyncio.sleep(0.6)
+        out = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await out.prepare(request)
+        progress = {"jsonrpc": "2.0", "method": "notifications/progress",
+                    "params": {"progressToken": 1, "progress": 0.5}}
+        await out.write(b"event: message\ndata: " + orjson.dumps(progress) + b"\n\n")
+        await out.write(b"event: message\ndata: "
+                        + orjson.dumps(mcp_result(message["id"], {"slot_id": "s-9"})) + b"\n\n")
+        return out
+
+    server = await upstream({"/mcp": slow_stream})
+    sg = build(Settings(store=str(tmp_path / "gone.db")), [mcp_contract(server.url, {"reserve": {}})])
+    # served as in production: aiohttp's test server cancels a handler whose client left
+    async with running(create_app(sg)) as base, aiohttp.ClientSession() as session:
+        with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
+            await session.post(f"{base}/m/mcp", json=tools_call("reserve", {}),
+                               timeout=aiohttp.ClientTimeout(total=0.2),
+                               headers={**MCP_ACCEPT, RUN_HEADER: "gone-1"})
+        history = await settled(sg, "gone-1", 2)
+
+    assert trail(history) == [("reserve", "entry", "pass", "forward"),
+                              ("reserve", "exit", "pass", "advance")]
