@@ -198,11 +198,13 @@ class Forwarder:
         """Pass a call through without buffering the response (used for unchecked calls).
         Errors before the response starts raise UpstreamError; after it, the connection is cut.
         `read_timeout_s` bounds the wait for the head and the silence between chunks (default
-        `timeout_s`; None: none, for long-lived event streams)."""
+        `timeout_s`; None: no bound on the silence, for long-lived event streams, whose head
+        must still come within `timeout_s`)."""
         sock_read = timeout_s if read_timeout_s == SAME_AS_TIMEOUT else read_timeout_s
         limit = self.max_response_bytes
         since = time.perf_counter()
-        resp = await self.open(method, url, headers, body, timeout_s, sock_read)
+        resp = await self.open(method, url, headers, body, timeout_s,
+                               timeout_s if sock_read is None else sock_read)
         timing.upstream(since)
         async with resp:
             length = resp.content_length if resp.has_body else 0
@@ -238,5 +240,7 @@ class Forwarder:
                 if request.transport is not None:
                     request.transport.close()
                 return out
+            except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+                return out      # the client left: the upstream connection is closed on release
             await out.write_eof()
             return out

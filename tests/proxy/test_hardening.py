@@ -965,3 +965,38 @@ async def test_an_mcp_call_whose_client_left_before_the_first_event_is_still_che
 
     assert trail(history) == [("reserve", "entry", "pass", "forward"),
                               ("reserve", "exit", "pass", "advance")]
+
+
+async def test_an_mcp_pass_through_to_a_server_that_never_answers_times_out_and_frees_the_connection(
+        stepguard):
+    open_connections: set[asyncio.StreamWriter] = set()
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        open_connections.add(writer)
+        try:
+            while await reader.read(65536):
+                pass                                  # reads the request, never answers
+        finally:
+            open_connections.discard(writer)
+            writer.close()
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        guard = await stepguard(contract(
+            {"reserve": {"match": {"upstream": "m", "tool": "reserve"}}},
+            {"m": {"url": f"http://127.0.0.1:{port}", "kind": "mcp", "mount": "/m",
+                   "timeout_s": 0.5}}))
+        listing = {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}
+
+        resp = await guard.client.post("/m/mcp", json=listing, headers=MCP_ACCEPT)
+
+        assert resp.status == 504
+        for _ in range(100):
+            if not open_connections:
+                break
+            await asyncio.sleep(0.02)
+        assert not open_connections
+    finally:
+        server.close()
+        await server.wait_closed()
