@@ -52,10 +52,11 @@ class Condition:
         try:
             result = self.program.eval(data=data)
         except Exception as exc:  # the runtime raises on conversion of exotic values
-            return Outcome(False, error=str(exc), missing=_first_missing(self.paths, context))
+            return Outcome(False, error=scrub(str(exc)),
+                           missing=_first_missing(self.paths, context))
         if result.type() == cel.Type.ERROR:
             missing = _first_missing(self.paths, context)
-            return Outcome(False, error=str(result.value()), missing=missing)
+            return Outcome(False, error=scrub(str(result.value())), missing=missing)
         return Outcome(True, value=result.plain_value())
 
     def holds(self, context: Mapping[str, Any]) -> Outcome:
@@ -64,6 +65,29 @@ class Condition:
             return Outcome(False, value=outcome.value,
                            error=f"condition returned {type(outcome.value).__name__}, not bool")
         return outcome
+
+
+# CEL runtime errors quote the data they failed on (`Key not found in map : "SECRET"`,
+# `index=5 size=1`, a regular expression built from the input): evaluation errors reach
+# violation details, the history, logs and problem bodies, so quoted strings and numbers go.
+# Single-quoted CEL type names (`from 'string' to 'bool'`) carry no data and stay.
+_DOUBLE_QUOTED = re.compile(r'"(?:[^"\\]|\\.)*"?')
+_SINGLE_QUOTED = re.compile(r"'(?:[^'\\]|\\.)*'?")
+_NUMBER = re.compile(r"(?<![\w.])[-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?u?(?![\w.])")
+_TYPE_NAMES = frozenset({"string", "int", "int64", "uint", "uint64", "double", "bool", "bytes",
+                         "list", "map", "null_type", "type", "dyn", "timestamp", "duration",
+                         "google.protobuf.Timestamp", "google.protobuf.Duration"})
+_REGEX_ERROR = "invalid regular expression"
+
+
+def scrub(message: str) -> str:
+    """A CEL evaluation error without the instance data it may quote."""
+    if _REGEX_ERROR in message:   # RE2's reason and the pattern follow, both from the data
+        return message[: message.index(_REGEX_ERROR) + len(_REGEX_ERROR)]
+    message = _DOUBLE_QUOTED.sub('"…"', message)
+    message = _SINGLE_QUOTED.sub(
+        lambda m: m.group(0) if m.group(0)[1:-1] in _TYPE_NAMES else "'…'", message)
+    return _NUMBER.sub("…", message)
 
 
 def compile_condition(expr: str, variables: tuple[str, ...], drift: str,

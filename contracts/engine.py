@@ -38,11 +38,33 @@ def check_exit(contract: Contract, step: Step, envelope: Envelope, input: Any,
     if violation:
         return Decision(step.name, "exit", violation)
     recorded, unrecorded = _record(step, context)
-    after = {**context, "state": {**envelope.state, **recorded}}
-    verified = {*envelope.verified, step.name}
+    # the state and verified steps as they will be after this exit (Envelope.apply): a value
+    # that failed to record is dropped, not left standing from an earlier call, and steps
+    # verified on the strength of this step's earlier verification no longer count
+    state = {k: v for k, v in envelope.state.items() if k not in unrecorded}
+    after = {**context, "state": {**state, **recorded}}
+    invalidates = _dependents(contract, step, envelope) if step.name in envelope.verified else ()
+    verified = {*envelope.verified, step.name}.difference(invalidates)
     violation = _completion(contract, after, verified)
     completed = violation is None and _claims_completion(contract, after, verified)
-    return Decision(step.name, "exit", violation, recorded, unrecorded, completed)
+    return Decision(step.name, "exit", violation, recorded, unrecorded, completed,
+                    invalidates=invalidates)
+
+
+def _dependents(contract: Contract, step: Step, envelope: Envelope) -> tuple[str, ...]:
+    """The verified steps that depend on `step` through `after`, directly or transitively, in
+    contract order: verifying `step` again (another order looked up, say) means what they were
+    verified against is gone."""
+    affected = {step.name}
+    changed = True
+    while changed:
+        changed = False
+        for other in contract.steps.values():
+            if other.name not in affected and affected.intersection(other.after):
+                affected.add(other.name)
+                changed = True
+    return tuple(name for name in contract.steps
+                 if name != step.name and name in affected and name in envelope.verified)
 
 
 def check_final(contract: Contract, envelope: Envelope, output: Any) -> Decision:
@@ -115,6 +137,11 @@ def _tool_error(step: Step, result: ToolResult, context: dict[str, Any]) -> Viol
         return Violation("tool_error", "tool_error", result.error, "exit")
     if result.status is not None and result.status >= 500:
         return Violation("tool_error", "tool_error", f"upstream answered {result.status}", "exit")
+    if result.status is not None and not 200 <= result.status < 300:
+        # only a 2xx is a result: a redirect (to a login page, say) has done nothing yet
+        what = " (a redirect)" if 300 <= result.status < 400 else ""
+        return Violation("tool_error", "tool_error",
+                         f"upstream answered {result.status}{what}, not a result", "exit")
     if result.error is not None:
         needs_body = step.output_schema or step.postconditions or step.error_when or step.record
         if needs_body:

@@ -40,9 +40,16 @@ class Envelope:
         if action == COMPLETE and not stopped:
             changes["status"] = "completed"
         elif action == ADVANCE and event.get("boundary") == "exit" and not stopped:
-            changes["verified"] = {**self.verified, event["step"]: event["ts"]}
-            if event.get("recorded"):
-                changes["state"] = {**self.state, **event["recorded"]}
+            verified = {**self.verified, event["step"]: event["ts"]}
+            for stale in event.get("invalidates") or ():   # depended on the step's earlier pass
+                verified.pop(stale, None)
+            changes["verified"] = verified
+            unrecorded = event.get("unrecorded")
+            if unrecorded or event.get("recorded"):
+                # a value that failed to record this time is gone, not left from an earlier call
+                state = ({k: v for k, v in self.state.items() if k not in unrecorded}
+                         if unrecorded else self.state)
+                changes["state"] = {**state, **(event.get("recorded") or {})}
             if event.get("completed"):
                 changes["status"] = "completed"
         elif action in (HALT, ESCALATE) and self.status in ("active", "completed"):

@@ -48,6 +48,7 @@ class Decision:
     unrecorded: tuple[str, ...] = ()
     completed: bool = False
     rejected: bool = False            # the tool refused the call (4xx): nothing verified
+    invalidates: tuple[str, ...] = ()  # verified steps that depended on this one, verified again
 
     @property
     def passed(self) -> bool:

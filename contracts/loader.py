@@ -31,6 +31,7 @@ from stepguard.contracts.model import (
     Step,
     Upstream,
 )
+from stepguard.metrics.redact import ALWAYS
 
 
 @cache
@@ -77,10 +78,85 @@ def parse_contract(raw: bytes, source: str) -> Contract:
 def _parse_document(raw: bytes, source: str) -> Any:
     try:
         if source.endswith(".json"):
-            return json.loads(raw)
-        return yaml.safe_load(raw)
+            document = json.loads(raw, object_pairs_hook=_JSONObject.from_pairs)
+            duplicates = list(_json_duplicates(document, ()))
+        else:
+            loader = yaml.SafeLoader(raw)
+            try:
+                node = loader.get_single_node()
+                duplicates = list(_yaml_duplicates(node, ())) if node is not None else []
+                document = loader.construct_document(node) if node is not None else None
+            finally:
+                loader.dispose()
     except (ValueError, yaml.YAMLError) as exc:
         raise ContractError([ContractIssue(source, None, "", f"not valid YAML/JSON: {exc}")]) from None
+    if duplicates:
+        raise ContractError([_duplicate_issue(source, path, where) for path, where in duplicates])
+    return document
+
+
+# A mapping key written twice would silently keep the last one (a second `confirm` step
+# replacing the first, say), so the parse reports every duplicate with its path instead.
+
+def _yaml_duplicates(node: yaml.Node, path: tuple[str, ...],
+                     seen: set[int] | None = None) -> Iterable[tuple[tuple[str, ...], str]]:
+    seen = set() if seen is None else seen
+    if id(node) in seen:        # an alias: its node is checked once (and never exponentially)
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        first: dict[tuple[str, Any], int] = {}
+        for key, value in node.value:
+            if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                line = key.start_mark.line + 1
+                if (key.tag, key.value) in first:
+                    yield (*path, key.value), f"line {line}; first at line {first[key.tag, key.value]}"
+                else:
+                    first[key.tag, key.value] = line
+                yield from _yaml_duplicates(value, (*path, str(key.value)), seen)
+            else:
+                yield from _yaml_duplicates(value, path, seen)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            yield from _yaml_duplicates(item, _indexed(path, i), seen)
+
+
+def _indexed(path: tuple[str, ...], i: int) -> tuple[str, ...]:
+    return (*path[:-1], f"{path[-1]}[{i}]") if path else (f"[{i}]",)
+
+
+class _JSONObject(dict[str, Any]):
+    """A JSON object that remembers which of its keys appeared more than once."""
+
+    duplicates: list[str]
+
+    @classmethod
+    def from_pairs(cls, pairs: list[tuple[str, Any]]) -> _JSONObject:
+        obj = cls(pairs)
+        counts: dict[str, int] = {}
+        for key, _ in pairs:
+            counts[key] = counts.get(key, 0) + 1
+        obj.duplicates = [k for k, n in counts.items() if n > 1]
+        return obj
+
+
+def _json_duplicates(value: Any, path: tuple[str, ...]) -> Iterable[tuple[tuple[str, ...], str]]:
+    if isinstance(value, dict):
+        for key in getattr(value, "duplicates", ()):
+            yield (*path, key), "written more than once"
+        for key, item in value.items():
+            yield from _json_duplicates(item, (*path, key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from _json_duplicates(item, _indexed(path, i))
+
+
+def _duplicate_issue(source: str, path: tuple[str, ...], where: str) -> ContractIssue:
+    step = path[1] if len(path) > 2 and path[0] == "steps" else None
+    field = ".".join(path[2:] if step else path)
+    return ContractIssue(source, step, field, f"duplicate key {path[-1]!r} ({where}): a mapping "
+                                              "key may appear only once, the later one would "
+                                              "silently replace the earlier")
 
 
 @cache
@@ -200,6 +276,8 @@ class _Compiler:
         self.check_match(name, m, upstreams)
         record = {}
         for key, expr in spec.get("record", {}).items():
+            if self.redacted(name, key):
+                continue
             cond = self.condition(name, f"record.{key}", expr, EXIT_VARIABLES, "postcondition")
             if cond:
                 record[key] = cond
@@ -222,6 +300,23 @@ class _Compiler:
             timeout_s=spec.get("timeout_s"),
             on_failure=_on_failure(spec.get("on_failure", "halt")),
         )
+
+    def redacted(self, step: str, key: str) -> bool:
+        """A recorded key that redaction covers would enter the state as "[REDACTED]" (the
+        state is folded from the redacted history, so a restart sees the same), and every
+        later condition comparing it would compare against that placeholder."""
+        if key.lower() in ALWAYS:
+            why = "stepguard always redacts it"
+        elif key.lower() in {str(f).lower() for f in self.doc.get("redact", ())}:
+            why = "it is in the contract's `redact` list"
+        else:
+            return False
+        self.issue(step, f"record.{key}", f"cannot record {key!r}: {why}, so the state would "
+                                          "hold \"[REDACTED]\" instead of its value and any "
+                                          "condition reading state." + key + " would compare "
+                                          "against that; check the value in this step's "
+                                          "postcondition instead of recording it")
+        return True
 
     def check_match(self, step: str, match: dict[str, Any], upstreams: Mapping[str, Upstream]) -> None:
         name = match.get("upstream")

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import orjson
+from jsonschema_rs import ValidationErrorKind
 
 from stepguard.contracts.conditions import Condition
 
@@ -42,22 +43,79 @@ class Schema:
         return SchemaFault(".".join(path), _safe_message(error), f"{self.name}#/{schema_path}")
 
 
-# keywords whose messages name properties only; every other message would quote the value,
-# which may be a secret the contract redacts everywhere else
-_NAMES_ONLY = frozenset({"required", "additionalProperties", "unevaluatedProperties",
-                         "dependentRequired", "propertyNames"})
+def _safe_message(error: Any, depth: int = 0) -> str:
+    """What the schema wanted, never the value it got: the message is built from the keyword
+    and facts of the schema only (jsonschema_rs's own messages, and for anyOf / oneOf /
+    propertyNames the sub-errors it keeps in `kind`, quote the instance, which may be a secret
+    the contract redacts everywhere else). A keyword without a known safe rendering names
+    only itself."""
+    kind = error.kind
+    keyword = str(getattr(kind, "name", "") or "schema")
+    render = _RENDER.get(keyword)
+    text = render(kind, depth) if render is not None else None
+    return (text or f"value fails {keyword}")[:300]
 
 
-def _safe_message(error: Any) -> str:
-    """What the schema wanted, never the value it got."""
-    keyword = str(getattr(error.kind, "name", "") or "schema")
-    if keyword in _NAMES_ONLY:
-        return str(error.message)
-    expected = getattr(error.kind, "value", None)
-    if expected is None:
-        return f"value fails {keyword}"
-    shown = orjson.dumps(expected, default=str).decode()
-    return f"value fails {keyword} {shown[:200]}"
+def _shown(value: Any) -> str:
+    """A schema fact (a limit, a pattern, an enum): JSON, capped."""
+    text = orjson.dumps(value, default=lambda _: "?").decode()
+    return text if len(text) <= 200 else f"{text[:200]}..."
+
+
+def _alternatives(kind: Any, depth: int) -> str:
+    """anyOf / oneOf with no valid alternative: why each one failed, by keyword and schema."""
+    context = getattr(kind, "context", None) or []
+    if depth >= 2:
+        return f"value matches none of the {len(context)} {kind.name} alternatives"
+    why = []
+    for i, errors in enumerate(context):
+        first = next(iter(errors), None)
+        if first is not None:
+            why.append(f"[{i}] {_safe_message(first, depth + 1)}")
+    reasons = f": {'; '.join(why)}" if why else ""
+    return f"value matches none of the {len(context)} {kind.name} alternatives{reasons}"
+
+
+def _property_name(kind: Any, depth: int) -> str:
+    sub = getattr(kind, "error", None)
+    if sub is None or depth >= 2:
+        return "a property name fails propertyNames"
+    return f"a property name fails propertyNames: {_safe_message(sub, depth + 1)}"
+
+
+def _unexpected(kind: Any, _depth: int) -> str:
+    # property names are the instance's field names, as its path is; never its values
+    names = [str(n) for n in getattr(kind, "unexpected", None) or []]
+    return f"{kind.name}: unexpected {', '.join(map(repr, names))}"[:300]
+
+
+_RENDER: dict[str, Callable[[Any, int], str]] = {
+    "required": lambda k, _d: f"required property {k.property!r} is missing",
+    "type": lambda k, _d: f"value fails type, expected {_shown(sorted(k.types))}",
+    "enum": lambda k, _d: f"value fails enum, expected one of {_shown(k.options)}",
+    "const": lambda k, _d: f"value fails const, expected {_shown(k.expected_value)}",
+    "pattern": lambda k, _d: f"value fails pattern {_shown(k.pattern)}",
+    "format": lambda k, _d: f"value fails format {_shown(k.format)}",
+    "multipleOf": lambda k, _d: f"value fails multipleOf {_shown(k.multiple_of)}",
+    "not": lambda k, _d: f"value fails not {_shown(k.schema)}",
+    "contentEncoding": lambda k, _d: f"value fails contentEncoding {_shown(k.content_encoding)}",
+    "contentMediaType": lambda k, _d: f"value fails contentMediaType {_shown(k.content_media_type)}",
+    **{name: (lambda k, _d: f"value fails {k.name} {_shown(k.limit)}")
+       for name in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minLength",
+                    "maxLength", "minItems", "maxItems", "minProperties", "maxProperties",
+                    "additionalItems")},
+    "anyOf": _alternatives,
+    "oneOf": lambda k, d: ("value matches more than one oneOf alternative"
+                           if isinstance(k, ValidationErrorKind.OneOfMultipleValid)
+                           else _alternatives(k, d)),
+    "propertyNames": _property_name,
+    "additionalProperties": _unexpected,
+    "unevaluatedProperties": _unexpected,
+    "unevaluatedItems": lambda _k, _d: "value fails unevaluatedItems: unexpected items",
+    "uniqueItems": lambda _k, _d: "value fails uniqueItems: items are not unique",
+    "contains": lambda _k, _d: "value fails contains: no item matches",
+    "falseSchema": lambda _k, _d: "value not allowed here (schema false)",
+}
 
 
 @dataclass(frozen=True, slots=True)

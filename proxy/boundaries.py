@@ -171,6 +171,8 @@ class Boundaries:
             fields["recorded"] = redact(decision.recorded)
         if decision.unrecorded:
             fields["unrecorded"] = list(decision.unrecorded)
+        if decision.invalidates:
+            fields["invalidates"] = list(decision.invalidates)
         if decision.completed:
             fields["completed"] = True
         return fields

@@ -222,8 +222,13 @@ async def test_payloads_stay_out_of_log_lines_unless_configured(tmp_path, aiohtt
 
 async def test_sensitive_fields_are_redacted_in_stored_history_and_escalations(
         tmp_path, aiohttp_client, tools_url):
+    # a redacted field cannot also be recorded (the loader refuses it): lookup_order records
+    # only the order id here
+    steps = yaml.safe_load(example_contract_path().read_text())["steps"]
+    steps["lookup_order"]["record"] = {"order_id": "output.order_id"}
     sg = build(Settings(store=str(tmp_path / "r.db")),
-               [example(tools_url, redact=["customer"])], metrics=Metrics(CollectorRegistry()))
+               [example(tools_url, redact=["customer"], steps=steps)],
+               metrics=Metrics(CollectorRegistry()))
     client = await aiohttp_client(create_app(sg))
     await client.post("/tools/lookup_order", json={"order_id": "ord-1", "api_key": "sk-live-123"},
                       headers={"x-stepguard-run": "m-redact"})
