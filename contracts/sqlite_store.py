@@ -120,6 +120,10 @@ class SQLiteStore:
                      escalation: dict[str, Any] | None = None, keys: Sequence[str] = ()) -> None:
         await self._write(lambda c: _append(c, envelope, event, escalation, keys))
 
+    async def add_keys(self, run_id: str, keys: Sequence[str]) -> None:
+        if keys:
+            await self._write(lambda c: _add_keys(c, run_id, keys))
+
     async def find_run(self, key: str) -> str | None:
         row = self._read(lambda c: c.execute(
             "SELECT run_id FROM run_keys WHERE key = ?", (key,)).fetchone())
@@ -283,12 +287,16 @@ def _append(conn: sqlite3.Connection, envelope: Envelope, event: dict[str, Any],
             raise _conflict(conn, envelope)
     conn.execute("INSERT INTO events (run_id, seq, ts, event) VALUES (?, ?, ?, ?)",
                  (envelope.run_id, envelope.seq, event["ts"], orjson.dumps(event)))
-    if keys:
-        conn.executemany("INSERT OR REPLACE INTO run_keys (key, run_id) VALUES (?, ?)",
-                         [(key, envelope.run_id) for key in keys])
+    _add_keys(conn, envelope.run_id, keys)
     if escalation is not None:
         conn.execute("INSERT INTO escalations (run_id, seq, ts, record) VALUES (?, ?, ?, ?)",
                      (envelope.run_id, envelope.seq, event["ts"], orjson.dumps(escalation)))
+
+
+def _add_keys(conn: sqlite3.Connection, run_id: str, keys: Sequence[str]) -> None:
+    if keys:
+        conn.executemany("INSERT OR REPLACE INTO run_keys (key, run_id) VALUES (?, ?)",
+                         [(key, run_id) for key in keys])
 
 
 def _conflict(conn: sqlite3.Connection, envelope: Envelope) -> ConflictError:

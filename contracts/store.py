@@ -28,6 +28,12 @@ class Store(Protocol):
         Raises ConflictError when the stored run is not at seq - 1.
         """
 
+    async def add_keys(self, run_id: str, keys: Sequence[str]) -> None:
+        """Store correlation keys that find the run `run_id` from now on, without an event (a
+        turn that belongs to the run but was not itself a boundary, such as a Responses text
+        turn whose id the next request continues from). A key already stored moves to this run,
+        as with `append`."""
+
     async def find_run(self, key: str) -> str | None:
         """The run a correlation key was stored with, if any."""
 

@@ -80,6 +80,11 @@ class Observer:
         self._child(self.metrics.upstream_requests, upstream, workflow, status_class(status)).inc()
         self._child(self.metrics.upstream_latency, upstream).observe(seconds)
 
+    def turn_failed(self, upstream: str, workflow: str, run_id: str, detail: str) -> None:
+        """A streamed model turn that failed at the upstream: nothing of it was checked."""
+        self.log.warning("model_turn_failed", upstream=upstream, workflow=workflow,
+                         run_id=run_id, detail=detail)
+
     def escalation(self, record: dict[str, Any], delivered: bool | None, detail: str = "") -> None:
         if delivered is False:
             self.metrics.webhook_failures.labels(record.get("workflow", "")).inc()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
@@ -32,7 +33,7 @@ from stepguard.contracts.events import OBSERVE, Decision, ToolResult, Violation
 from stepguard.contracts.model import Contract
 from stepguard.contracts.runs import RunBook
 from stepguard.metrics.observer import Observer
-from stepguard.proxy.bodies import BodyError, is_json_type, parse_json
+from stepguard.proxy.bodies import BodyError, decode, is_json_type, parse_json
 from stepguard.proxy.boundaries import Boundaries, Evidence, Settled, retrying_conflicts
 from stepguard.proxy.config import Settings
 from stepguard.proxy.correlation import implicit_run_id, run_id_for
@@ -50,19 +51,55 @@ from stepguard.proxy.h1client import H1Response, UpstreamConnectionError
 from stepguard.proxy.http_adapter import HttpToolAdapter
 from stepguard.proxy.model_dialects import Dialect, ToolCall, ToolOutput, Turn, dialect_for
 from stepguard.proxy.routing import Route
-from stepguard.proxy.sse import EventTooLarge, SSESplitter
+from stepguard.proxy.sse import EventTooLarge, SSESplitter, decode_event
 
 RUN_HEADER = "x-stepguard-run"
 _INFLIGHT_WAIT_S = 30.0
+_ARGUMENTS_BUDGET = 16 * 1024 * 1024
+_FAILED_CALLS_KEPT = 10_000
 T = TypeVar("T")
-_NO_RETRY = {"x-should-retry": "false"}
+
+
+class PendingArguments:
+    """The unredacted arguments of pending tool calls whose stored copy differs from them
+    (redacted or truncated), for exit checks of requests that do not repeat the call (Responses
+    continued by previous_response_id). In memory, per process, bounded by bytes (oldest
+    first out): after a restart, on another replica, or past the budget, the exit reads the
+    stored copy."""
+
+    def __init__(self, budget: int = _ARGUMENTS_BUDGET) -> None:
+        self.budget = budget
+        self.size = 0
+        self._calls: OrderedDict[tuple[str, str], tuple[Any, int]] = OrderedDict()
+
+    def keep(self, run_id: str, call_id: str, arguments: Any, size: int) -> None:
+        if size > self.budget:
+            return
+        self.drop(run_id, call_id)
+        self._calls[(run_id, call_id)] = (arguments, size)
+        self.size += size
+        while self.size > self.budget:
+            _, (_, dropped) = self._calls.popitem(last=False)
+            self.size -= dropped
+
+    def get(self, run_id: str, call_id: str) -> Any:
+        kept = self._calls.get((run_id, call_id))
+        return kept[0] if kept is not None else None
+
+    def drop(self, run_id: str, call_id: str) -> None:
+        kept = self._calls.pop((run_id, call_id), None)
+        if kept is not None:
+            self.size -= kept[1]
 
 
 class Stop(Exception):
-    """A boundary refused the call: answer with this status and message, in the provider's shape."""
+    """A boundary refused the call: answer with this status and message, in the provider's shape.
+    `retry`: the failure was transient (the store, the upstream's transport), not a verdict, so
+    the answer says `x-should-retry: true`."""
 
-    def __init__(self, status: int, message: str, details: dict[str, Any]) -> None:
-        self.status, self.message, self.details = status, message, details
+    def __init__(self, status: int, message: str, details: dict[str, Any],
+                 retry: bool = False) -> None:
+        self.status, self.message, self.details, self.retry = status, message, details, retry
         super().__init__(message)
 
 
@@ -98,6 +135,10 @@ class ModelAdapter:
         # tool calls a stream has shown its client before their entry is stored: a request
         # that carries one waits for that store before it is correlated (see _correlate)
         self._inflight: dict[str, asyncio.Event] = {}
+        self.arguments = PendingArguments()
+        # tool calls a stream showed its client before the turn failed (never checked): a
+        # later result for one is refused, not taken as the exit of an unchecked call
+        self._failed_calls: OrderedDict[str, None] = OrderedDict()
 
     def error(self, route: Route, status: int, title: str, detail: str) -> web.Response:
         dialect = dialect_for(route.upstream.kind, route.path)
@@ -109,17 +150,21 @@ class ModelAdapter:
         headers = end_to_end(request.headers)
         if dialect is None or request.method != "POST" or self.settings.passthrough:
             return await self.http.forward_unchecked(request, route, headers, body, timing)
-        if request.content_type and not is_json_type(request.content_type):
-            return await self.http.forward_unchecked(request, route, headers, body, timing)
+        # Every POST on a dialect path is read as JSON whatever its Content-Type says (a model
+        # API parses it anyway: a missing or wrong type must not make it pass unchecked), and
+        # its Content-Encoding is undone for reading only: the upstream gets the bytes as sent.
         try:
-            payload = parse_json(body, "request body")
+            payload = parse_json(decode(body, request.headers.get("content-encoding"),
+                                        self.settings.max_request_bytes), "request body")
         except BodyError as exc:
-            return self._error(dialect, 400, exc.detail, {"check": "request"})
+            return self._error(dialect, exc.status, f"stepguard: {exc.detail}",
+                               {"check": "request"})
         if not isinstance(payload, dict):
             return self._error(dialect, 400, "request body must be a JSON object",
                                {"check": "request"})
         ex = Exchange(route, dialect, request, payload, body, timing)
         headers.popall("accept-encoding", None)   # identity bodies: stepguard reads them
+        headers["Accept-Encoding"] = "identity"   # without it an upstream may compress anyway
         try:
             await self._correlate(ex)
             await retrying_conflicts(ex.run_id, lambda: self._exits(ex))
@@ -127,7 +172,7 @@ class ModelAdapter:
                 return await self._stream(ex, headers)
             return await self._complete(ex, headers)
         except Stop as stop:
-            return self._error(dialect, stop.status, stop.message, stop.details)
+            return self._error(dialect, stop.status, stop.message, stop.details, retry=stop.retry)
         except RunOfAnotherWorkflow as exc:
             return self._error(dialect, 409, f"stepguard: {exc}", {"check": "correlation",
                                                                   "run": ex.run_id})
@@ -137,7 +182,7 @@ class ModelAdapter:
             if not self.settings.fail_open:
                 return self._error(dialect, 503, f"stepguard: run {ex.run_id!r}: the event could "
                                    f"not be stored ({exc}); the call was not forwarded",
-                                   {"check": "store"})
+                                   {"check": "store"}, retry=True)
             self.observer.fail_open(ex.contract, "", ex.run_id)
             return await self.http.forward_unchecked(request, route, headers, body, timing)
 
@@ -180,17 +225,38 @@ class ModelAdapter:
         outputs = self._parsed(ex, lambda: ex.dialect.tool_outputs(ex.body))
         echoed = self._parsed(ex, lambda: ex.dialect.echoed_calls(ex.body)) if outputs else {}
         if ex.new_run:
+            self._refuse_unchecked(ex, outputs, {})
             return
         async with self.runs.locked(ex.run_id):
             envelope = await self.runs.envelope(ex.contract, ex.run_id)
             if envelope.status in ("halted", "escalated"):
                 await self._refuse(ex, envelope)
+            self._refuse_unchecked(ex, outputs, envelope.pending)
             for output in outputs:
                 pending = envelope.pending.get(output.call_id)
                 if pending is None:
                     continue   # answered before, or a call no step matched
-                pending = {**pending, "input": echoed.get(output.call_id, pending.get("input"))}
+                # the call's arguments as the model gave them: repeated by the conversation,
+                # else kept in memory since its entry, else the stored (redacted) copy
+                arguments = echoed.get(output.call_id)
+                if arguments is None:
+                    arguments = self.arguments.get(ex.run_id, output.call_id)
+                if arguments is not None:
+                    pending = {**pending, "input": arguments}
                 envelope = await self._exit(ex, envelope, output, pending)
+
+    def _refuse_unchecked(self, ex: Exchange, outputs: list[ToolOutput],
+                          pending: dict[str, Any]) -> None:
+        """A tool result for a call that only a failed turn showed (an agent that acted on a
+        streamed call before the stream broke off): its entry was never checked, so its result
+        is refused rather than passed on unchecked. Nothing is stored and the run goes on."""
+        unchecked = sorted({o.call_id for o in outputs
+                            if o.call_id in self._failed_calls and o.call_id not in pending})
+        if unchecked:
+            raise Stop(409, f"stepguard: tool call(s) {', '.join(unchecked)} came from a model "
+                       f"turn that did not complete and were never checked; their results are "
+                       f"not taken (retry the turn instead)",
+                       {"check": "upstream", "calls": unchecked, "run": ex.run_id})
 
     async def _exit(self, ex: Exchange, envelope: Envelope, output: ToolOutput,
                     pending: dict[str, Any]) -> Envelope:
@@ -213,6 +279,7 @@ class ModelAdapter:
             ex.contract, ex.run_id, envelope, decision,
             Evidence(pending.get("input"), b"", result, orjson.dumps(output.content)),
             timing=ex.timing, traffic=self.traffic, extra={"call_id": output.call_id})
+        self.arguments.drop(ex.run_id, output.call_id)
         self._raise_if_stopped(ex, decision, settled)
         return settled.envelope
 
@@ -226,7 +293,7 @@ class ModelAdapter:
         except UpstreamError as exc:
             self._upstream_seen(ex, None, since)
             raise Stop(504 if exc.kind == "timeout" else 502, f"stepguard: {exc.detail}",
-                       {"check": "upstream"}) from None
+                       {"check": "upstream"}, retry=exc.kind != "cap") from None
         self._upstream_seen(ex, up.status, since)
         return await self._checked_answer(ex, up)
 
@@ -234,8 +301,10 @@ class ModelAdapter:
         """A whole model answer: its tool calls and final answer checked, then handed on."""
         if up.status != 200 or not is_json_type(up.headers.get("content-type", "")):
             return web.Response(status=up.status, headers=up.headers, body=up.body)
-        try:
-            response = parse_json(up.body, "model response")
+        try:   # a compressed answer (despite Accept-Encoding: identity) is read decoded and
+            # handed on as received
+            response = parse_json(decode(up.body, up.headers.get("content-encoding"),
+                                         self.settings.max_response_bytes), "model response")
         except BodyError as exc:
             raise Stop(502, f"stepguard: {exc.detail}", {"check": "upstream"}) from None
         if isinstance(response, dict):
@@ -256,7 +325,7 @@ class ModelAdapter:
         except UpstreamError as exc:
             self._upstream_seen(ex, None, since)
             raise Stop(504 if exc.kind == "timeout" else 502, f"stepguard: {exc.detail}",
-                       {"check": "upstream"}) from None
+                       {"check": "upstream"}, retry=exc.kind != "cap") from None
         self._upstream_seen(ex, resp.status, since)
         async with resp:
             if resp.status == 200 and is_json_type(resp.headers.get("content-type", "")):
@@ -265,12 +334,20 @@ class ModelAdapter:
                     async with asyncio.timeout(timeout_s):
                         body = await self.forwarder.read_capped(resp)
                 except UpstreamError as exc:
-                    raise Stop(502, f"stepguard: {exc.detail}", {"check": "upstream"}) from None
+                    raise Stop(502, f"stepguard: {exc.detail}", {"check": "upstream"},
+                               retry=exc.kind != "cap") from None
                 except TimeoutError:
                     raise Stop(504, f"stepguard: upstream stalled mid-body for {timeout_s:g} s",
-                               {"check": "upstream"}) from None
+                               {"check": "upstream"}, retry=True) from None
                 return await self._checked_answer(ex, Upstreamed(
                     resp.status, end_to_end(resp.headers), body))
+            encoding = (resp.headers.get("content-encoding") or "identity").strip().lower()
+            if resp.status == 200 and "text/event-stream" in resp.headers.get(
+                    "content-type", "") and encoding != "identity":
+                # stepguard asked for identity; a compressed stream would pass unread: refuse
+                raise Stop(502, f"stepguard: the model's event stream came with content-encoding "
+                           f"{encoding!r} although identity was asked for; it cannot be checked",
+                           {"check": "upstream"})
             out = web.StreamResponse(status=resp.status, reason=resp.reason,
                                      headers=end_to_end(resp.headers, HOP_BY_HOP | {"content-length"}))
             out.headers[RUN_HEADER] = ex.run_id
@@ -347,7 +424,15 @@ class ModelAdapter:
             await client.close()
             return
         ex.timing.upstream(streaming_since)
-        held.append(splitter.rest())
+        rest = splitter.rest()
+        if rest and not held and (last := decode_event(rest)) is not None \
+                and assembler.is_terminal(last):
+            held.append(rest)      # a terminator the upstream did not end with a blank line
+        elif rest and held:
+            held.append(rest)
+        if not held or assembler.failure is not None:
+            await self._turn_failed(ex, client, assembler.failure, shown)
+            return
         try:
             turn = self._parsed(ex, assembler.turn)
             await retrying_conflicts(ex.run_id, lambda: self._entries(ex, turn))
@@ -364,6 +449,27 @@ class ModelAdapter:
         else:
             for raw in held:
                 await client.write(raw)
+        await client.close()
+
+    async def _turn_failed(self, ex: Exchange, client: ClientEnd, failure: str | None,
+                           shown: list[str]) -> None:
+        """The stream ended without its terminating event (the upstream closed early), or it
+        carried the upstream's own error event. The turn is a failure at the upstream, not what
+        the model said: its half-received tool calls are neither checked nor stored, the run
+        is not halted, and the agent's retry goes ahead as if this turn never happened.
+        The client always gets stepguard's stream error event, also after an upstream error
+        event it was already relayed: SDKs raise at the first error event they read, so in that
+        case ours is never read, and one rule covers an upstream that simply stopped."""
+        why = (f"the upstream reported an error: {failure}" if failure is not None
+               else "the upstream closed it before its terminating event")
+        self.observer.turn_failed(ex.route.upstream.name, ex.contract.workflow, ex.run_id, why)
+        for call_id in shown:
+            self._failed_calls[call_id] = None
+        while len(self._failed_calls) > _FAILED_CALLS_KEPT:
+            self._failed_calls.popitem(last=False)
+        await client.write(ex.dialect.stream_error(
+            f"stepguard: the model's turn did not complete ({why}); nothing in it was checked "
+            f"or recorded, and the request may be retried", {"check": "upstream"}))
         await client.close()
 
     def _entries_not_stored(self, ex: Exchange, exc: StoreError) -> None:
@@ -404,10 +510,14 @@ class ModelAdapter:
             if envelope.status in ("halted", "escalated"):
                 await self._refuse(ex, envelope)
             keys = [f"resp:{turn.response_id}"] if turn.response_id else []
-            for call in turn.calls:
-                envelope = await self._entry(ex, envelope, call, keys)
-            final = turn.final
-            if final is not None:
+            before = envelope.seq
+            for choice in turn.choices():    # n > 1: the agent may act on any choice
+                for call in choice.calls:
+                    self._failed_calls.pop(call.call_id, None)   # a retry issued it again
+                    envelope = await self._entry(ex, envelope, call, keys)
+                final = choice.final
+                if final is None:
+                    continue
                 decision = check_final(contract, envelope, final)
                 if decision.violation is not None or decision.completed:
                     settled = await self.boundaries.settle(
@@ -415,6 +525,14 @@ class ModelAdapter:
                         ToolResult(200, final)), timing=ex.timing, traffic=self.traffic,
                         keys=keys)
                     self._raise_if_stopped(ex, decision, settled)
+                    envelope = settled.envelope
+            if keys and ex.dialect.chained and envelope.seq == before and envelope.seq > 0:
+                # a turn of a stored run that was no boundary (plain text, unmatched calls):
+                # the next request may continue from it by previous_response_id alone, so its
+                # id must find the run too, or the conversation would split into a new run.
+                # (Every event above was stored with the keys; a run with no event yet has
+                # nothing to continue.)
+                await self.runs.store.add_keys(ex.run_id, keys)
 
     async def _entry(self, ex: Exchange, envelope: Envelope, call: ToolCall,
                      keys: list[str]) -> Envelope:
@@ -433,12 +551,15 @@ class ModelAdapter:
         else:
             decision = check_entry(step, envelope, call.arguments)
         goes_ahead = decision.passed or contract.mode == "observe"
+        raw = orjson.dumps(call.arguments)
         settled = await self.boundaries.settle(
-            contract, ex.run_id, envelope, decision,
-            Evidence(call.arguments, orjson.dumps(call.arguments)),
+            contract, ex.run_id, envelope, decision, Evidence(call.arguments, raw),
             timing=ex.timing, traffic=self.traffic,
             extra={"call_id": call.call_id, "tool": call.name, "pending": goes_ahead},
             keys=[f"call:{call.call_id}", *keys])
+        if goes_ahead and call.arguments is not None \
+                and settled.event.get("input") != call.arguments:
+            self.arguments.keep(ex.run_id, call.call_id, call.arguments, len(raw))
         self._raise_if_stopped(ex, decision, settled)
         return settled.envelope
 
@@ -468,9 +589,13 @@ class ModelAdapter:
                    {"run": ex.run_id, "run_status": envelope.status, "halted_by": halt})
 
     def _error(self, dialect: Dialect | None, status: int, message: str,
-               details: dict[str, Any]) -> web.Response:
+               details: dict[str, Any], retry: bool = False) -> web.Response:
+        """A provider-shaped error. `x-should-retry: false` for verdicts and refusals, so SDKs
+        raise at once; `true` for transient failures (store unavailable, the upstream did not
+        answer), which SDKs then retry on their own."""
         body = (dialect.error_body(message, details) if dialect is not None
                 else {"error": {"message": message, "type": "stepguard_error", "stepguard": details}})
         return web.Response(status=status, body=orjson.dumps(body),
-                            content_type="application/json", headers=_NO_RETRY)
+                            content_type="application/json",
+                            headers={"x-should-retry": "true" if retry else "false"})
 

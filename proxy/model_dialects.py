@@ -31,11 +31,17 @@ class ToolOutput:
 
 @dataclass(slots=True)
 class Turn:
-    """What one model response says: tool calls, or a final answer."""
+    """What one model response says: tool calls, or a final answer. A response with several
+    choices (Chat Completions `n` > 1) is the first, with the others as `alternatives`: the
+    agent may act on any of them, so each is checked like the first."""
 
     response_id: str | None = None
     calls: list[ToolCall] = field(default_factory=list)
     final_text: str | None = None
+    alternatives: list[Turn] = field(default_factory=list)
+
+    def choices(self) -> list[Turn]:
+        return [self, *self.alternatives]
 
     @property
     def final(self) -> Any:
@@ -50,6 +56,11 @@ class Turn:
 
 
 class Assembler(Protocol):
+    failure: str | None
+    """The upstream's own error event, if the stream carried one (an Anthropic `error` event,
+    an OpenAI `{"error": ...}` chunk, a Responses `error` or `response.failed`): the turn failed
+    at the upstream, whatever follows."""
+
     def feed(self, event: ServerSentEvent) -> None: ...
 
     def call_ids(self) -> list[str]:
@@ -63,6 +74,9 @@ class Assembler(Protocol):
 class Dialect(Protocol):
     name: str
     traffic: str
+    chained: bool
+    """A request may continue a stored response by its id alone (Responses'
+    `previous_response_id`), so every turn's response id must find its run."""
 
     def tool_outputs(self, body: dict[str, Any]) -> list[ToolOutput]: ...
 
@@ -111,6 +125,13 @@ def _output(call_id: str, content: Any, is_error: bool = False) -> ToolOutput:
                           is_error)
 
 
+def _failure(error: Any) -> str:
+    """What an upstream error event says, for the message that tells the client."""
+    if isinstance(error, dict):
+        return str(error.get("message") or error.get("type") or error.get("code") or "error")
+    return str(error or "error")
+
+
 def _sse(data: dict[str, Any], event: str | None = None) -> bytes:
     head = f"event: {event}\n".encode() if event else b""
     return head + b"data: " + orjson.dumps(data) + b"\n\n"
@@ -122,6 +143,7 @@ class ChatCompletions:
 
     name = "openai.chat_completions"
     traffic = "openai"
+    chained = False
 
     def tool_outputs(self, body: dict[str, Any]) -> list[ToolOutput]:
         return [_output(str(m.get("tool_call_id")), m.get("content"))
@@ -141,12 +163,18 @@ class ChatCompletions:
                                         .get("arguments"))] if call.error is None}
 
     def turn(self, body: dict[str, Any]) -> Turn:
-        choices = body.get("choices") or [{}]
-        message = choices[0].get("message") or {}
+        return _choices([self._choice(body.get("id"), choice)
+                         for choice in body.get("choices") or [{}]])
+
+    @staticmethod
+    def _choice(response_id: str | None, choice: dict[str, Any]) -> Turn:
+        message = choice.get("message") or {}
         calls = [_arguments(str(c.get("id")), (c.get("function") or {}).get("name", ""),
                             (c.get("function") or {}).get("arguments"))
                  for c in message.get("tool_calls") or []]
-        return Turn(body.get("id"), calls, message.get("content") if not calls else None)
+        content = message.get("content")
+        return Turn(response_id, calls,
+                    _text(content) if content is not None and not calls else None)
 
     def assembler(self) -> Assembler:
         return _ChatAssembler()
@@ -161,21 +189,35 @@ class ChatCompletions:
         return _sse(self.error_body(message, details))
 
 
+def _choices(turns: list[Turn]) -> Turn:
+    first, *others = turns
+    first.alternatives = others
+    return first
+
+
 class _ChatAssembler:
+    """Calls are keyed by (choice index, tool-call index): with `n` > 1 every choice numbers
+    its tool calls from 0."""
+
     def __init__(self) -> None:
         self.response_id: str | None = None
-        self.calls: dict[int, dict[str, Any]] = {}
-        self.text: list[str] = []
+        self.calls: dict[tuple[int, int], dict[str, Any]] = {}
+        self.text: dict[int, list[str]] = {}
+        self.failure: str | None = None
 
     def feed(self, event: ServerSentEvent) -> None:
         chunk = event_json(event.data)
+        if chunk.get("error") is not None:
+            self.failure = self.failure or _failure(chunk["error"])
+            return
         self.response_id = self.response_id or chunk.get("id")
         for choice in chunk.get("choices") or []:
+            number = choice.get("index", 0)
             delta = choice.get("delta") or {}
             if delta.get("content"):
-                self.text.append(delta["content"])
+                self.text.setdefault(number, []).append(delta["content"])
             for part in delta.get("tool_calls") or []:
-                call = self.calls.setdefault(part.get("index", 0),
+                call = self.calls.setdefault((number, part.get("index", 0)),
                                              {"id": "", "name": "", "arguments": []})
                 call["id"] = part.get("id") or call["id"]
                 function = part.get("function") or {}
@@ -189,9 +231,14 @@ class _ChatAssembler:
         return event.data.strip() == "[DONE]"
 
     def turn(self) -> Turn:
-        calls = [_arguments(c["id"], c["name"], "".join(c["arguments"]))
-                 for _, c in sorted(self.calls.items())]
-        return Turn(self.response_id, calls, "".join(self.text) if not calls else None)
+        numbers = sorted({*self.text, *(n for n, _ in self.calls)}) or [0]
+        turns = []
+        for number in numbers:
+            calls = [_arguments(c["id"], c["name"], "".join(c["arguments"]))
+                     for (n, _), c in sorted(self.calls.items()) if n == number]
+            text = "".join(self.text.get(number, [])) if not calls else None
+            turns.append(Turn(self.response_id, calls, text))
+        return _choices(turns)
 
 
 class Responses:
@@ -199,6 +246,7 @@ class Responses:
 
     name = "openai.responses"
     traffic = "openai"
+    chained = True
 
     def tool_outputs(self, body: dict[str, Any]) -> list[ToolOutput]:
         items = body.get("input")
@@ -246,11 +294,17 @@ class _ResponsesAssembler:
         self.response_id: str | None = None
         self.items: list[dict[str, Any]] = []
         self.completed: dict[str, Any] | None = None
+        self.failure: str | None = None
 
     def feed(self, event: ServerSentEvent) -> None:
         data = event_json(event.data)
         kind = data.get("type") or event.event
         response = data.get("response")
+        if kind == "error":
+            self.failure = self.failure or _failure(data.get("error") or data)
+        elif kind == "response.failed":
+            error = response.get("error") if isinstance(response, dict) else None
+            self.failure = self.failure or _failure(error or "response.failed")
         if isinstance(response, dict) and response.get("id"):
             self.response_id = response["id"]
         if kind == "response.output_item.done" and isinstance(data.get("item"), dict):
@@ -261,9 +315,13 @@ class _ResponsesAssembler:
     def call_ids(self) -> list[str]:
         return [str(i["call_id"]) for i in self.items if i.get("call_id")]
 
+    # response.incomplete (max_output_tokens, content filter) ends a turn too: its finished
+    # items are whole and are checked; response.failed and error are failures (`failure`)
+    _TERMINAL = ("response.completed", "response.incomplete")
+
     def is_terminal(self, event: ServerSentEvent) -> bool:
-        return event.event == "response.completed" or (
-            event.event in ("", "message") and event_json(event.data).get("type") == "response.completed")
+        return event.event in self._TERMINAL or (
+            event.event in ("", "message") and event_json(event.data).get("type") in self._TERMINAL)
 
     def turn(self) -> Turn:
         if self.completed and self.completed.get("output"):
@@ -276,6 +334,7 @@ class Messages:
 
     name = "anthropic.messages"
     traffic = "anthropic"
+    chained = False
 
     def _blocks(self, body: dict[str, Any], kind: str) -> list[dict[str, Any]]:
         return [b for m in body.get("messages") or [] if isinstance(m, dict)
@@ -316,11 +375,14 @@ class _MessagesAssembler:
     def __init__(self) -> None:
         self.message_id: str | None = None
         self.blocks: dict[int, dict[str, Any]] = {}
+        self.failure: str | None = None
 
     def feed(self, event: ServerSentEvent) -> None:
         data = event_json(event.data)
         kind = data.get("type") or event.event
-        if kind == "message_start":
+        if kind == "error":
+            self.failure = self.failure or _failure(data.get("error"))
+        elif kind == "message_start":
             self.message_id = (data.get("message") or {}).get("id")
         elif kind == "content_block_start":
             block = dict(data.get("content_block") or {})

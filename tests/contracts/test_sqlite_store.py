@@ -203,6 +203,24 @@ async def test_a_run_listed_by_runs_is_the_stored_envelope(store):
     assert await store.runs() == [envelope]
 
 
+async def test_keys_added_without_an_event_find_their_run_and_write_no_event(store):
+    envelope = await advance(store, start())
+    await asyncio.wait_for(store.add_keys("run-1", ["resp:r1", "resp:r2"]), BOUND_S)
+
+    assert [await store.find_run(k) for k in ("resp:r1", "resp:r2", "resp:r3")] == [
+        "run-1", "run-1", None]
+    assert await store.load("run-1") == envelope
+    assert len(await store.history("run-1")) == 1
+
+
+async def test_keys_added_in_one_batch_with_an_append_are_both_committed(store):
+    other, event = step(start("run-2"))
+    await asyncio.wait_for(asyncio.gather(store.append(other, event, keys=["call:c2"]),
+                                          store.add_keys("run-1", ["resp:r1"])), BOUND_S)
+
+    assert (await store.find_run("call:c2"), await store.find_run("resp:r1")) == ("run-2", "run-1")
+
+
 OPERATIONS = {
     "load": lambda s: s.load("run-1"),
     "history": lambda s: s.history("run-1"),
@@ -210,6 +228,7 @@ OPERATIONS = {
     "escalations": lambda s: s.escalations("run-1"),
     "count_by_status": lambda s: s.count_by_status(),
     "append": lambda s: s.append(*step(start())),
+    "add_keys": lambda s: s.add_keys("run-1", ["resp:r1"]),
 }
 
 
