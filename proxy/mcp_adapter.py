@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -44,6 +45,7 @@ TRAFFIC = "mcp"
 VIOLATION_CODE = -31000      # outside JSON-RPC's and MCP's reserved ranges
 HALTED_CODE = -31001
 REQUEST_CODE = -31002        # the call itself cannot be checked (no run key, a batch of calls)
+KEEPALIVE_S = 0.5            # a resumed stream waiting for a call's outcome: comment this often
 
 
 class Refusal(Exception):
@@ -66,6 +68,7 @@ class ToolCall:
     out: ClientEnd | None = None     # the client's stream, once an SSE answer starts flowing
     forwarded: bool = False          # the MCP server has been called: never call it again
     answer: Answer | None = None     # ... and what it answered last
+    cut: Cut | None = None           # once an event with an id was relayed: resumable
 
     @property
     def contract(self) -> Contract:
@@ -81,6 +84,48 @@ class Answer:
     headers: CIMultiDict[str] | None = None
     body: bytes = b""               # the JSON answer, or the held SSE event that answers the call
     sse: bool = False
+    resumable: bool = False         # the stream ended unanswered after events with ids
+
+
+@dataclass(slots=True, eq=False)
+class Cut:
+    """A checked call whose event stream a client may resume (GET with Last-Event-ID): what
+    the resuming client gets is `outcome`: the final event stepguard decided (the checked
+    answer, or the refusal), or None when the server ended its stream before answering (SSE
+    polling), so the resumption goes on upstream and the answer is checked there."""
+
+    call: ToolCall
+    attempt: int = 1
+    ids: list[str] = field(default_factory=list)
+    outcome: asyncio.Future[bytes | None] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class Resumptions:
+    """The cut streams of checked calls, by every event id relayed on them (a client resumes
+    from the last one it received). In memory and bounded: a resumption this process does not
+    know (a restart, another replica, long evicted) is refused, never passed through."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        self.limit = limit
+        self._by_id: OrderedDict[str, Cut] = OrderedDict()
+
+    def relayed(self, cut: Cut, event_id: str) -> None:
+        cut.ids.append(event_id)
+        self._by_id[event_id] = cut
+        while len(self._by_id) > self.limit:
+            self._by_id.popitem(last=False)
+
+    def find(self, event_id: str) -> Cut | None:
+        return self._by_id.get(event_id)
+
+    def forget(self, cut: Cut) -> None:
+        for event_id in cut.ids:
+            self._by_id.pop(event_id, None)
+        cut.ids = []
+
+    def __len__(self) -> int:
+        return len(self._by_id)
 
 
 def rpc_error(rpc_id: Any, code: int, message: str, data: dict[str, Any]) -> dict[str, Any]:
@@ -99,6 +144,7 @@ class McpAdapter:
         self.observer = observer
         self.boundaries = boundaries
         self.http = http
+        self.resumptions = Resumptions()
 
     def error(self, route: Route, status: int, title: str, detail: str) -> web.Response:
         body = rpc_error(None, REQUEST_CODE, f"stepguard: {title}: {detail}", {"title": title})
@@ -114,7 +160,7 @@ class McpAdapter:
                               f"to be checked: {exc.detail}", {"check": "request"})
         if (request.method == "GET" and "last-event-id" in request.headers
                 and not self.settings.passthrough and _has_checked_tools(route)):
-            return self._resumption_refused(route)
+            return await self._resume(request, route, headers, timing)
         if message is None or self.settings.passthrough:
             return await self.http.forward_unchecked(request, route, headers, body, timing,
                                                      read_timeout_s=None)
@@ -170,19 +216,82 @@ class McpAdapter:
             REQUEST_CODE, f"stepguard: run {call.run_id!r}, step {call.step.name!r}: {what} "
             f"({exc})", {"check": "store", "forwarded": call.forwarded}))
 
+    async def _resume(self, request: web.Request, route: Route, headers: CIMultiDict[str],
+                      timing: Timing) -> web.StreamResponse:
+        """A GET resuming a cut stream (Last-Event-ID). The stream of a checked call goes on
+        through its checks: the final event stepguard decides (the checked answer or the
+        refusal) is handed over, waiting for it if the call is still at the server, or, if the
+        server cut its stream before answering, the resumption goes on upstream and the answer
+        is checked as it arrives. Any other resumption is refused: the server would replay
+        answers there, a checked call's among them, where no exit check sees them."""
+        cut = self.resumptions.find(request.headers["last-event-id"])
+        if cut is None:
+            return self._resumption_refused(route)
+        call = cut.call
+        end = None
+        if not cut.outcome.done():      # the call is still at the server: wait, keeping alive
+            end = await self._event_stream(request)
+            if not await self._outcome_of(cut, end):
+                await end.close()        # gave up, or the client left: it may resume again
+                return end.out
+        outcome = cut.outcome.result()
+        if outcome is not None:
+            end = end or await self._event_stream(request)
+            await end.write(outcome)
+            await end.close()
+            if not end.gone:
+                self.resumptions.forget(cut)
+            return end.out
+        # the server ended its stream before answering (SSE polling): this GET carries the
+        # call on, upstream, and its answer is checked here
+        self.resumptions.forget(cut)
+        call.request, call.timing, call.out = request, timing, end
+        cut.outcome = asyncio.get_running_loop().create_future()
+        try:
+            answer = await self._attempt(call, time.perf_counter(), "GET", headers)
+            return await self._attempts(call, cut.attempt, answer)
+        except Refusal as refusal:
+            return await self._refuse(call, refusal)
+        except StoreError as exc:
+            self.observer.store_error("append", str(exc), run_id=call.run_id,
+                                      workflow=call.contract.workflow, step=call.step.name)
+            return await self._store_failed(call, exc)
+
+    async def _outcome_of(self, cut: Cut, end: ClientEnd) -> bool:
+        """Wait for the call's outcome within its timeout, with an SSE comment every
+        `KEEPALIVE_S` so the waiting client's read timeout does not cut it; False if it did not
+        come or the client left."""
+        call = cut.call
+        deadline = time.monotonic() + (call.step.timeout_s or call.route.upstream.timeout_s)
+        while not cut.outcome.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(cut.outcome), KEEPALIVE_S)
+            except TimeoutError:
+                if end.gone or time.monotonic() > deadline:
+                    return False
+                await end.write(b": stepguard: the call is being checked\n\n")
+        return True
+
+    @staticmethod
+    async def _event_stream(request: web.Request) -> ClientEnd:
+        out = web.StreamResponse(status=200, headers={"content-type": "text/event-stream",
+                                                      "cache-control": "no-cache"})
+        end = ClientEnd(out)
+        try:
+            await out.prepare(request)
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            end.gone = True
+        return end
+
     @staticmethod
     def _resumption_refused(route: Route) -> web.Response:
-        """A GET resuming an interrupted stream (Last-Event-ID) would replay the server's
-        answers, a checked call's result among them, where no exit check sees them: refused, so
-        an unchecked result never reaches the agent. A checked call whose stream ended without
-        its answer is a tool error instead (recorded, retried only if safe)."""
         return web.Response(
             status=405, headers={"Allow": "POST, DELETE", "x-should-retry": "false"},
             content_type="application/json", body=orjson.dumps({
-                "error": "stream resumption is not offered through stepguard",
-                "detail": f"upstream {route.upstream.name!r} has checked tools, and answers "
-                          "replayed on a resumed stream (Last-Event-ID) would bypass their exit "
-                          "checks; a call whose stream was cut is recorded as a tool error"}))
+                "error": "this stream resumption is not offered through stepguard",
+                "detail": f"upstream {route.upstream.name!r} has checked tools, and the event id "
+                          "is not one of a checked call's cut stream that this stepguard "
+                          "holds: answers replayed there would bypass their exit checks"}))
 
     @staticmethod
     def _message(request: web.Request, body: bytes, limit: int) -> Any:
@@ -206,23 +315,46 @@ class McpAdapter:
 
     async def _checked(self, call: ToolCall) -> web.StreamResponse:
         await retrying_conflicts(call.run_id, lambda: self._entry(call))
+        return await self._attempts(call, 1, None)
+
+    async def _attempts(self, call: ToolCall, attempt: int,
+                        answer: Answer | None) -> web.StreamResponse:
+        """Send the call (unless `answer` came on a resumed stream), check each answer, retry
+        what the contract says to, and hand the last answer on."""
         step, contract = call.step, call.contract
         safe = step.idempotent   # MCP calls carry no idempotency key stepguard could add
-        attempt = 1
         while True:
-            call.forwarded = True
-            answer = call.answer = await self._attempt(call)
+            if answer is None:
+                call.forwarded = True
+                answer = await self._attempt(call, time.perf_counter())
+            call.answer = got = answer
+            if got.resumable and call.cut is not None:
+                return await self._await_resumption(call, attempt)
             decision, settled = await retrying_conflicts(
-                call.run_id, lambda: self._exit(call, answer, attempt, safe))  # noqa: B023
+                call.run_id, lambda: self._exit(call, got, attempt, safe))  # noqa: B023
             if settled.action == RETRY:
                 await back_off(step, attempt, call.timing)
                 await retrying_conflicts(call.run_id, lambda: self._stopped_meanwhile(call))
                 attempt += 1
+                answer = None
                 continue
             if attempt > 1:
                 self.observer.retry_outcome(contract, step.name, recovered=decision.passed)
             self._raise_if_stopped(call, decision, settled)
-            return await self._relay(call, answer)
+            return await self._relay(call, got)
+
+    async def _await_resumption(self, call: ToolCall, attempt: int) -> web.StreamResponse:
+        """The server ended the stream before answering, after events with ids (SSE polling,
+        or a cut connection): the client's stream ends the same way and the call stays open
+        for the client's resumption, which goes on upstream (`_resume`). Nothing is recorded
+        yet: the answer, when it comes, is checked like any other."""
+        cut = call.cut
+        assert cut is not None and call.out is not None
+        cut.attempt = attempt
+        if not cut.outcome.done():
+            cut.outcome.set_result(None)
+        await call.out.close()
+        return call.out.out
 
     async def _exit(self, call: ToolCall, answer: Answer, attempt: int,
                     safe: bool) -> tuple[Decision, Settled]:
@@ -286,12 +418,14 @@ class McpAdapter:
 
     # -- the upstream -----------------------------------------------------------------------------
 
-    async def _attempt(self, call: ToolCall) -> Answer:
+    async def _attempt(self, call: ToolCall, since: float, method: str = "POST",
+                       headers: CIMultiDict[str] | None = None) -> Answer:
+        """One exchange: the call POSTed, or (`GET` with the client's `headers`) its cut
+        stream resumed upstream."""
         timeout_s = call.step.timeout_s or call.route.upstream.timeout_s
-        since = time.perf_counter()
         try:
             async with asyncio.timeout(timeout_s):
-                return await self._exchange(call, since)
+                return await self._exchange(call, since, method, headers)
         except TimeoutError:
             self._seen(call, None, since)
             return Answer(ToolResult(None, error=f"MCP server did not answer within {timeout_s:g} s",
@@ -301,13 +435,15 @@ class McpAdapter:
             return Answer(ToolResult(None, error=f"MCP server unreachable: {exc}",
                                      error_kind="transport"))
 
-    async def _exchange(self, call: ToolCall, since: float) -> Answer:
+    async def _exchange(self, call: ToolCall, since: float, method: str,
+                        headers: CIMultiDict[str] | None) -> Answer:
         timeout_s = call.step.timeout_s or call.route.upstream.timeout_s
-        call.headers.popall("accept-encoding", None)
-        call.headers["Accept-Encoding"] = "identity"     # stepguard reads the answer
+        sent = call.headers if headers is None else headers
+        sent.popall("accept-encoding", None)
+        sent["Accept-Encoding"] = "identity"     # stepguard reads the answer
         async with await self.forwarder.client.request(
-                "POST", upstream_url(call.route, call.request), call.headers, call.body,
-                timeout_s) as resp:
+                method, upstream_url(call.route, call.request), sent,
+                call.body if method == "POST" else b"", timeout_s) as resp:
             self._seen(call, resp.status, since)
             headers = end_to_end(resp.headers, HOP_BY_HOP | {"content-length"})
             encoding = resp.headers.get("content-encoding", "identity").strip().lower()
@@ -339,8 +475,13 @@ class McpAdapter:
                     return Answer(self._message_result(message), resp.status, headers, raw, sse=True)
                 out = await self._out(call, resp.status, headers)
                 await out.write(raw)
+                if event is not None and event.id:      # the client may resume from here
+                    if call.cut is None:
+                        call.cut = Cut(call)
+                    self.resumptions.relayed(call.cut, event.id)
         return Answer(ToolResult(None, error="MCP server ended the event stream without answering "
-                                 "the call", error_kind="transport"), resp.status, headers)
+                                 "the call", error_kind="transport"), resp.status, headers,
+                      resumable=call.cut is not None and bool(call.cut.ids))
 
     async def _out(self, call: ToolCall, status: int, headers: CIMultiDict[str]) -> ClientEnd:
         if call.out is None:
@@ -400,9 +541,7 @@ class McpAdapter:
 
     async def _relay(self, call: ToolCall, answer: Answer) -> web.StreamResponse:
         if call.out is not None:
-            await call.out.write(answer.body)
-            await call.out.close()
-            return call.out.out
+            return await self._final_event(call, answer.body)
         if answer.status is None:   # no answer at all, but the contract let it pass (observe)
             return self._json(call.rpc_id, REQUEST_CODE, f"stepguard: {answer.result.error}",
                               {"check": "tool_error"}, status=502)
@@ -411,13 +550,25 @@ class McpAdapter:
     async def _refuse(self, call: ToolCall, refusal: Refusal) -> web.StreamResponse:
         body = orjson.dumps(rpc_error(call.rpc_id, refusal.code, refusal.message, refusal.data))
         if call.out is not None:
-            await call.out.write(b"event: message\r\ndata: " + body + b"\r\n\r\n")
-            await call.out.close()
-            return call.out.out
+            return await self._final_event(call, b"event: message\r\ndata: " + body + b"\r\n\r\n")
         # a store that failed before the call was forwarded may work later; nothing else will
         later = refusal.data.get("check") == "store" and not refusal.data.get("forwarded")
         return web.Response(body=body, content_type="application/json",
                             headers={"x-should-retry": "true" if later else "false"})
+
+    async def _final_event(self, call: ToolCall, event: bytes) -> web.StreamResponse:
+        """The event that ends a checked call's stream. A client that has left may resume the
+        stream to get it (`_resume`); one that got it has nothing left to resume."""
+        assert call.out is not None
+        await call.out.write(event)
+        await call.out.close()
+        cut = call.cut
+        if cut is not None:
+            if not cut.outcome.done():
+                cut.outcome.set_result(event)
+            if not call.out.gone:
+                self.resumptions.forget(cut)
+        return call.out.out
 
     def _json(self, rpc_id: Any, code: int, message: str, data: dict[str, Any],
               status: int = 200) -> web.Response:

@@ -24,12 +24,16 @@ def event_json(data: str) -> dict[str, Any]:
 
 
 def decode_event(raw: bytes) -> ServerSentEvent | None:
+    """The event in `raw` (one event's bytes, its blank line included or not). The first event
+    the decoder dispatches is the one: a decoder keeps the last event id across events (as the
+    spec says), so a further blank line would dispatch a second, empty event with that id."""
     decoder = SSEDecoder()
     lines = SSELineDecoder()
-    event = None
     for line in [*lines.decode(raw.decode("utf-8", "replace")), *lines.flush(), ""]:
-        event = decoder.decode(line) or event
-    return event
+        event = decoder.decode(line)
+        if event is not None:
+            return event
+    return None
 
 
 class EventTooLarge(ValueError):

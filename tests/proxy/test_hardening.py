@@ -869,7 +869,7 @@ async def test_events_arriving_together_are_relayed_in_order_up_to_one_that_cann
 # --- MCP, from a second review ---------------------------------------------------------------------
 
 
-async def test_a_resumed_mcp_stream_is_refused_so_no_replayed_answer_skips_its_exit_check(
+async def test_resuming_a_stream_stepguard_does_not_hold_is_refused_so_no_replay_skips_a_check(
         upstream, stepguard):
     server = await upstream({"/mcp": mcp_ok})
     guard = await stepguard(mcp_contract(server.url, {"reserve": {}}))

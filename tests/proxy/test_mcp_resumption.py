@@ -1,0 +1,170 @@
+"""MCP streams that are cut and resumed (GET with Last-Event-ID) keep their checks: a server
+that ends its stream before answering (SSE polling) and a client that times out and resumes
+both get the answer only after its exit check, through the real `mcp` server and client."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import pytest
+from mcp import Client, MCPError
+from mcp.client.streamable_http import streamable_http_client
+from mcp.server import MCPServer
+from mcp.server.mcpserver import Context
+from mcp.server.streamable_http import EventCallback, EventId, EventMessage, EventStore, StreamId
+from mcp.types import CallToolResult, JSONRPCMessage, TextContent
+
+from stepguard.examples.order_confirmation import mcp_tools
+from stepguard.examples.order_confirmation.mcp_tools import MCP_PATH, serve
+from stepguard.proxy.app import Stepguard, build
+from stepguard.proxy.app import create_app as create_proxy_app
+from stepguard.proxy.config import Settings
+from stepguard.proxy.harness import contract_with_upstreams, running
+
+CONTRACT = Path(mcp_tools.__file__).parent / "contract.mcp.yaml"
+MOUNT = "/mcp-tools"
+VIOLATION = -31000
+
+
+class MemoryEventStore(EventStore):
+    """Every event the server sends, kept so a stream can be replayed after an event id."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str, JSONRPCMessage | None]] = []
+        self._ids = itertools.count(1)
+
+    async def store_event(self, stream_id: StreamId, message: JSONRPCMessage | None) -> EventId:
+        event_id = str(next(self._ids))
+        self.events.append((event_id, stream_id, message))
+        return event_id
+
+    async def replay_events_after(self, last_event_id: EventId,
+                                  send_callback: EventCallback) -> StreamId | None:
+        at = next((i for i, (eid, _, _) in enumerate(self.events) if eid == last_event_id), None)
+        if at is None:
+            return None
+        stream = self.events[at][1]
+        for event_id, sid, message in self.events[at + 1:]:
+            if sid == stream and message is not None:
+                await send_callback(EventMessage(message, event_id))
+        return stream
+
+
+class Tools:
+    """lookup_order, resumable: `close_first` ends its stream before answering (SSE polling),
+    `delay_s` makes it slow; order ids ending in 9 answer with a changed shape."""
+
+    def __init__(self, close_first: bool, delay_s: float) -> None:
+        self.close_first, self.delay_s = close_first, delay_s
+        self.runs = 0
+
+    def app(self) -> Any:
+        server = MCPServer("resumable-tools")
+
+        @server.tool()
+        async def lookup_order(order_id: str, ctx: Context[Any, Any]) -> CallToolResult:
+            self.runs += 1
+            if self.close_first:
+                await ctx.close_sse_stream()
+            await asyncio.sleep(self.delay_s)
+            key = "customer_name" if order_id.endswith("9") else "customer"
+            order = {"order_id": order_id, key: "Ada Lovelace", "items": []}
+            return CallToolResult(content=[TextContent(type="text", text=json.dumps(order))],
+                                  structured_content=order)
+
+        return server.streamable_http_app(stateless_http=False, json_response=False,
+                                          event_store=MemoryEventStore(), retry_interval=50)
+
+
+@contextlib.contextmanager
+def tools_server(tools: Tools) -> Iterator[str]:
+    with serve(tools.app()) as base:
+        yield base
+
+
+@contextlib.asynccontextmanager
+async def guarded(base: str, tmp_path: Path) -> AsyncIterator[tuple[Stepguard, str]]:
+    contract = contract_with_upstreams(CONTRACT, {"tools": base})
+    sg = build(Settings(store=str(tmp_path / "s.db")), [contract])
+    async with running(create_proxy_app(sg)) as proxy:
+        yield sg, f"{proxy}{MOUNT}{MCP_PATH}"
+
+
+@contextlib.asynccontextmanager
+async def agent(url: str, run: str, read_s: float = 10.0) -> AsyncIterator[Client]:
+    http = httpx2.AsyncClient(headers={"x-stepguard-run": run},
+                              timeout=httpx2.Timeout(10.0, read=read_s))
+    async with http, Client(streamable_http_client(url, http_client=http), mode="legacy",
+                            read_timeout_seconds=15) as client:
+        yield client
+
+
+def trail(history: list[dict[str, Any]]) -> list[tuple[str, str, str, str]]:
+    return [(e["step"], e["boundary"], e["verdict"], e["action"]) for e in history]
+
+
+CLEAN = [("lookup_order", "entry", "pass", "forward"), ("lookup_order", "exit", "pass", "advance")]
+HALTED = [("lookup_order", "entry", "pass", "forward"), ("lookup_order", "exit", "violation", "halt")]
+
+
+@pytest.mark.timeout(60)
+async def test_a_call_whose_server_ends_the_stream_to_be_polled_is_answered_after_its_check(
+        tmp_path: Path) -> None:
+    tools = Tools(close_first=True, delay_s=0.3)
+    with tools_server(tools) as base:
+        async with guarded(base, tmp_path) as (sg, url), agent(url, "poll-1") as client:
+            result = await client.call_tool("lookup_order", {"order_id": "ord-7"})
+            history = await sg.store.history("poll-1")
+
+    assert result.structured_content == {"order_id": "ord-7", "customer": "Ada Lovelace", "items": []}
+    assert tools.runs == 1
+    assert trail(history) == CLEAN
+
+
+@pytest.mark.timeout(60)
+async def test_a_changed_answer_on_a_polled_stream_is_refused_and_halts_the_run(
+        tmp_path: Path) -> None:
+    tools = Tools(close_first=True, delay_s=0.3)
+    with tools_server(tools) as base:
+        async with guarded(base, tmp_path) as (sg, url), agent(url, "poll-2") as client:
+            with pytest.raises(MCPError) as caught:
+                await client.call_tool("lookup_order", {"order_id": "ord-9"})
+            history = await sg.store.history("poll-2")
+
+    assert caught.value.code == VIOLATION
+    assert "output_schema" in str(caught.value)
+    assert trail(history) == HALTED
+
+
+@pytest.mark.timeout(60)
+async def test_a_client_that_timed_out_and_resumed_gets_the_checked_answer(tmp_path: Path) -> None:
+    tools = Tools(close_first=False, delay_s=1.5)
+    with tools_server(tools) as base:
+        async with guarded(base, tmp_path) as (sg, url), agent(url, "slow-1", read_s=0.6) as client:
+            result = await client.call_tool("lookup_order", {"order_id": "ord-7"})
+            history = await sg.store.history("slow-1")
+
+    assert result.structured_content == {"order_id": "ord-7", "customer": "Ada Lovelace", "items": []}
+    assert tools.runs == 1
+    assert trail(history) == CLEAN
+
+
+@pytest.mark.timeout(60)
+async def test_a_client_that_timed_out_and_resumed_gets_the_refusal_not_the_changed_answer(
+        tmp_path: Path) -> None:
+    tools = Tools(close_first=False, delay_s=1.5)
+    with tools_server(tools) as base:
+        async with guarded(base, tmp_path) as (sg, url), agent(url, "slow-2", read_s=0.6) as client:
+            with pytest.raises(MCPError) as caught:
+                await client.call_tool("lookup_order", {"order_id": "ord-9"})
+            history = await sg.store.history("slow-2")
+
+    assert caught.value.code == VIOLATION
+    assert trail(history) == HALTED

@@ -1,0 +1,42 @@
+"""Server-sent events cut into whole events and decoded one at a time (`stepguard.proxy.sse`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from stepguard.proxy.sse import EventTooLarge, SSESplitter, decode_event
+
+
+def test_an_event_with_an_id_keeps_its_data() -> None:
+    event = decode_event(b'id: 12\r\nevent: message\r\ndata: {"id": 2}\r\n\r\n')
+    assert event is not None
+    assert (event.id, event.event, event.data) == ("12", "message", '{"id": 2}')
+
+
+def test_an_event_without_its_blank_line_still_decodes() -> None:
+    event = decode_event(b"id: 7\ndata: last")
+    assert event is not None and (event.id, event.data) == ("7", "last")
+
+
+def test_data_lines_are_joined_with_newlines() -> None:
+    event = decode_event(b"data: a\ndata: b\n\n")
+    assert event is not None and event.data == "a\nb"
+
+
+def test_a_comment_alone_is_no_event() -> None:
+    assert decode_event(b": keep-alive\n\n") is None
+
+
+def test_events_split_across_chunks_come_out_whole_with_their_raw_bytes() -> None:
+    splitter = SSESplitter()
+    first = list(splitter.events(b"id: 1\r\ndata: x\r"))
+    rest = list(splitter.events(b"\n\r\nid: 2\r\ndata: y\r\n\r\n"))
+    assert first == []
+    assert [(raw, e.id if e else None, e.data if e else None) for raw, e in rest] == [
+        (b"id: 1\r\ndata: x\r\n\r\n", "1", "x"), (b"id: 2\r\ndata: y\r\n\r\n", "2", "y")]
+
+
+def test_an_event_growing_past_the_limit_raises() -> None:
+    splitter = SSESplitter(limit=16)
+    with pytest.raises(EventTooLarge):
+        list(splitter.events(b"data: " + b"x" * 32))
