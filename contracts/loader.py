@@ -121,6 +121,11 @@ def _yaml_duplicates(node: yaml.Node, path: tuple[str, ...],
             yield from _yaml_duplicates(item, _indexed(path, i), seen)
 
 
+def _normal_path(path: str) -> str:
+    """A step's path in the form calls are matched in (see proxy.routing.normal_path)."""
+    return "/" + "/".join(segment for segment in path.split("/") if segment)
+
+
 def _indexed(path: tuple[str, ...], i: int) -> tuple[str, ...]:
     return (*path[:-1], f"{path[-1]}[{i}]") if path else (f"[{i}]",)
 
@@ -284,7 +289,8 @@ class _Compiler:
         return Step(
             name=name,
             index=index,
-            match=Match(m.get("upstream"), m.get("method"), m.get("path"), m.get("tool")),
+            match=Match(m.get("upstream"), m.get("method"),
+                        _normal_path(m["path"]) if m.get("path") else None, m.get("tool")),
             input_schema=self.schema_ref(name, "input", spec.get("input")),
             output_schema=self.schema_ref(name, "output", spec.get("output")),
             preconditions=self.conditions(name, "precondition", spec.get("precondition"),

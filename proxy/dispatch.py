@@ -14,7 +14,7 @@ from aiohttp import web
 from stepguard.metrics.observer import Observer
 from stepguard.proxy.forward import BodyTooLarge, Timing, read_body
 from stepguard.proxy.problems import problem
-from stepguard.proxy.routing import Route, Router
+from stepguard.proxy.routing import Route, Router, UnsafePath
 
 
 class Adapter(Protocol):
@@ -36,9 +36,15 @@ class Dispatcher:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         timing = Timing(time.perf_counter())
-        route = self.router.resolve(request.path, request.rel_url.raw_path)
+        try:
+            route = self.router.resolve(request.path, request.rel_url.raw_path)
+        except UnsafePath as exc:
+            response: web.StreamResponse = problem(400, "Unsafe path", str(exc))
+            timing.stamp(response)
+            self.observer.added("none", timing.added_s())
+            return response
         if route is None:
-            response: web.StreamResponse = problem(
+            response = problem(
                 404, "No upstream", f"no upstream is mounted at {request.path!r}; "
                 f"mounts: {', '.join(self.router.mounts())}")
             traffic = "none"

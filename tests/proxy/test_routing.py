@@ -198,3 +198,52 @@ async def test_path_and_query_reach_the_upstream_exactly_as_sent(
 
     assert status == 200
     assert (tool.last().path, tool.last().query) == (path, query)
+
+
+# --- paths whose meaning at the upstream could differ from what is checked ---------------------
+
+
+@pytest.mark.parametrize("target", ["/tools%2F@{evil}/anything", "/tools%2f@{evil}/anything",
+                                    "/%74ools/act"],
+                         ids=["encoded-slash-after-mount", "lowercase-encoding", "encoded-mount"])
+async def test_a_mount_not_written_literally_is_refused_and_nothing_is_contacted(
+        proxy, make_upstream, target):
+    tool, evil = await make_upstream(), await make_upstream()
+    px = await proxy(make_contract(tool.url))
+
+    status, answer = await raw(px, head(f"POST {target.format(evil=evil.authority)} HTTP/1.1",
+                                        f"Host: {tool.authority}", "Content-Length: 0",
+                                        "Connection: close"))
+
+    assert status == 400
+    assert b"mount" in answer
+    assert evil.hits() == 0 and tool.hits() == 0
+
+
+@pytest.mark.parametrize("target", ["/tools/x/../act", "/tools/x/%2e%2e/act", "/tools/./act",
+                                    "/tools/x/%2E%2E/act"])
+async def test_a_dot_segment_is_refused_rather_than_resolved_by_the_upstream(
+        proxy, make_upstream, target):
+    tool = await make_upstream()
+    px = await proxy(make_contract(tool.url, {"act": {"after": ["prepare"]}, "prepare": {}}))
+
+    status, answer = await raw(px, head(f"POST {target} HTTP/1.1", f"Host: {tool.authority}",
+                                        "x-stepguard-run: dots-1", "Content-Length: 0",
+                                        "Connection: close"))
+
+    assert status == 400
+    assert b"segment" in answer
+    assert tool.hits() == 0
+
+
+@pytest.mark.parametrize("path", ["/tools//act", "/tools/act/", "/tools//act//"],
+                         ids=["double-slash", "trailing-slash", "both"])
+async def test_a_path_with_empty_segments_is_checked_as_its_step(proxy, make_upstream, path):
+    tool = await make_upstream()
+    px = await proxy(make_contract(tool.url, {"act": {"after": ["prepare"]}, "prepare": {}}))
+
+    reply = await px.call(path, {}, run="slashes-1")
+
+    assert problem(reply, 409)["check"] == "order"
+    assert tool.hits() == 0
+    assert trail(await px.history("slashes-1")) == [("act", "entry", "violation", "halt")]
