@@ -11,7 +11,10 @@ import orjson
 from httpx_sse import ServerSentEvent
 from httpx_sse._decoders import SSEDecoder, SSELineDecoder
 
-_BOUNDARY = re.compile(rb"\r\n\r\n|\n\n|\r\r")
+# an event ends at a blank line: a line terminator (CRLF, LF or a lone CR) right after another,
+# in any mix (`\n\r\n` and `\r\n\r` included); a CR followed by LF is one terminator, never two
+_EOL = rb"(?:\r\n|\r(?!\n)|\n)"
+_BOUNDARY = re.compile(_EOL + _EOL)
 
 
 def event_json(data: str) -> dict[str, Any]:
@@ -60,6 +63,8 @@ class SSESplitter:
         scan_from = max(0, len(self._buffer) - 3)   # a boundary may straddle two chunks
         self._buffer += chunk
         while (m := _BOUNDARY.search(self._buffer, scan_from)) is not None:
+            if m.end() == len(self._buffer) and self._buffer.endswith(b"\r"):
+                break       # that CR may be the first half of a CRLF: wait for the next byte
             raw, self._buffer = self._buffer[:m.end()], self._buffer[m.end():]
             yield raw, decode_event(raw)
             scan_from = 0

@@ -1000,3 +1000,27 @@ async def test_an_mcp_pass_through_to_a_server_that_never_answers_times_out_and_
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def test_an_mcp_answer_after_a_mixed_line_ending_blank_line_is_still_held_and_checked(
+        upstream, stepguard):
+    async def mixed(request: web.Request) -> web.Response:
+        message = await request.json()
+        progress = {"jsonrpc": "2.0", "method": "notifications/progress",
+                    "params": {"progressToken": 1, "progress": 0.5}}
+        body = (b"event: message\ndata: " + orjson.dumps(progress) + b"\n\r\n"
+                + b"event: message\ndata: "
+                + orjson.dumps(mcp_result(message["id"], {"slot": "changed shape"})) + b"\n\n")
+        return web.Response(body=body, content_type="text/event-stream")
+
+    server = await upstream({"/mcp": mixed})
+    guard = await stepguard(mcp_contract(server.url, {"reserve": {"output": {"schema": {
+        "type": "object", "required": ["slot_id"]}}}}))
+
+    resp = await guard.client.post("/m/mcp", json=tools_call("reserve", {}),
+                                   headers={**MCP_ACCEPT, RUN_HEADER: "mixed-1"})
+    received = await resp.read()
+
+    assert b"changed shape" not in received
+    assert b'"code":-31000' in received
+    assert trail(await guard.history("mixed-1"))[-1] == ("reserve", "exit", "violation", "halt")

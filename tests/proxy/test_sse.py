@@ -40,3 +40,27 @@ def test_an_event_growing_past_the_limit_raises() -> None:
     splitter = SSESplitter(limit=16)
     with pytest.raises(EventTooLarge):
         list(splitter.events(b"data: " + b"x" * 32))
+
+
+@pytest.mark.parametrize("sep", [b"\n\n", b"\r\n\r\n", b"\r\r", b"\n\r\n", b"\r\n\n", b"\r\n\r",
+                                 b"\n\r"])
+def test_every_mix_of_line_endings_ends_an_event(sep: bytes) -> None:
+    splitter = SSESplitter()
+    events = list(splitter.events(b"data: a" + sep + b"data: b" + sep))
+    events += list(splitter.events(b"data: end\n\n"))
+    assert [e.data for _, e in events if e is not None] == ["a", "b", "end"]
+
+
+def test_a_crlf_inside_an_event_is_one_line_ending_not_a_blank_line() -> None:
+    splitter = SSESplitter()
+    events = list(splitter.events(b"event: message\r\ndata: x\r\n\r\n"))
+    assert len(events) == 1
+    assert events[0][1] is not None and (events[0][1].event, events[0][1].data) == ("message", "x")
+
+
+def test_a_cr_at_the_end_of_a_chunk_waits_for_the_next_byte() -> None:
+    splitter = SSESplitter()
+    assert list(splitter.events(b"data: a\r\n\r")) == []
+    events = list(splitter.events(b"\ndata: b\r\n\r\n"))
+    assert [(raw, e.data if e else None) for raw, e in events] == [
+        (b"data: a\r\n\r\n", "a"), (b"data: b\r\n\r\n", "b")]
