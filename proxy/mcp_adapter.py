@@ -96,32 +96,41 @@ class Cut:
 
     call: ToolCall
     attempt: int = 1
-    ids: list[str] = field(default_factory=list)
+    ids: list[tuple[str, str, str]] = field(default_factory=list)
     outcome: asyncio.Future[bytes | None] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
+def stream_scope(route: Route, request: web.Request) -> tuple[str, str]:
+    """Event ids are unique only within a session's streams: they are kept per upstream and
+    Mcp-Session-Id."""
+    return route.upstream.name, request.headers.get("mcp-session-id", "")
+
+
 class Resumptions:
     """The cut streams of checked calls, by every event id relayed on them (a client resumes
-    from the last one it received). In memory and bounded: a resumption this process does not
-    know (a restart, another replica, long evicted) is refused, never passed through."""
+    from the last one it received), per upstream and session. In memory and bounded: a
+    resumption this process does not know (a restart, another replica, long evicted) is
+    refused, never passed through."""
 
     def __init__(self, limit: int = 4096) -> None:
         self.limit = limit
-        self._by_id: OrderedDict[str, Cut] = OrderedDict()
+        self._by_id: OrderedDict[tuple[str, str, str], Cut] = OrderedDict()
 
-    def relayed(self, cut: Cut, event_id: str) -> None:
-        cut.ids.append(event_id)
-        self._by_id[event_id] = cut
+    def relayed(self, cut: Cut, scope: tuple[str, str], event_id: str) -> None:
+        key = (*scope, event_id)
+        cut.ids.append(key)
+        self._by_id[key] = cut
         while len(self._by_id) > self.limit:
             self._by_id.popitem(last=False)
 
-    def find(self, event_id: str) -> Cut | None:
-        return self._by_id.get(event_id)
+    def find(self, scope: tuple[str, str], event_id: str) -> Cut | None:
+        return self._by_id.get((*scope, event_id))
 
     def forget(self, cut: Cut) -> None:
-        for event_id in cut.ids:
-            self._by_id.pop(event_id, None)
+        for key in cut.ids:
+            if self._by_id.get(key) is cut:     # an id another stream reused is not this one's
+                del self._by_id[key]
         cut.ids = []
 
     def __len__(self) -> int:
@@ -224,8 +233,11 @@ class McpAdapter:
         server cut its stream before answering, the resumption goes on upstream and the answer
         is checked as it arrives. Any other resumption is refused: the server would replay
         answers there, a checked call's among them, where no exit check sees them."""
-        cut = self.resumptions.find(request.headers["last-event-id"])
-        if cut is None:
+        scope = stream_scope(route, request)
+        cut = self.resumptions.find(scope, request.headers["last-event-id"])
+        resumer = run_id_for(route.contract, request.headers)
+        # the same session, or (without one) the same run, resumes: never another client's call
+        if cut is None or resumer not in (None, cut.call.run_id) or not (scope[1] or resumer):
             return self._resumption_refused(route)
         call = cut.call
         end = None
@@ -348,13 +360,13 @@ class McpAdapter:
         or a cut connection): the client's stream ends the same way and the call stays open
         for the client's resumption, which goes on upstream (`_resume`). Nothing is recorded
         yet: the answer, when it comes, is checked like any other."""
-        cut = call.cut
-        assert cut is not None and call.out is not None
+        cut, end = call.cut, call.out
+        assert cut is not None and end is not None
         cut.attempt = attempt
         if not cut.outcome.done():
-            cut.outcome.set_result(None)
-        await call.out.close()
-        return call.out.out
+            cut.outcome.set_result(None)    # a resuming GET may take the call over from here
+        await end.close()
+        return end.out
 
     async def _exit(self, call: ToolCall, answer: Answer, attempt: int,
                     safe: bool) -> tuple[Decision, Settled]:
@@ -478,7 +490,8 @@ class McpAdapter:
                 if event is not None and event.id:      # the client may resume from here
                     if call.cut is None:
                         call.cut = Cut(call)
-                    self.resumptions.relayed(call.cut, event.id)
+                    self.resumptions.relayed(call.cut, stream_scope(call.route, call.request),
+                                             event.id)
         return Answer(ToolResult(None, error="MCP server ended the event stream without answering "
                                  "the call", error_kind="transport"), resp.status, headers,
                       resumable=call.cut is not None and bool(call.cut.ids))

@@ -27,6 +27,7 @@ from stepguard.proxy.app import Stepguard, build
 from stepguard.proxy.app import create_app as create_proxy_app
 from stepguard.proxy.config import Settings
 from stepguard.proxy.harness import contract_with_upstreams, running
+from stepguard.proxy.mcp_adapter import Cut, Resumptions
 
 CONTRACT = Path(mcp_tools.__file__).parent / "contract.mcp.yaml"
 MOUNT = "/mcp-tools"
@@ -168,3 +169,44 @@ async def test_a_client_that_timed_out_and_resumed_gets_the_refusal_not_the_chan
 
     assert caught.value.code == VIOLATION
     assert trail(history) == HALTED
+
+
+# --- the registry of cut streams ------------------------------------------------------------------
+
+
+def cut_for(run_id: str) -> Any:
+    """A Cut needs a call only to hold it; these tests look at keys alone."""
+    return Cut(call=run_id)  # type: ignore[arg-type]
+
+
+async def test_the_same_event_id_in_two_sessions_names_two_streams() -> None:
+    resumptions = Resumptions()
+    a, b = cut_for("run-a"), cut_for("run-b")
+    resumptions.relayed(a, ("tools", "session-a"), "1")
+    resumptions.relayed(b, ("tools", "session-b"), "1")
+
+    assert resumptions.find(("tools", "session-a"), "1") is a
+    assert resumptions.find(("tools", "session-b"), "1") is b
+    assert resumptions.find(("other-upstream", "session-a"), "1") is None
+
+
+async def test_forgetting_a_stream_leaves_an_id_another_stream_took_over() -> None:
+    resumptions = Resumptions()
+    old, new = cut_for("run-a"), cut_for("run-a")
+    resumptions.relayed(old, ("tools", "s"), "7")
+    resumptions.relayed(new, ("tools", "s"), "7")       # the server reused the id
+
+    resumptions.forget(old)
+
+    assert resumptions.find(("tools", "s"), "7") is new
+
+
+async def test_the_registry_keeps_only_its_newest_ids() -> None:
+    resumptions = Resumptions(limit=3)
+    cut = cut_for("run-a")
+    for event_id in "12345":
+        resumptions.relayed(cut, ("tools", "s"), event_id)
+
+    assert len(resumptions) == 3
+    assert resumptions.find(("tools", "s"), "1") is None
+    assert resumptions.find(("tools", "s"), "5") is cut
