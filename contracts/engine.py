@@ -28,7 +28,10 @@ def check_entry(step: Step, envelope: Envelope, input: Any) -> Decision:
 
 def check_exit(contract: Contract, step: Step, envelope: Envelope, input: Any,
                result: ToolResult) -> Decision:
-    if result.status is not None and 400 <= result.status < 500 and result.error_kind in (None, "parse"):
+    # a 4xx is the tool refusing the call; a 304 answers a conditional request with "use the
+    # copy you have": neither is a result to check, nothing is verified, the run goes on
+    if result.status is not None and (400 <= result.status < 500 or result.status == 304) \
+            and result.error_kind in (None, "parse"):
         return Decision(step.name, "exit", rejected=True)
     context = {"input": input, "output": result.output, "state": envelope.state,
                "status": result.status or 0}

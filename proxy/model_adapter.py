@@ -414,12 +414,14 @@ class ModelAdapter:
             ex.timing.upstream(streaming_since)
             why = (f"no event for {ex.route.upstream.timeout_s:g} s"
                    if isinstance(exc, TimeoutError) else str(exc))
+            self._mark_failed(shown)
             await client.write(ex.dialect.stream_error(f"stepguard: upstream stream failed: {why}",
                                                        {"check": "upstream"}))
             await client.close()
             return
         except Stop as stop:     # the upstream's events have a shape the dialect cannot read
             ex.timing.upstream(streaming_since)
+            self._mark_failed(shown)
             await client.write(ex.dialect.stream_error(stop.message, stop.details))
             await client.close()
             return
@@ -463,14 +465,19 @@ class ModelAdapter:
         why = (f"the upstream reported an error: {failure}" if failure is not None
                else "the upstream closed it before its terminating event")
         self.observer.turn_failed(ex.route.upstream.name, ex.contract.workflow, ex.run_id, why)
-        for call_id in shown:
-            self._failed_calls[call_id] = None
-        while len(self._failed_calls) > _FAILED_CALLS_KEPT:
-            self._failed_calls.popitem(last=False)
+        self._mark_failed(shown)
         await client.write(ex.dialect.stream_error(
             f"stepguard: the model's turn did not complete ({why}); nothing in it was checked "
             f"or recorded, and the request may be retried", {"check": "upstream"}))
         await client.close()
+
+    def _mark_failed(self, shown: list[str]) -> None:
+        """Tool calls a stream showed its client before the turn broke off: never checked, so a
+        result for one of them is refused (`_refuse_unchecked`)."""
+        for call_id in shown:
+            self._failed_calls[call_id] = None
+        while len(self._failed_calls) > _FAILED_CALLS_KEPT:
+            self._failed_calls.popitem(last=False)
 
     def _entries_not_stored(self, ex: Exchange, exc: StoreError) -> None:
         """The model answered, but its tool calls could not be stored. The model is never asked a

@@ -174,13 +174,20 @@ def test_the_fold_removes_unrecorded_keys_from_state():
 # --- 4. only a 2xx answer can verify a step ------------------------------------------------------
 
 
-@pytest.mark.parametrize("status", [300, 301, 302, 303, 304, 307, 308])
+@pytest.mark.parametrize("status", [300, 301, 302, 303, 307, 308])
 def test_a_3xx_answer_is_a_tool_error_naming_the_redirect(example, status):
     decision = check_exit(example, example.steps["lookup_order"], envelope(),
                           {"order_id": "ord-1"}, ToolResult(status))
     v = decision.violation
     assert v is not None and (v.check, v.drift) == ("tool_error", "tool_error")
     assert v.detail == f"upstream answered {status} (a redirect), not a result"
+    assert decision.recorded == {}
+
+
+def test_a_304_answer_to_a_conditional_request_is_rejected_not_a_violation(example):
+    decision = check_exit(example, example.steps["lookup_order"], envelope(),
+                          {"order_id": "ord-1"}, ToolResult(304))
+    assert decision.violation is None and decision.rejected
     assert decision.recorded == {}
 
 

@@ -716,3 +716,35 @@ async def test_a_result_for_a_tool_call_of_a_turn_that_did_not_complete_is_refus
     assert (await resp.json())["error"]["stepguard"]["calls"] == ["call_1"]
     assert model.hits == 1
     assert await guard.history("r1") == []
+
+
+async def test_a_result_for_a_tool_call_of_a_stream_cut_mid_body_is_refused_unchecked(
+        model_upstream, stepguard):
+    async def complete_call_then_cut(request: web.Request) -> web.StreamResponse:
+        out = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await out.prepare(request)
+        call = {"index": 0, "id": "call_1", "type": "function",
+                "function": {"name": "lookup", "arguments": '{"order_id": "o1"}'}}
+        await out.write(sse({"id": "c1", "object": "chat.completion.chunk", "choices": [
+            {"index": 0, "delta": {"tool_calls": [call]}}]}))
+        assert request.transport is not None
+        request.transport.close()                     # the connection breaks mid-body
+        return out
+
+    model = await model_upstream({"/v1/chat/completions": complete_call_then_cut})
+    guard = await stepguard(model_contract(model.url, LOOKUP_NEEDS_CUSTOMER))
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "look up o1"}]
+    failed = await guard.client.post(CHAT, headers={RUN_HEADER: "r1"}, json={
+        "model": "m", "stream": True, "messages": messages})
+    await failed.read()
+    messages += [{"role": "assistant", "content": None,
+                  "tool_calls": [chat_call("call_1", "lookup", {"order_id": "o1"})]},
+                 tool_message("call_1", {"customer_name": "wrong shape"})]
+
+    resp = await guard.client.post(CHAT, headers={RUN_HEADER: "r1"},
+                                   json={"model": "m", "messages": messages})
+
+    assert resp.status == 409
+    assert (await resp.json())["error"]["stepguard"]["calls"] == ["call_1"]
+    assert model.hits == 1
+    assert await guard.history("r1") == []
