@@ -91,7 +91,13 @@ class Boundaries:
         self.use(contracts)
 
     def use(self, contracts: list[Contract]) -> None:
-        self.redactors = {c.workflow: Redactor(c.redact) for c in contracts}
+        self.redactors = {c.workflow: (c, Redactor(c.redact)) for c in contracts}
+
+    def redactor(self, contract: Contract) -> Redactor:
+        """The redaction of the contract a call started under: a call still in flight across a
+        reload is stored by its own contract's `redact` list, not the new one's."""
+        known = self.redactors.get(contract.workflow)
+        return known[1] if known is not None and known[0] is contract else Redactor(contract.redact)
 
     async def settle(self, contract: Contract, run_id: str, envelope: Envelope,
                      decision: Decision, evidence: Evidence, *, timing: Timing, traffic: str,
@@ -153,7 +159,7 @@ class Boundaries:
         }
         if decision.violation:
             fields["violation"] = decision.violation.to_dict()
-        redact = self.redactors.get(contract.workflow) or Redactor(contract.redact)
+        redact = self.redactor(contract)
         result = evidence.result
         if decision.boundary == "entry":
             fields["input"] = redact(history_payload(evidence.input, len(evidence.raw_input),
@@ -181,7 +187,7 @@ class Boundaries:
                            decision_id: str, evidence: Evidence, seq: int) -> dict[str, Any]:
         violation = decision.violation
         assert violation is not None
-        redact = self.redactors.get(contract.workflow) or Redactor(contract.redact)
+        redact = self.redactor(contract)
         result = evidence.result
         output: Any = None
         if result is not None and result.output is not None:

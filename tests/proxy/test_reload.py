@@ -119,3 +119,15 @@ async def _ready(session: aiohttp.ClientSession, admin: int) -> None:
             pass
         await _sleep()
     raise AssertionError("stepguard did not become ready")
+
+
+def test_a_call_in_flight_across_a_reload_is_redacted_by_the_contract_it_started_under(
+        tmp_path: Path) -> None:
+    before = load_contract(write_contract(tmp_path / "a.yaml", "http://127.0.0.1:9"))
+    after = load_contract(write_contract(tmp_path / "b.yaml", "http://127.0.0.1:9",
+                                         redact=["note"]))
+    sg = build(Settings(store=str(tmp_path / "s.db")), [before])
+    sg.boundaries.use([after])                              # what a reload does
+
+    assert sg.boundaries.redactor(before)({"note": "kept"}) == {"note": "kept"}
+    assert sg.boundaries.redactor(after)({"note": "kept"}) == {"note": "[REDACTED]"}
