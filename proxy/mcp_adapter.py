@@ -35,7 +35,15 @@ from stepguard.proxy.bodies import BodyError, decode, parse_json
 from stepguard.proxy.boundaries import Boundaries, Evidence, Settled, back_off, retrying_conflicts
 from stepguard.proxy.config import Settings
 from stepguard.proxy.correlation import describe_keys, run_id_for
-from stepguard.proxy.forward import HOP_BY_HOP, ClientEnd, Forwarder, Timing, UpstreamError, end_to_end
+from stepguard.proxy.forward import (
+    HOP_BY_HOP,
+    ClientEnd,
+    Forwarder,
+    Timing,
+    UpstreamError,
+    end_to_end,
+    read_chunks,
+)
 from stepguard.proxy.h1client import H1Response, UpstreamConnectionError
 from stepguard.proxy.http_adapter import HttpToolAdapter, upstream_url
 from stepguard.proxy.routing import Route
@@ -231,13 +239,15 @@ class McpAdapter:
         through its checks: the final event stepguard decides (the checked answer or the
         refusal) is handed over, waiting for it if the call is still at the server, or, if the
         server cut its stream before answering, the resumption goes on upstream and the answer
-        is checked as it arrives. Any other resumption is refused: the server would replay
-        answers there, a checked call's among them, where no exit check sees them."""
+        is checked as it arrives. Any other stream resumes with its answers withheld
+        (`_resume_unheld`)."""
         scope = stream_scope(route, request)
         cut = self.resumptions.find(scope, request.headers["last-event-id"])
+        if cut is None:
+            return await self._resume_unheld(request, route, headers, timing)
         resumer = run_id_for(route.contract, request.headers)
         # the same session, or (without one) the same run, resumes: never another client's call
-        if cut is None or resumer not in (None, cut.call.run_id) or not (scope[1] or resumer):
+        if resumer not in (None, cut.call.run_id) or not (scope[1] or resumer):
             return self._resumption_refused(route)
         call = cut.call
         end = None
@@ -294,6 +304,51 @@ class McpAdapter:
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
             end.gone = True
         return end
+
+    async def _resume_unheld(self, request: web.Request, route: Route, headers: CIMultiDict[str],
+                             timing: Timing) -> web.StreamResponse:
+        """A stream stepguard holds no checked call of (the session's GET stream, or one held
+        by a process that has restarted since) resumes upstream, but every answer replayed on
+        it (a JSON-RPC response) is replaced by an error for its id: it may be a checked call's,
+        and no exit check sees it here. Notifications and server requests pass as they are."""
+        timeout_s = route.upstream.timeout_s
+        headers.popall("accept-encoding", None)
+        headers["Accept-Encoding"] = "identity"
+        try:
+            resp = await self.forwarder.open("GET", upstream_url(route, request), headers, b"",
+                                             timeout_s)
+        except UpstreamError as exc:
+            return web.Response(status=504 if exc.kind == "timeout" else 502, text=exc.detail)
+        async with resp:
+            if resp.status != 200 or "text/event-stream" not in resp.headers.get("content-type", ""):
+                try:
+                    body = await self.forwarder.read_capped(resp)
+                except UpstreamError as exc:
+                    return web.Response(status=502, text=exc.detail)
+                return web.Response(status=resp.status, headers=end_to_end(resp.headers), body=body)
+            out = web.StreamResponse(status=200, headers=end_to_end(
+                resp.headers, HOP_BY_HOP | {"content-length"}))
+            timing.stamp(out)
+            end = ClientEnd(out)
+            try:
+                await out.prepare(request)
+            except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+                return out
+            splitter = SSESplitter(self.settings.max_response_bytes)
+            try:
+                async for chunk in read_chunks(resp, request, None):
+                    for raw, event in splitter.events(chunk):
+                        message = event_json(event.data) if event is not None else {}
+                        if "method" not in message and "id" in message and (
+                                "result" in message or "error" in message):
+                            raw = _withheld(message["id"], event.id if event else "")
+                        await end.write(raw)
+                    if end.gone:
+                        break
+            except (UpstreamConnectionError, TimeoutError, EventTooLarge):
+                pass
+            await end.close()
+            return out
 
     @staticmethod
     def _resumption_refused(route: Route) -> web.Response:
@@ -587,6 +642,15 @@ class McpAdapter:
               status: int = 200) -> web.Response:
         return web.Response(status=status, body=orjson.dumps(rpc_error(rpc_id, code, message, data)),
                             content_type="application/json", headers={"x-should-retry": "false"})
+
+
+def _withheld(rpc_id: Any, event_id: str) -> bytes:
+    """The error that replaces an answer replayed on a resumed stream stepguard did not hold."""
+    error = rpc_error(rpc_id, REQUEST_CODE, "stepguard: an answer replayed on a resumed stream "
+                      "cannot be checked there; send the request again",
+                      {"check": "resumption"})
+    head = f"id: {event_id}\r\n".encode() if event_id else b""
+    return head + b"event: message\r\ndata: " + orjson.dumps(error) + b"\r\n\r\n"
 
 
 def _has_checked_tools(route: Route) -> bool:

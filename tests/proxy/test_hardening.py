@@ -38,6 +38,7 @@ from stepguard.proxy.app import Stepguard, build, create_app
 from stepguard.proxy.config import Settings
 from stepguard.proxy.forward import Forwarder, UpstreamError
 from stepguard.proxy.harness import running
+from stepguard.proxy.sse import SSESplitter
 
 RUN_HEADER = "x-stepguard-run"
 MCP_ACCEPT = {"accept": "application/json, text/event-stream"}
@@ -869,18 +870,38 @@ async def test_events_arriving_together_are_relayed_in_order_up_to_one_that_cann
 # --- MCP, from a second review ---------------------------------------------------------------------
 
 
-async def test_resuming_a_stream_stepguard_does_not_hold_is_refused_so_no_replay_skips_a_check(
-        upstream, stepguard):
-    server = await upstream({"/mcp": mcp_ok})
-    guard = await stepguard(mcp_contract(server.url, {"reserve": {}}))
+async def test_a_stream_stepguard_does_not_hold_resumes_with_replayed_answers_withheld(
+        aiohttp_server, stepguard):
+    progress = {"jsonrpc": "2.0", "method": "notifications/progress",
+                "params": {"progressToken": 1, "progress": 0.5}}
+    answer = mcp_result(4, {"slot": "replayed, never checked"})
+    seen: list[str] = []
 
-    resp = await guard.client.get("/m/mcp", headers={"last-event-id": "stream-1:7",
+    async def replay(request: web.Request) -> web.StreamResponse:
+        seen.append(request.headers.get("last-event-id", ""))
+        out = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await out.prepare(request)
+        await out.write(b"id: 5\nevent: message\ndata: " + orjson.dumps(progress) + b"\n\n")
+        await out.write(b"id: 6\nevent: message\ndata: " + orjson.dumps(answer) + b"\n\n")
+        return out
+
+    app = web.Application()
+    app.router.add_get("/mcp", replay)
+    server = await aiohttp_server(app)
+    guard = await stepguard(mcp_contract(str(server.make_url("")).rstrip("/"), {"reserve": {}}))
+
+    resp = await guard.client.get("/m/mcp", headers={"last-event-id": "4",
                                                      "accept": "text/event-stream"})
+    received = await resp.read()
 
-    assert resp.status == 405
-    assert resp.headers["x-should-retry"] == "false"
-    assert "resumption" in (await resp.json())["error"]
-    assert server.count("/mcp") == 0
+    assert resp.status == 200 and seen == ["4"]
+    events = [event for _, event in SSESplitter().events(received) if event is not None]
+    assert [e.id for e in events] == ["5", "6"]
+    assert orjson.loads(events[0].data) == progress
+    assert b"replayed, never checked" not in received
+    error = orjson.loads(events[1].data)
+    assert error["id"] == 4 and error["error"]["code"] == REQUEST
+    assert error["error"]["data"] == {"check": "resumption"}
 
 
 async def test_a_compressed_mcp_answer_is_decoded_checked_and_relayed_as_it_came(
