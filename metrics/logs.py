@@ -9,8 +9,18 @@ from typing import Any
 import orjson
 import structlog
 
+LOG_FORMATS = ("auto", "json", "console")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
 
 def configure(fmt: str = "auto", level: str = "info") -> None:
+    """Configure structlog. `fmt` and `level` are read case-insensitively; any other value is a
+    ValueError naming it and the allowed ones (never a silent fallback to console output)."""
+    fmt, level = fmt.strip().lower(), level.strip().lower()
+    if fmt not in LOG_FORMATS:
+        raise ValueError(f"log format {fmt!r} is not one of {', '.join(LOG_FORMATS)}")
+    if level not in LOG_LEVELS:
+        raise ValueError(f"log level {level!r} is not one of {', '.join(LOG_LEVELS)}")
     if fmt == "auto":
         fmt = "console" if sys.stdout.isatty() else "json"
     renderer: Any

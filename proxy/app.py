@@ -7,6 +7,7 @@ import gc
 import signal
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
 
@@ -29,6 +30,47 @@ from stepguard.proxy.mcp_adapter import McpAdapter
 from stepguard.proxy.model_adapter import ModelAdapter
 from stepguard.proxy.routing import Router
 
+# how old the run counts a scrape reports may be (README, "Metrics")
+RUN_COUNTS_MAX_AGE_S = 5.0
+
+
+class RunCounts:
+    """The `stepguard_runs` gauge's source: `Store.count_by_status`, a full scan of the store
+    that runs off the event loop's thread. A result taken less than `max_age_s` ago is reused,
+    and scrapes that arrive while a count is running wait for that one, so however often
+    /metrics is scraped the store is scanned at most once per `max_age_s` (plus one scan at
+    a time). A failed count is not kept: the next scrape tries again."""
+
+    def __init__(self, store: Store, max_age_s: float = RUN_COUNTS_MAX_AGE_S) -> None:
+        self.store = store
+        self.max_age_s = max_age_s
+        self._counts: list[tuple[str, str, int]] | None = None
+        self._taken = 0.0
+        self._running: asyncio.Task[list[tuple[str, str, int]]] | None = None
+
+    async def get(self) -> list[tuple[str, str, int]]:
+        loop = asyncio.get_running_loop()
+        if self._counts is not None and loop.time() - self._taken < self.max_age_s:
+            return self._counts
+        if self._running is None:
+            self._running = loop.create_task(self._count(loop.time()))
+            self._running.add_done_callback(_retrieve)
+        return await asyncio.shield(self._running)   # a scraper gone does not stop the count
+
+    async def _count(self, started: float) -> list[tuple[str, str, int]]:
+        try:
+            counts = await self.store.count_by_status()
+        finally:
+            self._running = None
+        self._counts, self._taken = counts, started
+        return counts
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    """Consume a count's failure when every scrape waiting for it has gone."""
+    if not task.cancelled():
+        task.exception()
+
 
 @dataclass
 class Stepguard:
@@ -44,6 +86,7 @@ class Stepguard:
                                       for c in self.contracts)
         self.forwarder = Forwarder(self.settings.max_response_bytes)
         self.runs = RunBook(self.store)
+        self.run_counts = RunCounts(self.store)
         self.escalator = Escalator(self.observer)
         self.boundaries = Boundaries(self.runs, self.observer, self.escalator, self.contracts,
                                      self.settings.payload_history_bytes)
@@ -121,7 +164,7 @@ def create_admin_app(sg: Stepguard) -> web.Application:
 async def _metrics(request: web.Request) -> web.Response:
     sg = request.app[STEPGUARD]
     try:
-        sg.metrics.set_runs(await sg.store.count_by_status())
+        sg.metrics.set_runs(await sg.run_counts.get())
     except StepguardError as exc:
         sg.observer.store_error("count_runs", str(exc))
     body, content_type = sg.metrics.exposition(request.headers.get("accept"))

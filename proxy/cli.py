@@ -16,7 +16,8 @@ import orjson
 from stepguard.contracts.errors import ContractError
 from stepguard.contracts.loader import load_contracts
 from stepguard.contracts.sqlite_store import connect, read_escalations, read_history, read_runs
-from stepguard.proxy.config import Settings
+from stepguard.metrics.logs import LOG_FORMATS, LOG_LEVELS
+from stepguard.proxy.config import ConfigError, Settings, env_setting
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -49,8 +50,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="forward unchecked when the store fails (counted; default: refuse)")
     serve.add_argument("--no-uvloop", dest="uvloop", action="store_false", default=None,
                        help="run on asyncio's own event loop instead of uvloop (STEPGUARD_UVLOOP)")
-    serve.add_argument("--log-format", choices=["auto", "json", "console"])
-    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--log-format", type=str.lower, choices=LOG_FORMATS,
+                       help="STEPGUARD_LOG_FORMAT, auto")
+    serve.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS,
+                       help="STEPGUARD_LOG_LEVEL, info")
     serve.set_defaults(func=_serve)
 
     check = sub.add_parser("check", help="validate and compile contract files")
@@ -126,8 +129,12 @@ def _serve(args: argparse.Namespace) -> int:
     from stepguard.metrics.logs import configure
     from stepguard.proxy.app import serve
 
-    settings = Settings.from_env(**{k: v for k, v in vars(args).items()
-                                    if k not in ("func",) and v is not None})
+    try:
+        settings = Settings.from_env(**{k: v for k, v in vars(args).items()
+                                        if k not in ("func",) and v is not None})
+    except ConfigError as exc:
+        print(f"stepguard serve: {exc}", file=sys.stderr)
+        return 2
     configure(settings.log_format, settings.log_level)
     if not settings.contracts:
         print("stepguard serve: no contract given (--contract FILE or STEPGUARD_CONTRACTS)",
@@ -168,7 +175,11 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _open_store(args: argparse.Namespace) -> sqlite3.Connection | None:
-    path = args.store or Settings.from_env().store
+    try:
+        path = args.store or env_setting("store")
+    except ConfigError as exc:
+        print(f"stepguard runs: {exc}", file=sys.stderr)
+        return None
     if not Path(path).exists():
         print(f"stepguard runs: no store at {path}", file=sys.stderr)
         return None

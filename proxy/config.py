@@ -1,25 +1,178 @@
-"""Settings: flags override STEPGUARD_* environment variables, which override defaults."""
+"""Settings: flags override STEPGUARD_* environment variables, which override defaults.
+
+Every value, whatever its source, is checked against what its setting allows: a value stepguard
+does not understand is a `ConfigError` naming the flag or variable, the value and what is
+allowed, never a silent fallback to a default. Names (log format, log level, SQLite synchronous
+mode) and booleans are read case-insensitively.
+"""
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from stepguard.contracts.sqlite_store import SYNCHRONOUS_MODES
+from stepguard.metrics.logs import LOG_FORMATS, LOG_LEVELS
 
-def _env(name: str, default: Any) -> Any:
-    raw = os.environ.get(f"STEPGUARD_{name.upper()}")
+TRUE_WORDS = ("true", "1", "yes", "on")
+FALSE_WORDS = ("false", "0", "no", "off")
+# flags whose name is not `--` + the field name with dashes
+_FLAGS = {"contracts": "--contract", "uvloop": "--no-uvloop"}
+
+
+class ConfigError(ValueError):
+    """A setting's value is not one stepguard accepts. The message is one line: the flag or
+    environment variable, the value given, and what is allowed."""
+
+
+class _Invalid(Exception):
+    def __init__(self, expected: str) -> None:
+        super().__init__(expected)
+        self.expected = expected
+
+
+_Parse = Callable[[object], Any]
+
+
+def _text(value: object) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise _Invalid("a non-empty string")
+    return value
+
+
+def _paths(value: object) -> list[str]:
+    if isinstance(value, str):
+        return [p.strip() for p in value.split(",") if p.strip()]
+    if isinstance(value, list | tuple) and all(isinstance(p, str) for p in value):
+        return [p for p in value if p.strip()]
+    raise _Invalid("comma-separated file paths")
+
+
+def _boolean(value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in TRUE_WORDS:
+            return True
+        if word in FALSE_WORDS:
+            return False
+    raise _Invalid("a boolean: " + ", ".join(f"{t}/{f}" for t, f in zip(TRUE_WORDS, FALSE_WORDS,
+                                                                          strict=True)))
+
+
+def _integer(minimum: int, maximum: int | None = None, what: str = "a whole number",
+             hint: str = "") -> _Parse:
+    bounds = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
+    expected = f"{what} {bounds}{hint}"
+
+    def parse(value: object) -> int:
+        if isinstance(value, bool):
+            raise _Invalid(expected)
+        if isinstance(value, int):
+            number = value
+        elif isinstance(value, str):
+            try:
+                number = int(value.strip())
+            except ValueError:
+                raise _Invalid(expected) from None
+        else:
+            raise _Invalid(expected)
+        if number < minimum or (maximum is not None and number > maximum):
+            raise _Invalid(expected)
+        return number
+
+    return parse
+
+
+def _bytes(minimum: int) -> _Parse:
+    return _integer(minimum, what="a whole number of bytes", hint=" (10 MiB is 10485760)")
+
+
+def _number(minimum: float, what: str, hint: str = "") -> _Parse:
+    expected = f"{what} >= {minimum:g}{hint}"
+
+    def parse(value: object) -> float:
+        if isinstance(value, bool):
+            raise _Invalid(expected)
+        if isinstance(value, int | float):
+            number = float(value)
+        elif isinstance(value, str):
+            try:
+                number = float(value.strip())
+            except ValueError:
+                raise _Invalid(expected) from None
+        else:
+            raise _Invalid(expected)
+        if not math.isfinite(number) or number < minimum:
+            raise _Invalid(expected)
+        return number
+
+    return parse
+
+
+def _choice(options: tuple[str, ...], normalize: Callable[[str], str]) -> _Parse:
+    expected = "one of " + ", ".join(options) + " (any case)"
+
+    def parse(value: object) -> str:
+        if isinstance(value, str):
+            name = normalize(value.strip())
+            if name in options:
+                return name
+        raise _Invalid(expected)
+
+    return parse
+
+
+_PORT = _integer(0, 65535, "a TCP port")
+_PARSERS: dict[str, _Parse] = {
+    "contracts": _paths,
+    "host": _text,
+    "port": _PORT,
+    "admin_host": _text,
+    "admin_port": _PORT,
+    "store": _text,
+    "sqlite_synchronous": _choice(SYNCHRONOUS_MODES, str.upper),
+    "max_request_bytes": _bytes(1),
+    "max_response_bytes": _bytes(1),
+    "payload_history_bytes": _bytes(0),
+    "retention_hours": _number(0, "a number of hours", " (0 keeps everything)"),
+    "passthrough": _boolean,
+    "fail_open": _boolean,
+    "uvloop": _boolean,
+    "log_payloads": _boolean,
+    "payload_log_bytes": _bytes(0),
+    "log_format": _choice(LOG_FORMATS, str.lower),
+    "log_level": _choice(LOG_LEVELS, str.lower),
+}
+
+
+def env_name(name: str) -> str:
+    return f"STEPGUARD_{name.upper()}"
+
+
+def flag_name(name: str) -> str:
+    return _FLAGS.get(name, "--" + name.replace("_", "-"))
+
+
+def parse_setting(name: str, value: object, source: str) -> Any:
+    """`value` for the setting `name`, checked and normalized; a ConfigError naming `source`."""
+    try:
+        return _PARSERS[name](value)
+    except _Invalid as exc:
+        shown = value if isinstance(value, str) else str(value)
+        raise ConfigError(f"{source}={shown!r} is not valid: expected {exc.expected}") from None
+
+
+def env_setting(name: str) -> Any:
+    """The setting `name` from its STEPGUARD_* variable (checked), else its default."""
+    raw = os.environ.get(env_name(name))
     if raw is None:
-        return default
-    if isinstance(default, bool):
-        return raw.strip().lower() in ("1", "true", "yes", "on")
-    if isinstance(default, int):
-        return int(raw)
-    if isinstance(default, float):
-        return float(raw)
-    if isinstance(default, list):
-        return [p for p in raw.split(",") if p]
-    return raw
+        return getattr(Settings(), name)
+    return parse_setting(name, raw, env_name(name))
 
 
 @dataclass(slots=True)
@@ -43,8 +196,24 @@ class Settings:
     log_format: str = "auto"
     log_level: str = "info"
 
+    def __post_init__(self) -> None:
+        # values given in code are held to the same rules as flags and environment
+        for f in fields(self):
+            setattr(self, f.name, parse_setting(f.name, getattr(self, f.name), f.name))
+
     @classmethod
     def from_env(cls, **overrides: Any) -> Settings:
-        values = {f.name: _env(f.name, getattr(cls(), f.name)) for f in fields(cls)}
+        """Flags (`overrides`, None meaning not given) over STEPGUARD_* variables over
+        defaults. A flag that is given hides its variable; a ConfigError names the first
+        invalid flag or variable."""
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            flag = overrides.pop(f.name, None)
+            if flag is not None:
+                values[f.name] = parse_setting(f.name, flag, flag_name(f.name))
+                continue
+            raw = os.environ.get(env_name(f.name))
+            if raw is not None:
+                values[f.name] = parse_setting(f.name, raw, env_name(f.name))
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
