@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +14,7 @@ import yaml
 from stepguard.contracts.errors import ContractError, ContractIssue
 from stepguard.contracts.loader import load_contract, parse_contract
 from stepguard.contracts.model import Contract
+from stepguard.contracts.sqlite_store import SQLiteStore
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "order-confirmation" / "contract.yaml"
 
@@ -88,3 +89,12 @@ def write_contract(tmp_path: Path) -> Callable[..., Path]:
 @pytest.fixture(scope="session")
 def example() -> Contract:
     return load_contract(EXAMPLE)
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[SQLiteStore]:
+    """A real SQLite store on a fresh file, open for the test."""
+    store = SQLiteStore(tmp_path / "runs.db")
+    await store.open()
+    yield store
+    await store.close()

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,14 +16,6 @@ from stepguard.contracts.sqlite_store import SQLiteStore, connect
 
 # every await on the store is bounded, so a dead writer thread fails a test instead of hanging it
 BOUND_S = 2
-
-
-@pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[SQLiteStore]:
-    store = SQLiteStore(tmp_path / "runs.db")
-    await store.open()
-    yield store
-    await store.close()
 
 
 def start(run_id: str = "run-1", workflow: str = "order-confirmation") -> Envelope:

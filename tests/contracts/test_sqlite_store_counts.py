@@ -8,7 +8,6 @@ import asyncio
 import sqlite3
 import threading
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -20,14 +19,6 @@ from stepguard.contracts.events import ADVANCE, HALT
 from stepguard.contracts.sqlite_store import SQLiteStore, connect
 
 BOUND_S = 5
-
-
-@pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[SQLiteStore]:
-    store = SQLiteStore(tmp_path / "runs.db")
-    await store.open()
-    yield store
-    await store.close()
 
 
 async def advance(store: SQLiteStore, run_id: str, action: str = ADVANCE,

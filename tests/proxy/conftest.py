@@ -13,9 +13,10 @@ from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from sgtest import Handler, Proxy, Seen, Upstream, answer_ok, recording
+from sgtest import Guard, Handler, Proxy, Seen, Upstream, answer_ok, recording
 
 from stepguard.contracts.model import Contract
+from stepguard.contracts.store import Store
 from stepguard.examples.order_confirmation import tools as tools_mod
 from stepguard.proxy.app import build, create_app
 from stepguard.proxy.config import Settings
@@ -56,5 +57,16 @@ def proxy(aiohttp_client: Any, store_path: Path) -> Callable[..., Awaitable[Prox
     async def start(*contracts: Contract, **settings: Any) -> Proxy:
         sg = build(Settings(store=str(store_path), **settings), list(contracts))
         return Proxy(await aiohttp_client(create_app(sg)), sg)
+
+    return start
+
+
+@pytest.fixture
+def stepguard(aiohttp_client: Any, tmp_path: Path) -> Callable[..., Awaitable[Guard]]:
+    """stepguard(*contracts, store=None, **settings) -> stepguard on tmp_path/s.db (or `store`)."""
+
+    async def start(*contracts: Contract, store: Store | None = None, **settings: Any) -> Guard:
+        sg = build(Settings(store=str(tmp_path / "s.db"), **settings), list(contracts), store=store)
+        return Guard(sg, await aiohttp_client(create_app(sg)))
 
     return start

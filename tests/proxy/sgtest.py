@@ -18,8 +18,11 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from multidict import CIMultiDictProxy
 
+from stepguard.contracts.envelope import Envelope
+from stepguard.contracts.errors import StoreError
 from stepguard.contracts.loader import parse_contract
 from stepguard.contracts.model import Contract
+from stepguard.contracts.sqlite_store import SQLiteStore
 from stepguard.examples.order_confirmation import tools as tools_mod
 from stepguard.proxy import harness
 from stepguard.proxy.app import Stepguard
@@ -250,3 +253,37 @@ def decided(history: list[dict[str, Any]], body: dict[str, Any]) -> dict[str, An
     assert event["violation"]["check"] == body["check"]
     assert event["violation"]["drift"] == body["drift"]
     return event
+
+
+# --- stepguard in process, its store at hand (the `stepguard` fixture) ----------------------------
+
+
+@dataclass
+class Guard:
+    sg: Stepguard
+    client: TestClient
+
+    async def history(self, run: str) -> list[dict[str, Any]]:
+        return await self.sg.store.history(run)
+
+    async def envelope(self, run: str) -> Envelope:
+        envelope = await self.sg.store.load(run)
+        assert envelope is not None
+        return envelope
+
+    async def run_ids(self) -> list[str]:
+        return [e.run_id for e in await self.sg.store.runs()]
+
+    def fail_open_passes(self, workflow: str, step: str) -> float:
+        return self.sg.metrics.registry.get_sample_value(
+            "stepguard_fail_open_passes_total", {"workflow": workflow, "step": step}) or 0.0
+
+
+class ExitsNotStored(SQLiteStore):
+    """A real SQLite store whose disk fails for exit events: entries are stored, exits are not."""
+
+    async def append(self, envelope: Envelope, event: dict[str, Any],
+                     escalation: dict[str, Any] | None = None, keys: Any = ()) -> None:
+        if event.get("boundary") == "exit":
+            raise StoreError("disk I/O error (injected)")
+        await super().append(envelope, event, escalation, keys)

@@ -14,7 +14,6 @@ import json
 import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -22,17 +21,12 @@ import orjson
 import pytest
 import yaml
 from aiohttp import web
-from aiohttp.test_utils import TestClient
 from multidict import CIMultiDict
-from sgtest import Reply, problem, trail
+from sgtest import ExitsNotStored, Guard, Reply, problem, trail
 from structlog.testing import capture_logs
 
-from stepguard.contracts.envelope import Envelope
-from stepguard.contracts.errors import StoreError
 from stepguard.contracts.loader import parse_contract
 from stepguard.contracts.model import Contract
-from stepguard.contracts.sqlite_store import SQLiteStore
-from stepguard.contracts.store import Store
 from stepguard.metrics.redact import REDACTED
 from stepguard.proxy.app import Stepguard, build, create_app
 from stepguard.proxy.config import Settings
@@ -86,22 +80,6 @@ def upstream(aiohttp_server: Any) -> Callable[[dict[str, Handler]], Awaitable[To
     return serve
 
 
-@dataclass
-class Guard:
-    sg: Stepguard
-    client: TestClient
-
-    async def history(self, run: str) -> list[dict[str, Any]]:
-        return await self.sg.store.history(run)
-
-    async def envelope(self, run: str) -> Envelope:
-        envelope = await self.sg.store.load(run)
-        assert envelope is not None
-        return envelope
-
-    def fail_open_passes(self, workflow: str, step: str) -> float:
-        return self.sg.metrics.registry.get_sample_value(
-            "stepguard_fail_open_passes_total", {"workflow": workflow, "step": step}) or 0.0
 
 
 async def settled(sg: Stepguard, run: str, events: int) -> list[dict[str, Any]]:
@@ -113,16 +91,6 @@ async def settled(sg: Stepguard, run: str, events: int) -> list[dict[str, Any]]:
         await asyncio.sleep(0.02)
     raise AssertionError(f"run {run!r} has {await sg.store.history(run)}, not {events} events")
 
-
-@pytest.fixture
-def stepguard(aiohttp_client: Any, tmp_path: Path) -> Callable[..., Awaitable[Guard]]:
-    """stepguard(*contracts, store=None, **settings) -> stepguard on tmp_path/s.db (or `store`)."""
-
-    async def start(*contracts: Contract, store: Store | None = None, **settings: Any) -> Guard:
-        sg = build(Settings(store=str(tmp_path / "s.db"), **settings), list(contracts), store=store)
-        return Guard(sg, await aiohttp_client(create_app(sg)))
-
-    return start
 
 
 def contract(steps: dict[str, Any], upstreams: dict[str, Any], workflow: str = "w",
@@ -150,14 +118,6 @@ def model_contract(url: str, steps: dict[str, Any], **top: Any) -> Contract:
                     {"o": {"url": url, "kind": "openai", "mount": "/o", "timeout_s": 5}}, **top)
 
 
-class ExitsNotStored(SQLiteStore):
-    """A real SQLite store whose disk fails for exit events: entries are stored, exits are not."""
-
-    async def append(self, envelope: Envelope, event: dict[str, Any],
-                     escalation: dict[str, Any] | None = None, keys: Any = ()) -> None:
-        if event.get("boundary") == "exit":
-            raise StoreError("disk I/O error (injected)")
-        await super().append(envelope, event, escalation, keys)
 
 
 # --- answers the fake upstreams give -------------------------------------------------------------

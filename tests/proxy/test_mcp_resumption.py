@@ -115,14 +115,20 @@ CLEAN = [("lookup_order", "entry", "pass", "forward"), ("lookup_order", "exit", 
 HALTED = [("lookup_order", "entry", "pass", "forward"), ("lookup_order", "exit", "violation", "halt")]
 
 
+# how a stream gets cut: the server ends it before answering (SSE polling), or the client's read
+# timeout is shorter than the tool (it comes back with the last event id it got)
+CUTS = {"server-polls": ({"close_first": True, "delay_s": 0.3}, 10.0),
+        "client-timed-out": ({"close_first": False, "delay_s": 1.5}, 0.6)}
+
+
 @pytest.mark.timeout(60)
-async def test_a_call_whose_server_ends_the_stream_to_be_polled_is_answered_after_its_check(
-        tmp_path: Path) -> None:
-    tools = Tools(close_first=True, delay_s=0.3)
+@pytest.mark.parametrize("cut", CUTS)
+async def test_a_resumed_call_gets_its_answer_after_the_exit_check(tmp_path: Path, cut: str) -> None:
+    tools, read_s = Tools(**CUTS[cut][0]), CUTS[cut][1]
     with tools_server(tools) as base:
-        async with guarded(base, tmp_path) as (sg, url), agent(url, "poll-1") as client:
+        async with guarded(base, tmp_path) as (sg, url), agent(url, "r-1", read_s) as client:
             result = await client.call_tool("lookup_order", {"order_id": "ord-7"})
-            history = await sg.store.history("poll-1")
+            history = await sg.store.history("r-1")
 
     assert result.structured_content == {"order_id": "ord-7", "customer": "Ada Lovelace", "items": []}
     assert tools.runs == 1
@@ -130,44 +136,18 @@ async def test_a_call_whose_server_ends_the_stream_to_be_polled_is_answered_afte
 
 
 @pytest.mark.timeout(60)
-async def test_a_changed_answer_on_a_polled_stream_is_refused_and_halts_the_run(
-        tmp_path: Path) -> None:
-    tools = Tools(close_first=True, delay_s=0.3)
+@pytest.mark.parametrize("cut", CUTS)
+async def test_a_changed_answer_on_a_resumed_stream_is_refused_and_halts_the_run(
+        tmp_path: Path, cut: str) -> None:
+    tools, read_s = Tools(**CUTS[cut][0]), CUTS[cut][1]
     with tools_server(tools) as base:
-        async with guarded(base, tmp_path) as (sg, url), agent(url, "poll-2") as client:
+        async with guarded(base, tmp_path) as (sg, url), agent(url, "r-2", read_s) as client:
             with pytest.raises(MCPError) as caught:
                 await client.call_tool("lookup_order", {"order_id": "ord-9"})
-            history = await sg.store.history("poll-2")
+            history = await sg.store.history("r-2")
 
     assert caught.value.code == VIOLATION
     assert "output_schema" in str(caught.value)
-    assert trail(history) == HALTED
-
-
-@pytest.mark.timeout(60)
-async def test_a_client_that_timed_out_and_resumed_gets_the_checked_answer(tmp_path: Path) -> None:
-    tools = Tools(close_first=False, delay_s=1.5)
-    with tools_server(tools) as base:
-        async with guarded(base, tmp_path) as (sg, url), agent(url, "slow-1", read_s=0.6) as client:
-            result = await client.call_tool("lookup_order", {"order_id": "ord-7"})
-            history = await sg.store.history("slow-1")
-
-    assert result.structured_content == {"order_id": "ord-7", "customer": "Ada Lovelace", "items": []}
-    assert tools.runs == 1
-    assert trail(history) == CLEAN
-
-
-@pytest.mark.timeout(60)
-async def test_a_client_that_timed_out_and_resumed_gets_the_refusal_not_the_changed_answer(
-        tmp_path: Path) -> None:
-    tools = Tools(close_first=False, delay_s=1.5)
-    with tools_server(tools) as base:
-        async with guarded(base, tmp_path) as (sg, url), agent(url, "slow-2", read_s=0.6) as client:
-            with pytest.raises(MCPError) as caught:
-                await client.call_tool("lookup_order", {"order_id": "ord-9"})
-            history = await sg.store.history("slow-2")
-
-    assert caught.value.code == VIOLATION
     assert trail(history) == HALTED
 
 

@@ -14,25 +14,17 @@ import json
 import zlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
 import yaml
 from aiohttp import web
-from aiohttp.test_utils import TestClient
-from sgtest import free_port, trail
+from sgtest import ExitsNotStored, Guard, free_port, trail
 
-from stepguard.contracts.envelope import Envelope
-from stepguard.contracts.errors import StoreError
 from stepguard.contracts.loader import parse_contract
 from stepguard.contracts.model import Contract
-from stepguard.contracts.sqlite_store import SQLiteStore
-from stepguard.contracts.store import Store
 from stepguard.metrics.redact import REDACTED
-from stepguard.proxy.app import Stepguard, build, create_app
-from stepguard.proxy.config import Settings
 from stepguard.proxy.model_adapter import PendingArguments
 
 RUN_HEADER = "x-stepguard-run"
@@ -79,30 +71,7 @@ def model_upstream(aiohttp_server: Any) -> Callable[[dict[str, Handler]], Awaita
     return serve
 
 
-@dataclass
-class Guard:
-    sg: Stepguard
-    client: TestClient
 
-    async def history(self, run: str) -> list[dict[str, Any]]:
-        return await self.sg.store.history(run)
-
-    async def envelope(self, run: str) -> Envelope | None:
-        return await self.sg.store.load(run)
-
-    async def run_ids(self) -> list[str]:
-        return [e.run_id for e in await self.sg.store.runs()]
-
-
-@pytest.fixture
-def stepguard(aiohttp_client: Any, tmp_path: Path) -> Callable[..., Awaitable[Guard]]:
-    """stepguard(*contracts, store=None, **settings) -> stepguard on tmp_path/s.db (or `store`)."""
-
-    async def start(*contracts: Contract, store: Store | None = None, **settings: Any) -> Guard:
-        sg = build(Settings(store=str(tmp_path / "s.db"), **settings), list(contracts), store=store)
-        return Guard(sg, await aiohttp_client(create_app(sg)))
-
-    return start
 
 
 def model_contract(url: str, steps: dict[str, Any], kind: str = "openai", **top: Any) -> Contract:
@@ -113,14 +82,6 @@ def model_contract(url: str, steps: dict[str, Any], kind: str = "openai", **top:
     return parse_contract(yaml.safe_dump(doc).encode(), "test.yaml")
 
 
-class ExitsNotStored(SQLiteStore):
-    """A real SQLite store whose disk fails for exit events: entries are stored, exits are not."""
-
-    async def append(self, envelope: Envelope, event: dict[str, Any],
-                     escalation: dict[str, Any] | None = None, keys: Any = ()) -> None:
-        if event.get("boundary") == "exit":
-            raise StoreError("disk I/O error (injected)")
-        await super().append(envelope, event, escalation, keys)
 
 
 # --- what the model says ----------------------------------------------------------------------------
@@ -343,7 +304,7 @@ async def test_a_chat_stream_carrying_an_error_chunk_mid_tool_call_does_not_halt
     assert stepguard_error(last) == {"check": "upstream"}
     assert "server_error" in last["error"]["message"]
     assert await guard.history("r1") == []
-    assert await guard.envelope("r1") is None
+    assert await guard.sg.store.load("r1") is None          # no run was started
 
 
 async def test_a_stream_the_upstream_closes_before_its_terminator_lets_the_agents_retry_through(
@@ -685,19 +646,24 @@ def test_pending_arguments_past_their_byte_budget_drop_the_oldest():
     assert (kept.get("r", "b"), kept.size) == (None, 30)
 
 
+@pytest.mark.parametrize("breaks", ["error-event", "connection-cut"])
 async def test_a_result_for_a_tool_call_of_a_turn_that_did_not_complete_is_refused_unchecked(
-        model_upstream, stepguard):
-    async def complete_call_then_error(request: web.Request) -> web.StreamResponse:
+        model_upstream, stepguard, breaks):
+    async def complete_call_then_break(request: web.Request) -> web.StreamResponse:
         out = web.StreamResponse(headers={"content-type": "text/event-stream"})
         await out.prepare(request)
         call = {"index": 0, "id": "call_1", "type": "function",
                 "function": {"name": "lookup", "arguments": '{"order_id": "o1"}'}}
         await out.write(sse({"id": "c1", "object": "chat.completion.chunk", "choices": [
             {"index": 0, "delta": {"tool_calls": [call]}}]}))
-        await out.write(sse({"error": {"message": "server_error", "type": "server_error"}}))
+        if breaks == "error-event":
+            await out.write(sse({"error": {"message": "server_error", "type": "server_error"}}))
+        else:
+            assert request.transport is not None
+            request.transport.close()                 # the connection breaks mid-body
         return out
 
-    model = await model_upstream({"/v1/chat/completions": complete_call_then_error})
+    model = await model_upstream({"/v1/chat/completions": complete_call_then_break})
     guard = await stepguard(model_contract(model.url, LOOKUP_NEEDS_CUSTOMER))
     messages: list[dict[str, Any]] = [{"role": "user", "content": "look up o1"}]
     failed = await guard.client.post(CHAT, headers={RUN_HEADER: "r1"}, json={
@@ -713,38 +679,6 @@ async def test_a_result_for_a_tool_call_of_a_turn_that_did_not_complete_is_refus
 
     assert resp.status == 409
     assert resp.headers["x-should-retry"] == "false"
-    assert (await resp.json())["error"]["stepguard"]["calls"] == ["call_1"]
-    assert model.hits == 1
-    assert await guard.history("r1") == []
-
-
-async def test_a_result_for_a_tool_call_of_a_stream_cut_mid_body_is_refused_unchecked(
-        model_upstream, stepguard):
-    async def complete_call_then_cut(request: web.Request) -> web.StreamResponse:
-        out = web.StreamResponse(headers={"content-type": "text/event-stream"})
-        await out.prepare(request)
-        call = {"index": 0, "id": "call_1", "type": "function",
-                "function": {"name": "lookup", "arguments": '{"order_id": "o1"}'}}
-        await out.write(sse({"id": "c1", "object": "chat.completion.chunk", "choices": [
-            {"index": 0, "delta": {"tool_calls": [call]}}]}))
-        assert request.transport is not None
-        request.transport.close()                     # the connection breaks mid-body
-        return out
-
-    model = await model_upstream({"/v1/chat/completions": complete_call_then_cut})
-    guard = await stepguard(model_contract(model.url, LOOKUP_NEEDS_CUSTOMER))
-    messages: list[dict[str, Any]] = [{"role": "user", "content": "look up o1"}]
-    failed = await guard.client.post(CHAT, headers={RUN_HEADER: "r1"}, json={
-        "model": "m", "stream": True, "messages": messages})
-    await failed.read()
-    messages += [{"role": "assistant", "content": None,
-                  "tool_calls": [chat_call("call_1", "lookup", {"order_id": "o1"})]},
-                 tool_message("call_1", {"customer_name": "wrong shape"})]
-
-    resp = await guard.client.post(CHAT, headers={RUN_HEADER: "r1"},
-                                   json={"model": "m", "messages": messages})
-
-    assert resp.status == 409
     assert (await resp.json())["error"]["stepguard"]["calls"] == ["call_1"]
     assert model.hits == 1
     assert await guard.history("r1") == []
