@@ -14,6 +14,7 @@ flow at once); only the event that answers the call is held until the exit check
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -47,7 +48,7 @@ from stepguard.proxy.forward import (
 from stepguard.proxy.h1client import H1Response, UpstreamConnectionError
 from stepguard.proxy.http_adapter import HttpToolAdapter, upstream_url
 from stepguard.proxy.routing import Route
-from stepguard.proxy.sse import EventTooLarge, SSESplitter, event_json
+from stepguard.proxy.sse import EventTooLarge, SSESplitter, event_json, events_to_end
 
 TRAFFIC = "mcp"
 VIOLATION_CODE = -31000      # outside JSON-RPC's and MCP's reserved ranges
@@ -245,9 +246,9 @@ class McpAdapter:
         cut = self.resumptions.find(scope, request.headers["last-event-id"])
         if cut is None:
             return await self._resume_unheld(request, route, headers, timing)
-        resumer = run_id_for(route.contract, request.headers)
-        # the same session, or (without one) the same run, resumes: never another client's call
-        if resumer not in (None, cut.call.run_id) or not (scope[1] or resumer):
+        # the same session (part of the key), or without one the same run, resumes: never
+        # another client's call
+        if not scope[1] and run_id_for(route.contract, request.headers) != cut.call.run_id:
             return self._resumption_refused(route)
         call = cut.call
         end = None
@@ -336,15 +337,16 @@ class McpAdapter:
                 return out
             splitter = SSESplitter(self.settings.max_response_bytes)
             try:
-                async for chunk in read_chunks(resp, request, None):
-                    for raw, event in splitter.events(chunk):
+                chunks = read_chunks(resp, request, None)
+                async with contextlib.aclosing(events_to_end(chunks, splitter)) as events:
+                    async for raw, event in events:
                         message = event_json(event.data) if event is not None else {}
                         if "method" not in message and "id" in message and (
                                 "result" in message or "error" in message):
                             raw = _withheld(message["id"], event.id if event else "")
                         await end.write(raw)
-                    if end.gone:
-                        break
+                        if end.gone:
+                            break
             except (UpstreamConnectionError, TimeoutError, EventTooLarge):
                 pass
             await end.close()
@@ -531,22 +533,23 @@ class McpAdapter:
     async def _relay_events(self, call: ToolCall, resp: H1Response,
                             headers: CIMultiDict[str]) -> Answer:
         splitter = SSESplitter(self.settings.max_response_bytes)
-        async for chunk in resp.iter_any():
-            try:
-                events = splitter.feed(chunk)
-            except EventTooLarge as exc:
-                return Answer(ToolResult(None, error=str(exc), error_kind="cap"), resp.status)
-            for raw, event in events:
-                message = event_json(event.data) if event is not None else {}
-                if message.get("id") == call.rpc_id and ("result" in message or "error" in message):
-                    return Answer(self._message_result(message), resp.status, headers, raw, sse=True)
-                out = await self._out(call, resp.status, headers)
-                await out.write(raw)
-                if event is not None and event.id:      # the client may resume from here
-                    if call.cut is None:
-                        call.cut = Cut(call)
-                    self.resumptions.relayed(call.cut, stream_scope(call.route, call.request),
-                                             event.id)
+        try:
+            async with contextlib.aclosing(events_to_end(resp.iter_any(), splitter)) as events:
+                async for raw, event in events:
+                    message = event_json(event.data) if event is not None else {}
+                    if message.get("id") == call.rpc_id and ("result" in message
+                                                             or "error" in message):
+                        return Answer(self._message_result(message), resp.status, headers, raw,
+                                      sse=True)
+                    out = await self._out(call, resp.status, headers)
+                    await out.write(raw)
+                    if event is not None and event.id:      # the client may resume from here
+                        if call.cut is None:
+                            call.cut = Cut(call)
+                        self.resumptions.relayed(call.cut, stream_scope(call.route, call.request),
+                                                 event.id)
+        except EventTooLarge as exc:
+            return Answer(ToolResult(None, error=str(exc), error_kind="cap"), resp.status)
         return Answer(ToolResult(None, error="MCP server ended the event stream without answering "
                                  "the call", error_kind="transport"), resp.status, headers,
                       resumable=call.cut is not None and bool(call.cut.ids))

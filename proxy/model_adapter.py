@@ -506,7 +506,7 @@ class ModelAdapter:
     @staticmethod
     def _url(ex: Exchange) -> str:
         query = ex.request.query_string
-        return f"{ex.route.upstream.url}{ex.route.path}" + (f"?{query}" if query else "")
+        return f"{ex.route.upstream.url}{ex.route.raw_path}" + (f"?{query}" if query else "")
 
     # -- entry boundaries: tool calls and final answers in the response ------------------------
 

@@ -4,7 +4,7 @@ for pass-through, and its fields are decoded by httpx-sse's spec-following decod
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from typing import Any
 
 import orjson
@@ -62,9 +62,10 @@ class SSESplitter:
         relay can pass the first event on before it decodes the others of the same chunk."""
         scan_from = max(0, len(self._buffer) - 3)   # a boundary may straddle two chunks
         self._buffer += chunk
+        # a blank line ending in a CR at the end of the buffer is a blank line whatever comes
+        # next: the event is cut at once, and an LF that follows (the CR's other half) starts
+        # the next event's bytes, where a decoder reads it as an empty line
         while (m := _BOUNDARY.search(self._buffer, scan_from)) is not None:
-            if m.end() == len(self._buffer) and self._buffer.endswith(b"\r"):
-                break       # that CR may be the first half of a CRLF: wait for the next byte
             raw, self._buffer = self._buffer[:m.end()], self._buffer[m.end():]
             yield raw, decode_event(raw)
             scan_from = 0
@@ -74,3 +75,15 @@ class SSESplitter:
     def rest(self) -> bytes:
         rest, self._buffer = self._buffer, b""
         return rest
+
+
+async def events_to_end(chunks: AsyncIterator[bytes],
+                        splitter: SSESplitter) -> AsyncGenerator[tuple[bytes, ServerSentEvent | None], None]:
+    """Every event of a stream, the last one included when the stream ends without its blank
+    line (it can still be the answer a relay is waiting for)."""
+    async for chunk in chunks:
+        for item in splitter.events(chunk):
+            yield item
+    rest = splitter.rest()
+    if rest.strip():
+        yield rest, decode_event(rest)

@@ -1005,3 +1005,39 @@ async def test_an_mcp_answer_after_a_mixed_line_ending_blank_line_is_still_held_
     assert b"changed shape" not in received
     assert b'"code":-31000' in received
     assert trail(await guard.history("mixed-1"))[-1] == ("reserve", "exit", "violation", "halt")
+
+
+async def test_an_mcp_answer_in_cr_line_endings_that_ends_the_stream_is_checked_and_relayed(
+        upstream, stepguard):
+    async def cr_only(request: web.Request) -> web.Response:
+        message = await request.json()
+        body = (b"event: message\rdata: "
+                + orjson.dumps(mcp_result(message["id"], {"slot_id": "s-1"})) + b"\r\r")
+        return web.Response(body=body, content_type="text/event-stream")
+
+    server = await upstream({"/mcp": cr_only})
+    guard = await stepguard(mcp_contract(server.url, {"reserve": {}}))
+
+    resp = await guard.client.post("/m/mcp", json=tools_call("reserve", {}),
+                                   headers={**MCP_ACCEPT, RUN_HEADER: "cr-1"})
+
+    assert b'"slot_id":"s-1"' in await resp.read()
+    assert trail(await guard.history("cr-1")) == [("reserve", "entry", "pass", "forward"),
+                                                  ("reserve", "exit", "pass", "advance")]
+
+
+async def test_a_checked_model_call_is_forwarded_on_its_path_as_sent(upstream, stepguard):
+    paths: list[str] = []
+
+    async def answer(request: web.Request) -> web.Response:
+        paths.append(request.raw_path)
+        return web.json_response(chat_answer(text="done"))
+
+    model = await upstream({"/deployments/{name}/chat/completions": answer})
+    guard = await stepguard(model_contract(model.url, {"lookup": {}}))
+
+    resp = await guard.client.post("/o/deployments/my%20dep/chat/completions",
+                                   json={"model": "m", "messages": []})
+
+    assert resp.status == 200
+    assert paths == ["/deployments/my%20dep/chat/completions"]

@@ -151,6 +151,24 @@ async def test_a_changed_answer_on_a_resumed_stream_is_refused_and_halts_the_run
     assert trail(history) == HALTED
 
 
+@pytest.mark.timeout(60)
+async def test_a_run_named_by_traceparent_resumes_in_its_session(tmp_path: Path) -> None:
+    tools = Tools(close_first=True, delay_s=0.3)
+    trace = "4bf92f3577b34da6a3ce929d0e0e4736"
+    with tools_server(tools) as base:
+        async with guarded(base, tmp_path) as (sg, url):
+            http = httpx2.AsyncClient(timeout=httpx2.Timeout(10.0))        # no run header
+            async with http, Client(streamable_http_client(url, http_client=http),
+                                    mode="legacy", read_timeout_seconds=15) as client:
+                result = await client.call_tool(
+                    "lookup_order", {"order_id": "ord-7"},
+                    meta={"traceparent": f"00-{trace}-00f067aa0ba902b7-01"})
+            history = await sg.store.history(trace)
+
+    assert result.structured_content is not None
+    assert trail(history) == CLEAN
+
+
 # --- the registry of cut streams ------------------------------------------------------------------
 
 

@@ -58,9 +58,15 @@ def test_a_crlf_inside_an_event_is_one_line_ending_not_a_blank_line() -> None:
     assert events[0][1] is not None and (events[0][1].event, events[0][1].data) == ("message", "x")
 
 
-def test_a_cr_at_the_end_of_a_chunk_waits_for_the_next_byte() -> None:
+def test_a_blank_line_ending_in_a_cr_ends_the_event_at_once() -> None:
     splitter = SSESplitter()
-    assert list(splitter.events(b"data: a\r\n\r")) == []
-    events = list(splitter.events(b"\ndata: b\r\n\r\n"))
-    assert [(raw, e.data if e else None) for raw, e in events] == [
-        (b"data: a\r\n\r\n", "a"), (b"data: b\r\n\r\n", "b")]
+    first = [(raw, e.data if e else None) for raw, e in splitter.events(b"data: a\r\n\r")]
+    rest = [(raw, e.data if e else None) for raw, e in splitter.events(b"\ndata: b\r\n\r\n")]
+    assert first == [(b"data: a\r\n\r", "a")]
+    assert rest == [(b"\ndata: b\r\n\r\n", "b")]          # the CR's LF goes with the next
+
+
+def test_a_stream_of_cr_line_endings_is_cut_event_by_event() -> None:
+    splitter = SSESplitter()
+    events = list(splitter.events(b"event: message\rdata: a\r\r"))
+    assert [(e.event, e.data) for _, e in events if e is not None] == [("message", "a")]
