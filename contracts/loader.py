@@ -232,8 +232,16 @@ class _Compiler:
         return compiled
 
     def schema(self, step: str | None, field: str, name: str, spec: Any) -> Schema | None:
+        # checked against the draft its `$schema` names (2020-12 when it names none)
+        declared = isinstance(spec, dict) and "$schema" in spec
+        draft = (jsonschema.validators.validator_for(spec, default=None) if declared
+                 else jsonschema.Draft202012Validator)
+        if draft is None:
+            self.issue(step, field, f"unknown $schema {spec['$schema']!r}: name a JSON Schema "
+                                    "draft (draft-04, -06, -07, 2019-09 or 2020-12)")
+            return None
         try:
-            jsonschema.Draft202012Validator.check_schema(spec)
+            draft.check_schema(spec)
         except jsonschema.SchemaError as exc:
             where = "/".join(str(p) for p in exc.absolute_path)
             self.issue(step, field, f"invalid JSON Schema at /{where}: {exc.message}")

@@ -472,3 +472,23 @@ def test_load_contract_accepts_a_string_path(tmp_path, contract_doc):
     path.write_text(yaml.safe_dump(contract_doc()))
     assert load_contract(str(path)).source == str(path)
     assert isinstance(load_contract(Path(path)).content_hash, str)
+
+
+DRAFT7_PAIR = {"$schema": "http://json-schema.org/draft-07/schema#", "type": "array",
+               "items": [{"type": "string"}, {"type": "integer"}], "additionalItems": False}
+
+
+def test_a_schema_naming_draft_07_is_checked_and_enforced_as_draft_07(make_contract):
+    contract = make_contract(schemas={"pair.v1": DRAFT7_PAIR},
+                             steps={"first": {"output": {"schema": "pair.v1"}}})
+    schema = contract.steps["first"].output_schema
+    assert schema is not None
+    assert schema.first_fault(["sku-1", 2], "output") is None
+    assert schema.first_fault(["sku-1", "two"], "output") is not None
+
+
+def test_a_schema_naming_an_unknown_draft_is_refused_naming_it(contract_issues):
+    issues = contract_issues(schemas={"x.v1": {"$schema": "https://example.com/my-draft",
+                                               "type": "object"}})
+    assert [(i.field, i.message.split(":")[0]) for i in issues] == [
+        ("schemas.x.v1", "unknown $schema 'https")]
