@@ -53,10 +53,10 @@ class Condition:
             result = self.program.eval(data=data)
         except Exception as exc:  # the runtime raises on conversion of exotic values
             return Outcome(False, error=scrub(str(exc)),
-                           missing=_first_missing(self.paths, context))
+                           missing=_missing(str(exc), self.paths, context))
         if result.type() == cel.Type.ERROR:
-            missing = _first_missing(self.paths, context)
-            return Outcome(False, error=scrub(str(result.value())), missing=missing)
+            error = str(result.value())
+            return Outcome(False, error=scrub(error), missing=_missing(error, self.paths, context))
         return Outcome(True, value=result.plain_value())
 
     def holds(self, context: Mapping[str, Any]) -> Outcome:
@@ -135,11 +135,29 @@ def _narrow(context: Mapping[str, Any], reads: Mapping[str, frozenset[str] | Non
     return data
 
 
-def _first_missing(paths: tuple[tuple[str, ...], ...], context: Mapping[str, Any]) -> str | None:
-    for path in paths:
-        node: Any = context.get(path[0])
-        for i, key in enumerate(path[1:], start=1):
-            if not isinstance(node, dict) or key not in node:
-                return ".".join(path[: i + 1])
-            node = node[key]
+_KEY_NOT_FOUND = re.compile(r'Key not found in map : "([^"]*)"')
+_NOT_AN_OBJECT = "Applying SELECT to non-message type"   # a field of null, a string, ...
+
+
+def _missing(error: str, paths: tuple[tuple[str, ...], ...],
+             context: Mapping[str, Any]) -> str | None:
+    """The field whose absence made the evaluation fail, or None when it failed otherwise (a
+    type mismatch names no missing field). Among the paths the expression reads that cannot be
+    walked, the one ending at the key CEL did not find; a `has()`-guarded path that is absent
+    is not the cause."""
+    found = _KEY_NOT_FOUND.search(error)
+    if found is None and _NOT_AN_OBJECT not in error:
+        return None
+    candidates = [p for p in (_unwalkable(path, context) for path in paths) if p is not None]
+    key = found.group(1) if found else None
+    return next((p for p in candidates if p.rsplit(".", 1)[-1] == key),
+                candidates[0] if candidates else None)
+
+
+def _unwalkable(path: tuple[str, ...], context: Mapping[str, Any]) -> str | None:
+    node: Any = context.get(path[0])
+    for i, key in enumerate(path[1:], start=1):
+        if not isinstance(node, dict) or key not in node:
+            return ".".join(path[: i + 1])
+        node = node[key]
     return None

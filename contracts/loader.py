@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 from functools import cache
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import jsonschema
 import jsonschema_rs
@@ -234,8 +234,8 @@ class _Compiler:
     def schema(self, step: str | None, field: str, name: str, spec: Any) -> Schema | None:
         # checked against the draft its `$schema` names (2020-12 when it names none)
         declared = isinstance(spec, dict) and "$schema" in spec
-        draft = (jsonschema.validators.validator_for(spec, default=None) if declared
-                 else jsonschema.Draft202012Validator)
+        draft: Any = (jsonschema.validators.validator_for(spec, default=cast(Any, None))
+                      if declared else jsonschema.Draft202012Validator)   # None: unknown draft
         if draft is None:
             self.issue(step, field, f"unknown $schema {spec['$schema']!r}: name a JSON Schema "
                                     "draft (draft-04, -06, -07, 2019-09 or 2020-12)")

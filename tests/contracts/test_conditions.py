@@ -239,3 +239,19 @@ def test_narrowing_the_context_does_not_change_the_result(expr):
     else:
         assert outcome.ok is True
         assert outcome.value == expected
+
+
+def test_a_type_mismatch_names_no_missing_field():
+    cond = compile_condition("input.order_id.startsWith('ord-')", ENTRY_VARIABLES, "shape")
+    outcome = cond.holds({"input": {"order_id": 7}, "state": {}})
+    assert not outcome.ok and outcome.missing is None
+    assert "no matching overloads" in (outcome.error or "").lower()
+
+
+def test_the_missing_field_is_the_one_not_found_not_an_absent_guarded_one():
+    cond = compile_condition("(has(input.coupon) ? input.coupon != '' : true) && input.total > 0",
+                             ENTRY_VARIABLES, "shape")
+    outcome = cond.holds({"input": {"coupon": "c-1"}, "state": {}})
+    assert outcome.missing == "input.total"
+    outcome = cond.holds({"input": {}, "state": {}})
+    assert outcome.missing == "input.total"
