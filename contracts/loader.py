@@ -30,6 +30,7 @@ from stepguard.contracts.model import (
     Schema,
     Step,
     Upstream,
+    normal_path,
 )
 from stepguard.metrics.redact import ALWAYS
 
@@ -119,11 +120,6 @@ def _yaml_duplicates(node: yaml.Node, path: tuple[str, ...],
     elif isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
             yield from _yaml_duplicates(item, _indexed(path, i), seen)
-
-
-def _normal_path(path: str) -> str:
-    """A step's path in the form calls are matched in (see proxy.routing.normal_path)."""
-    return "/" + "/".join(segment for segment in path.split("/") if segment)
 
 
 def _indexed(path: tuple[str, ...], i: int) -> tuple[str, ...]:
@@ -298,7 +294,7 @@ class _Compiler:
             name=name,
             index=index,
             match=Match(m.get("upstream"), m.get("method"),
-                        _normal_path(m["path"]) if m.get("path") else None, m.get("tool")),
+                        normal_path(m["path"]) if m.get("path") else None, m.get("tool")),
             input_schema=self.schema_ref(name, "input", spec.get("input")),
             output_schema=self.schema_ref(name, "output", spec.get("output")),
             preconditions=self.conditions(name, "precondition", spec.get("precondition"),

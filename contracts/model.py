@@ -127,6 +127,13 @@ class Upstream:
     timeout_s: float
 
 
+def normal_path(path: str) -> str:
+    """The form paths are matched in: empty segments merged and no trailing slash, so
+    `//confirm` and `/confirm/` (which many servers treat as `/confirm`) are checked as the
+    `/confirm` step, not passed as unmatched."""
+    return "/" + "/".join(segment for segment in path.split("/") if segment)
+
+
 @dataclass(frozen=True, slots=True)
 class Match:
     upstream: str | None          # None: any model or MCP upstream of the contract (tool match)

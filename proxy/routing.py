@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stepguard.contracts.model import Contract, Upstream
+from stepguard.contracts.model import Contract, Upstream, normal_path
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,13 +19,6 @@ class Route:
 
 class UnsafePath(ValueError):
     """A path whose meaning at the upstream could differ from what stepguard checks."""
-
-
-def normal_path(path: str) -> str:
-    """The form steps are matched in: empty segments merged and no trailing slash, so
-    `//confirm` and `/confirm/` (which many servers treat as `/confirm`) are checked as the
-    `/confirm` step, not passed as unmatched."""
-    return "/" + "/".join(segment for segment in path.split("/") if segment)
 
 
 class Router:
