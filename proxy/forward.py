@@ -119,6 +119,13 @@ async def read_chunks(resp: H1Response, request: web.Request,
         yield chunk
 
 
+def ask_for_identity(headers: CIMultiDict[str]) -> None:
+    """Ask the upstream for an uncompressed answer: stepguard reads what it checks (one that
+    comes compressed anyway is decoded, or refused where it cannot be)."""
+    headers.popall("accept-encoding", None)
+    headers["Accept-Encoding"] = "identity"
+
+
 class ClientEnd:
     """The agent's end of a relayed stream; once it has hung up, writes are dropped (the relay
     goes on reading the upstream so the boundary is still checked and recorded)."""
@@ -126,6 +133,14 @@ class ClientEnd:
     def __init__(self, out: web.StreamResponse) -> None:
         self.out = out
         self.gone = False
+
+    async def start(self, request: web.Request) -> ClientEnd:
+        """Send the response head; a client already gone leaves this end gone."""
+        try:
+            await self.out.prepare(request)
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            self.gone = True
+        return self
 
     async def write(self, data: bytes) -> None:
         if self.gone:

@@ -20,7 +20,6 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 import orjson
 from aiohttp import web
 from multidict import CIMultiDict
@@ -42,6 +41,7 @@ from stepguard.proxy.forward import (
     Forwarder,
     Timing,
     UpstreamError,
+    ask_for_identity,
     end_to_end,
     read_chunks,
 )
@@ -297,14 +297,8 @@ class McpAdapter:
 
     @staticmethod
     async def _event_stream(request: web.Request) -> ClientEnd:
-        out = web.StreamResponse(status=200, headers={"content-type": "text/event-stream",
-                                                      "cache-control": "no-cache"})
-        end = ClientEnd(out)
-        try:
-            await out.prepare(request)
-        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
-            end.gone = True
-        return end
+        return await ClientEnd(web.StreamResponse(status=200, headers={
+            "content-type": "text/event-stream", "cache-control": "no-cache"})).start(request)
 
     async def _resume_unheld(self, request: web.Request, route: Route, headers: CIMultiDict[str],
                              timing: Timing) -> web.StreamResponse:
@@ -313,8 +307,7 @@ class McpAdapter:
         it (a JSON-RPC response) is replaced by an error for its id: it may be a checked call's,
         and no exit check sees it here. Notifications and server requests pass as they are."""
         timeout_s = route.upstream.timeout_s
-        headers.popall("accept-encoding", None)
-        headers["Accept-Encoding"] = "identity"
+        ask_for_identity(headers)
         try:
             resp = await self.forwarder.open("GET", upstream_url(route, request), headers, b"",
                                              timeout_s)
@@ -330,10 +323,8 @@ class McpAdapter:
             out = web.StreamResponse(status=200, headers=end_to_end(
                 resp.headers, HOP_BY_HOP | {"content-length"}))
             timing.stamp(out)
-            end = ClientEnd(out)
-            try:
-                await out.prepare(request)
-            except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            end = await ClientEnd(out).start(request)
+            if end.gone:
                 return out
             splitter = SSESplitter(self.settings.max_response_bytes)
             try:
@@ -508,8 +499,7 @@ class McpAdapter:
                         headers: CIMultiDict[str] | None) -> Answer:
         timeout_s = call.step.timeout_s or call.route.upstream.timeout_s
         sent = call.headers if headers is None else headers
-        sent.popall("accept-encoding", None)
-        sent["Accept-Encoding"] = "identity"     # stepguard reads the answer
+        ask_for_identity(sent)
         async with await self.forwarder.client.request(
                 method, upstream_url(call.route, call.request), sent,
                 call.body if method == "POST" else b"", timeout_s) as resp:
@@ -559,10 +549,7 @@ class McpAdapter:
             out = web.StreamResponse(status=status, headers=headers)
             call.timing.stamp(out)
             call.out = ClientEnd(out)
-            try:
-                await out.prepare(call.request)
-            except (ConnectionResetError, aiohttp.ClientConnectionResetError):
-                call.out.gone = True    # the agent left: the call is still checked and recorded
+            await call.out.start(call.request)   # gone: the call is still checked and recorded
         return call.out
 
     def _seen(self, call: ToolCall, status: int | None, since: float) -> None:

@@ -44,6 +44,7 @@ from stepguard.proxy.forward import (
     Timing,
     Upstreamed,
     UpstreamError,
+    ask_for_identity,
     end_to_end,
     read_chunks,
 )
@@ -163,8 +164,7 @@ class ModelAdapter:
             return self._error(dialect, 400, "request body must be a JSON object",
                                {"check": "request"})
         ex = Exchange(route, dialect, request, payload, body, timing)
-        headers.popall("accept-encoding", None)   # identity bodies: stepguard reads them
-        headers["Accept-Encoding"] = "identity"   # without it an upstream may compress anyway
+        ask_for_identity(headers)
         try:
             await self._correlate(ex)
             await retrying_conflicts(ex.run_id, lambda: self._exits(ex))
