@@ -64,23 +64,28 @@ def _boolean(value: object) -> bool:
                                                                           strict=True)))
 
 
+def _coerce(value: object, native: tuple[type, ...], convert: Callable[[Any], float],
+            expected: str) -> float:
+    """A number from a value of a `native` type (never a bool) or from its text."""
+    if isinstance(value, bool):
+        raise _Invalid(expected)
+    if isinstance(value, native):
+        return convert(value)
+    if isinstance(value, str):
+        try:
+            return convert(value.strip())
+        except ValueError:
+            raise _Invalid(expected) from None
+    raise _Invalid(expected)
+
+
 def _integer(minimum: int, maximum: int | None = None, what: str = "a whole number",
              hint: str = "") -> _Parse:
     bounds = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
     expected = f"{what} {bounds}{hint}"
 
     def parse(value: object) -> int:
-        if isinstance(value, bool):
-            raise _Invalid(expected)
-        if isinstance(value, int):
-            number = value
-        elif isinstance(value, str):
-            try:
-                number = int(value.strip())
-            except ValueError:
-                raise _Invalid(expected) from None
-        else:
-            raise _Invalid(expected)
+        number = int(_coerce(value, (int,), int, expected))
         if number < minimum or (maximum is not None and number > maximum):
             raise _Invalid(expected)
         return number
@@ -96,17 +101,7 @@ def _number(minimum: float, what: str, hint: str = "") -> _Parse:
     expected = f"{what} >= {minimum:g}{hint}"
 
     def parse(value: object) -> float:
-        if isinstance(value, bool):
-            raise _Invalid(expected)
-        if isinstance(value, int | float):
-            number = float(value)
-        elif isinstance(value, str):
-            try:
-                number = float(value.strip())
-            except ValueError:
-                raise _Invalid(expected) from None
-        else:
-            raise _Invalid(expected)
+        number = float(_coerce(value, (int, float), float, expected))
         if not math.isfinite(number) or number < minimum:
             raise _Invalid(expected)
         return number
