@@ -4,7 +4,15 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint bench-drift install
+.PHONY: demo test test-repeat lint bench-drift install
+
+# Concurrency-sensitive tests (store worker threads against close, kill -9 recovery, MCP stream
+# resumption, correlation across calls, reload under traffic), run REPEAT more times after the
+# suite: a race that passes by luck once fails here instead of on someone's clean clone.
+REPEAT ?= 5
+REPEATED := tests/contracts/test_sqlite_store.py tests/contracts/test_sqlite_store_counts.py \
+	tests/proxy/test_mcp_resumption.py tests/proxy/test_recovery.py \
+	tests/proxy/test_correlation.py tests/proxy/test_reload.py tests/metrics/test_runs_gauge.py
 
 $(BIN)/stepguard: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,3 +38,7 @@ lint: install
 
 test: install lint
 	$(BIN)/python -m pytest
+	$(MAKE) --no-print-directory test-repeat
+
+test-repeat: install
+	$(BIN)/python -m pytest -q -p no:cacheprovider --count $(REPEAT) $(REPEATED)
