@@ -145,6 +145,7 @@ class SQLiteStore:
         self._checkpointer: threading.Thread | None = None
         self._next_purge = 0.0
         self._next_truncate = 0.0
+        self._busy_ms = 0      # the writer connection's busy_timeout, as last set
         self._lock_fd: int | None = None
         # point reads on one thread over `_lookup`; count_by_status on another over `_reader`
         self._lookup: sqlite3.Connection | None = None
@@ -167,6 +168,7 @@ class SQLiteStore:
             raise
         loop = asyncio.get_running_loop()
         self._conn, self._lookup, self._reader = conn, lookup, reader
+        self._busy_ms = max(1, int(self.timeout_s * 1000))    # as connect() set it
         self._closing, self._healthy = False, True
         self._queue = queue.SimpleQueue()
         self._lookups = ThreadPoolExecutor(1, thread_name_prefix="stepguard-read")
@@ -331,7 +333,7 @@ class SQLiteStore:
             return results
         wait_ms = max(1, int((min(d for _, _, d in writes if d > now) - now) * 1000))
         try:
-            conn.execute(f"PRAGMA busy_timeout={wait_ms}")
+            self._busy_wait(conn, wait_ms)
             try:
                 results += self._batch(conn, live, isolated=False)
             except _Replay:      # an append failed half-way: redo the batch, each in a savepoint
@@ -343,6 +345,13 @@ class SQLiteStore:
             failure = StoreError(f"store {self.path}: commit failed: {exc}")
             results += [(future, None, failure) for _, future in live]
         return results
+
+    def _busy_wait(self, conn: sqlite3.Connection, wait_ms: int) -> None:
+        """Bound the lock wait to `wait_ms`, give or take a tenth of the deadline: fresh writes
+        (the common case) leave the setting alone instead of paying for a PRAGMA per batch."""
+        if wait_ms > self._busy_ms or wait_ms < self._busy_ms - self.timeout_s * 100:
+            conn.execute(f"PRAGMA busy_timeout={wait_ms}")
+            self._busy_ms = wait_ms
 
     def _timed_out(self) -> StoreError:
         return StoreError(f"store {self.path}: not written within the store deadline of "
@@ -406,7 +415,7 @@ class SQLiteStore:
 
     def _truncate(self, conn: sqlite3.Connection) -> bool:
         try:
-            conn.execute(f"PRAGMA busy_timeout={int(min(self.timeout_s, 0.5) * 1000)}")
+            self._busy_wait(conn, int(min(self.timeout_s, 0.5) * 1000))
             busy = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
         except sqlite3.Error:
             return False
@@ -420,7 +429,7 @@ class SQLiteStore:
         if self.wal_bytes() > 0:
             self._truncate(conn)
         try:
-            conn.execute(f"PRAGMA busy_timeout={max(1, int(self.timeout_s * 1000))}")
+            self._busy_wait(conn, max(1, int(self.timeout_s * 1000)))
             _probe_write(conn)
             self._healthy = True
         except sqlite3.Error:

@@ -42,6 +42,12 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--admin-host", help="admin listen address (STEPGUARD_ADMIN_HOST)")
     serve.add_argument("--admin-port", type=int, help="admin port (STEPGUARD_ADMIN_PORT, 9090)")
     serve.add_argument("--store", help="SQLite file (STEPGUARD_STORE, stepguard.db)")
+    serve.add_argument("--store-timeout", type=float,
+                       help="seconds a write may wait for a locked or slow store before the "
+                            "call is refused with 503 (STEPGUARD_STORE_TIMEOUT, 1)")
+    serve.add_argument("--wal-limit-bytes", type=int,
+                       help="WAL size past which the writer truncates it "
+                            "(STEPGUARD_WAL_LIMIT_BYTES, 64 MiB)")
     serve.add_argument("--max-request-bytes", type=int)
     serve.add_argument("--max-response-bytes", type=int)
     serve.add_argument("--passthrough", action="store_true", default=None,
