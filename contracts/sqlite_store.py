@@ -52,7 +52,8 @@ from stepguard.contracts.errors import ConflictError, StoreError
 DEFAULT_TIMEOUT_S = 1.0
 DEFAULT_WAL_LIMIT_BYTES = 64 * 1024 * 1024
 PROBE_INTERVAL_S = 0.25      # how often an unhealthy, idle writer tries a write
-TRUNCATE_RETRY_S = 0.1       # after a TRUNCATE checkpoint that readers kept from completing
+CHECKPOINT_POLL_S = 0.05     # how often the checkpointer looks at the WAL's size
+TRUNCATE_RETRY_S = 0.01      # after a TRUNCATE checkpoint kept from completing (reader, checkpointer)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -447,18 +448,26 @@ class SQLiteStore:
             self._close_problem = self._close_problem or str(exc)
 
     def _checkpoints(self) -> None:
-        """Copy WAL pages back into the database file off the event loop's thread."""
+        """Copy WAL pages back into the database file off the event loop's thread: every
+        `checkpoint_interval_s`, and more often once the WAL is past half its limit, so the
+        writer's TRUNCATE checkpoint finds little left to copy."""
         try:
             conn = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
         except sqlite3.Error:
             return
         try:
             conn.execute("PRAGMA busy_timeout=100")
-            while not self._stop.wait(self.checkpoint_interval_s):
-                try:
+            last = 0.0
+            while not self._stop.wait(min(self.checkpoint_interval_s, CHECKPOINT_POLL_S)):
+                size = self.wal_bytes()
+                if size > self.wal_limit_bytes:
+                    continue    # the writer truncates it: a checkpoint here would only hold it up
+                now = time.monotonic()
+                if size <= self.wal_limit_bytes // 2 and now - last < self.checkpoint_interval_s:
+                    continue
+                last = now
+                with contextlib.suppress(sqlite3.Error):   # busy: the next round catches up
                     conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
-                except sqlite3.Error:
-                    continue    # busy: the next round catches up
         finally:
             conn.close()
 
