@@ -457,7 +457,7 @@ class SQLiteStore:
             return
         try:
             conn.execute("PRAGMA busy_timeout=100")
-            last = 0.0
+            last = time.monotonic()
             while not self._stop.wait(min(self.checkpoint_interval_s, CHECKPOINT_POLL_S)):
                 size = self.wal_bytes()
                 if size > self.wal_limit_bytes:

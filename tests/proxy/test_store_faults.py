@@ -6,9 +6,13 @@ test is bounded to a few seconds; real SQLite, a real second process holding the
 from __future__ import annotations
 
 import asyncio
+import errno
+import os
+import shutil
+import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -16,7 +20,10 @@ from typing import Any
 import pytest
 from sgtest import OrderFlow, Proxy, Reply, example_contract, problem
 
-from stepguard.proxy.app import create_admin_app
+from stepguard.contracts.envelope import Envelope
+from stepguard.contracts.sqlite_store import SQLiteStore
+from stepguard.proxy.app import build, create_admin_app, create_app
+from stepguard.proxy.config import Settings
 
 pytestmark = pytest.mark.fault
 
@@ -135,3 +142,106 @@ async def test_readyz_says_unready_while_appends_fail_and_ready_again_after(
         assert time.monotonic() < deadline, "the store stayed unready after the lock was gone"
         await asyncio.sleep(0.05)
     assert (await OrderFlow(guarded, "after-1").call("lookup_order")).status == 200
+
+
+# --- a full disk --------------------------------------------------------------------------------
+
+DISK_BYTES = 4 * 1024 * 1024
+SMALL_WAL = 256 * 1024
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 4 MiB tmpfs of its own (needs the right to mount: root, or skipped)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_BYTES}", "tmpfs",
+                              str(disk)], capture_output=True, check=False)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs for the disk-full test: "
+                    f"{mounted.stderr.decode().strip() or mounted.returncode}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def fill(disk: Path) -> Path:
+    """Fill the disk to the last byte with one file; returns it."""
+    filler = disk / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        for chunk in (1 << 16, 1 << 12, 1 << 9, 1):
+            try:
+                while True:
+                    os.write(fd, b"\0" * chunk)
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+    return filler
+
+
+async def guard_on(aiohttp_client: Any, store: Path, contract: Any, **settings: Any) -> Proxy:
+    sg = build(Settings(store=str(store), **settings), [contract])
+    return Proxy(await aiohttp_client(create_app(sg)), sg)
+
+
+async def test_a_full_disk_fails_closed_and_recovers_for_good_once_space_is_freed(
+        small_disk: Path, aiohttp_client: Any, tools: Any) -> None:
+    px = await guard_on(aiohttp_client, small_disk / "s.db", example_contract(tools),
+                        store_timeout=STORE_TIMEOUT_S, wal_limit_bytes=SMALL_WAL)
+    admin = await aiohttp_client(create_admin_app(px.sg))
+    await OrderFlow(px, "before").through("lookup_order")
+    filler = fill(small_disk)
+
+    refused = None
+    for i in range(300):      # until a commit needs a page the disk no longer has
+        hits = tools.hits("/lookup_order")
+        reply = await OrderFlow(px, f"full-{i}").call("lookup_order")
+        if reply.status != 200:
+            refused = reply
+            assert tools.hits("/lookup_order") == hits        # fail closed: not forwarded
+            break
+    assert refused is not None, "300 calls stored on a full disk"
+    problem(refused, 503, should_retry="true")
+    async with admin.get("/readyz") as resp:
+        assert resp.status == 503
+
+    filler.unlink()
+    deadline = time.monotonic() + 3
+    while True:            # the store's probe truncates the WAL and writes again
+        async with admin.get("/readyz") as resp:
+            if resp.status == 200:
+                break
+        assert time.monotonic() < deadline, "still unready 3 s after space was freed"
+        await asyncio.sleep(0.05)
+    wal = small_disk / "s.db-wal"
+    assert wal.stat().st_size <= SMALL_WAL
+
+    peak = 0
+    for i in range(150):     # the freed space is not filled again: the WAL stays bounded
+        assert (await OrderFlow(px, f"after-{i}").call("lookup_order")).status == 200
+        peak = max(peak, wal.stat().st_size)
+    assert peak <= SMALL_WAL + 1024 * 1024, peak
+    assert shutil.disk_usage(small_disk).free > DISK_BYTES // 4
+    await px.close()
+
+
+async def test_shutdown_on_a_full_disk_logs_the_failed_checkpoint_and_finishes(
+        small_disk: Path, tools: Any) -> None:
+    store = SQLiteStore(small_disk / "s.db", checkpoint_interval_s=3600)  # nothing copied back
+    sg = build(Settings(store=str(store.path)), [example_contract(tools)], store=store)
+    await sg.start()
+    for i in range(100):     # new pages the final checkpoint must add to the database file
+        envelope = Envelope(f"run-{i}", "order-confirmation", "1")
+        event = {"seq": 1, "ts": time.time(), "action": "advance", "step": "lookup_order",
+                 "boundary": "exit", "input": {"blob": "x" * 2000}}
+        await store.append(envelope.apply(event), event)
+    fill(small_disk)
+
+    await sg.stop()          # does not raise
+
+    failures = sg.metrics.registry.get_sample_value("stepguard_store_errors_total",
+                                                    {"operation": "close"})
+    assert failures == 1
