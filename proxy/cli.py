@@ -121,6 +121,10 @@ def _parser() -> argparse.ArgumentParser:
                                   "back); 0 skips it")
     proxy_bench.add_argument("--repeat", type=int, default=1,
                              help="rounds of every row, interleaved; figures are medians")
+    proxy_bench.add_argument("--wal-soak", type=float, default=0.0, metavar="SECONDS",
+                             help="instead of the rows: stepguard under a saturating load (wrk, "
+                                  "--concurrency connections) for SECONDS, reporting calls/s and "
+                                  "the WAL's peak and final size")
     proxy_bench.add_argument("--json", action="store_true")
     proxy_bench.set_defaults(func=_bench_proxy)
 
@@ -286,7 +290,7 @@ def _bench_proxy(args: argparse.Namespace) -> int:
     options = BenchOptions(concurrency=args.concurrency, duration_s=args.duration,
                            rate=args.rate, rate_duration_s=args.rate_duration,
                            rows=[r for r in args.rows.split(",") if r], repeat=args.repeat,
-                           seq_requests=args.seq_requests)
+                           seq_requests=args.seq_requests, wal_soak_s=args.wal_soak)
     try:
         result = run(options)
     except ValueError as exc:     # bad flags: an unknown row, a rate or duration out of range
