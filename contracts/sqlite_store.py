@@ -1,26 +1,46 @@
-"""SQLite, the embedded default: one file in WAL mode, written from the event loop's own thread
-with group commit.
-
-Appends that arrive during one turn of the event loop are written in one transaction at the end
-of that turn; each waiting coroutine resumes only after that transaction has committed, so an
-event is in the database before the proxy acts on it. A WAL commit with `synchronous=NORMAL` is a
-write into the OS page cache (it survives the death of the process; `FULL` also survives power
-loss, at an fsync per commit), so it is cheaper to do it in place than to hand it to a thread.
-The expensive part of WAL, the checkpoint that copies pages back into the database file, runs
-on a thread of its own so it never stalls the loop. Reads run in place too: they only ever see
-committed batches. The one read that scans the whole store, `count_by_status` (for the
-`stepguard_runs` gauge at every scrape), runs on a worker thread over a read-only connection of
-its own (WAL lets it read beside the writer); the writer's connection never leaves the loop's
+"""SQLite, the embedded default: one file in WAL mode, and no SQLite call on the event loop's
 thread.
+
+Writes go to one writer thread that owns the writing connection. Appends made during one turn
+of the event loop are handed over together; the writer takes every hand-over waiting and
+commits it in one transaction (group commit), then wakes each caller: an event is in the
+database before the proxy acts on it. A WAL commit with `synchronous=NORMAL` is a write into the
+OS page cache (it survives the death of the process; `FULL` also survives power loss).
+
+Every write carries a deadline (`timeout_s`, the store's deadline): the writer waits for the
+database's write lock (another process holding it) at most until the oldest deadline of its
+batch, and fails a write whose deadline passed before its batch began, so a locked or slow store
+answers with a StoreError within about `timeout_s` instead of queueing without bound. After a
+failed commit the store is unhealthy (`healthy()`, `/readyz`) until a commit succeeds; while it
+is unhealthy and idle, the writer probes with a one-row write every `PROBE_INTERVAL_S`.
+
+The WAL stays bounded: a checkpointer thread copies WAL pages back into the database file
+(PASSIVE, never waiting), and when the WAL file passes `wal_limit_bytes` the writer itself runs a
+TRUNCATE checkpoint between two batches (a brief writer pause, so no new frame arrives while it
+completes); `journal_size_limit` caps what a reset WAL keeps. A disk that filled up is recovered
+the same way: once space is freed, the writer's probe checkpoints and truncates the WAL.
+
+Reads run on threads of their own over read-only connections (WAL lets them read beside the
+writer): point reads on one thread, the full scan of `count_by_status` (for the `stepguard_runs`
+gauge) on another, so a scan never holds up a lookup. `close` lets every operation already
+started finish, refuses new ones, then closes the connections.
+
+Only one process may use a store file: `open` takes an exclusive lock on `<store>.lock` before
+touching the database, and fails with a StoreError naming the path when it is held.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
+import os
+import queue
 import sqlite3
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +48,12 @@ import orjson
 
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.errors import ConflictError, StoreError
+
+DEFAULT_TIMEOUT_S = 1.0
+DEFAULT_WAL_LIMIT_BYTES = 64 * 1024 * 1024
+PROBE_INTERVAL_S = 0.25      # how often an unhealthy, idle writer tries a write
+CHECKPOINT_POLL_S = 0.05     # how often the checkpointer looks at the WAL's size
+TRUNCATE_RETRY_S = 0.01      # after a TRUNCATE checkpoint kept from completing (reader, checkpointer)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -56,6 +82,11 @@ CREATE TABLE IF NOT EXISTS run_keys (
     key TEXT PRIMARY KEY,
     run_id TEXT NOT NULL
 ) WITHOUT ROWID;
+-- one row, rewritten by the writer's health probe (at open, and while the store is unhealthy)
+CREATE TABLE IF NOT EXISTS probe (
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    at REAL NOT NULL
+);
 CREATE TABLE IF NOT EXISTS escalations (
     run_id TEXT NOT NULL,
     seq INTEGER NOT NULL,
@@ -71,64 +102,115 @@ _Op = Callable[[sqlite3.Connection], Any]
 SYNCHRONOUS_MODES = ("OFF", "NORMAL", "FULL", "EXTRA")
 
 
-def connect(path: str | Path, synchronous: str = "NORMAL") -> sqlite3.Connection:
+def connect(path: str | Path, synchronous: str = "NORMAL",
+            timeout_s: float = 5.0) -> sqlite3.Connection:
     mode = synchronous.strip().upper()
     if mode not in SYNCHRONOUS_MODES:   # SQLite itself ignores a name it does not know
         raise ValueError(f"SQLite synchronous mode {synchronous!r} is not one of "
                          f"{', '.join(SYNCHRONOUS_MODES)}")
     conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
-    conn.execute("PRAGMA journal_mode=WAL")
-    conn.execute(f"PRAGMA synchronous={mode}")
-    conn.execute("PRAGMA busy_timeout=5000")
-    conn.executescript(SCHEMA)
+    try:
+        conn.execute(f"PRAGMA busy_timeout={max(1, int(timeout_s * 1000))}")
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute(f"PRAGMA synchronous={mode}")
+        conn.executescript(SCHEMA)
+    except BaseException:
+        conn.close()
+        raise
     return conn
 
 
 class SQLiteStore:
     def __init__(self, path: str | Path, synchronous: str = "NORMAL",
                  checkpoint_interval_s: float = 1.0, retention_s: float = 0.0,
-                 purge_interval_s: float = 300.0) -> None:
+                 purge_interval_s: float = 300.0, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 wal_limit_bytes: int = DEFAULT_WAL_LIMIT_BYTES) -> None:
         self.path = Path(path)
         self.synchronous = synchronous
         self.checkpoint_interval_s = checkpoint_interval_s
         self.retention_s = retention_s
         self.purge_interval_s = purge_interval_s
-        self._conn: sqlite3.Connection | None = None
-        self._pending: list[tuple[_Op, asyncio.Future[Any]]] = []
-        self._flush_scheduled = False
+        self.timeout_s = timeout_s
+        self.wal_limit_bytes = wal_limit_bytes
+        self.wal_path = Path(f"{self.path}-wal")
+        self.lock_path = Path(f"{self.path}.lock")
+        self.truncations = 0          # TRUNCATE checkpoints the writer completed
+        self._conn: sqlite3.Connection | None = None    # the writer's, used on its thread only
+        self._closing = False
+        self._healthy = True
+        self._pending: list[tuple[_Op, asyncio.Future[Any], float]] = []
+        self._handover_scheduled = False
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._writer: threading.Thread | None = None
         self._stop = threading.Event()
         self._checkpointer: threading.Thread | None = None
         self._next_purge = 0.0
-        # count_by_status's own read-only connection, used by one worker thread at a time
+        self._next_truncate = 0.0
+        self._busy_ms = 0      # the writer connection's busy_timeout, as last set
+        self._lock_fd: int | None = None
+        # point reads on one thread over `_lookup`; count_by_status on another over `_reader`
+        self._lookup: sqlite3.Connection | None = None
         self._reader: sqlite3.Connection | None = None
-        self._reader_lock = threading.Lock()
+        self._lookups: ThreadPoolExecutor | None = None
+        self._scans: ThreadPoolExecutor | None = None
+
+    def healthy(self) -> bool:
+        """False from a failed commit until a commit (or the idle writer's probe) succeeds."""
+        return self._healthy
 
     async def open(self) -> None:
-        conn = connect(self.path, self.synchronous)
-        conn.execute("PRAGMA wal_autocheckpoint=0")   # the checkpointer thread does it
-        self._conn = conn
+        if self._conn is not None:
+            return
+        self._lock_fd = await asyncio.to_thread(self._take_lock)
+        try:
+            conn, lookup, reader = await asyncio.to_thread(self._connect_all)
+        except BaseException:
+            self._release_lock()
+            raise
+        loop = asyncio.get_running_loop()
+        self._conn, self._lookup, self._reader = conn, lookup, reader
+        self._busy_ms = max(1, int(self.timeout_s * 1000))    # as connect() set it
+        self._closing, self._healthy = False, True
+        self._queue = queue.SimpleQueue()
+        self._lookups = ThreadPoolExecutor(1, thread_name_prefix="stepguard-read")
+        self._scans = ThreadPoolExecutor(1, thread_name_prefix="stepguard-scan")
+        self._writer = threading.Thread(target=self._write_loop, args=(conn, loop), daemon=True,
+                                        name="stepguard-write")
+        self._writer.start()
         self._stop.clear()
         self._checkpointer = threading.Thread(target=self._checkpoints, daemon=True,
                                               name="stepguard-checkpoint")
         self._checkpointer.start()
-        with self._reader_lock:
-            self._reader = _read_only(self.path)
 
     async def close(self) -> None:
-        if self._conn is None:
+        """Let every operation already started finish, refuse new ones, checkpoint, close. A
+        final checkpoint that fails (a full disk) is raised as a StoreError after the store has
+        closed: the committed events are safe in the WAL, the next open replays it."""
+        if self._conn is None or self._closing:
             return
-        if self._pending:
-            self._flush()
+        # everything handed over so far committed; callers about to start get to start
+        with contextlib.suppress(StoreError):
+            await self._write(lambda c: None)
+        self._closing = True
+        self._hand_over()
+        self._queue.put(_STOP)
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            await asyncio.to_thread(writer.join)
+        await asyncio.to_thread(self._close_readers)
         self._stop.set()
         if self._checkpointer is not None:
             await asyncio.to_thread(self._checkpointer.join)
-        conn, self._conn = self._conn, None
-        await asyncio.to_thread(self._close_reader)   # after a count in flight has finished
-        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-        conn.close()
+        problem, self._close_problem = self._close_problem, None
+        self._conn = None
+        self._release_lock()
+        if problem is not None:
+            raise StoreError(f"store {self.path}: final checkpoint failed: {problem}")
+
+    _close_problem: str | None = None
 
     async def load(self, run_id: str) -> Envelope | None:
-        row = self._read(lambda c: c.execute(
+        row = await self._read(lambda c: c.execute(
             "SELECT envelope FROM runs WHERE run_id = ?", (run_id,)).fetchone())
         return Envelope.from_dict(orjson.loads(row[0])) if row else None
 
@@ -141,92 +223,140 @@ class SQLiteStore:
             await self._write(lambda c: _add_keys(c, run_id, keys))
 
     async def find_run(self, key: str) -> str | None:
-        row = self._read(lambda c: c.execute(
+        row = await self._read(lambda c: c.execute(
             "SELECT run_id FROM run_keys WHERE key = ?", (key,)).fetchone())
         return str(row[0]) if row else None
 
     async def history(self, run_id: str) -> list[dict[str, Any]]:
-        history: list[dict[str, Any]] = self._read(lambda c: read_history(c, run_id))
+        history: list[dict[str, Any]] = await self._read(lambda c: read_history(c, run_id))
         return history
 
     async def runs(self, status: str | None = None, limit: int = 100) -> list[Envelope]:
-        runs: list[Envelope] = self._read(lambda c: read_runs(c, status, limit))
+        runs: list[Envelope] = await self._read(lambda c: read_runs(c, status, limit))
         return runs
 
     async def escalations(self, run_id: str) -> list[dict[str, Any]]:
-        records: list[dict[str, Any]] = self._read(lambda c: read_escalations(c, run_id))
+        records: list[dict[str, Any]] = await self._read(lambda c: read_escalations(c, run_id))
         return records
 
     async def count_by_status(self) -> list[tuple[str, str, int]]:
-        """A full scan of `runs` (110-160 ms at 100,000 runs): on a worker thread, over the
-        read-only connection, so the event loop keeps serving meanwhile. It sees every batch
-        committed before it starts."""
-        self._open_connection()
-        rows: list[tuple[str, str, int]] = await asyncio.to_thread(self._count_by_status)
+        """A full scan of `runs` (110-160 ms at 100,000 runs): on the scan thread, over its
+        read-only connection, so neither the event loop nor point reads wait for it. It sees
+        every batch committed before it starts."""
+        self._check_open()
+        assert self._scans is not None
+        rows: list[tuple[str, str, int]] = await asyncio.get_running_loop().run_in_executor(
+            self._scans, self._on, self._reader, _count)
         return rows
 
-    def _count_by_status(self) -> list[tuple[str, str, int]]:
-        with self._reader_lock:
-            reader = self._reader
-            if reader is None or self._conn is None:
-                raise StoreError(f"store {self.path} is not open")
-            try:
-                rows: list[tuple[str, str, int]] = reader.execute(
-                    "SELECT workflow, status, count(*) FROM runs GROUP BY workflow, status"
-                ).fetchall()
-            except sqlite3.Error as exc:
-                raise StoreError(f"store {self.path}: {exc}") from None
-            return rows
+    def _check_open(self) -> None:
+        if self._conn is None or self._closing:
+            raise StoreError(f"store {self.path} is not open")
 
-    def _close_reader(self) -> None:
-        with self._reader_lock:
-            reader, self._reader = self._reader, None
-        if reader is not None:
-            reader.close()
+    async def _read(self, op: _Op) -> Any:
+        self._check_open()
+        assert self._lookups is not None
+        return await asyncio.get_running_loop().run_in_executor(
+            self._lookups, self._on, self._lookup, op)
 
-    def _read(self, op: _Op) -> Any:
-        conn = self._open_connection()
+    def _on(self, conn: sqlite3.Connection | None, op: _Op) -> Any:
+        """`op` on a read connection, on that connection's own thread."""
+        if conn is None:
+            raise StoreError(f"store {self.path} is not open")
         try:
             return op(conn)
         except sqlite3.Error as exc:
             raise StoreError(f"store {self.path}: {exc}") from None
 
-    def _open_connection(self) -> sqlite3.Connection:
-        if self._conn is None:
-            raise StoreError(f"store {self.path} is not open")
-        return self._conn
-
     async def _write(self, op: _Op) -> Any:
-        self._open_connection()
+        self._check_open()
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
-        self._pending.append((op, future))
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            loop.call_soon(self._flush)
+        self._pending.append((op, future, time.monotonic() + self.timeout_s))
+        if not self._handover_scheduled:
+            self._handover_scheduled = True
+            loop.call_soon(self._hand_over)
         return await future
 
-    def _flush(self) -> None:
-        """Write every append of this loop turn in one transaction, then wake their callers."""
-        self._flush_scheduled = False
-        batch, self._pending = self._pending, []
-        conn = self._conn
-        if conn is None:
-            for _, future in batch:
-                _settle(future, None, StoreError(f"store {self.path} is closed"))
-            return
+    def _hand_over(self) -> None:
+        """Give the writer every write of this loop turn in one piece."""
+        self._handover_scheduled = False
+        if self._pending:
+            batch, self._pending = self._pending, []
+            self._queue.put(batch)
+
+    # --- the writer thread ---------------------------------------------------------------
+
+    def _write_loop(self, conn: sqlite3.Connection, loop: asyncio.AbstractEventLoop) -> None:
         try:
+            stopping = False
+            while not stopping:
+                try:
+                    item = self._queue.get(timeout=None if self._healthy else PROBE_INTERVAL_S)
+                except queue.Empty:
+                    self._probe(conn)
+                    continue
+                items = [item]
+                while True:
+                    try:
+                        items.append(self._queue.get_nowait())
+                    except queue.Empty:
+                        break
+                writes = []
+                for it in items:
+                    if it is _STOP:
+                        stopping = True
+                    else:
+                        writes.extend(it)
+                if writes:
+                    results = self._commit(conn, writes)
+                    # a closed loop raises RuntimeError: nobody waits any more
+                    with contextlib.suppress(RuntimeError):
+                        loop.call_soon_threadsafe(_settle_all, results)
+                self._bound_wal(conn)
+        finally:
+            self._final_checkpoint(conn)
+
+    def _commit(self, conn: sqlite3.Connection, writes: list[tuple[_Op, asyncio.Future[Any], float]]
+                ) -> list[tuple[asyncio.Future[Any], Any, BaseException | None]]:
+        """One transaction for every write whose deadline has not passed; the lock wait is
+        bounded by the oldest deadline."""
+        now = time.monotonic()
+        results: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = []
+        live: list[tuple[_Op, asyncio.Future[Any]]] = []
+        for op, future, deadline in writes:
+            if deadline <= now:
+                results.append((future, None, self._timed_out()))
+            else:
+                live.append((op, future))
+        if not live:
+            self._healthy = False
+            return results
+        wait_ms = max(1, int((min(d for _, _, d in writes if d > now) - now) * 1000))
+        try:
+            self._busy_wait(conn, wait_ms)
             try:
-                results = self._batch(conn, batch, isolated=False)
+                results += self._batch(conn, live, isolated=False)
             except _Replay:      # an append failed half-way: redo the batch, each in a savepoint
-                results = self._batch(conn, batch, isolated=True)
-        except sqlite3.Error as exc:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            failure = StoreError(f"commit failed: {exc}")
-            results = [(future, None, failure) for _, future in batch]
-        for future, value, failed in results:
-            _settle(future, value, failed)
+                results += self._batch(conn, live, isolated=True)
+            self._healthy = True
+        except Exception as exc:     # sqlite3.Error, or anything else: the thread carries on
+            _rollback(conn)
+            self._healthy = False
+            failure = StoreError(f"store {self.path}: commit failed: {exc}")
+            results += [(future, None, failure) for _, future in live]
+        return results
+
+    def _busy_wait(self, conn: sqlite3.Connection, wait_ms: int) -> None:
+        """Bound the lock wait to `wait_ms`, give or take a tenth of the deadline: fresh writes
+        (the common case) leave the setting alone instead of paying for a PRAGMA per batch."""
+        if wait_ms > self._busy_ms or wait_ms < self._busy_ms - self.timeout_s * 100:
+            conn.execute(f"PRAGMA busy_timeout={wait_ms}")
+            self._busy_ms = wait_ms
+
+    def _timed_out(self) -> StoreError:
+        return StoreError(f"store {self.path}: not written within the store deadline of "
+                          f"{self.timeout_s:g} s (database locked or slow)")
 
     def _batch(self, conn: sqlite3.Connection, batch: list[tuple[_Op, asyncio.Future[Any]]],
                isolated: bool) -> list[tuple[asyncio.Future[Any], Any, BaseException | None]]:
@@ -265,26 +395,177 @@ class SQLiteStore:
         self._next_purge = now + self.purge_interval_s
         purge(conn, now - self.retention_s)
 
-    def _checkpoints(self) -> None:
-        """Copy WAL pages back into the database file off the event loop's thread."""
-        conn = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
+    def wal_bytes(self) -> int:
         try:
-            conn.execute("PRAGMA busy_timeout=5000")
-            while not self._stop.wait(self.checkpoint_interval_s):
-                try:
+            return self.wal_path.stat().st_size
+        except OSError:
+            return 0
+
+    def _bound_wal(self, conn: sqlite3.Connection) -> None:
+        """Past `wal_limit_bytes`, a TRUNCATE checkpoint between two batches: the writer pauses,
+        so it completes unless a reader holds an old snapshot (then again a little later)."""
+        if self.wal_bytes() <= self.wal_limit_bytes:
+            return
+        now = time.monotonic()
+        if now < self._next_truncate:
+            return
+        if self._truncate(conn):
+            self._next_truncate = 0.0
+        else:
+            self._next_truncate = now + TRUNCATE_RETRY_S
+
+    def _truncate(self, conn: sqlite3.Connection) -> bool:
+        try:
+            self._busy_wait(conn, int(min(self.timeout_s, 0.5) * 1000))
+            busy = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
+        except sqlite3.Error:
+            return False
+        if busy:
+            return False
+        self.truncations += 1
+        return True
+
+    def _probe(self, conn: sqlite3.Connection) -> None:
+        """While unhealthy and idle: empty the WAL if it has grown, then try a one-row write."""
+        if self.wal_bytes() > 0:
+            self._truncate(conn)
+        try:
+            self._busy_wait(conn, max(1, int(self.timeout_s * 1000)))
+            _probe_write(conn)
+            self._healthy = True
+        except sqlite3.Error:
+            _rollback(conn)
+
+    def _final_checkpoint(self, conn: sqlite3.Connection) -> None:
+        try:
+            conn.execute(f"PRAGMA busy_timeout={max(1, int(self.timeout_s * 1000))}")
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        except sqlite3.Error as exc:
+            self._close_problem = str(exc)
+        try:
+            conn.close()
+        except sqlite3.Error as exc:
+            self._close_problem = self._close_problem or str(exc)
+
+    def _checkpoints(self) -> None:
+        """Copy WAL pages back into the database file off the event loop's thread: every
+        `checkpoint_interval_s`, and more often once the WAL is past half its limit, so the
+        writer's TRUNCATE checkpoint finds little left to copy."""
+        try:
+            conn = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
+        except sqlite3.Error:
+            return
+        try:
+            conn.execute("PRAGMA busy_timeout=100")
+            last = time.monotonic()
+            while not self._stop.wait(min(self.checkpoint_interval_s, CHECKPOINT_POLL_S)):
+                size = self.wal_bytes()
+                if size > self.wal_limit_bytes:
+                    continue    # the writer truncates it: a checkpoint here would only hold it up
+                now = time.monotonic()
+                if size <= self.wal_limit_bytes // 2 and now - last < self.checkpoint_interval_s:
+                    continue
+                last = now
+                with contextlib.suppress(sqlite3.Error):   # busy: the next round catches up
                     conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
-                except sqlite3.Error:
-                    continue    # busy: the next round catches up
         finally:
             conn.close()
 
+    # --- opening and closing ---------------------------------------------------------------
 
-def _read_only(path: Path) -> sqlite3.Connection:
+    def _take_lock(self) -> int:
+        """An exclusive lock on `<store>.lock`, before the database is touched: a second
+        stepguard on the same store stops here, having changed nothing."""
+        if not self.path.parent.is_dir():
+            raise StoreError(f"cannot open store {self.path}: directory {self.path.parent} "
+                             "does not exist")
+        try:
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise StoreError(f"cannot open store {self.path}: cannot create its lock file "
+                             f"{self.lock_path}: {exc.strerror}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise StoreError(f"store {self.path} is in use by another stepguard (lock "
+                             f"{self.lock_path} is held)") from None
+        return fd
+
+    def _release_lock(self) -> None:
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            os.close(fd)     # closing the descriptor releases the lock
+
+    def _connect_all(self) -> tuple[sqlite3.Connection, sqlite3.Connection, sqlite3.Connection]:
+        opened: list[sqlite3.Connection] = []
+        try:
+            conn = connect(self.path, self.synchronous, self.timeout_s)
+            opened.append(conn)
+            conn.execute("PRAGMA wal_autocheckpoint=0")   # the checkpointer thread does it
+            conn.execute(f"PRAGMA journal_size_limit={self.wal_limit_bytes}")
+            _probe_write(conn)   # a store that cannot take a write fails now, not at first call
+            opened.append(_read_only(self.path, self.timeout_s))
+            opened.append(_read_only(self.path, self.timeout_s))
+        except sqlite3.Error as exc:
+            for c in opened:
+                c.close()
+            raise StoreError(f"cannot open store {self.path}: {_explain(exc)}") from None
+        return opened[0], opened[1], opened[2]
+
+    def _close_readers(self) -> None:
+        """After every read already started has finished."""
+        for pool in (self._lookups, self._scans):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._lookups = self._scans = None
+        for conn in (self._lookup, self._reader):
+            if conn is not None:
+                conn.close()
+        self._lookup = self._reader = None
+
+
+_STOP = object()
+
+
+def _count(conn: sqlite3.Connection) -> list[tuple[str, str, int]]:
+    rows: list[tuple[str, str, int]] = conn.execute(
+        "SELECT workflow, status, count(*) FROM runs GROUP BY workflow, status").fetchall()
+    return rows
+
+
+def _probe_write(conn: sqlite3.Connection) -> None:
+    conn.execute("BEGIN IMMEDIATE")
+    conn.execute("INSERT OR REPLACE INTO probe (id, at) VALUES (1, ?)", (time.time(),))
+    conn.execute("COMMIT")
+
+
+def _rollback(conn: sqlite3.Connection) -> None:
+    if conn.in_transaction:
+        with contextlib.suppress(sqlite3.Error):
+            conn.execute("ROLLBACK")
+
+
+def _explain(exc: sqlite3.Error) -> str:
+    text = str(exc)
+    if "readonly" in text or "read-only" in text:
+        return f"{text} (the file or its directory is read-only)"
+    if "not a database" in text or "malformed" in text:
+        return f"{text} (the file is not a stepguard store, or it is corrupt)"
+    return text
+
+
+def _settle_all(results: list[tuple[asyncio.Future[Any], Any, BaseException | None]]) -> None:
+    for future, value, failed in results:
+        _settle(future, value, failed)
+
+
+def _read_only(path: Path, timeout_s: float) -> sqlite3.Connection:
     """A connection that can only read, for use off the loop's thread (one thread at a time)."""
     conn = sqlite3.connect(path.resolve().as_uri() + "?mode=ro", uri=True, isolation_level=None,
                            check_same_thread=False)
     conn.execute("PRAGMA query_only=1")
-    conn.execute("PRAGMA busy_timeout=5000")
+    conn.execute(f"PRAGMA busy_timeout={max(1, int(timeout_s * 1000))}")
     return conn
 
 

@@ -17,6 +17,10 @@ class Store(Protocol):
 
     async def close(self) -> None: ...
 
+    def healthy(self) -> bool:
+        """Whether the last write (or the store's own probe) succeeded: `/readyz` reports the
+        store unready while appends fail."""
+
     async def load(self, run_id: str) -> Envelope | None: ...
 
     async def append(self, envelope: Envelope, event: dict[str, Any],

@@ -119,7 +119,10 @@ class Stepguard:
         self.ready = False
         await self.escalator.close()
         await self.forwarder.close()
-        await self.store.close()
+        try:
+            await self.store.close()
+        except StepguardError as exc:   # a final checkpoint on a full disk: logged, not fatal
+            self.observer.store_error("close", str(exc))
 
 
 STEPGUARD = web.AppKey("stepguard", Stepguard)
@@ -131,7 +134,9 @@ def build(settings: Settings, contracts: list[Contract], store: Store | None = N
     observer = Observer(metrics or Metrics(), settings.log_payloads, settings.payload_log_bytes,
                         settings.log_level)
     store = store or SQLiteStore(settings.store, settings.sqlite_synchronous,
-                                 retention_s=settings.retention_hours * 3600)
+                                 retention_s=settings.retention_hours * 3600,
+                                 timeout_s=settings.store_timeout,
+                                 wal_limit_bytes=settings.wal_limit_bytes)
     return Stepguard(settings, contracts, store, observer)
 
 
@@ -178,11 +183,15 @@ async def _healthz(request: web.Request) -> web.Response:
 
 
 async def _readyz(request: web.Request) -> web.Response:
+    """Ready: started, and the store takes writes (unready from a failed commit until a commit
+    or the store's own probe succeeds)."""
     sg = request.app[STEPGUARD]
-    body = {"ready": sg.ready,
+    store_ok = sg.store.healthy()
+    ready = sg.ready and store_ok
+    body = {"ready": ready, "store": "ok" if store_ok else "unavailable",
             "contracts": [{"workflow": c.workflow, "contract_version": c.version,
                            "sha256": c.content_hash} for c in sg.contracts]}
-    return web.json_response(body, status=200 if sg.ready else 503)
+    return web.json_response(body, status=200 if ready else 503)
 
 
 async def reload_contracts(sg: Stepguard, paths: list[str]) -> bool:

@@ -53,6 +53,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -108,6 +109,7 @@ class BenchOptions:
     micro_n: int = 2000          # boundary pairs timed by boundary_micro (0: skip it)
     repeat: int = 1              # rounds of every row; each figure is the median of its rounds
     seq_requests: int = 500      # closed-loop phase: back-to-back requests on one connection
+    wal_soak_s: float = 0.0      # > 0: only the WAL soak, a saturating load this long
 
 
 @dataclass
@@ -985,8 +987,91 @@ def _targets(rows: dict[str, Row], ratios: dict[str, float | None],
     return targets
 
 
+_WAL_SAMPLE_S = 0.1
+
+
+def wal_soak(options: BenchOptions) -> dict[str, Any]:
+    """`stepguard serve` (the `contract` row's contract, its default WAL limit) under wrk at
+    `--concurrency` connections for `wal_soak_s` seconds, every call a checked run of its own;
+    the WAL file's size sampled every 0.1 s. Reports calls/s, the WAL's peak and final size and
+    its size at each tenth of the run, and the database's size."""
+    if not (Path(options.wrk).is_file() and os.access(options.wrk, os.X_OK)):
+        raise ValueError(f"the WAL soak needs wrk at {options.wrk} (apt-get install -y wrk)")
+    if options.concurrency < 1:
+        raise ValueError("concurrency must be positive")
+    bench = _Bench(options)
+    samples: list[tuple[float, int]] = []
+    stop = threading.Event()
+    try:
+        upstream_url = bench.start_upstream()
+        hop, port, store = bench.start_stepguard("wal-soak", bench_contract(upstream_url))
+        wal = Path(f"{store}-wal")
+        began = time.monotonic()
+
+        def sample() -> None:
+            while not stop.wait(_WAL_SAMPLE_S):
+                try:
+                    size = wal.stat().st_size
+                except OSError:
+                    size = 0
+                samples.append((time.monotonic() - began, size))
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        pids = hop.pids()
+        cpu_before = _cpu_s(pids)
+        result = bench.wrk(f"http://127.0.0.1:{port}{MOUNT}{TOOL_PATH}", _TOOL.body, "soak",
+                           options.wal_soak_s)
+        cpu = _cpu_s(pids) - cpu_before
+        stop.set()
+        sampler.join()
+        hop.check_alive()
+        db_bytes = store.stat().st_size
+        rss = _peak_rss_mb(hop.pids())
+        bench.stop(hop)
+        events = _count_events(store)
+    finally:
+        stop.set()
+        bench.close()
+    sizes = [size for _, size in samples]
+    tenths = [max((size for t, size in samples
+                   if i * options.wal_soak_s / 10 <= t < (i + 1) * options.wal_soak_s / 10),
+                  default=0) for i in range(10)]
+    return {"wal_soak": {
+        "seconds": options.wal_soak_s, "concurrency": options.concurrency,
+        "calls_per_s": round(result["rps"], 1), "calls": result["requests"],
+        "non_2xx": result["non_2xx"], "socket_errors": result["socket_errors"],
+        "stored_events": events,
+        "cpu_s_per_1k": round(cpu / result["requests"] * 1000, 4) if result["requests"] else None,
+        "rss_mb": rss, "wal_limit_bytes": Settings().wal_limit_bytes,
+        "wal_peak_bytes": max(sizes, default=0), "wal_final_bytes": sizes[-1] if sizes else 0,
+        "wal_peak_bytes_by_tenth": tenths, "db_bytes": db_bytes},
+        "options": asdict(options)}
+
+
+def render_wal_soak(result: dict[str, Any]) -> str:
+    w = result["wal_soak"]
+    mib = 1024 * 1024
+    return "\n".join([
+        f"WAL soak: {w['seconds']:g} s of wrk at {w['concurrency']} connections, every call a "
+        "checked run of its own",
+        f"  calls/s          {w['calls_per_s']:,.1f} ({w['calls']:,} calls, {w['non_2xx']} non-2xx, "
+        f"{w['socket_errors']} socket errors; {_fmt(w['stored_events'])} events stored)",
+        f"  WAL peak         {w['wal_peak_bytes'] / mib:,.1f} MiB (limit "
+        f"{w['wal_limit_bytes'] / mib:,.0f} MiB)",
+        f"  WAL final        {w['wal_final_bytes'] / mib:,.1f} MiB",
+        "  WAL peak by tenth of the run (MiB): "
+        + ", ".join(f"{v / mib:.1f}" for v in w["wal_peak_bytes_by_tenth"]),
+        f"  database         {w['db_bytes'] / mib:,.1f} MiB",
+        f"  hop CPU          {_fmt(w['cpu_s_per_1k'], 3)} s per 1k calls, peak RSS "
+        f"{_fmt(w['rss_mb'], 1)} MB"])
+
+
 def run(options: BenchOptions) -> dict[str, Any]:
-    """Measure every row of `options.rows` (plus the references they need) in one run."""
+    """Measure every row of `options.rows` (plus the references they need) in one run; with
+    `wal_soak_s`, the WAL soak instead."""
+    if options.wal_soak_s > 0:
+        return wal_soak(options)
     plan = _plan(options.rows)
     if options.concurrency < 1 or options.duration_s <= 0 or options.rate <= 0 \
             or options.rate_duration_s <= 0 or options.repeat < 1 or options.seq_requests < 0:
@@ -1053,6 +1138,8 @@ def _fmt(value: Any, digits: int = 2) -> str:
 
 
 def render(result: dict[str, Any]) -> str:
+    if "wal_soak" in result:
+        return render_wal_soak(result)
     columns = [("row", "name", 0), ("rps", "rps", 0), ("p50 ms", "p50_ms", 2),
                ("p90 ms", "p90_ms", 2), ("p99 ms", "p99_ms", 2), ("+p50 ms", "added_p50_ms", 2),
                ("+p99 ms", "added_p99_ms", 2), ("+ttfb p50", "ttfb_added_p50_ms", 2),

@@ -42,6 +42,12 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--admin-host", help="admin listen address (STEPGUARD_ADMIN_HOST)")
     serve.add_argument("--admin-port", type=int, help="admin port (STEPGUARD_ADMIN_PORT, 9090)")
     serve.add_argument("--store", help="SQLite file (STEPGUARD_STORE, stepguard.db)")
+    serve.add_argument("--store-timeout", type=float,
+                       help="seconds a write may wait for a locked or slow store before the "
+                            "call is refused with 503 (STEPGUARD_STORE_TIMEOUT, 1)")
+    serve.add_argument("--wal-limit-bytes", type=int,
+                       help="WAL size past which the writer truncates it "
+                            "(STEPGUARD_WAL_LIMIT_BYTES, 64 MiB)")
     serve.add_argument("--max-request-bytes", type=int)
     serve.add_argument("--max-response-bytes", type=int)
     serve.add_argument("--passthrough", action="store_true", default=None,
@@ -115,6 +121,10 @@ def _parser() -> argparse.ArgumentParser:
                                   "back); 0 skips it")
     proxy_bench.add_argument("--repeat", type=int, default=1,
                              help="rounds of every row, interleaved; figures are medians")
+    proxy_bench.add_argument("--wal-soak", type=float, default=0.0, metavar="SECONDS",
+                             help="instead of the rows: stepguard under a saturating load (wrk, "
+                                  "--concurrency connections) for SECONDS, reporting calls/s and "
+                                  "the WAL's peak and final size")
     proxy_bench.add_argument("--json", action="store_true")
     proxy_bench.set_defaults(func=_bench_proxy)
 
@@ -280,7 +290,7 @@ def _bench_proxy(args: argparse.Namespace) -> int:
     options = BenchOptions(concurrency=args.concurrency, duration_s=args.duration,
                            rate=args.rate, rate_duration_s=args.rate_duration,
                            rows=[r for r in args.rows.split(",") if r], repeat=args.repeat,
-                           seq_requests=args.seq_requests)
+                           seq_requests=args.seq_requests, wal_soak_s=args.wal_soak)
     try:
         result = run(options)
     except ValueError as exc:     # bad flags: an unknown row, a rate or duration out of range

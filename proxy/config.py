@@ -14,7 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from stepguard.contracts.sqlite_store import SYNCHRONOUS_MODES
+from stepguard.contracts.sqlite_store import (
+    DEFAULT_TIMEOUT_S,
+    DEFAULT_WAL_LIMIT_BYTES,
+    SYNCHRONOUS_MODES,
+)
 from stepguard.metrics.logs import LOG_FORMATS, LOG_LEVELS
 
 TRUE_WORDS = ("true", "1", "yes", "on")
@@ -131,6 +135,8 @@ _PARSERS: dict[str, _Parse] = {
     "admin_port": _PORT,
     "store": _text,
     "sqlite_synchronous": _choice(SYNCHRONOUS_MODES, str.upper),
+    "store_timeout": _number(0.01, "a number of seconds"),
+    "wal_limit_bytes": _bytes(65536),
     "max_request_bytes": _bytes(1),
     "max_response_bytes": _bytes(1),
     "payload_history_bytes": _bytes(0),
@@ -179,6 +185,8 @@ class Settings:
     admin_port: int = 9090
     store: str = "stepguard.db"
     sqlite_synchronous: str = "NORMAL"
+    store_timeout: float = DEFAULT_TIMEOUT_S
+    wal_limit_bytes: int = DEFAULT_WAL_LIMIT_BYTES
     max_request_bytes: int = 10 * 1024 * 1024
     max_response_bytes: int = 10 * 1024 * 1024
     payload_history_bytes: int = 4 * 1024

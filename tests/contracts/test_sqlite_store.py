@@ -331,3 +331,20 @@ async def test_a_store_made_with_the_old_status_index_is_migrated_on_open(tmp_pa
     names = {row[0] for row in check.execute("SELECT name FROM sqlite_master WHERE type='index'")}
     check.close()
     assert "runs_by_status" not in names and "runs_settled" in names
+
+
+@pytest.mark.parametrize("operation", OPERATIONS.values(), ids=OPERATIONS.keys())
+async def test_an_operation_started_before_close_finishes_and_none_starts_after(
+        tmp_path, operation):
+    """Every operation runs on a thread of the store; close waits for those already started
+    (their connection stays open until they finish) and refuses the rest."""
+    store = SQLiteStore(tmp_path / "runs.db")
+    await store.open()
+    await store.append(*step(start("run-0")))
+    started = [asyncio.ensure_future(operation(store)) for _ in range(5)]
+    await asyncio.sleep(0)
+    await store.close()
+    for result in await asyncio.gather(*started, return_exceptions=True):
+        assert not isinstance(result, BaseException) or isinstance(result, ConflictError), result
+    with pytest.raises(StoreError, match="is not open"):
+        await operation(store)

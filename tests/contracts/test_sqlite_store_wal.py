@@ -1,0 +1,74 @@
+"""The WAL stays bounded under sustained load: past `wal_limit_bytes` the writer runs a
+TRUNCATE checkpoint between two batches, even while readers keep reading beside it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from stepguard.contracts.envelope import Envelope
+from stepguard.contracts.sqlite_store import SQLiteStore
+
+pytestmark = pytest.mark.fault
+
+LIMIT = 512 * 1024
+# what may pass the limit before the writer's next check: the frames of one batch plus what
+# arrives while a checkpoint waits for a reader (stated bound, asserted below)
+BOUND = LIMIT + 2 * 1024 * 1024
+LOAD_S = 2.5
+PAYLOAD = {"blob": "x" * 2000}
+
+
+async def sustained_load(store: SQLiteStore, seconds: float, writers: int = 32) -> int:
+    """`writers` runs advancing without pause, and readers reading beside them, for `seconds`;
+    returns how many events were stored."""
+    stored = 0
+    stop = time.monotonic() + seconds
+
+    async def writer(w: int) -> None:
+        nonlocal stored
+        envelope = Envelope(f"run-{w}", "wf", "1")
+        while time.monotonic() < stop:
+            event = {"seq": envelope.seq + 1, "ts": time.time(), "action": "advance",
+                     "step": "s", "boundary": "exit", "input": PAYLOAD}
+            after = envelope.apply(event)
+            await store.append(after, event)
+            envelope = after
+            stored += 1
+
+    async def reader() -> None:
+        while time.monotonic() < stop:
+            await store.history("run-0")
+            await store.count_by_status()
+
+    await asyncio.gather(*(writer(w) for w in range(writers)), reader(), reader())
+    return stored
+
+
+async def test_the_wal_stays_under_its_bound_during_sustained_load(tmp_path: Path) -> None:
+    store = SQLiteStore(tmp_path / "runs.db", wal_limit_bytes=LIMIT)
+    await store.open()
+    peak = 0
+    sampling = True
+
+    async def sample() -> None:
+        nonlocal peak
+        while sampling:
+            peak = max(peak, store.wal_bytes())
+            await asyncio.sleep(0.005)
+
+    sampler = asyncio.ensure_future(sample())
+    try:
+        stored = await sustained_load(store, LOAD_S)
+    finally:
+        sampling = False
+        await sampler
+    written = stored * 4096         # every append writes at least one page into the WAL
+    await store.close()
+    assert written > 3 * BOUND, f"the load wrote too little to test the bound ({written} bytes)"
+    assert peak <= BOUND, f"WAL peaked at {peak} bytes, bound {BOUND} ({stored} events)"
+    assert store.truncations > 0
+    assert not (tmp_path / "runs.db-wal").exists() or (tmp_path / "runs.db-wal").stat().st_size == 0
