@@ -26,7 +26,6 @@ HOP_BY_HOP = frozenset({
     "trailers", "transfer-encoding", "upgrade", "proxy-connection",
 })
 _NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length"}
-_CHUNK = 64 * 1024
 _SMALL = 256 * 1024     # pass-through bodies up to this size (Content-Length known) are not streamed
 
 
@@ -34,6 +33,39 @@ class BodyTooLarge(Exception):
     def __init__(self, limit: int) -> None:
         self.limit = limit
         super().__init__(f"body exceeds {limit} bytes")
+
+
+class BodyStalled(Exception):
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        super().__init__(f"the request body sent nothing for {timeout_s:g} s")
+
+
+class BudgetSpent(Exception):
+    """Holding this body would pass the budget of request body bytes held at once."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        super().__init__(f"stepguard is holding its budget of {budget} request body bytes")
+
+
+class BodyBudget:
+    """The request body bytes all calls in flight hold together, bounded: a body that would
+    pass the bound is refused (503, retry) instead of buffered, so memory stays bounded however
+    many large bodies arrive at once. A known length is taken whole up front; a chunked body
+    is taken as it arrives."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+
+    def take(self, size: int) -> None:
+        if self.held + size > self.limit:
+            raise BudgetSpent(self.limit)
+        self.held += size
+
+    def give(self, size: int) -> None:
+        self.held -= size
 
 
 class UpstreamError(Exception):
@@ -80,19 +112,45 @@ def end_to_end(headers: CIMultiDictProxy[str] | CIMultiDict[str],
     return CIMultiDict([(k, v) for k, v in headers.items() if k.lower() not in drop])
 
 
-async def read_body(request: web.Request, limit: int) -> bytes:
+async def read_body(request: web.Request, limit: int, budget: BodyBudget,
+                    stall_s: float | None = None) -> bytes:
+    """The whole body, up to `limit` bytes (`BodyTooLarge`), waiting at most `stall_s` for each
+    piece (`BodyStalled`). Its bytes are taken from `budget` (`BudgetSpent`): the caller gives
+    back `len(body)` when done with it; on an exception nothing stays taken."""
     length = request.content_length
     if length is not None and length > limit:
         raise BodyTooLarge(limit)
+    if length == 0:
+        return b""
+    content = request.content
+    taken = 0
     if length is not None:
-        return await request.content.readexactly(length) if length else b""
-    chunks, size = [], 0
-    async for chunk in request.content.iter_chunked(_CHUNK):
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge(limit)
-        chunks.append(chunk)
-    return b"".join(chunks)
+        budget.take(length)
+        taken = length
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        while True:
+            try:
+                async with asyncio.timeout(stall_s):
+                    chunk = await content.readany()
+            except TimeoutError:
+                raise BodyStalled(stall_s or 0.0) from None
+            if not chunk:
+                break
+            size += len(chunk)
+            if size > limit:
+                raise BodyTooLarge(limit)
+            if length is None:
+                budget.take(len(chunk))
+                taken += len(chunk)
+            chunks.append(chunk)
+        if length is not None and size != length:
+            raise asyncio.IncompleteReadError(b"", length)
+    except BaseException:
+        budget.give(taken)
+        raise
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 _IDLE_CHECK_S = 15.0
