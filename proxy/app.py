@@ -85,7 +85,8 @@ class Stepguard:
         self.metrics = self.observer.metrics
         self.metrics.contracts_loaded((c.workflow, c.version, c.content_hash, list(c.steps))
                                       for c in self.contracts)
-        self.forwarder = Forwarder(self.settings.max_response_bytes)
+        self.forwarder = Forwarder(self.settings.max_response_bytes,
+                                   self.settings.connect_attempts, self.settings.connect_timeout_s)
         self.runs = RunBook(self.store)
         self.run_counts = RunCounts(self.store)
         self.escalator = Escalator(self.observer)
