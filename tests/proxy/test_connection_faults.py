@@ -5,6 +5,7 @@ all cut within their timeouts, while a normal client and the admin port are serv
 from __future__ import annotations
 
 import asyncio
+import io
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -162,3 +163,62 @@ async def test_connections_past_the_limit_get_a_fast_503_and_the_admin_port_stay
     writer.close()
     await asyncio.sleep(0.3)
     assert await sidecar.checked_call("after-the-flood") == 200
+
+
+# --- memory flood ---------------------------------------------------------------------------------
+
+BUDGET_MB = 32
+BODY_MB = 4
+FLOOD = 60                  # 240 MB of bodies offered at once, against a 32 MB budget
+# what the process may hold beyond its idle size: each held body is read (1x), joined (1x) and
+# partly buffered by the upstream socket's transport (up to 1x), so 3x the budget, plus slack
+RSS_GROWTH_MB = 3 * BUDGET_MB + 40
+
+
+def rss_mb(pid: int, field: str) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no {field}")
+
+
+@pytest.mark.timeout(40)
+async def test_a_flood_of_large_bodies_to_a_slow_upstream_keeps_rss_bounded(tmp_path):
+    upstream_port, port, admin = free_port(), free_port(), free_port()
+    contract = tmp_path / "bench.yaml"
+    contract.write_text(yaml.safe_dump(bench_contract(f"http://127.0.0.1:{upstream_port}")))
+    upstream = await started("stepguard.proxy.bench_upstream", "--port", str(upstream_port),
+                             "--delay-ms", "1000")
+    proxy = await started(
+        "stepguard.proxy.cli", "serve", "--contract", str(contract), "--port", str(port),
+        "--admin-port", str(admin), "--store", str(tmp_path / "sg.db"), "--log-level", "error",
+        "--max-inflight-body-bytes", str(BUDGET_MB << 20))
+    big = b'{"order_id":"ord-17","pad":"' + b"x" * (BODY_MB << 20) + b'"}'
+    try:
+        connector = aiohttp.TCPConnector(limit=FLOOD + 8)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            await wait_ready(session, f"http://127.0.0.1:{admin}/readyz")
+            await wait_ready(session, f"http://127.0.0.1:{upstream_port}/")
+            idle = rss_mb(proxy.pid, "VmRSS")
+
+            async def call(body: bytes, run: str) -> tuple[int, str | None]:
+                async with session.post(
+                        f"http://127.0.0.1:{port}/tools/lookup_order", data=io.BytesIO(body),
+                        headers={"content-type": "application/json", RUN_HEADER: run}) as reply:
+                    await reply.read()
+                    return reply.status, reply.headers.get("x-should-retry")
+
+            flood = [asyncio.create_task(call(big, f"big-{i}")) for i in range(FLOOD)]
+            await asyncio.sleep(0.3)
+            healthy = await asyncio.gather(*(call(order_request(), f"small-{i}")
+                                             for i in range(5)))
+            answers = await asyncio.gather(*flood)
+        peak = rss_mb(proxy.pid, "VmHWM")
+    finally:
+        for proc in (proxy, upstream):
+            proc.terminate()
+            await proc.wait()
+    assert healthy == [(200, None)] * 5
+    assert set(answers) <= {(200, None), (503, "true")}
+    assert (503, "true") in answers and (200, None) in answers
+    assert peak - idle < RSS_GROWTH_MB, f"idle {idle:.0f} MB, peak {peak:.0f} MB"
