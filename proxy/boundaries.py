@@ -35,6 +35,8 @@ from stepguard.proxy.forward import Timing
 from stepguard.proxy.routing import Route
 
 CONFLICT_RETRIES = 3
+# the action of a call that never reached its upstream: recorded, the run left where it was
+UNREACHABLE = "unreachable"
 T = TypeVar("T")
 
 
@@ -136,6 +138,20 @@ class Boundaries:
         after, event = await self.runs.commit(envelope, fields)
         self.observer.verdict(contract, run_id, event, timing.added_s(), traffic)
         return Settled(REFUSE, decision_id, event, after)
+
+    async def unreachable(self, contract: Contract, run_id: str, envelope: Envelope, step: str,
+                          detail: str, *, timing: Timing, traffic: str, attempt: int = 1,
+                          extra: dict[str, Any] | None = None) -> Settled:
+        """Record that a call of `step` never reached its upstream (no connection could be
+        made). It is not the step's failure: no check ran, the run is neither advanced nor
+        halted, and the agent may send the call again."""
+        decision_id = new_decision_id()
+        fields = {"step": step, "boundary": "exit", "verdict": UNREACHABLE,
+                  "action": UNREACHABLE, "decision_id": decision_id, "attempt": attempt,
+                  "detail": detail, **(extra or {})}
+        after, event = await self.runs.commit(envelope, fields)
+        self.observer.verdict(contract, run_id, event, timing.added_s(), traffic)
+        return Settled(UNREACHABLE, decision_id, event, after)
 
     @staticmethod
     def action(contract: Contract, decision: Decision, attempt: int, safe_to_retry: bool) -> str:

@@ -50,6 +50,20 @@ def _parser() -> argparse.ArgumentParser:
                             "(STEPGUARD_WAL_LIMIT_BYTES, 64 MiB)")
     serve.add_argument("--max-request-bytes", type=int)
     serve.add_argument("--max-response-bytes", type=int)
+    serve.add_argument("--max-inflight-body-bytes", type=int,
+                       help="request body bytes held at once, all calls together (503 above)")
+    serve.add_argument("--header-timeout-s", type=float,
+                       help="seconds for a request's head once its first byte came (10)")
+    serve.add_argument("--body-timeout-s", type=float,
+                       help="seconds a request body may stall between reads (30)")
+    serve.add_argument("--idle-timeout-s", type=float,
+                       help="seconds a keep-alive connection may sit idle (75)")
+    serve.add_argument("--max-connections", type=int,
+                       help="client connections on the proxy listener (0: from the fd limit)")
+    serve.add_argument("--connect-attempts", type=int,
+                       help="tries to reach an upstream before answering 502 (3)")
+    serve.add_argument("--connect-timeout-s", type=float,
+                       help="seconds for all tries to reach an upstream (2)")
     serve.add_argument("--passthrough", action="store_true", default=None,
                        help="forward everything unchecked (a baseline, not for production)")
     serve.add_argument("--fail-open", action="store_true", default=None,

@@ -140,6 +140,14 @@ _PARSERS: dict[str, _Parse] = {
     "max_request_bytes": _bytes(1),
     "max_response_bytes": _bytes(1),
     "payload_history_bytes": _bytes(0),
+    "max_inflight_body_bytes": _bytes(1),
+    "header_timeout_s": _number(0.001, "a number of seconds"),
+    "body_timeout_s": _number(0.001, "a number of seconds"),
+    "idle_timeout_s": _number(0.001, "a number of seconds"),
+    "max_connections": _integer(0, what="a number of connections",
+                                hint=" (0: derived from the open-file limit)"),
+    "connect_attempts": _integer(1, 20, "a number of attempts"),
+    "connect_timeout_s": _number(0.001, "a number of seconds"),
     "retention_hours": _number(0, "a number of hours", " (0 keeps everything)"),
     "passthrough": _boolean,
     "fail_open": _boolean,
@@ -190,6 +198,13 @@ class Settings:
     max_request_bytes: int = 10 * 1024 * 1024
     max_response_bytes: int = 10 * 1024 * 1024
     payload_history_bytes: int = 4 * 1024
+    max_inflight_body_bytes: int = 256 * 1024 * 1024
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    idle_timeout_s: float = 75.0
+    max_connections: int = 0
+    connect_attempts: int = 3
+    connect_timeout_s: float = 2.0
     retention_hours: float = 168.0
     passthrough: bool = False
     fail_open: bool = False

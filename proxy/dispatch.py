@@ -12,7 +12,14 @@ import aiohttp.http_exceptions
 from aiohttp import web
 
 from stepguard.metrics.observer import Observer
-from stepguard.proxy.forward import BodyTooLarge, Timing, read_body
+from stepguard.proxy.forward import (
+    BodyBudget,
+    BodyStalled,
+    BodyTooLarge,
+    BudgetSpent,
+    Timing,
+    read_body,
+)
 from stepguard.proxy.problems import problem
 from stepguard.proxy.routing import Route, Router, UnsafePath
 
@@ -28,11 +35,14 @@ class Adapter(Protocol):
 
 class Dispatcher:
     def __init__(self, router: Router, adapters: dict[str, Adapter], observer: Observer,
-                 max_request_bytes: int) -> None:
+                 max_request_bytes: int, budget: BodyBudget,
+                 body_timeout_s: float | None = None) -> None:
         self.router = router
         self.adapters = adapters
         self.observer = observer
         self.max_request_bytes = max_request_bytes
+        self.budget = budget
+        self.body_timeout_s = body_timeout_s
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         timing = Timing(time.perf_counter())
@@ -52,10 +62,19 @@ class Dispatcher:
             adapter = self.adapters[route.upstream.kind]
             traffic = adapter.traffic
             try:
-                body = await read_body(request, self.max_request_bytes)
+                body = await read_body(request, self.max_request_bytes, self.budget,
+                                       self.body_timeout_s)
             except BodyTooLarge as exc:
                 response = adapter.error(route, 413, "Request too large",
                                          f"request body exceeds {exc.limit} bytes")
+            except BudgetSpent as exc:
+                response = adapter.error(route, 503, "Too many bodies in flight", str(exc))
+                response.headers["x-should-retry"] = "true"
+                response.headers["Retry-After"] = "1"
+                response.force_close()      # the body is not read: do not linger for it
+            except BodyStalled as exc:
+                response = adapter.error(route, 408, "Request body stalled", str(exc))
+                await self._close_after(request, response, timing)
             except aiohttp.web.HTTPException:
                 raise
             except (aiohttp.ClientPayloadError, aiohttp.http_exceptions.HttpProcessingError,
@@ -63,8 +82,24 @@ class Dispatcher:
                 response = adapter.error(route, 400, "Unreadable request body",
                                          f"the request body could not be read: {exc}")
             else:
-                response = await adapter.handle(request, route, body, timing)
+                try:
+                    response = await adapter.handle(request, route, body, timing)
+                finally:
+                    self.budget.give(len(body))
         if not response.prepared:
             timing.stamp(response)
         self.observer.added(traffic, timing.added_s())
         return response
+
+    @staticmethod
+    async def _close_after(request: web.Request, response: web.StreamResponse,
+                           timing: Timing) -> None:
+        """Send `response`, then close the connection without reading the rest of the body."""
+        response.force_close()
+        timing.stamp(response)
+        try:
+            await response.prepare(request)
+            await response.write_eof()
+        except ConnectionError:
+            pass
+        request.protocol.force_close()      # flushes what was written, then closes

@@ -17,6 +17,7 @@ from stepguard.proxy.h1client import (
     BodyCapExceeded,
     H1Client,
     H1Response,
+    NotSent,
     ReadTimeout,
     UpstreamConnectionError,
 )
@@ -26,7 +27,6 @@ HOP_BY_HOP = frozenset({
     "trailers", "transfer-encoding", "upgrade", "proxy-connection",
 })
 _NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length"}
-_CHUNK = 64 * 1024
 _SMALL = 256 * 1024     # pass-through bodies up to this size (Content-Length known) are not streamed
 
 
@@ -36,10 +36,49 @@ class BodyTooLarge(Exception):
         super().__init__(f"body exceeds {limit} bytes")
 
 
+class BodyStalled(Exception):
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        super().__init__(f"the request body sent nothing for {timeout_s:g} s")
+
+
+class BudgetSpent(Exception):
+    """Holding this body would pass the budget of request body bytes held at once."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        super().__init__(f"stepguard is holding its budget of {budget} request body bytes")
+
+
+class BodyBudget:
+    """The request body bytes all calls in flight hold together, bounded: a body that would
+    pass the bound is refused (503, retry) instead of buffered, so memory stays bounded however
+    many large bodies arrive at once. A known length is taken whole up front; a chunked body
+    is taken as it arrives."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+
+    def take(self, size: int) -> None:
+        if self.held + size > self.limit:
+            raise BudgetSpent(self.limit)
+        self.held += size
+
+    def give(self, size: int) -> None:
+        self.held -= size
+
+
 class UpstreamError(Exception):
-    def __init__(self, kind: Literal["transport", "timeout", "cap"], detail: str) -> None:
+    """The upstream call failed. `unreachable`: it was never sent (no connection could be
+    made; `own`: for want of stepguard's own descriptors or buffers), so it is not the
+    tool's failure."""
+
+    def __init__(self, kind: Literal["transport", "timeout", "cap", "unreachable"], detail: str,
+                 own: bool = False) -> None:
         self.kind = kind
         self.detail = detail
+        self.own = own
         super().__init__(detail)
 
 
@@ -80,19 +119,45 @@ def end_to_end(headers: CIMultiDictProxy[str] | CIMultiDict[str],
     return CIMultiDict([(k, v) for k, v in headers.items() if k.lower() not in drop])
 
 
-async def read_body(request: web.Request, limit: int) -> bytes:
+async def read_body(request: web.Request, limit: int, budget: BodyBudget,
+                    stall_s: float | None = None) -> bytes:
+    """The whole body, up to `limit` bytes (`BodyTooLarge`), waiting at most `stall_s` for each
+    piece (`BodyStalled`). Its bytes are taken from `budget` (`BudgetSpent`): the caller gives
+    back `len(body)` when done with it; on an exception nothing stays taken."""
     length = request.content_length
     if length is not None and length > limit:
         raise BodyTooLarge(limit)
+    if length == 0:
+        return b""
+    content = request.content
+    taken = 0
     if length is not None:
-        return await request.content.readexactly(length) if length else b""
-    chunks, size = [], 0
-    async for chunk in request.content.iter_chunked(_CHUNK):
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge(limit)
-        chunks.append(chunk)
-    return b"".join(chunks)
+        budget.take(length)
+        taken = length
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        while True:
+            try:
+                async with asyncio.timeout(stall_s):
+                    chunk = await content.readany()
+            except TimeoutError:
+                raise BodyStalled(stall_s or 0.0) from None
+            if not chunk:
+                break
+            size += len(chunk)
+            if size > limit:
+                raise BodyTooLarge(limit)
+            if length is None:
+                budget.take(len(chunk))
+                taken += len(chunk)
+            chunks.append(chunk)
+        if length is not None and size != length:
+            raise asyncio.IncompleteReadError(b"", length)
+    except BaseException:
+        budget.give(taken)
+        raise
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 _IDLE_CHECK_S = 15.0
@@ -158,11 +223,20 @@ class ClientEnd:
                 self.gone = True
 
 
-class Forwarder:
-    """Every upstream call goes through one `H1Client` (keep-alive pools per origin)."""
+CONNECT_BACKOFF_S = 0.25   # the first wait before another try to reach an upstream; doubles
 
-    def __init__(self, max_response_bytes: int) -> None:
+
+class Forwarder:
+    """Every upstream call goes through one `H1Client` (keep-alive pools per origin). A call
+    that cannot reach its upstream (`NotSent`) is tried again, whatever its method: it was
+    never sent. Up to `connect_attempts` tries with back-off, all within `connect_timeout_s`
+    (and the call's own timeout); then UpstreamError("unreachable")."""
+
+    def __init__(self, max_response_bytes: int, connect_attempts: int = 3,
+                 connect_timeout_s: float = 2.0) -> None:
         self.max_response_bytes = max_response_bytes
+        self.connect_attempts = connect_attempts
+        self.connect_timeout_s = connect_timeout_s
         self.client = H1Client(keepalive_s=30.0)
 
     async def close(self) -> None:
@@ -170,31 +244,43 @@ class Forwarder:
 
     async def open(self, method: str, url: str, headers: CIMultiDict[str], body: bytes,
                    timeout_s: float, head_timeout_s: float | None = SAME_AS_TIMEOUT) -> H1Response:
-        """Send a call and wait for the head of the answer (connect within `timeout_s`, the head
-        within `head_timeout_s`, default `timeout_s`). The caller reads and releases it."""
+        """Send a call and wait for the head of the answer (reach the upstream within
+        `timeout_s`, the head within `head_timeout_s` of the start, default `timeout_s`). The
+        caller reads and releases it."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         wait = timeout_s if head_timeout_s == SAME_AS_TIMEOUT else head_timeout_s
-        try:
-            async with asyncio.timeout(wait):
-                return await self.client.request(method, url, headers, body, timeout_s)
-        except TimeoutError:
-            what = (f"did not answer within {wait:g} s" if wait is not None
-                    else f"could not be reached within {timeout_s:g} s")
-            raise UpstreamError("timeout", f"upstream {what}") from None
-        except UpstreamConnectionError as exc:
-            raise UpstreamError("transport", f"upstream unreachable: {exc}") from None
+        reach_by = started + min(self.connect_timeout_s, timeout_s)
+        head_by = None if wait is None else started + wait
+        delay = CONNECT_BACKOFF_S
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return await self.client.request(method, url, headers, body,
+                                                 max(reach_by - loop.time(), 0.001), head_by)
+            except NotSent as exc:
+                if attempt >= self.connect_attempts or loop.time() + delay >= reach_by:
+                    raise UpstreamError(
+                        "unreachable", f"upstream unreachable, not sent ({attempt} attempt(s) in "
+                        f"{loop.time() - started:.2f} s): {exc}", own=exc.own) from None
+                await asyncio.sleep(delay)
+                delay *= 2
+            except TimeoutError:
+                raise UpstreamError("timeout", f"upstream did not answer within {wait:g} s") from None
+            except UpstreamConnectionError as exc:
+                raise UpstreamError("transport", f"upstream failed: {exc}") from None
 
     async def fetch(self, method: str, url: str, headers: CIMultiDict[str], body: bytes,
                     timeout_s: float) -> Upstreamed:
         """The whole answer, within `timeout_s` from start to last byte."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        resp = await self.open(method, url, headers, body, timeout_s)
         try:
-            async with asyncio.timeout(timeout_s):
-                resp = await self.client.request(method, url, headers, body, timeout_s)
-                async with resp:
-                    data = await self.read_capped(resp)
+            async with resp, asyncio.timeout_at(deadline):
+                data = await self.read_capped(resp)
         except TimeoutError:
             raise UpstreamError("timeout", f"upstream did not answer within {timeout_s:g} s") from None
-        except UpstreamConnectionError as exc:
-            raise UpstreamError("transport", f"upstream unreachable: {exc}") from None
         return Upstreamed(resp.status, end_to_end(resp.headers), data)
 
     async def read_capped(self, resp: H1Response) -> bytes:

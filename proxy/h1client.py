@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import errno
 import re
 import ssl
 import time
@@ -48,6 +49,20 @@ class UpstreamConnectionError(Exception):
 
 class UpstreamProtocolError(UpstreamConnectionError):
     """The upstream's bytes are not a valid HTTP/1.1 response."""
+
+
+class NotSent(UpstreamConnectionError):
+    """No connection to the upstream could be made, so the request was never sent: refused,
+    name not resolved, no answer to the connect, or (`own`) stepguard out of descriptors or
+    buffers itself."""
+
+    def __init__(self, detail: str, own: bool = False) -> None:
+        super().__init__(detail)
+        self.own = own
+
+
+# errors of the connecting process itself, not of the upstream
+_EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
 class _HeadTooLarge(Exception):
@@ -496,9 +511,12 @@ class H1Client:
         return self._ssl
 
     async def request(self, method: str, url: str, headers: CIMultiDict[str], body: bytes = b"",
-                      connect_timeout_s: float | None = None) -> H1Response:
-        """Send the request and wait for the response's head. Time limits beyond the connect
-        are the caller's (`asyncio.timeout`): cancelled, the connection is closed."""
+                      connect_timeout_s: float | None = None,
+                      head_by: float | None = None) -> H1Response:
+        """Send the request and wait for the response's head, by the loop time `head_by` if
+        given (TimeoutError). A connection that cannot be made raises `NotSent`, a connect
+        timeout included. Other time limits are the caller's (`asyncio.timeout`): cancelled,
+        the connection is closed."""
         if self.closed:
             raise UpstreamConnectionError("client is closed")
         origin, target, auth = split_url(url)
@@ -509,12 +527,19 @@ class H1Client:
         conn = pool.take()
         if conn is not None:
             try:
-                return await self._exchange(conn, method, head, body)
+                return await self._exchange_by(conn, method, head, body, head_by)
             except _Unanswered:
                 if method not in _IDEMPOTENT:
                     raise
         conn = await self._connect(pool, connect_timeout_s)
-        return await self._exchange(conn, method, head, body)
+        return await self._exchange_by(conn, method, head, body, head_by)
+
+    async def _exchange_by(self, conn: _Connection, method: str, head: bytes, body: bytes,
+                           head_by: float | None) -> H1Response:
+        if head_by is None:
+            return await self._exchange(conn, method, head, body)
+        async with asyncio.timeout_at(head_by):
+            return await self._exchange(conn, method, head, body)
 
     async def _connect(self, pool: _Pool, timeout_s: float | None) -> _Connection:
         origin = pool.origin
@@ -526,10 +551,11 @@ class H1Client:
                     lambda: _Connection(pool), origin.host, origin.port, ssl=tls,
                     server_hostname=origin.host if tls else None)
         except TimeoutError:
-            raise
+            raise NotSent(f"{origin.host_header} did not accept a connection within "
+                          f"{timeout_s or 0:.3g} s") from None
         except OSError as exc:
-            raise UpstreamConnectionError(f"cannot connect to {origin.host_header}: "
-                                          f"{exc.strerror or exc}") from None
+            raise NotSent(f"cannot connect to {origin.host_header}: {exc.strerror or exc}",
+                          own=exc.errno in _EXHAUSTED) from None
         return protocol
 
     async def _exchange(self, conn: _Connection, method: str, head: bytes,

@@ -104,6 +104,8 @@ class HttpToolAdapter:
                                                headers, body, route.upstream.timeout_s, timing,
                                                read_timeout_s)
         except UpstreamError as exc:
+            if exc.kind == "unreachable":
+                return unreachable_problem(exc, upstream=route.upstream.name)
             return problem(504 if exc.kind == "timeout" else 502, "Upstream failed", exc.detail,
                            upstream=route.upstream.name)
 
@@ -154,6 +156,9 @@ class HttpToolAdapter:
                 up = await self.forwarder.fetch(call.request.method, url, call.headers, call.body,
                                                 timeout)
             except UpstreamError as exc:
+                if exc.kind == "unreachable":
+                    self.boundaries.upstream_seen(call.route, call.timing, upstream_started, None)
+                    return await self._unreachable(call, exc, attempt)
                 result = ToolResult(None, error=exc.detail, error_kind=exc.kind)
             self.boundaries.upstream_seen(call.route, call.timing, upstream_started,
                                           up.status if up else None)
@@ -180,6 +185,23 @@ class HttpToolAdapter:
                 return response
             assert up is not None
             return web.Response(status=up.status, headers=up.headers, body=up.body)
+
+    async def _unreachable(self, call: Call, exc: UpstreamError, attempt: int) -> web.Response:
+        """The call never reached the upstream: recorded as such, the run left where it was
+        (no tool error, no halt), and the agent told to try again."""
+        if attempt == 1:
+            call.forwarded = False          # provably not sent: a store failure may say so
+
+        async def record() -> Settled:
+            async with self.runs.locked(call.run_id):
+                envelope = await self.runs.envelope(call.contract, call.run_id)
+                return await self.boundaries.unreachable(
+                    call.contract, call.run_id, envelope, call.step.name, exc.detail,
+                    timing=call.timing, traffic=TRAFFIC, attempt=attempt)
+
+        settled = await retrying_conflicts(call.run_id, record)
+        return unreachable_problem(exc, upstream=call.route.upstream.name, run=call.run_id,
+                                   step=call.step.name, decision_id=settled.decision_id)
 
     async def _stopped_meanwhile(self, call: Call) -> web.Response | None:
         """Before a retry is sent: a run halted or escalated during the back-off (by another
@@ -266,6 +288,14 @@ def tool_result(up: Upstreamed, limit: int) -> ToolResult:
     except BodyError as exc:
         return ToolResult(up.status, error=exc.detail, error_kind="cap" if exc.status == 413 else "parse")
     return ToolResult(up.status, output)
+
+
+def unreachable_problem(exc: UpstreamError, **members: Any) -> web.Response:
+    """A call that never reached its upstream: 503 when stepguard itself ran out of
+    descriptors or buffers, else 502; either way worth another try."""
+    if exc.own:
+        return problem(503, "Stepguard exhausted", exc.detail, retry=True, **members)
+    return problem(502, "Upstream unreachable", exc.detail, retry=True, **members)
 
 
 def upstream_url(route: Route, request: web.Request) -> str:

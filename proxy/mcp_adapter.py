@@ -32,7 +32,14 @@ from stepguard.contracts.model import Contract, Step
 from stepguard.contracts.runs import RunBook
 from stepguard.metrics.observer import Observer
 from stepguard.proxy.bodies import BodyError, decode, parse_json
-from stepguard.proxy.boundaries import Boundaries, Evidence, Settled, back_off, retrying_conflicts
+from stepguard.proxy.boundaries import (
+    UNREACHABLE,
+    Boundaries,
+    Evidence,
+    Settled,
+    back_off,
+    retrying_conflicts,
+)
 from stepguard.proxy.config import Settings
 from stepguard.proxy.correlation import describe_keys, run_id_for
 from stepguard.proxy.forward import (
@@ -94,6 +101,7 @@ class Answer:
     body: bytes = b""               # the JSON answer, or the held SSE event that answers the call
     sse: bool = False
     resumable: bool = False         # the stream ended unanswered after events with ids
+    unreachable: UpstreamError | None = None   # no connection could be made: never sent
 
 
 @dataclass(slots=True, eq=False)
@@ -387,6 +395,8 @@ class McpAdapter:
             if answer is None:
                 call.forwarded = True
                 answer = await self._attempt(call, time.perf_counter())
+                if answer.unreachable is not None:
+                    await self._unreachable(call, answer.unreachable, attempt)
             call.answer = got = answer
             if got.resumable and call.cut is not None:
                 return await self._await_resumption(call, attempt)
@@ -424,6 +434,27 @@ class McpAdapter:
                 await self._refuse_stopped(call, envelope, "exit")
             decision = check_exit(call.contract, call.step, envelope, call.arguments, answer.result)
             return decision, await self._settle(call, envelope, decision, answer, attempt, safe)
+
+    async def _unreachable(self, call: ToolCall, exc: UpstreamError, attempt: int) -> None:
+        """The call never reached the MCP server: recorded as such, the run left where it was
+        (no tool error, no halt), and the client told to try again (a Refusal)."""
+        if attempt == 1:
+            call.forwarded = False
+
+        async def record() -> Settled:
+            async with self.runs.locked(call.run_id):
+                envelope = await self.runs.envelope(call.contract, call.run_id)
+                return await self.boundaries.unreachable(
+                    call.contract, call.run_id, envelope, call.step.name, exc.detail,
+                    timing=call.timing, traffic=TRAFFIC, attempt=attempt,
+                    extra={"rpc_id": call.rpc_id})
+
+        settled = await retrying_conflicts(call.run_id, record)
+        raise Refusal(REQUEST_CODE, f"stepguard: run {call.run_id!r}, step {call.step.name!r}: "
+                      f"the MCP server could not be reached, the call was not sent "
+                      f"({exc.detail}); try again",
+                      {"check": UNREACHABLE, "run": call.run_id, "step": call.step.name,
+                       "own": exc.own, "decision_id": settled.decision_id})
 
     async def _stopped_meanwhile(self, call: ToolCall) -> None:
         """Before a retry is sent: a run halted or escalated during the back-off (by another
@@ -486,6 +517,16 @@ class McpAdapter:
         try:
             async with asyncio.timeout(timeout_s):
                 return await self._exchange(call, since, method, headers)
+        except UpstreamError as exc:
+            self._seen(call, None, since)
+            if exc.kind == "unreachable":
+                return Answer(ToolResult(None, error=f"MCP server unreachable: {exc.detail}",
+                                         error_kind="transport"), unreachable=exc)
+            if exc.kind == "timeout":
+                return Answer(ToolResult(None, error=f"MCP server did not answer within "
+                                         f"{timeout_s:g} s", error_kind="timeout"))
+            return Answer(ToolResult(None, error=f"MCP server unreachable: {exc.detail}",
+                                     error_kind="transport"))
         except TimeoutError:
             self._seen(call, None, since)
             return Answer(ToolResult(None, error=f"MCP server did not answer within {timeout_s:g} s",
@@ -500,7 +541,7 @@ class McpAdapter:
         timeout_s = call.step.timeout_s or call.route.upstream.timeout_s
         sent = call.headers if headers is None else headers
         ask_for_identity(sent)
-        async with await self.forwarder.client.request(
+        async with await self.forwarder.open(
                 method, upstream_url(call.route, call.request), sent,
                 call.body if method == "POST" else b"", timeout_s) as resp:
             self._seen(call, resp.status, since)
@@ -515,8 +556,9 @@ class McpAdapter:
                 return await self._relay_events(call, resp, headers)
             try:
                 body = await self.forwarder.read_capped(resp)
-            except UpstreamError as exc:
-                return Answer(ToolResult(None, error=exc.detail, error_kind=exc.kind), resp.status)
+            except UpstreamError as exc:     # mid-body: "cap" or "transport"
+                return Answer(ToolResult(None, error=exc.detail, error_kind="cap"
+                                         if exc.kind == "cap" else "transport"), resp.status)
             return Answer(self._result(call, body, resp.status, encoding), resp.status, headers,
                           body)
 
@@ -609,8 +651,10 @@ class McpAdapter:
         body = orjson.dumps(rpc_error(call.rpc_id, refusal.code, refusal.message, refusal.data))
         if call.out is not None:
             return await self._final_event(call, b"event: message\r\ndata: " + body + b"\r\n\r\n")
-        # a store that failed before the call was forwarded may work later; nothing else will
-        later = refusal.data.get("check") == "store" and not refusal.data.get("forwarded")
+        # a store that failed before the call was forwarded, or an upstream never reached, may
+        # work later; nothing else will
+        later = ((refusal.data.get("check") == "store" and not refusal.data.get("forwarded"))
+                 or refusal.data.get("check") == UNREACHABLE)
         return web.Response(body=body, content_type="application/json",
                             headers={"x-should-retry": "true" if later else "false"})
 

@@ -132,17 +132,19 @@ async def test_a_tool_refusing_a_call_with_4xx_is_relayed_and_recorded_without_a
     assert problem(await px.call("/tools/ship", {}, run="declined-1"), 409)["check"] == "order"
 
 
-async def test_an_unreachable_upstream_is_a_tool_error_answered_502(proxy):
+async def test_an_upstream_that_refuses_connections_is_502_retry_and_leaves_the_run_active(proxy):
     px = await proxy(make_contract(f"http://127.0.0.1:{free_port()}", {"act": {}}))
 
     reply = await px.call("/tools/act", {}, run="down-1")
 
-    body = drift_problem(reply, 502, run="down-1", step="act", check="tool_error",
-                         drift="tool_error", boundary="exit", action="halt")
+    body = problem(reply, 502, should_retry="true")   # never sent: not the tool's failure
+    assert body["title"] == "Upstream unreachable"
+    assert "not sent (3 attempt(s)" in body["detail"]
     history = await px.history("down-1")
     assert trail(history) == [("act", "entry", "pass", "forward"),
-                              ("act", "exit", "violation", "halt")]
-    assert decided(history, body)["upstream_status"] is None
+                              ("act", "exit", "unreachable", "unreachable")]
+    assert history[-1]["decision_id"] == body["decision_id"]
+    assert await px.status("down-1") == "active"
 
 
 # --- the store --------------------------------------------------------------------------------

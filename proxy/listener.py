@@ -1,0 +1,139 @@
+"""The server side of client connections: aiohttp's RequestHandler with the limits it lacks.
+
+aiohttp bounds an idle keep-alive connection (`keepalive_timeout`, here the idle timeout) but
+not the time a client takes to send a request's head once it has started, and not the number
+of connections. `GuardedRunner` serves an application with both:
+
+- a head timeout: from the first byte of a request until its head is parsed; a connection that
+  has not finished its head by then is closed;
+- a connection limit: a connection accepted beyond it gets a fixed 503 (`x-should-retry:
+  true`) and is closed at once, so stalled sockets cannot use up the process's descriptors.
+
+The body timeout (a request body that stalls between reads) is `forward.read_body`'s.
+This leans on three of aiohttp's private names (`_handle_request`, `_messages`, `Server`'s
+`_kwargs`/`_loop`), checked by tests/proxy/test_connection_faults.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import resource
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+from aiohttp.web_request import BaseRequest
+
+# descriptors kept out of the derived connection limit: store, logs, admin, listeners, ...
+FD_RESERVE = 256
+ADMIN_CONNECTIONS = 32     # the admin listener's own limit: it stays reachable when the proxy is full
+
+_BUSY_BODY = (b'{"type":"urn:stepguard:problem:too-many-connections",'
+              b'"title":"Too many connections","status":503,'
+              b'"detail":"stepguard is serving its connection limit; try again"}')
+BUSY = (b"HTTP/1.1 503 Service Unavailable\r\n"
+        b"Content-Type: application/problem+json\r\n"
+        b"x-should-retry: true\r\nRetry-After: 1\r\nConnection: close\r\n"
+        b"Content-Length: " + str(len(_BUSY_BODY)).encode() + b"\r\n\r\n" + _BUSY_BODY)
+
+
+def connection_limit(configured: int) -> int:
+    """The configured limit, or (0) half of what the open-file limit leaves after a reserve:
+    every proxied call may hold an upstream socket beside its client's."""
+    if configured:
+        return configured
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 20
+    return max(16, (soft - FD_RESERVE) // 2)
+
+
+@dataclass(slots=True)
+class Gate:
+    """The limits of one listener, and its open connections."""
+
+    max_connections: int
+    head_timeout_s: float
+    open: int = 0
+    refused: int = 0
+
+
+class _Handler(web.RequestHandler):
+    __slots__ = ("_admitted", "_awaiting_head", "_gate", "_head_timer")
+
+    def __init__(self, manager: web.Server, *, gate: Gate, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._gate = gate
+        self._admitted = False
+        self._awaiting_head = True
+        self._head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        gate = self._gate
+        if gate.open >= gate.max_connections:
+            gate.refused += 1
+            writable: Any = transport
+            writable.write(BUSY)
+            transport.close()       # flushes the 503 first
+            return
+        gate.open += 1
+        self._admitted = True
+        super().connection_made(transport)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if not self._admitted:
+            return
+        self._admitted = False
+        self._gate.open -= 1
+        self._cancel_head_timer()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._awaiting_head and self._head_timer is None and not self._messages:
+            self._head_timer = self._loop.call_later(self._gate.head_timeout_s,
+                                                     self._head_expired)
+
+    async def _handle_request(self, request: BaseRequest, start_time: float | None,
+                              request_handler: Any) -> tuple[web.StreamResponse, bool]:
+        self._awaiting_head = False
+        self._cancel_head_timer()
+        try:
+            return await super()._handle_request(request, start_time, request_handler)
+        finally:
+            self._awaiting_head = True
+
+    def _head_expired(self) -> None:
+        self._head_timer = None
+        if self._awaiting_head:
+            self.force_close()
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+
+class _Server(web.Server):
+    def __init__(self, *args: Any, gate: Gate, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.gate = gate
+
+    def __call__(self) -> web.RequestHandler:
+        return _Handler(self, loop=self._loop, gate=self.gate, **self._kwargs)
+
+
+class GuardedRunner(web.AppRunner):
+    """An AppRunner whose connections obey `gate`; `idle_timeout_s` is aiohttp's keep-alive
+    timeout (it also closes a connection that never sends a byte)."""
+
+    def __init__(self, app: web.Application, gate: Gate, idle_timeout_s: float,
+                 **kwargs: Any) -> None:
+        super().__init__(app, keepalive_timeout=idle_timeout_s, **kwargs)
+        self.gate = gate
+
+    async def _make_server(self) -> web.Server:
+        plain = await super()._make_server()
+        return _Server(plain.request_handler, request_factory=plain.request_factory,
+                       handler_cancellation=plain.handler_cancellation, loop=plain._loop,
+                       gate=self.gate, **plain._kwargs)
