@@ -44,6 +44,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--store", help="SQLite file (STEPGUARD_STORE, stepguard.db)")
     serve.add_argument("--max-request-bytes", type=int)
     serve.add_argument("--max-response-bytes", type=int)
+    serve.add_argument("--max-json-depth", type=int,
+                       help="deepest JSON nesting read (STEPGUARD_MAX_JSON_DEPTH, 64)")
     serve.add_argument("--passthrough", action="store_true", default=None,
                        help="forward everything unchecked (a baseline, not for production)")
     serve.add_argument("--fail-open", action="store_true", default=None,

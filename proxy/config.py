@@ -16,6 +16,7 @@ from typing import Any
 
 from stepguard.contracts.sqlite_store import SYNCHRONOUS_MODES
 from stepguard.metrics.logs import LOG_FORMATS, LOG_LEVELS
+from stepguard.proxy.bodies import JSON_DEPTH_CEILING, MAX_JSON_DEPTH
 
 TRUE_WORDS = ("true", "1", "yes", "on")
 FALSE_WORDS = ("false", "0", "no", "off")
@@ -133,6 +134,7 @@ _PARSERS: dict[str, _Parse] = {
     "sqlite_synchronous": _choice(SYNCHRONOUS_MODES, str.upper),
     "max_request_bytes": _bytes(1),
     "max_response_bytes": _bytes(1),
+    "max_json_depth": _integer(1, JSON_DEPTH_CEILING, "a number of nesting levels"),
     "payload_history_bytes": _bytes(0),
     "retention_hours": _number(0, "a number of hours", " (0 keeps everything)"),
     "passthrough": _boolean,
@@ -181,6 +183,7 @@ class Settings:
     sqlite_synchronous: str = "NORMAL"
     max_request_bytes: int = 10 * 1024 * 1024
     max_response_bytes: int = 10 * 1024 * 1024
+    max_json_depth: int = MAX_JSON_DEPTH
     payload_history_bytes: int = 4 * 1024
     retention_hours: float = 168.0
     passthrough: bool = False
