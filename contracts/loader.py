@@ -32,7 +32,7 @@ from stepguard.contracts.model import (
     Upstream,
     normal_path,
 )
-from stepguard.metrics.redact import ALWAYS
+from stepguard.metrics.redact import is_redacted, normal_key
 
 
 @cache
@@ -315,9 +315,9 @@ class _Compiler:
         """A recorded key that redaction covers would enter the state as "[REDACTED]" (the
         state is folded from the redacted history, so a restart sees the same), and every
         later condition comparing it would compare against that placeholder."""
-        if key.lower() in ALWAYS:
+        if is_redacted(key):
             why = "stepguard always redacts it"
-        elif key.lower() in {str(f).lower() for f in self.doc.get("redact", ())}:
+        elif is_redacted(key, frozenset(normal_key(str(f)) for f in self.doc.get("redact", ()))):
             why = "it is in the contract's `redact` list"
         else:
             return False

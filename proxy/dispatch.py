@@ -44,9 +44,9 @@ class Dispatcher:
             self.observer.added("none", timing.added_s())
             return response
         if route is None:
-            response = problem(
-                404, "No upstream", f"no upstream is mounted at {request.path!r}; "
-                f"mounts: {', '.join(self.router.mounts())}")
+            # the configured mounts are not listed: they would map the tools behind stepguard
+            response = problem(404, "No upstream",
+                               f"no upstream is mounted at {request.path[:200]!r}")
             traffic = "none"
         else:
             adapter = self.adapters[route.upstream.kind]
