@@ -14,7 +14,7 @@ from aiohttp import web
 from stepguard.metrics.observer import Observer
 from stepguard.proxy.forward import BodyTooLarge, Timing, read_body
 from stepguard.proxy.problems import problem
-from stepguard.proxy.routing import Route, Router, UnsafePath
+from stepguard.proxy.routing import Route, Router, UnsafePath, refuse_method_override
 
 
 class Adapter(Protocol):
@@ -38,8 +38,12 @@ class Dispatcher:
         timing = Timing(time.perf_counter())
         try:
             route = self.router.resolve(request.path, request.rel_url.raw_path)
+            if route is not None:
+                refuse_method_override(route, request.headers)
         except UnsafePath as exc:
-            response: web.StreamResponse = problem(400, "Unsafe path", str(exc))
+            self.observer.refused(exc.reason, str(exc), request.remote or "-")
+            response: web.StreamResponse = problem(400, "Ambiguous request", str(exc),
+                                                   reason=exc.reason)
             timing.stamp(response)
             self.observer.added("none", timing.added_s())
             return response
