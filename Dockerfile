@@ -1,8 +1,14 @@
 # stepguard, the sidecar image: the proxy on :8080, the admin listener (/healthz, /readyz,
 # /metrics) on :9090, the contract mounted as a file, the SQLite store on a volume.
 #
+# The proxy listens on 127.0.0.1 unless told otherwise: it forwards to the contract's tools, so
+# it is opened to other hosts only on purpose. The admin listener (health, readiness, metrics;
+# no tool traffic) listens on all interfaces for probes and scrapers. To reach the proxy from
+# outside the container (another container, or a published port), bind it explicitly and
+# publish it on loopback:
+#
 #   docker build -t stepguard:0.1.0 .
-#   docker run --rm -p 8080:8080 -p 9090:9090 \
+#   docker run --rm -e STEPGUARD_HOST=0.0.0.0 -p 127.0.0.1:8080:8080 -p 127.0.0.1:9090:9090 \
 #     -v "$PWD/examples/order-confirmation/contract.yaml:/etc/stepguard/contract.yaml:ro" \
 #     -v stepguard-store:/var/lib/stepguard stepguard:0.1.0
 FROM python:3.11-slim
@@ -23,7 +29,7 @@ COPY . /tmp/stepguard-src
 RUN pip install /tmp/stepguard-src \
  && rm -rf /tmp/stepguard-src
 
-ENV STEPGUARD_HOST=0.0.0.0 \
+ENV STEPGUARD_HOST=127.0.0.1 \
     STEPGUARD_PORT=8080 \
     STEPGUARD_ADMIN_HOST=0.0.0.0 \
     STEPGUARD_ADMIN_PORT=9090 \

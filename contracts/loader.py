@@ -32,7 +32,7 @@ from stepguard.contracts.model import (
     Upstream,
     normal_path,
 )
-from stepguard.metrics.redact import ALWAYS
+from stepguard.metrics.redact import is_redacted, normal_key
 
 
 @cache
@@ -161,6 +161,13 @@ def _duplicate_issue(source: str, path: tuple[str, ...], where: str) -> Contract
 
 
 @cache
+def _step_path(path: str, upstream: Upstream | None) -> str:
+    """A step's path as calls are matched against it: normalised, and in lower case on a
+    `case_insensitive` upstream (whose calls' paths the router lowers too)."""
+    normal = normal_path(path)
+    return normal.lower() if upstream is not None and upstream.case_insensitive else normal
+
+
 def _format_validator() -> jsonschema.Draft202012Validator:
     return jsonschema.Draft202012Validator(format_schema())
 
@@ -216,7 +223,9 @@ class _Compiler:
     def upstreams(self, specs: Mapping[str, Any]) -> dict[str, Upstream]:
         return {name: Upstream(name, spec["url"].rstrip("/"), spec.get("kind", "http"),
                                spec.get("mount", f"/{name}").rstrip("/") or "/",
-                               float(spec.get("timeout_s", 30.0)))
+                               float(spec.get("timeout_s", 30.0)),
+                               bool(spec.get("case_insensitive", False)),
+                               bool(spec.get("allow_method_override", False)))
                 for name, spec in specs.items()}
 
     def named_schemas(self, specs: Mapping[str, Any]) -> dict[str, Schema]:
@@ -294,7 +303,8 @@ class _Compiler:
             name=name,
             index=index,
             match=Match(m.get("upstream"), m.get("method"),
-                        normal_path(m["path"]) if m.get("path") else None, m.get("tool")),
+                        _step_path(m["path"], upstreams.get(m.get("upstream") or ""))
+                        if m.get("path") else None, m.get("tool")),
             input_schema=self.schema_ref(name, "input", spec.get("input")),
             output_schema=self.schema_ref(name, "output", spec.get("output")),
             preconditions=self.conditions(name, "precondition", spec.get("precondition"),
@@ -315,9 +325,9 @@ class _Compiler:
         """A recorded key that redaction covers would enter the state as "[REDACTED]" (the
         state is folded from the redacted history, so a restart sees the same), and every
         later condition comparing it would compare against that placeholder."""
-        if key.lower() in ALWAYS:
+        if is_redacted(key):
             why = "stepguard always redacts it"
-        elif key.lower() in {str(f).lower() for f in self.doc.get("redact", ())}:
+        elif is_redacted(key, frozenset(normal_key(str(f)) for f in self.doc.get("redact", ()))):
             why = "it is in the contract's `redact` list"
         else:
             return False

@@ -125,6 +125,8 @@ class Upstream:
     kind: str
     mount: str
     timeout_s: float
+    case_insensitive: bool = False         # steps match paths in any case (as the upstream does)
+    allow_method_override: bool = False    # X-HTTP-Method-Override & co. let through
 
 
 def normal_path(path: str) -> str:

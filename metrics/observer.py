@@ -73,6 +73,11 @@ class Observer:
         self.metrics.retries.labels(contract.workflow, step,
                                     "recovered" if recovered else "exhausted").inc()
 
+    def refused(self, reason: str, detail: str, client: str) -> None:
+        """A request refused before any upstream or run was chosen (an ambiguous path)."""
+        self.metrics.requests_refused.labels(reason).inc()
+        self.log.warning("request_refused", reason=reason, detail=detail, client=client)
+
     def added(self, traffic: str, seconds: float) -> None:
         self._child(self.metrics.added, traffic).observe(seconds)
 

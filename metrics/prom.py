@@ -57,6 +57,9 @@ class Metrics:
         self.runs = Gauge(
             "stepguard_runs", "Runs in the store, by workflow and status.",
             ["workflow", "status"], registry=r)
+        self.requests_refused = Counter(
+            "stepguard_requests_refused", "Requests refused before routing: ambiguous paths "
+            "and method-override headers, by reason.", ["reason"], registry=r)
         self.store_errors = Counter(
             "stepguard_store_errors", "Store operations that failed.", ["operation"], registry=r)
         self.contract_loads = Counter(

@@ -1,5 +1,6 @@
 """Redaction of secrets before anything is logged or stored: credentials by name, plus the
-fields a contract marks as sensitive. Matching is by key, case-insensitive, at any depth."""
+fields a contract marks as sensitive. Matching is by key at any depth, ignoring case and reading
+`-` as `_` (`X-Api-Key`, `x_api_key` and `X_API_KEY` are one key)."""
 
 from __future__ import annotations
 
@@ -7,16 +8,29 @@ from collections.abc import Iterable
 from typing import Any
 
 REDACTED = "[REDACTED]"
-ALWAYS = frozenset({
+
+
+def normal_key(key: str) -> str:
+    """The form keys are matched in: lower case, `-` read as `_`."""
+    return key.lower().replace("-", "_")
+
+
+ALWAYS = frozenset(normal_key(k) for k in (
     "authorization", "proxy-authorization", "cookie", "set-cookie", "x-api-key", "api-key",
-    "api_key", "apikey", "openai-api-key", "anthropic-api-key", "password", "passwd", "secret",
-    "client_secret", "access_token", "refresh_token", "id_token",
-})
+    "apikey", "openai-api-key", "anthropic-api-key", "password", "passwd", "secret",
+    "client_secret", "access_token", "refresh_token", "id_token", "token", "private_key",
+    "bearer",
+))
+
+
+def is_redacted(key: str, keys: frozenset[str] = ALWAYS) -> bool:
+    low = key.lower()
+    return low in keys or ("-" in low and low.replace("-", "_") in keys)
 
 
 class Redactor:
     def __init__(self, fields: Iterable[str] = ()) -> None:
-        self.keys = ALWAYS | {f.lower() for f in fields}
+        self.keys = ALWAYS | {normal_key(f) for f in fields}
 
     def __call__(self, value: Any) -> Any:
         """`value` with every sensitive key's value replaced; containers are copied only where
@@ -29,7 +43,7 @@ def _redacted(value: Any, keys: frozenset[str]) -> Any:
     if kind is dict:
         copy: dict[Any, Any] | None = None
         for k, v in value.items():
-            if type(k) is str and k.lower() in keys:
+            if type(k) is str and is_redacted(k, keys):
                 new: Any = REDACTED
             elif type(v) is dict or type(v) is list:
                 new = _redacted(v, keys)

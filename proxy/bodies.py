@@ -1,11 +1,26 @@
-"""Parsing request and response bodies once, with errors that say exactly what is wrong."""
+"""Parsing request and response bodies once, with errors that say exactly what is wrong.
+
+Every JSON body goes through `parse_json`, which bounds what later stages must handle: nesting
+deeper than `max_depth` (the store serialises with orjson, which stops at 254 levels, and
+redaction recurses) and integers orjson cannot hold exactly (it turns one past 64 bits into a
+float) are refused with a message naming the limit, and a `charset` other than UTF-8 is
+honoured."""
 
 from __future__ import annotations
 
+import codecs
+import re
 import zlib
+from email.message import Message
+from functools import cache
 from typing import Any
 
 import orjson
+
+MAX_JSON_DEPTH = 64          # the default of --max-json-depth
+JSON_DEPTH_CEILING = 200     # the most it may be set to: below orjson's 254 with room for the
+                             # event and envelope documents that wrap a payload
+_INT_MIN, _INT_MAX = -(2 ** 63), 2 ** 64 - 1      # what orjson parses and serialises exactly
 
 
 class BodyError(ValueError):
@@ -20,15 +35,114 @@ def is_json_type(content_type: str) -> bool:
     return ct == "application/json" or ct.endswith("+json")
 
 
-def parse_json(body: bytes, what: str) -> Any:
+def parse_json(body: bytes, what: str, max_depth: int = MAX_JSON_DEPTH,
+               charset: str | None = None) -> Any:
+    """`body` parsed, read in `charset` (UTF-8 when None). A BodyError when it is not JSON, is
+    nested deeper than `max_depth` containers, or holds an integer that is not exact in 64
+    bits; 415 for a charset stepguard cannot read."""
+    if charset is not None:
+        body = _as_utf8(body, charset, what)
     try:
-        return orjson.loads(body)
+        value = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
+        if str(exc).startswith("depth limit exceeded"):
+            raise _too_deep(what, max_depth) from None
         try:
             body.decode("utf-8")
         except UnicodeDecodeError as uexc:
             raise BodyError(f"{what} is not valid UTF-8 (byte {uexc.start})") from None
         raise BodyError(f"{what} is not valid JSON: {exc}") from None
+    # counting brackets first is cheap: fewer opening ones than the limit cannot nest past it
+    if ((type(value) is dict or type(value) is list)
+            and body.count(b"[") + body.count(b"{") > max_depth
+            and not _within(value, max_depth - 1)):
+        raise _too_deep(what, max_depth)
+    if _LONG_DIGITS in body.translate(_DIGITS):
+        inexact = _inexact_integer(body)
+        if inexact is not None:
+            raise BodyError(f"{what} holds the integer {inexact[:40]!r}, outside the 64-bit "
+                            f"range stepguard keeps exactly ({_INT_MIN} to {_INT_MAX}); send "
+                            "it as a string")
+    return value
+
+
+def _too_deep(what: str, max_depth: int) -> BodyError:
+    return BodyError(f"{what} nests JSON arrays and objects deeper than {max_depth} levels, the "
+                     "limit (--max-json-depth)")
+
+
+def _within(value: dict[Any, Any] | list[Any], left: int) -> bool:
+    """Whether no container inside `value` is more than `left` levels below it."""
+    for item in (value.values() if type(value) is dict else value):
+        kind = type(item)
+        if (kind is dict or kind is list) and (left <= 0 or not _within(item, left - 1)):
+            return False
+    return True
+
+
+_DIGITS = bytes.maketrans(b"0123456789", b"0" * 10)
+_LONG_DIGITS = b"0" * 19        # the shortest run of digits that can leave the exact range
+# a whole number token (no fraction, no exponent) of 19 digits or more; strings removed first
+_LONG_INTEGER = re.compile(rb"(?<![\d.eE+-])-?\d{19,}(?![\d.eE])")
+_STRING = re.compile(rb'"[^"]*"')
+
+
+def _inexact_integer(body: bytes) -> str | None:
+    """The first integer of a valid JSON `body` that orjson cannot hold exactly, else None."""
+    if b"\\" in body:
+        # in valid JSON every run of backslashes starts an escape: pairs first, then \"
+        body = body.replace(b"\\\\", b"").replace(b'\\"', b"")
+    for match in _LONG_INTEGER.finditer(_STRING.sub(b" ", body)):
+        if not _INT_MIN <= int(match.group()) <= _INT_MAX:
+            return match.group().decode()
+    return None
+
+
+_UTF8 = frozenset({"utf_8", "utf_8_sig"})
+_WIDE = frozenset({"utf_16", "utf_16_le", "utf_16_be", "utf_32", "utf_32_le", "utf_32_be"})
+_ESCAPES = frozenset({"unicode_escape", "raw_unicode_escape", "utf_7"})
+
+
+@cache
+def _codec(charset: str) -> str | None:
+    """Python's codec for a charset JSON can be written in: UTF-8/16/32, or a charset that
+    writes ASCII as ASCII (JSON's structure is ASCII), except codecs that read escapes."""
+    try:
+        name = codecs.lookup(charset).name.replace("-", "_")
+    except LookupError:
+        return None
+    if name in _UTF8 or name in _WIDE:
+        return name
+    if name in _ESCAPES:
+        return None
+    ascii_ = bytes(range(128))
+    try:
+        return name if ascii_.decode(name) == ascii_.decode("ascii") else None
+    except (LookupError, UnicodeDecodeError, TypeError):
+        return None
+
+
+def charset_of(content_type: str | None) -> str | None:
+    """The `charset` parameter of a Content-Type header, else None."""
+    if not content_type or "charset" not in content_type.lower():
+        return None
+    header = Message()
+    header["content-type"] = content_type
+    charset = header.get_param("charset")
+    return charset if isinstance(charset, str) else None
+
+
+def _as_utf8(body: bytes, charset: str, what: str) -> bytes:
+    name = _codec(charset.strip().strip('"').lower())
+    if name is None:
+        raise BodyError(f"{what} is in charset {charset[:60]!r}, which stepguard cannot read "
+                        "as JSON (UTF-8, UTF-16, UTF-32 and ASCII-compatible charsets can be)", 415)
+    if name == "utf_8":
+        return body
+    try:
+        return body.decode(name).encode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BodyError(f"{what} is not valid {charset[:60]} (byte {exc.start})") from None
 
 
 _WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
@@ -54,21 +168,27 @@ def decode(body: bytes, content_encoding: str | None, limit: int = 10 * 1024 * 1
 
 
 def request_input(method: str, query: dict[str, str], body: bytes, content_type: str,
-                  content_encoding: str | None, limit: int = 10 * 1024 * 1024) -> Any:
+                  content_encoding: str | None, limit: int = 10 * 1024 * 1024,
+                  max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """The input of a call: its JSON body (`content_type`: the whole header, charset
+    included), or its query for a bodiless GET/HEAD/DELETE/OPTIONS."""
     if not body:
         return query if method in ("GET", "HEAD", "DELETE", "OPTIONS") else None
     if not is_json_type(content_type):
+        shown = content_type.split(";", 1)[0].strip()
         raise BodyError(f"request body must be JSON (content-type application/json), got "
-                        f"{content_type or 'no content-type'!r}", 415)
-    return parse_json(decode(body, content_encoding, limit), "request body")
+                        f"{shown or 'no content-type'!r}", 415)
+    return parse_json(decode(body, content_encoding, limit), "request body", max_depth,
+                      charset_of(content_type))
 
 
 def response_output(body: bytes, content_type: str, content_encoding: str | None,
-                    limit: int = 10 * 1024 * 1024) -> Any:
+                    limit: int = 10 * 1024 * 1024, max_depth: int = MAX_JSON_DEPTH) -> Any:
     if not is_json_type(content_type):
         raise BodyError(f"upstream response is not JSON (content-type "
                         f"{content_type or 'missing'!r})")
-    return parse_json(decode(body, content_encoding, limit), "upstream response")
+    return parse_json(decode(body, content_encoding, limit), "upstream response", max_depth,
+                      charset_of(content_type))
 
 
 def history_payload(value: Any, size: int, limit: int) -> Any:

@@ -64,6 +64,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="tries to reach an upstream before answering 502 (3)")
     serve.add_argument("--connect-timeout-s", type=float,
                        help="seconds for all tries to reach an upstream (2)")
+    serve.add_argument("--max-json-depth", type=int,
+                       help="deepest JSON nesting read (STEPGUARD_MAX_JSON_DEPTH, 64)")
     serve.add_argument("--passthrough", action="store_true", default=None,
                        help="forward everything unchecked (a baseline, not for production)")
     serve.add_argument("--fail-open", action="store_true", default=None,

@@ -20,6 +20,7 @@ from stepguard.contracts.sqlite_store import (
     SYNCHRONOUS_MODES,
 )
 from stepguard.metrics.logs import LOG_FORMATS, LOG_LEVELS
+from stepguard.proxy.bodies import JSON_DEPTH_CEILING, MAX_JSON_DEPTH
 
 TRUE_WORDS = ("true", "1", "yes", "on")
 FALSE_WORDS = ("false", "0", "no", "off")
@@ -139,6 +140,7 @@ _PARSERS: dict[str, _Parse] = {
     "wal_limit_bytes": _bytes(65536),
     "max_request_bytes": _bytes(1),
     "max_response_bytes": _bytes(1),
+    "max_json_depth": _integer(1, JSON_DEPTH_CEILING, "a number of nesting levels"),
     "payload_history_bytes": _bytes(0),
     "max_inflight_body_bytes": _bytes(1),
     "header_timeout_s": _number(0.001, "a number of seconds"),
@@ -197,6 +199,7 @@ class Settings:
     wal_limit_bytes: int = DEFAULT_WAL_LIMIT_BYTES
     max_request_bytes: int = 10 * 1024 * 1024
     max_response_bytes: int = 10 * 1024 * 1024
+    max_json_depth: int = MAX_JSON_DEPTH
     payload_history_bytes: int = 4 * 1024
     max_inflight_body_bytes: int = 256 * 1024 * 1024
     header_timeout_s: float = 10.0

@@ -21,7 +21,7 @@ from stepguard.proxy.forward import (
     read_body,
 )
 from stepguard.proxy.problems import problem
-from stepguard.proxy.routing import Route, Router, UnsafePath
+from stepguard.proxy.routing import Route, Router, UnsafePath, refuse_method_override
 
 
 class Adapter(Protocol):
@@ -48,15 +48,19 @@ class Dispatcher:
         timing = Timing(time.perf_counter())
         try:
             route = self.router.resolve(request.path, request.rel_url.raw_path)
+            if route is not None:
+                refuse_method_override(route, request.headers)
         except UnsafePath as exc:
-            response: web.StreamResponse = problem(400, "Unsafe path", str(exc))
+            self.observer.refused(exc.reason, str(exc), request.remote or "-")
+            response: web.StreamResponse = problem(400, "Ambiguous request", str(exc),
+                                                   reason=exc.reason)
             timing.stamp(response)
             self.observer.added("none", timing.added_s())
             return response
         if route is None:
-            response = problem(
-                404, "No upstream", f"no upstream is mounted at {request.path!r}; "
-                f"mounts: {', '.join(self.router.mounts())}")
+            # the configured mounts are not listed: they would map the tools behind stepguard
+            response = problem(404, "No upstream",
+                               f"no upstream is mounted at {request.path[:200]!r}")
             traffic = "none"
         else:
             adapter = self.adapters[route.upstream.kind]

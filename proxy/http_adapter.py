@@ -19,7 +19,7 @@ from stepguard.contracts.events import OBSERVE, RETRY, Decision, ToolResult, Vio
 from stepguard.contracts.model import Contract, Step
 from stepguard.contracts.runs import RunBook
 from stepguard.metrics.observer import Observer
-from stepguard.proxy.bodies import BodyError, request_input, response_output
+from stepguard.proxy.bodies import MAX_JSON_DEPTH, BodyError, request_input, response_output
 from stepguard.proxy.boundaries import Boundaries, Evidence, Settled, back_off, retrying_conflicts
 from stepguard.proxy.config import Settings
 from stepguard.proxy.correlation import describe_keys, run_id_for
@@ -114,9 +114,11 @@ class HttpToolAdapter:
         parse_error: BodyError | None = None
         try:
             call.input = request_input(call.request.method, dict(call.request.query), call.body,
-                                       call.request.content_type if call.body else "",
+                                       call.request.headers.get("content-type", "")
+                                       if call.body else "",
                                        call.request.headers.get("content-encoding"),
-                                       self.settings.max_request_bytes)
+                                       self.settings.max_request_bytes,
+                                       self.settings.max_json_depth)
         except BodyError as exc:
             parse_error = exc
         call.safe_to_retry = (step.idempotent or step.idempotency_key
@@ -163,7 +165,8 @@ class HttpToolAdapter:
             self.boundaries.upstream_seen(call.route, call.timing, upstream_started,
                                           up.status if up else None)
             if up is not None:
-                result = tool_result(up, self.settings.max_response_bytes)
+                result = tool_result(up, self.settings.max_response_bytes,
+                                     self.settings.max_json_depth)
             call.answer = up
             exit_ = await retrying_conflicts(
                 call.run_id, lambda: self._exit(call, attempt, result, up))  # noqa: B023
@@ -279,12 +282,12 @@ class HttpToolAdapter:
                        run=call.run_id, step=call.step.name, boundary="exit")
 
 
-def tool_result(up: Upstreamed, limit: int) -> ToolResult:
+def tool_result(up: Upstreamed, limit: int, max_depth: int = MAX_JSON_DEPTH) -> ToolResult:
     if not 200 <= up.status < 300:
         return ToolResult(up.status)
     try:
         output = response_output(up.body, up.headers.get("content-type", ""),
-                                 up.headers.get("content-encoding"), limit)
+                                 up.headers.get("content-encoding"), limit, max_depth)
     except BodyError as exc:
         return ToolResult(up.status, error=exc.detail, error_kind="cap" if exc.status == 413 else "parse")
     return ToolResult(up.status, output)

@@ -31,7 +31,7 @@ from stepguard.contracts.events import OBSERVE, RETRY, Decision, ToolResult, Vio
 from stepguard.contracts.model import Contract, Step
 from stepguard.contracts.runs import RunBook
 from stepguard.metrics.observer import Observer
-from stepguard.proxy.bodies import BodyError, decode, parse_json
+from stepguard.proxy.bodies import MAX_JSON_DEPTH, BodyError, charset_of, decode, parse_json
 from stepguard.proxy.boundaries import (
     UNREACHABLE,
     Boundaries,
@@ -180,7 +180,8 @@ class McpAdapter:
                      timing: Timing) -> web.StreamResponse:
         headers = end_to_end(request.headers)
         try:
-            message = self._message(request, body, self.settings.max_request_bytes)
+            message = self._message(request, body, self.settings.max_request_bytes,
+                                    self.settings.max_json_depth)
         except BodyError as exc:
             return self._json(None, REQUEST_CODE, f"stepguard: the request body cannot be read "
                               f"to be checked: {exc.detail}", {"check": "request"})
@@ -362,7 +363,8 @@ class McpAdapter:
                           "holds: answers replayed there would bypass their exit checks"}))
 
     @staticmethod
-    def _message(request: web.Request, body: bytes, limit: int) -> Any:
+    def _message(request: web.Request, body: bytes, limit: int,
+                 max_depth: int = MAX_JSON_DEPTH) -> Any:
         r"""The JSON-RPC tools/call this POST carries (a list: a batch with one), else None.
         Every POST body is parsed (a byte search for "tools/call" would miss `tools\/call`);
         one that does not decode or is not strict JSON raises BodyError."""
@@ -371,7 +373,8 @@ class McpAdapter:
         raw = decode(body, request.headers.get("content-encoding"), limit)
         # a body that is not strict JSON may still be a call a lenient server runs (NaN, 1e999,
         # \u-escaped names): it is refused (BodyError) rather than let through unchecked
-        message = parse_json(raw, "request body")
+        message = parse_json(raw, "request body", max_depth,
+                             charset_of(request.headers.get("content-type")))
         if isinstance(message, list):
             calls = [m for m in message if isinstance(m, dict) and m.get("method") == "tools/call"]
             return message if calls else None
@@ -605,7 +608,7 @@ class McpAdapter:
             return ToolResult(status)   # answer goes back as it came, the step unverified
         try:
             message = parse_json(decode(body, encoding, self.settings.max_response_bytes),
-                                 "MCP server response")
+                                 "MCP server response", self.settings.max_json_depth)
         except BodyError as exc:
             return ToolResult(status, error=exc.detail, error_kind="transport")
         if not isinstance(message, dict):

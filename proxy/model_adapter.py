@@ -33,7 +33,7 @@ from stepguard.contracts.events import OBSERVE, Decision, ToolResult, Violation
 from stepguard.contracts.model import Contract
 from stepguard.contracts.runs import RunBook
 from stepguard.metrics.observer import Observer
-from stepguard.proxy.bodies import BodyError, decode, is_json_type, parse_json
+from stepguard.proxy.bodies import BodyError, charset_of, decode, is_json_type, parse_json
 from stepguard.proxy.boundaries import Boundaries, Evidence, Settled, retrying_conflicts
 from stepguard.proxy.config import Settings
 from stepguard.proxy.correlation import implicit_run_id, run_id_for
@@ -156,7 +156,9 @@ class ModelAdapter:
         # its Content-Encoding is undone for reading only: the upstream gets the bytes as sent.
         try:
             payload = parse_json(decode(body, request.headers.get("content-encoding"),
-                                        self.settings.max_request_bytes), "request body")
+                                        self.settings.max_request_bytes), "request body",
+                                 self.settings.max_json_depth,
+                                 charset_of(request.headers.get("content-type")))
         except BodyError as exc:
             return self._error(dialect, exc.status, f"stepguard: {exc.detail}",
                                {"check": "request"})
@@ -304,7 +306,8 @@ class ModelAdapter:
         try:   # a compressed answer (despite Accept-Encoding: identity) is read decoded and
             # handed on as received
             response = parse_json(decode(up.body, up.headers.get("content-encoding"),
-                                         self.settings.max_response_bytes), "model response")
+                                         self.settings.max_response_bytes), "model response",
+                                  self.settings.max_json_depth)
         except BodyError as exc:
             raise Stop(502, f"stepguard: {exc.detail}", {"check": "upstream"}) from None
         if isinstance(response, dict):

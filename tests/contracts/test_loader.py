@@ -162,6 +162,12 @@ def test_step_for_finds_the_step_by_upstream_method_and_path(make_contract):
                  id="unknown-mode"),
     pytest.param({"upstreams": {"tools": {"url": "ftp://tools"}}}, None, "upstreams.tools.url",
                  "'ftp://tools' does not match", id="non-http-upstream-url"),
+    pytest.param({"upstreams": {"tools": {"url": "http://t", "case_insensitive": "yes"}}},
+                 None, "upstreams.tools.case_insensitive", "'yes' is not of type 'boolean'",
+                 id="case-insensitive-not-a-boolean"),
+    pytest.param({"upstreams": {"tools": {"url": "http://t", "allow_method_override": 1}}},
+                 None, "upstreams.tools.allow_method_override", "1 is not of type 'boolean'",
+                 id="allow-method-override-not-a-boolean"),
     pytest.param({"steps": {"first": {"colour": "blue"}}}, "first", "",
                  "'colour' was unexpected", id="unknown-step-key"),
     pytest.param({"steps": {"first": {"match": {"upstream": "tools", "method": "FETCH",
@@ -492,3 +498,15 @@ def test_a_schema_naming_an_unknown_draft_is_refused_naming_it(contract_issues):
                                                "type": "object"}})
     assert [(i.field, i.message.split(":")[0]) for i in issues] == [
         ("schemas.x.v1", "unknown $schema 'https")]
+
+
+def test_a_case_insensitive_upstream_matches_its_steps_in_lower_case(make_contract):
+    contract = make_contract(upstreams={"tools": {"url": "http://t", "case_insensitive": True,
+                                                  "allow_method_override": True}},
+                             steps={"first": {"match": {"upstream": "tools", "method": "POST",
+                                                        "path": "/Orders/Confirm/"}}})
+
+    assert contract.upstreams["tools"].case_insensitive
+    assert contract.upstreams["tools"].allow_method_override
+    assert contract.steps["first"].match.path == "/orders/confirm"
+    assert contract.step_for("tools", "POST", "/orders/confirm") is contract.steps["first"]

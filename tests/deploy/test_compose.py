@@ -132,6 +132,12 @@ def test_compose_contract_is_the_example_pointed_at_the_tools_service(
     assert load_contract(COMPOSE_DIR / "contract.yaml").workflow == example["workflow"]
 
 
+def test_the_proxy_is_bound_to_all_interfaces_explicitly_for_the_agent_container(
+        services: dict[str, dict[str, Any]]) -> None:
+    assert _dockerfile_env()["STEPGUARD_HOST"] == "127.0.0.1"
+    assert services["stepguard"]["environment"]["STEPGUARD_HOST"] == "0.0.0.0"
+
+
 def test_agent_calls_its_tools_through_stepguard(services: dict[str, dict[str, Any]]) -> None:
     mount = load_contract(EXAMPLE_CONTRACT).upstreams["tools"].mount
     port = {**_dockerfile_env(), **services["stepguard"].get("environment", {})}["STEPGUARD_PORT"]

@@ -164,9 +164,10 @@ def test_exposed_ports_are_the_default_proxy_and_admin_ports() -> None:
     assert int(env["STEPGUARD_ADMIN_PORT"]) == SETTINGS.admin_port
 
 
-def test_both_listeners_bind_all_interfaces() -> None:
+def test_the_proxy_binds_loopback_unless_told_otherwise_and_admin_all_interfaces() -> None:
     env = _env()
-    assert env["STEPGUARD_HOST"] == env["STEPGUARD_ADMIN_HOST"] == "0.0.0.0"
+    assert env["STEPGUARD_HOST"] == "127.0.0.1"
+    assert env["STEPGUARD_ADMIN_HOST"] == "0.0.0.0"     # probes and scrapers; no tool traffic
 
 
 def test_every_stepguard_variable_in_env_is_a_setting() -> None:

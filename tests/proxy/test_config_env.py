@@ -40,6 +40,7 @@ def structlog_restored() -> Iterator[None]:
 BAD_VALUES = [
     ("MAX_REQUEST_BYTES", "10MiB", "whole number of bytes"),
     ("MAX_RESPONSE_BYTES", "0", "whole number of bytes >= 1"),
+    ("MAX_JSON_DEPTH", "300", "number of nesting levels from 1 to 200"),
     ("PAYLOAD_HISTORY_BYTES", "-1", "whole number of bytes >= 0"),
     ("PAYLOAD_LOG_BYTES", "2k", "whole number of bytes"),
     ("PORT", "70000", "TCP port from 0 to 65535"),

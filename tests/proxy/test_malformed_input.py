@@ -8,6 +8,12 @@ from sgtest import OrderFlow, decided, drift_problem, example_contract, make_con
 
 NESTED = b"[" * 100_000 + b"]" * 100_000
 
+
+def nested(levels: int) -> bytes:
+    """The probe's body: a valid order whose `x` holds `levels` nested arrays."""
+    return b'{"order_id": "ord-1", "x": ' + b"[" * levels + b"]" * levels + b"}"
+
+
 MALFORMED = [
     pytest.param(b'{"order_id": ', "application/json", {}, 400, ("request body", "JSON"),
                  id="invalid-json"),
@@ -19,6 +25,20 @@ MALFORMED = [
                  id="non-utf8"),
     pytest.param(NESTED, "application/json", {}, 400, ("request body", "JSON", "depth"),
                  id="nested-100000-levels"),
+    pytest.param(nested(300), "application/json", {}, 400,
+                 ("request body", "deeper than 64 levels", "--max-json-depth"),
+                 id="nested-300-levels-past-orjson-serialising"),
+    pytest.param(nested(990), "application/json", {}, 400,
+                 ("request body", "deeper than 64 levels", "--max-json-depth"),
+                 id="nested-990-levels-past-redaction-recursion"),
+    pytest.param(b'{"order_id": "ord-1", "n": 18446744073709551616}', "application/json", {},
+                 400, ("18446744073709551616", "64-bit"), id="integer-past-64-bits"),
+    pytest.param(b'{"order_id": "ord-1", "n": -9223372036854775809}', "application/json", {},
+                 400, ("-9223372036854775809", "64-bit"), id="integer-below-64-bits"),
+    pytest.param(b'{"order_id": "ord-1"}', "application/json; charset=klingon", {}, 415,
+                 ("charset", "klingon"), id="unknown-charset"),
+    pytest.param(b'{"order_id": "ord-1"}', "application/json; charset=unicode-escape", {}, 415,
+                 ("charset", "unicode-escape"), id="escape-codec-as-charset"),
     pytest.param(b'{"order_id": "ord-1"}', "application/json",
                  {"content-encoding": "compress"}, 415, ("content-encoding", "compress"),
                  id="unsupported-content-encoding"),

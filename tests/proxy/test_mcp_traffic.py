@@ -922,3 +922,23 @@ async def test_concurrent_runs_are_checked_apart_and_a_drift_halts_only_its_own(
         assert server.recorder.hits(run=run) == 4
     slots = {structured(r["reserve_slot"])["slot_id"] for r in outcomes.values() if isinstance(r, dict)}
     assert len(slots) == len(outcomes)
+
+
+@pytest.mark.parametrize(("arguments", "says"), [
+    (b"[" * 300 + b"]" * 300, "deeper than 64 levels"),
+    (b"[" * 990 + b"]" * 990, "deeper than 64 levels"),
+    (b"18446744073709551616", "64-bit"),
+], ids=["nested-300-levels", "nested-990-levels", "integer-past-64-bits"])
+async def test_a_tools_call_past_the_json_limits_is_refused_naming_the_limit(
+        guard: Guard, server: ToolServer, mode: Mode, arguments: bytes, says: str) -> None:
+    body = (b'{"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": {"name": '
+            b'"lookup_order", "arguments": {"order_id": "ord-1", "x": ' + arguments + b"}}}")
+    async with httpx2.AsyncClient(headers={RUN_HEADER: "deep-1"}) as http:
+        response = await http.post(guard.url, content=body, headers={
+            "accept": "application/json, text/event-stream", "content-type": "application/json"})
+
+    assert response.status_code == 200 and response.headers["x-should-retry"] == "false"
+    error = response.json()["error"]
+    assert error["code"] == REQUEST and says in error["message"]
+    assert server.recorder.seen == []
+    assert await guard.run_ids() == set()

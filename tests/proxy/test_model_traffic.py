@@ -629,7 +629,9 @@ async def test_a_request_with_unknown_fields_reaches_the_model_byte_for_byte(mak
     (b'{"model": "fake-model", "messages": [', "not valid JSON"),
     (b'[{"model": "fake-model"}]', "must be a JSON object"),
     (b'\xff\xfe{"model": "fake-model"}', "not valid UTF-8"),
-], ids=["truncated", "array", "not-utf8"])
+    (b'{"model": "fake-model", "x": ' + b"[" * 300 + b"]" * 300 + b"}", "deeper than 64 levels"),
+    (b'{"model": "fake-model", "seed": 18446744073709551616}', "64-bit"),
+], ids=["truncated", "array", "not-utf8", "nested-300-levels", "integer-past-64-bits"])
 async def test_a_body_that_is_not_a_json_object_gets_a_provider_shaped_400(make_stack: MakeStack, api: Api,
                                                                            body: bytes, says: str) -> None:
     stack = make_stack(api, model=FakeModel([Reply("after the bad one")]))

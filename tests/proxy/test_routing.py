@@ -6,17 +6,22 @@ from __future__ import annotations
 
 import asyncio
 
+import orjson
 import pytest
+import yaml
 from aiohttp import web
 from sgtest import (
     DRIFT_HEADER,
     Proxy,
     Upstream,
+    contract_doc,
     example_contract,
     make_contract,
     problem,
     trail,
 )
+
+from stepguard.contracts.loader import parse_contract
 
 
 async def raw(px: Proxy, request: bytes) -> tuple[int, bytes]:
@@ -58,7 +63,7 @@ async def test_a_call_naming_another_host_is_routed_by_path_to_the_configured_up
 
 
 @pytest.mark.parametrize("path", ["/elsewhere/x", "/toolsx/act", "/"])
-async def test_a_path_under_no_mount_is_answered_404_and_nothing_is_contacted(
+async def test_a_path_under_no_mount_is_answered_404_naming_no_mount_and_nothing_is_contacted(
         proxy, make_upstream, path):
     tool = await make_upstream()
     px = await proxy(make_contract(tool.url))
@@ -66,7 +71,7 @@ async def test_a_path_under_no_mount_is_answered_404_and_nothing_is_contacted(
     reply = await px.call(path, {}, run="r-404")
 
     body = problem(reply, 404)
-    assert "/tools" in body["detail"]
+    assert body["detail"] == f"no upstream is mounted at {path!r}"     # the mounts stay private
     assert tool.hits() == 0
     assert await px.history("r-404") == []
 
@@ -247,3 +252,85 @@ async def test_a_path_with_empty_segments_is_checked_as_its_step(proxy, make_ups
     assert problem(reply, 409)["check"] == "order"
     assert tool.hits() == 0
     assert trail(await px.history("slashes-1")) == [("act", "entry", "violation", "halt")]
+
+
+AMBIGUOUS = [
+    ("/tools/act;x=1", "parameter"),
+    ("/tools/act%3Bx=1", "parameter"),
+    ("/tools/act%00", "control_character"),
+    ("/tools/act%1f", "control_character"),
+    ("/tools/act%7F", "control_character"),
+    ("/tools/act%5c", "backslash"),
+    ("/tools/x%5C..%5Cact", "backslash"),
+    ("/tools/%2561ct", "double_encoding"),
+    ("/tools/act%20", "edge_whitespace"),
+    ("/tools/%09act", "control_character"),
+    ("/tools/%20act", "edge_whitespace"),
+]
+
+
+@pytest.mark.parametrize(("target", "reason"), AMBIGUOUS, ids=[t for t, _ in AMBIGUOUS])
+async def test_an_ambiguous_path_is_refused_400_naming_the_reason_even_under_unmatched_pass(
+        proxy, make_upstream, target, reason):
+    tool = await make_upstream()
+    px = await proxy(make_contract(tool.url, {"act": {"after": ["prepare"]}, "prepare": {}}))
+
+    status, answer = await raw(px, head(f"POST {target} HTTP/1.1", f"Host: {tool.authority}",
+                                        "x-stepguard-run: amb-1", "Content-Length: 0",
+                                        "Connection: close"))
+
+    assert status == 400
+    body = orjson.loads(answer.split(b"\r\n\r\n", 1)[1])
+    assert body["reason"] == reason and body["title"] == "Ambiguous request"
+    assert tool.hits() == 0
+    assert await px.history("amb-1") == []
+    assert px.sg.metrics.registry.get_sample_value(
+        "stepguard_requests_refused_total", {"reason": reason}) == 1
+
+
+@pytest.mark.parametrize("header", ["X-HTTP-Method-Override", "X-HTTP-Method",
+                                    "X-Method-Override"])
+async def test_a_method_override_header_is_refused_unless_the_upstream_allows_it(
+        proxy, make_upstream, header):
+    tool = await make_upstream()
+    doc = contract_doc(tool.url, {"act": {}})
+    refusing = await proxy(parse_contract(yaml.safe_dump(doc).encode(), "a.yaml"))
+
+    refused = await refusing.call("/tools/read", {}, run="mo-1", headers={header: "DELETE"})
+
+    assert problem(refused, 400)["reason"] == "method_override"
+    assert header.lower() in refused.json["detail"]
+    assert tool.hits() == 0
+    await refusing.close()
+    doc["upstreams"]["tools"]["allow_method_override"] = True
+    allowing = await proxy(parse_contract(yaml.safe_dump(doc).encode(), "b.yaml"))
+
+    passed = await allowing.call("/tools/read", {}, run="mo-2", headers={header: "DELETE"})
+
+    assert passed.status == 200
+    assert tool.last().headers[header] == "DELETE"
+
+
+@pytest.mark.parametrize("path", ["/tools/ACT", "/tools/Act/", "/tools//aCt"])
+async def test_a_case_insensitive_upstream_checks_any_case_of_a_step_path_as_that_step(
+        proxy, make_upstream, path):
+    tool = await make_upstream()
+    doc = contract_doc(tool.url, {"act": {"after": ["prepare"]}, "prepare": {}})
+    doc["upstreams"]["tools"]["case_insensitive"] = True
+    px = await proxy(parse_contract(yaml.safe_dump(doc).encode(), "ci.yaml"))
+
+    reply = await px.call(path, {}, run="ci-1")
+
+    assert problem(reply, 409)["check"] == "order"
+    assert tool.hits() == 0 and trail(await px.history("ci-1")) == [
+        ("act", "entry", "violation", "halt")]
+
+
+async def test_a_case_sensitive_upstream_passes_another_case_as_unmatched(proxy, make_upstream):
+    tool = await make_upstream()
+    px = await proxy(make_contract(tool.url, {"act": {"after": ["prepare"]}, "prepare": {}}))
+
+    reply = await px.call("/tools/ACT", {}, run="cs-1")
+
+    assert reply.status == 200 and tool.last().path == "/ACT"
+    assert await px.history("cs-1") == []

@@ -1,0 +1,88 @@
+"""JSON bodies on checked steps are read exactly: in the charset the request names, integers
+kept exact, nesting bounded by --max-json-depth (a body within it passes, one past it is refused
+at entry naming the limit)."""
+
+from __future__ import annotations
+
+import pytest
+from aiohttp import web
+from sgtest import decided, drift_problem, example_contract, make_contract, trail
+
+ORDER = {"order_id": "ord-1"}
+
+
+@pytest.mark.parametrize("charset", ["utf-16", "utf-16-be", "utf-32", "utf-8", "latin-1",
+                                     "windows-1252"])
+async def test_a_body_is_read_in_the_charset_its_content_type_names(proxy, tools, charset):
+    px = await proxy(example_contract(tools))
+    text = '{"order_id": "ord-1", "note": "caf\u00e9"}'
+
+    reply = await px.call("/tools/lookup_order", data=text.encode(charset), run="cs",
+                          headers={"content-type": f"application/json; charset={charset}"})
+
+    assert reply.status == 200
+    assert (await px.history("cs"))[0]["input"] == {"order_id": "ord-1", "note": "caf\u00e9"}
+    assert tools.last().body == text.encode(charset)     # forwarded as sent
+
+
+async def test_a_body_in_utf16_without_its_charset_is_refused_as_not_utf8(proxy, tools):
+    px = await proxy(example_contract(tools))
+
+    reply = await px.call("/tools/lookup_order", data='{"order_id": "ord-1"}'.encode("utf-16"),
+                          run="cs", headers={"content-type": "application/json"})
+
+    assert reply.status == 400 and "UTF-8" in reply.json["detail"]
+    assert tools.hits() == 0
+
+
+@pytest.mark.parametrize("number", [18446744073709551615, -9223372036854775808,
+                                    12345678901234567890])
+async def test_integers_orjson_holds_exactly_are_stored_exactly(proxy, make_upstream, number):
+    tool = await make_upstream()
+    px = await proxy(make_contract(tool.url, {"act": {}}))
+
+    reply = await px.call("/tools/act", data=b'{"n": %d, "s": "18446744073709551616"}' % number,
+                          run="ints", headers={"content-type": "application/json"})
+
+    assert reply.status == 200
+    stored = (await px.history("ints"))[0]["input"]
+    assert stored == {"n": number, "s": "18446744073709551616"} and type(stored["n"]) is int
+
+
+async def test_a_body_at_the_depth_limit_passes_and_one_level_more_is_refused(proxy,
+                                                                              make_upstream):
+    tool = await make_upstream()
+    px = await proxy(make_contract(tool.url, {"act": {}}), max_json_depth=5)
+    at_limit = b'{"a": [[[{"b": "[[[[[[[[\\"]]]"}]]]}'       # brackets in strings do not count
+    past = b'{"a": [[[{"b": [1]}]]]}'
+
+    ok = await px.call("/tools/act", data=at_limit, run="at",
+                       headers={"content-type": "application/json"})
+    refused = await px.call("/tools/act", data=past, run="past",
+                            headers={"content-type": "application/json"})
+
+    assert ok.status == 200
+    body = drift_problem(refused, 400, run="past", step="act", check="input_schema",
+                         drift="shape", boundary="entry", action="halt")
+    assert "deeper than 5 levels" in body["detail"]
+    assert trail(await px.history("past")) == [("act", "entry", "violation", "halt")]
+    decided(await px.history("past"), body)
+    assert tool.hits() == 1
+
+
+async def test_a_tool_answer_nested_past_the_limit_is_a_tool_error_not_a_store_error(
+        proxy, make_upstream):
+    async def deep(request: web.Request) -> web.Response:
+        return web.Response(body=b'{"x": ' + b"[" * 300 + b"]" * 300 + b"}",
+                            content_type="application/json")
+
+    tool = await make_upstream(deep)
+    px = await proxy(make_contract(tool.url, {"act": {"output": {"schema": {"type": "object"}}}}))
+
+    reply = await px.call("/tools/act", {"a": 1}, run="deep-out")
+
+    body = drift_problem(reply, 422, run="deep-out", step="act", check="output_schema",
+                         drift="shape", boundary="exit", action="halt")
+    assert "deeper than 64 levels" in body["detail"]
+    assert trail(await px.history("deep-out")) == [("act", "entry", "pass", "forward"),
+                                                   ("act", "exit", "violation", "halt")]
