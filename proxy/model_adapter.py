@@ -517,6 +517,13 @@ class ModelAdapter:
             if envelope.status in ("halted", "escalated"):
                 await self._refuse(ex, envelope)
             keys = [f"resp:{turn.response_id}"] if turn.response_id else []
+            unclassified = [what for choice in turn.choices() for what in choice.unclassified]
+            if unclassified:
+                raise Stop(502, f"stepguard: the model's answer carries what an SDK would hand "
+                           f"over as a tool call but stepguard cannot classify "
+                           f"({'; '.join(unclassified[:5])}); it is refused (fail closed)",
+                           {"check": "unclassified", "calls": unclassified[:20],
+                            "run": ex.run_id})
             before = envelope.seq
             for choice in turn.choices():    # n > 1: the agent may act on any choice
                 for call in choice.calls:
@@ -568,6 +575,9 @@ class ModelAdapter:
                 and settled.event.get("input") != call.arguments:
             self.arguments.keep(ex.run_id, call.call_id, call.arguments, len(raw))
         self._raise_if_stopped(ex, decision, settled)
+        if call.ran and goes_ahead:   # the provider ran it: its outcome is the exit, at once
+            return await self._exit(ex, settled.envelope, ToolOutput(call.call_id, call.result),
+                                    {"step": step.name, "input": call.arguments})
         return settled.envelope
 
     # -- answers --------------------------------------------------------------------------------
