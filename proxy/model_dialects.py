@@ -304,7 +304,10 @@ class _ChatAssembler:
             call = self.calls[(number, index)] = {
                 "id": "", "types": set(), "name": [], "arguments": [], "custom_name": [],
                 "input": []}
-        call["id"] = call["id"] or part.get("id") or ""
+        if not call["id"]:
+            ids: list[str] = []
+            _piece(ids, part.get("id"), "tool call id", self.unclassified)
+            call["id"] = "".join(ids)
         if part.get("type") is not None:
             call["types"].add(part["type"])
         function = part.get("function")
