@@ -252,3 +252,114 @@ async def test_a_tool_call_of_every_shape_the_sdk_hands_over_is_checked_before_t
     else:   # what cannot be classified is refused whatever `unmatched` says (here: pass)
         assert "cannot classify" in error["message"]
         assert await guard.run_ids() == []
+
+
+# --- the new boundaries in a run that goes on ---------------------------------------------------------
+
+
+async def scripted_model(aiohttp_server: Any, first: dict[str, Any], then: dict[str, Any]) -> str:
+    """A model that answers `first`, and `then` once the request carries a tool result."""
+    async def answer(request: web.Request) -> web.Response:
+        body = await request.json()
+        said = body.get("messages") or body.get("input")
+        results = isinstance(said, list) and any(
+            isinstance(m, dict) and (m.get("role") == "tool" or str(m.get("type")).endswith("_output"))
+            for m in said)
+        return web.json_response(then if results else first)
+
+    app = web.Application()
+    for path in ("/v1/chat/completions", "/v1/responses"):
+        app.router.add_post(path, answer)
+    server = await aiohttp_server(app)
+    return str(server.make_url("")).rstrip("/")
+
+
+def lookup_needs_customer(url: str) -> Contract:
+    doc = {"workflow": "w", "contract_version": 1,
+           "upstreams": {"o": {"url": url, "kind": "openai", "mount": "/o", "timeout_s": 5}},
+           "steps": {"lookup_order": {"match": {"tool": "lookup_order"}, "output": {
+                         "schema": {"type": "object", "required": ["customer"]}}},
+                     "web_search_call": {"match": {"tool": "web_search_call"},
+                                         "after": ["lookup_order"]}}}
+    return parse_contract(yaml.safe_dump(doc).encode(), "test.yaml")
+
+
+@pytest.mark.parametrize(("result", "status"), [pytest.param({"customer": "c1"}, 200, id="good"),
+                                                pytest.param({"name": "c1"}, 422, id="bad")])
+async def test_the_result_of_a_chat_custom_tool_call_is_its_exit(aiohttp_server, stepguard,
+                                                                 result, status):
+    url = await scripted_model(aiohttp_server, chat_whole({"tool_calls": [
+        {**CUSTOM, "custom": {"name": "lookup_order", "input": "ord-1"}}]}),
+        chat_whole({"content": "done"}))
+    guard = await stepguard(lookup_needs_customer(url))
+    client = openai.AsyncOpenAI(base_url=str(guard.client.make_url("/o/v1")), api_key="sk",
+                                max_retries=0)
+    async with client:
+        first = await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "go"}])
+        call = first.choices[0].message.tool_calls[0]
+        messages = [{"role": "user", "content": "go"}, first.choices[0].message.model_dump(),
+                    {"role": "tool", "tool_call_id": call.id, "content": json.dumps(result)}]
+        try:
+            await client.chat.completions.create(model="m", messages=messages)
+            answered = 200
+        except openai.APIStatusError as exc:
+            answered = exc.status_code
+
+    assert answered == status
+    run = (await guard.run_ids())[0]
+    entry, exit_ = await guard.history(run)
+    assert (entry["step"], entry["boundary"], entry["input"]) == (
+        "lookup_order", "entry", {"input": "ord-1"})      # a custom call's input, as checked
+    assert (exit_["step"], exit_["boundary"]) == ("lookup_order", "exit")
+
+
+@pytest.mark.parametrize(("result", "status"), [pytest.param({"customer": "c1"}, 200, id="good"),
+                                                pytest.param({"name": "c1"}, 422, id="bad")])
+async def test_the_output_of_a_responses_custom_tool_call_is_its_exit(aiohttp_server, stepguard,
+                                                                      result, status):
+    call = {**RESPONSES_CUSTOM, "name": "lookup_order"}
+    url = await scripted_model(aiohttp_server, responses_whole(call), responses_whole(
+        {"type": "message", "id": "m1", "role": "assistant", "status": "completed",
+         "content": [{"type": "output_text", "text": "done", "annotations": []}]}))
+    guard = await stepguard(lookup_needs_customer(url))
+    client = openai.AsyncOpenAI(base_url=str(guard.client.make_url("/o/v1")), api_key="sk",
+                                max_retries=0)
+    async with client:
+        await client.responses.create(model="m", input="go")
+        try:
+            await client.responses.create(model="m", input=[
+                call, {"type": "custom_tool_call_output", "call_id": "call_1",
+                       "output": json.dumps(result)}])
+            answered = 200
+        except openai.APIStatusError as exc:
+            answered = exc.status_code
+
+    assert answered == status
+    run = (await guard.run_ids())[0]
+    assert [(e["step"], e["boundary"]) for e in await guard.history(run)] == [
+        ("lookup_order", "entry"), ("lookup_order", "exit")]
+
+
+async def test_a_built_in_call_the_provider_ran_settles_its_entry_and_exit_at_once(
+        aiohttp_server, stepguard):
+    lookup = {**RESPONSES_FUNCTION, "name": "lookup_order"}
+    url = await scripted_model(aiohttp_server, responses_whole(lookup),
+                               responses_whole(WEB_SEARCH_CALL))
+    guard = await stepguard(lookup_needs_customer(url))
+    client = openai.AsyncOpenAI(base_url=str(guard.client.make_url("/o/v1")), api_key="sk",
+                                max_retries=0)
+    async with client:
+        await client.responses.create(model="m", input="go")
+        second = await client.responses.create(model="m", input=[
+            lookup, {"type": "function_call_output", "call_id": "call_1",
+                     "output": json.dumps({"customer": "c1"})}])
+
+    assert second.output[0].type == "web_search_call"
+    run = (await guard.run_ids())[0]
+    assert [(e["step"], e["boundary"], e["verdict"]) for e in await guard.history(run)] == [
+        ("lookup_order", "entry", "pass"), ("lookup_order", "exit", "pass"),
+        ("web_search_call", "entry", "pass"), ("web_search_call", "exit", "pass")]
+    envelope = await guard.envelope(run)
+    assert set(envelope.verified) == {"lookup_order", "web_search_call"}
+    assert envelope.pending == {}
