@@ -8,8 +8,9 @@ boundaries are read off the conversation:
 - a final answer that claims completion is checked against the completion proof.
 Runs are found without headers: by the tool-call ids (and Responses ids) a request carries,
 which were stored with the run when the response that issued them was checked.
-Streams pass through event by event; only the terminating event is held until the assembled
-tool calls are checked, and replaced by a provider-shaped error event on a violation.
+Streams pass through event by event; only the terminating event (and anything after it) is
+held until the assembled tool calls are checked, and replaced by a provider-shaped error event
+on a violation.
 """
 
 from __future__ import annotations
@@ -394,7 +395,12 @@ class ModelAdapter:
                 try:
                     for raw, event in splitter.events(chunk):
                         if held or (event is not None and assembler.is_terminal(event)):
+                            # held, and read: the terminator (a Responses final output) and
+                            # whatever follows it (an SDK reads on to the stream's end) are
+                            # part of the turn the agent gets
                             held.append(raw)
+                            if event is not None:
+                                self._parsed(ex, lambda: assembler.feed(event))  # noqa: B023
                             continue
                         if event is not None:
                             self._parsed(ex, lambda: assembler.feed(event))  # noqa: B023
@@ -427,9 +433,16 @@ class ModelAdapter:
             return
         ex.timing.upstream(streaming_since)
         rest = splitter.rest()
-        if rest and not held and (last := decode_event(rest)) is not None \
-                and assembler.is_terminal(last):
-            held.append(rest)      # a terminator the upstream did not end with a blank line
+        last = decode_event(rest) if rest else None
+        if last is not None and (held or assembler.is_terminal(last)):
+            held.append(rest)      # an event the upstream did not end with a blank line
+            try:
+                self._parsed(ex, lambda: assembler.feed(last))
+            except Stop as stop:
+                self._mark_failed(shown)
+                await client.write(ex.dialect.stream_error(stop.message, stop.details))
+                await client.close()
+                return
         elif rest and held:
             held.append(rest)
         if not held or assembler.failure is not None:

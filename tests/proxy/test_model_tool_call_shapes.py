@@ -172,6 +172,14 @@ SHAPES = {
         "unclassified"),
     "responses-done-before-completed": Shape(
         "responses", None, responses_stream(RESPONSES_FUNCTION, end=sse(b"[DONE]")), "order"),
+    "responses-call-only-in-the-completed-response": Shape(
+        "responses", None, responses_stream(end=sse({
+            "type": "response.completed", "response": responses_whole(RESPONSES_FUNCTION)},
+            "response.completed")), "order"),
+    "responses-call-after-the-completed-response": Shape(
+        "responses", None, responses_stream() + sse({
+            "type": "response.output_item.done", "output_index": 0,
+            "item": RESPONSES_FUNCTION}, "response.output_item.done"), "order"),
     "messages-server-tool-use": Shape(
         "messages", messages_whole(SERVER_TOOL_USE, SEARCH_RESULT),
         messages_stream(SERVER_TOOL_USE, SEARCH_RESULT), "order", step="web_search"),
@@ -181,6 +189,9 @@ SHAPES = {
         "messages", messages_whole({"type": "teleport_tool_use", "id": "t1", "input": {}}),
         messages_stream({"type": "teleport_tool_use", "id": "t1", "input": {}}),
         "unclassified"),
+    "messages-tool-use-after-message-stop": Shape(
+        "messages", None, messages_stream() + messages_stream(
+            {**TOOL_USE, "id": "toolu_1", "name": "check_policy"}), "order"),
     "messages-two-blocks-started-at-one-index": Shape(
         "messages", None, messages_stream(
             {**TOOL_USE, "id": "toolu_1", "name": "check_policy"},

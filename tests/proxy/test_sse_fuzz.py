@@ -28,24 +28,24 @@ from stepguard.proxy.sse import EventTooLarge, SSESplitter
 
 pytestmark = pytest.mark.fuzz
 
-BOUNDED = settings(max_examples=300, deadline=None, derandomize=True, database=None,
+BOUNDED = settings(max_examples=200, deadline=None, derandomize=True, database=None,
                    suppress_health_check=[HealthCheck.too_slow])
 
 
 def relay(dialect: Dialect, chunks: list[bytes], limit: int = 1 << 20) -> Turn | None:
     """What `ModelAdapter._relay_turn` does with a stream's bytes, without the sockets: events
-    cut by the splitter, fed (through `_parsed`, as the relay does) until the terminator, the
-    call ids shown collected in a set, the turn assembled. None: no terminator."""
+    cut by the splitter, fed (through `_parsed`, as the relay does), the terminator and what
+    follows it included, the call ids shown collected in a set, the turn assembled. None: no
+    terminator."""
     ex: Any = SimpleNamespace(dialect=dialect)
     splitter = SSESplitter(limit)
     assembler = dialect.assembler()
     held = False
     for chunk in chunks:
         for _, event in splitter.events(chunk):
-            if held or (event is not None and assembler.is_terminal(event)):
+            if event is not None and assembler.is_terminal(event):
                 held = True
-                continue
-            if event is not None:
+            if event is not None:     # held or not, every event is read
                 ModelAdapter._parsed(ex, lambda e=event: assembler.feed(e))
                 shown = set(assembler.call_ids())     # the relay keys a dict by them
                 assert all(isinstance(i, str) for i in shown)
