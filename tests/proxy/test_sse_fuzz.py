@@ -19,6 +19,7 @@ import pytest
 from anthropic.lib.streaming._messages import accumulate_event
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from openai._streaming import SSEDecoder
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 
@@ -236,3 +237,26 @@ def test_valid_streams_with_bytes_or_values_changed_never_crash_the_assembler(
         position = at % (len(stream) + 1)
         stream[position:position + len(replacement)] = replacement
     survives(DIALECTS[which], cut(bytes(stream), cuts))
+
+
+# --- 3. stepguard cuts and decodes events as the SDK's own SSE decoder does --------------------------
+
+lines = st.lists(st.one_of(
+    st.sampled_from(["", "", "data: [DONE]", "data:[DONE]x", "data:  [DONE]", ": comment",
+                     "event: message_stop", "event: error", "event:", "id: 7", "id", "retry: 5",
+                     "data", "data:", "DATA: x"]),
+    st.builds("data: {}".format, st.text(st.characters(blacklist_characters="\r\n",
+                                                       blacklist_categories=["Cs"]),
+                                         max_size=8))), max_size=30)
+
+
+@BOUNDED
+@given(stream_lines=lines, eols=st.lists(line_ends, min_size=1, max_size=5), cuts=chunking)
+def test_the_events_stepguard_reads_are_the_events_the_openai_sdk_reads(stream_lines, eols, cuts):
+    data = b"".join(line.encode() + eols[n % len(eols)] for n, line in enumerate(stream_lines))
+    sdk = [(e.event or "message", e.data)
+           for e in SSEDecoder().iter_bytes(iter(cut(data, cuts))) if e.data]
+    splitter = SSESplitter()
+    ours = [(e.event or "message", e.data) for chunk in cut(data, cuts)
+            for _, e in splitter.events(chunk) if e is not None and e.data]
+    assert ours == sdk
