@@ -8,8 +8,9 @@ boundaries are read off the conversation:
 - a final answer that claims completion is checked against the completion proof.
 Runs are found without headers: by the tool-call ids (and Responses ids) a request carries,
 which were stored with the run when the response that issued them was checked.
-Streams pass through event by event; only the terminating event is held until the assembled
-tool calls are checked, and replaced by a provider-shaped error event on a violation.
+Streams pass through event by event; only the terminating event (and anything after it) is
+held until the assembled tool calls are checked, and replaced by a provider-shaped error event
+on a violation.
 """
 
 from __future__ import annotations
@@ -397,7 +398,12 @@ class ModelAdapter:
                 try:
                     for raw, event in splitter.events(chunk):
                         if held or (event is not None and assembler.is_terminal(event)):
+                            # held, and read: the terminator (a Responses final output) and
+                            # whatever follows it (an SDK reads on to the stream's end) are
+                            # part of the turn the agent gets
                             held.append(raw)
+                            if event is not None:
+                                self._parsed(ex, lambda: assembler.feed(event))  # noqa: B023
                             continue
                         if event is not None:
                             self._parsed(ex, lambda: assembler.feed(event))  # noqa: B023
@@ -430,9 +436,16 @@ class ModelAdapter:
             return
         ex.timing.upstream(streaming_since)
         rest = splitter.rest()
-        if rest and not held and (last := decode_event(rest)) is not None \
-                and assembler.is_terminal(last):
-            held.append(rest)      # a terminator the upstream did not end with a blank line
+        last = decode_event(rest) if rest else None
+        if last is not None and (held or assembler.is_terminal(last)):
+            held.append(rest)      # an event the upstream did not end with a blank line
+            try:
+                self._parsed(ex, lambda: assembler.feed(last))
+            except Stop as stop:
+                self._mark_failed(shown)
+                await client.write(ex.dialect.stream_error(stop.message, stop.details))
+                await client.close()
+                return
         elif rest and held:
             held.append(rest)
         if not held or assembler.failure is not None:
@@ -520,6 +533,13 @@ class ModelAdapter:
             if envelope.status in ("halted", "escalated"):
                 await self._refuse(ex, envelope)
             keys = [f"resp:{turn.response_id}"] if turn.response_id else []
+            unclassified = [what for choice in turn.choices() for what in choice.unclassified]
+            if unclassified:
+                raise Stop(502, f"stepguard: the model's answer carries what an SDK would hand "
+                           f"over as a tool call but stepguard cannot classify "
+                           f"({'; '.join(unclassified[:5])}); it is refused (fail closed)",
+                           {"check": "unclassified", "calls": unclassified[:20],
+                            "run": ex.run_id})
             before = envelope.seq
             for choice in turn.choices():    # n > 1: the agent may act on any choice
                 for call in choice.calls:
@@ -571,6 +591,9 @@ class ModelAdapter:
                 and settled.event.get("input") != call.arguments:
             self.arguments.keep(ex.run_id, call.call_id, call.arguments, len(raw))
         self._raise_if_stopped(ex, decision, settled)
+        if call.ran and goes_ahead:   # the provider ran it: its outcome is the exit, at once
+            return await self._exit(ex, settled.envelope, ToolOutput(call.call_id, call.result),
+                                    {"step": step.name, "input": call.arguments})
         return settled.envelope
 
     # -- answers --------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ stream), and how an error must look for that provider's SDK to raise it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import orjson
@@ -19,6 +19,10 @@ class ToolCall:
     name: str
     arguments: Any = None
     error: str | None = None          # arguments that are not a JSON object
+    ran: bool = False
+    """The provider ran the tool itself (a Responses built-in tool, an Anthropic server tool):
+    the agent gets the call with its outcome (`result`), so entry and exit are settled at once."""
+    result: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +43,10 @@ class Turn:
     calls: list[ToolCall] = field(default_factory=list)
     final_text: str | None = None
     alternatives: list[Turn] = field(default_factory=list)
+    unclassified: list[str] = field(default_factory=list)
+    """What the SDK would hand the agent as a tool call but stepguard cannot read as one (an
+    unknown call type, a streamed call whose pieces an SDK could assemble differently): the
+    turn is refused whatever `unmatched` says (fail closed)."""
 
     def choices(self) -> list[Turn]:
         return [self, *self.alternatives]
@@ -108,6 +116,21 @@ def _arguments(call_id: str, name: str, raw: Any) -> ToolCall:
     return ToolCall(call_id, name, value)
 
 
+def _custom(call_id: str, name: Any, raw: Any) -> ToolCall:
+    """A custom (free-form) tool call: its input is a string, checked as {"input": <string>}."""
+    if not isinstance(raw, str):
+        return ToolCall(call_id, str(name or ""), None,
+                        f"input of custom tool call {call_id} is not a string")
+    return ToolCall(call_id, str(name or ""), {"input": raw})
+
+
+def looks_like_call(kind: str) -> bool:
+    """An item or block type no dialect knows, but whose name says tool call (`*_call`,
+    `*_tool_use`, ...), not a result of one: an SDK built after stepguard may hand it over."""
+    words = kind.lower().split("_")
+    return bool({"call", "use"} & set(words)) and words[-1] not in ("output", "result")
+
+
 def _text(content: Any) -> str:
     if isinstance(content, str):
         return content
@@ -117,6 +140,8 @@ def _text(content: Any) -> str:
 
 
 def _output(call_id: str, content: Any, is_error: bool = False) -> ToolOutput:
+    if isinstance(content, dict):     # a structured result (a computer call's screenshot)
+        return ToolOutput(call_id, content, is_error=is_error)
     text = _text(content)
     try:
         return ToolOutput(call_id, orjson.loads(text), is_error=is_error)
@@ -139,7 +164,12 @@ def _sse(data: dict[str, Any], event: str | None = None) -> bytes:
 
 
 class ChatCompletions:
-    """OpenAI Chat Completions: `role: tool` messages in, `tool_calls` out, `[DONE]` ends."""
+    """OpenAI Chat Completions: `role: tool` messages in, `tool_calls` out, `[DONE]` ends.
+
+    A tool call is any `tool_calls` entry (`type: function`, `function.name`/`arguments`; or
+    `type: custom`, `custom.name`/`input`, the input a string) or a legacy `function_call`
+    (`name`/`arguments`, no id: it is keyed `<response id>:function_call:<choice>`). An entry
+    of any other type cannot be classified and refuses the turn."""
 
     name = "openai.chat_completions"
     traffic = "openai"
@@ -159,22 +189,30 @@ class ChatCompletions:
         return {call.call_id: call.arguments for m in body.get("messages") or []
                 if isinstance(m, dict) and m.get("role") == "assistant"
                 for c in m.get("tool_calls") or [] if isinstance(c, dict)
-                for call in [_arguments(str(c.get("id")), "", (c.get("function") or {})
-                                        .get("arguments"))] if call.error is None}
+                for call in [_chat_call(c)] if call is not None and call.error is None}
 
     def turn(self, body: dict[str, Any]) -> Turn:
-        return _choices([self._choice(body.get("id"), choice)
-                         for choice in body.get("choices") or [{}]])
+        return _choices([self._choice(body.get("id"), number, choice)
+                         for number, choice in enumerate(body.get("choices") or [{}])])
 
     @staticmethod
-    def _choice(response_id: str | None, choice: dict[str, Any]) -> Turn:
+    def _choice(response_id: str | None, number: int, choice: dict[str, Any]) -> Turn:
         message = choice.get("message") or {}
-        calls = [_arguments(str(c.get("id")), (c.get("function") or {}).get("name", ""),
-                            (c.get("function") or {}).get("arguments"))
-                 for c in message.get("tool_calls") or []]
+        calls, unclassified = [], []
+        for c in message.get("tool_calls") or []:
+            call = _chat_call(c)
+            if call is None:
+                unclassified.append(f"tool call {c.get('id')!r} of type {c.get('type')!r}")
+            else:
+                calls.append(call)
+        legacy = message.get("function_call")
+        if legacy is not None:
+            calls.append(_arguments(f"{response_id}:function_call:{choice.get('index', number)}",
+                                    legacy.get("name") or "", legacy.get("arguments")))
         content = message.get("content")
         return Turn(response_id, calls,
-                    _text(content) if content is not None and not calls else None)
+                    _text(content) if content is not None and not calls else None,
+                    unclassified=unclassified)
 
     def assembler(self) -> Assembler:
         return _ChatAssembler()
@@ -189,21 +227,48 @@ class ChatCompletions:
         return _sse(self.error_body(message, details))
 
 
+def _chat_call(c: dict[str, Any]) -> ToolCall | None:
+    """A `tool_calls` entry (None: a type stepguard cannot classify)."""
+    kind = c.get("type")
+    if kind == "custom":
+        custom = c.get("custom") or {}
+        return _custom(str(c.get("id")), custom.get("name"), custom.get("input"))
+    if kind in (None, "function") and "custom" not in c:
+        function = c.get("function") or {}
+        return _arguments(str(c.get("id")), function.get("name") or "", function.get("arguments"))
+    return None
+
+
 def _choices(turns: list[Turn]) -> Turn:
     first, *others = turns
     first.alternatives = others
     return first
 
 
+def _piece(into: list[str], value: Any, what: str, unclassified: list[str]) -> None:
+    """One streamed piece of a string field: the SDK concatenates them (openai's
+    `accumulate_delta`); a null piece changes nothing; anything else is no piece at all."""
+    if isinstance(value, str):
+        into.append(value)
+    elif value is not None:
+        unclassified.append(f"{what} streamed as {type(value).__name__}, not a string")
+
+
 class _ChatAssembler:
     """Calls are keyed by (choice index, tool-call index): with `n` > 1 every choice numbers
-    its tool calls from 0."""
+    its tool calls from 0. Every string piece of a call's name, arguments, custom name and
+    input is concatenated, as the openai SDK's stream accumulator does (a name streamed as
+    "check_" then "policy" is "check_policy"); the id is the first one sent. The SDK keeps a
+    choice's calls in a list it inserts new indexes into, so a new index below one already
+    seen would merge two calls there: such a stream is refused."""
 
     def __init__(self) -> None:
         self.response_id: str | None = None
         self.calls: dict[tuple[int, int], dict[str, Any]] = {}
+        self.functions: dict[int, dict[str, list[str]]] = {}     # legacy delta.function_call
         self.text: dict[int, list[str]] = {}
         self.failure: str | None = None
+        self.unclassified: list[str] = []
 
     def feed(self, event: ServerSentEvent) -> None:
         chunk = event_json(event.data)
@@ -216,33 +281,123 @@ class _ChatAssembler:
             delta = choice.get("delta") or {}
             if delta.get("content"):
                 self.text.setdefault(number, []).append(delta["content"])
+            legacy = delta.get("function_call")
+            if legacy is not None:
+                function = self.functions.setdefault(number, {"name": [], "arguments": []})
+                _piece(function["name"], legacy.get("name"), "function_call.name",
+                       self.unclassified)
+                _piece(function["arguments"], legacy.get("arguments"),
+                       "function_call.arguments", self.unclassified)
             for part in delta.get("tool_calls") or []:
-                call = self.calls.setdefault((number, part.get("index", 0)),
-                                             {"id": "", "name": "", "arguments": []})
-                call["id"] = part.get("id") or call["id"]
-                function = part.get("function") or {}
-                call["name"] = function.get("name") or call["name"]
-                call["arguments"].append(function.get("arguments") or "")
+                self._tool_call(number, part)
+
+    def _tool_call(self, number: int, part: dict[str, Any]) -> None:
+        index = part.get("index")
+        if not isinstance(index, int) or isinstance(index, bool):
+            self.unclassified.append(f"a streamed tool call without an integer index ({index!r})")
+            return
+        call = self.calls.get((number, index))
+        if call is None:
+            if any(n == number and i > index for n, i in self.calls):
+                self.unclassified.append(f"tool call index {index} of choice {number} began "
+                                         f"after a higher index")
+            call = self.calls[(number, index)] = {
+                "id": "", "types": set(), "name": [], "arguments": [], "custom_name": [],
+                "input": []}
+        if not call["id"]:
+            ids: list[str] = []
+            _piece(ids, part.get("id"), "tool call id", self.unclassified)
+            call["id"] = "".join(ids)
+        if part.get("type") is not None:
+            call["types"].add(part["type"])
+        function = part.get("function")
+        if function is not None:
+            call["types"].add("function")
+            _piece(call["name"], function.get("name"), "function.name", self.unclassified)
+            _piece(call["arguments"], function.get("arguments"), "function.arguments",
+                   self.unclassified)
+        custom = part.get("custom")
+        if custom is not None:
+            call["types"].add("custom")
+            _piece(call["custom_name"], custom.get("name"), "custom.name", self.unclassified)
+            _piece(call["input"], custom.get("input"), "custom.input", self.unclassified)
 
     def call_ids(self) -> list[str]:
         return [c["id"] for c in self.calls.values() if c["id"]]
 
     def is_terminal(self, event: ServerSentEvent) -> bool:
-        return event.data.strip() == "[DONE]"
+        # exactly the openai SDK's test (`sse.data.startswith("[DONE]")`): it stops reading at
+        # `[DONE]x` too, so whatever stepguard has to say must come before that event
+        return event.data.startswith("[DONE]")
 
     def turn(self) -> Turn:
-        numbers = sorted({*self.text, *(n for n, _ in self.calls)}) or [0]
+        numbers = sorted({*self.text, *self.functions, *(n for n, _ in self.calls)}) or [0]
         turns = []
         for number in numbers:
-            calls = [_arguments(c["id"], c["name"], "".join(c["arguments"]))
-                     for (n, _), c in sorted(self.calls.items()) if n == number]
+            calls, unclassified = [], []
+            for (n, _), c in sorted(self.calls.items()):
+                if n != number:
+                    continue
+                if c["types"] <= {"function"}:
+                    calls.append(_arguments(c["id"], "".join(c["name"]), "".join(c["arguments"])))
+                elif c["types"] == {"custom"}:
+                    calls.append(_custom(c["id"], "".join(c["custom_name"]), "".join(c["input"])))
+                else:
+                    unclassified.append(f"streamed tool call {c['id']!r} of type(s) "
+                                        f"{', '.join(sorted(map(str, c['types'])))}")
+            legacy = self.functions.get(number)
+            if legacy is not None:
+                calls.append(_arguments(f"{self.response_id}:function_call:{number}",
+                                        "".join(legacy["name"]), "".join(legacy["arguments"])))
             text = "".join(self.text.get(number, [])) if not calls else None
-            turns.append(Turn(self.response_id, calls, text))
+            turns.append(Turn(self.response_id, calls, text, unclassified=unclassified))
+        turns[0].unclassified += self.unclassified
         return _choices(turns)
 
 
+# Responses output items, by who runs them (the openai SDK's `ResponseOutputItem` union):
+# the agent (its result comes back as an `*_output` item with the call's call_id) ...
+_AGENT_RUNS = frozenset({"function_call", "custom_tool_call", "computer_call", "local_shell_call",
+                         "shell_call", "apply_patch_call", "program"})
+# ... or the provider, whose item already carries the outcome (an MCP approval request: the
+# agent's approval is what runs the tool); `tool_search_call` says which in its `execution`
+_PROVIDER_RUNS = frozenset({"web_search_call", "file_search_call", "code_interpreter_call",
+                            "image_generation_call", "mcp_call", "mcp_approval_request"})
+_NOT_CALLS = frozenset({"message", "reasoning", "compaction", "additional_tools",
+                        "mcp_list_tools", "mcp_approval_response", "program_output",
+                        "tool_search_output"})
+
+
+def _responses_call(item: dict[str, Any]) -> ToolCall | str | None:
+    """An output item as a tool call; None: not a call; a string: a call of a type stepguard
+    cannot classify (why). A built-in call matches a step by its type name and is checked
+    with the whole item (its status aside) as its input."""
+    kind = item.get("type")
+    call_id = str(item.get("call_id") or item.get("id") or "")
+    if kind == "function_call":
+        return _arguments(call_id, item.get("name") or "", item.get("arguments"))
+    if kind == "custom_tool_call":
+        return _custom(call_id, item.get("name"), item.get("input"))
+    if kind in _AGENT_RUNS or kind in _PROVIDER_RUNS or kind == "tool_search_call":
+        ran = kind in _PROVIDER_RUNS or (kind == "tool_search_call"
+                                         and item.get("execution") != "client")
+        return ToolCall(call_id, kind, {k: v for k, v in item.items() if k != "status"},
+                        ran=ran, result=item if ran else None)
+    if not isinstance(kind, str):
+        return f"output item {call_id!r} without a type"
+    if kind in _NOT_CALLS or kind.endswith("_output") or not looks_like_call(kind):
+        return None
+    return f"output item {call_id!r} of type {kind!r}"
+
+
+def _responses_echoed(item: dict[str, Any]) -> ToolCall | None:
+    call = _responses_call(item) if item.get("type") in _AGENT_RUNS else None
+    return call if isinstance(call, ToolCall) and call.error is None else None
+
+
 class Responses:
-    """OpenAI Responses: `function_call_output` items in, `function_call` items out."""
+    """OpenAI Responses: `*_output` items in, `function_call`, `custom_tool_call` and the
+    built-in tools' call items out."""
 
     name = "openai.responses"
     traffic = "openai"
@@ -251,30 +406,36 @@ class Responses:
     def tool_outputs(self, body: dict[str, Any]) -> list[ToolOutput]:
         items = body.get("input")
         return [_output(str(i.get("call_id")), i.get("output"))
-                for i in items if isinstance(i, dict) and i.get("type") == "function_call_output"
+                for i in items if isinstance(i, dict) and str(i.get("type")).endswith("_output")
                 and i.get("call_id")] if isinstance(items, list) else []
 
     def known_ids(self, body: dict[str, Any]) -> list[str]:
         items = body.get("input") if isinstance(body.get("input"), list) else []
         ids = [str(i.get("call_id")) for i in items or [] if isinstance(i, dict)
-               and i.get("type") in ("function_call", "function_call_output") and i.get("call_id")]
+               and (i.get("type") in _AGENT_RUNS or str(i.get("type")).endswith("_output"))
+               and i.get("call_id")]
         previous = body.get("previous_response_id")
         return [f"call:{i}" for i in ids] + ([f"resp:{previous}"] if previous else [])
 
     def echoed_calls(self, body: dict[str, Any]) -> dict[str, Any]:
         items = body.get("input") if isinstance(body.get("input"), list) else []
         return {call.call_id: call.arguments for i in items or [] if isinstance(i, dict)
-                and i.get("type") == "function_call"
-                for call in [_arguments(str(i.get("call_id")), "", i.get("arguments"))]
-                if call.error is None}
+                for call in [_responses_echoed(i)] if call is not None}
 
     def turn(self, body: dict[str, Any]) -> Turn:
         items = body.get("output") or []
-        calls = [_arguments(str(i.get("call_id")), i.get("name", ""), i.get("arguments"))
-                 for i in items if isinstance(i, dict) and i.get("type") == "function_call"]
+        calls: list[ToolCall] = []
+        unclassified: list[str] = []
+        for item in items:
+            call = _responses_call(item)
+            if isinstance(call, ToolCall):
+                calls.append(call)
+            elif call is not None:
+                unclassified.append(call)
         text = "".join(_text(i.get("content")) for i in items
                        if isinstance(i, dict) and i.get("type") == "message")
-        return Turn(body.get("id"), calls, text if not calls else None)
+        return Turn(body.get("id"), calls, text if not calls else None,
+                    unclassified=unclassified)
 
     def assembler(self) -> Assembler:
         return _ResponsesAssembler(self)
@@ -288,13 +449,30 @@ class Responses:
                      "param": details.get("field"), **body}, "error")
 
 
+# the streamed pieces of an output item's string field: event type -> field
+_PIECES = {"response.function_call_arguments.delta": "arguments",
+           "response.custom_tool_call_input.delta": "input"}
+
+
+def _identity(item: dict[str, Any]) -> tuple[Any, Any]:
+    return item.get("type"), item.get("call_id") or item.get("id")
+
+
 class _ResponsesAssembler:
+    """Output items as the stream builds them: `output_item.added`, then the pieces of a
+    function call's arguments and a custom tool call's input (concatenated), replaced by
+    `output_item.done`. The turn is the final response's output (`response.completed` or
+    `response.incomplete`) plus every call the events showed that it leaves out; a call the
+    events finished one way and the final output says another way is refused."""
+
     def __init__(self, dialect: Responses) -> None:
         self.dialect = dialect
         self.response_id: str | None = None
-        self.items: list[dict[str, Any]] = []
+        self.items: dict[Any, dict[str, Any]] = {}     # by output_index
+        self.done: set[Any] = set()
         self.completed: dict[str, Any] | None = None
         self.failure: str | None = None
+        self.unclassified: list[str] = []
 
     def feed(self, event: ServerSentEvent) -> None:
         data = event_json(event.data)
@@ -307,30 +485,90 @@ class _ResponsesAssembler:
             self.failure = self.failure or _failure(error or "response.failed")
         if isinstance(response, dict) and response.get("id"):
             self.response_id = response["id"]
-        if kind == "response.output_item.done" and isinstance(data.get("item"), dict):
-            self.items.append(data["item"])
-        if kind == "response.completed" and isinstance(response, dict):
+        index = data.get("output_index", len(self.items))
+        item = data.get("item")
+        if kind == "response.output_item.added" and isinstance(item, dict):
+            self.items.setdefault(index, dict(item))
+        elif kind == "response.output_item.done" and isinstance(item, dict):
+            self.items[index] = item
+            self.done.add(index)
+        elif kind in _PIECES and index in self.items and index not in self.done:
+            kept = self.items[index]
+            field_name = _PIECES[kind]
+            before, delta = kept.get(field_name) or "", data.get("delta")
+            if isinstance(before, str) and isinstance(delta, str):
+                kept[field_name] = before + delta
+            else:
+                self.unclassified.append(f"{kind} with a delta that is not a string")
+        if kind in self._TERMINAL and isinstance(response, dict):
             self.completed = response
 
+
     def call_ids(self) -> list[str]:
-        return [str(i["call_id"]) for i in self.items if i.get("call_id")]
+        return [str(i["call_id"]) for i in self.items.values() if i.get("call_id")]
 
     # response.incomplete (max_output_tokens, content filter) ends a turn too: its finished
     # items are whole and are checked; response.failed and error are failures (`failure`)
     _TERMINAL = ("response.completed", "response.incomplete")
 
     def is_terminal(self, event: ServerSentEvent) -> bool:
-        return event.event in self._TERMINAL or (
+        # the openai SDK stops reading at data that starts with [DONE], whatever the dialect
+        return event.event in self._TERMINAL or event.data.startswith("[DONE]") or (
             event.event in ("", "message") and event_json(event.data).get("type") in self._TERMINAL)
 
     def turn(self) -> Turn:
-        if self.completed and self.completed.get("output"):
-            return self.dialect.turn(self.completed)
-        return self.dialect.turn({"id": self.response_id, "output": self.items})
+        final = self.completed.get("output") if self.completed else None
+        output = list(final) if isinstance(final, list) else []
+        seen = {_identity(i): i for i in output if isinstance(i, dict)}
+        unclassified = list(self.unclassified)
+        for index, item in self.items.items():
+            other = seen.get(_identity(item))
+            if other is None:
+                output.append(item)     # shown to the client, whatever the final output says
+            elif index in self.done and not self._same(item, other):
+                unclassified.append(f"output item {_identity(item)[1]!r} finished as one call "
+                                    f"and completed as another")
+        turn = self.dialect.turn({"id": self.response_id, "output": output})
+        turn.unclassified += unclassified
+        return turn
+
+    @staticmethod
+    def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+        one, two = _responses_call(a), _responses_call(b)
+        if isinstance(one, ToolCall) and isinstance(two, ToolCall):
+            return (one.name, one.arguments) == (two.name, two.arguments)
+        return one == two
+
+
+# Anthropic content blocks that are tool calls: `tool_use` (the agent runs it) and the
+# provider's own (`server_tool_use`, `mcp_tool_use`: run by Anthropic, their outcome a
+# `*_tool_result` block of the same message with the call's id as `tool_use_id`)
+_ANTHROPIC_CALLS = {"tool_use": False, "server_tool_use": True, "mcp_tool_use": True}
+
+
+def _messages_turn(message_id: str | None, blocks: list[dict[str, Any]],
+                   unclassified: list[str] | None = None) -> Turn:
+    """A message's blocks (`input` already parsed or assembled) as a turn. Each call matches a
+    step by its name; a block whose type says tool call but is none of the above refuses it."""
+    calls, text, unknown = [], [], list(unclassified or [])
+    results = {b.get("tool_use_id"): b for b in blocks if str(b.get("type")).endswith("_result")}
+    for block in blocks:
+        kind = block.get("type")
+        if kind in _ANTHROPIC_CALLS:
+            call = _arguments(str(block.get("id")), block.get("name") or "", block.get("input"))
+            if _ANTHROPIC_CALLS[kind]:
+                call = replace(call, ran=True, result=results.get(block.get("id")))
+            calls.append(call)
+        elif kind == "text":
+            text.append(block.get("text", ""))
+        elif not isinstance(kind, str) or looks_like_call(kind):
+            unknown.append(f"content block {block.get('id')!r} of type {kind!r}")
+    return Turn(message_id, calls, "".join(text) if not calls else None, unclassified=unknown)
 
 
 class Messages:
-    """Anthropic Messages: `tool_result` blocks in, `tool_use` blocks out, `message_stop` ends."""
+    """Anthropic Messages: `tool_result` blocks in, `tool_use` (and server tool) blocks out,
+    `message_stop` ends."""
 
     name = "anthropic.messages"
     traffic = "anthropic"
@@ -354,11 +592,8 @@ class Messages:
                 if isinstance(b.get("input"), dict)}
 
     def turn(self, body: dict[str, Any]) -> Turn:
-        blocks = [b for b in body.get("content") or [] if isinstance(b, dict)]
-        calls = [_arguments(str(b.get("id")), b.get("name", ""), b.get("input"))
-                 for b in blocks if b.get("type") == "tool_use"]
-        text = "".join(b.get("text", "") for b in blocks if b.get("type") == "text")
-        return Turn(body.get("id"), calls, text if not calls else None)
+        return _messages_turn(body.get("id"),
+                              [b for b in body.get("content") or [] if isinstance(b, dict)])
 
     def assembler(self) -> Assembler:
         return _MessagesAssembler()
@@ -372,10 +607,16 @@ class Messages:
 
 
 class _MessagesAssembler:
+    """Content blocks as the anthropic SDK builds them: each `content_block_start` appends a
+    block (the SDK ignores its index and later finds it by position, so a start whose index is
+    not the next position is refused), a tool call's input is its `input_json_delta` pieces
+    concatenated (else the start's `input`)."""
+
     def __init__(self) -> None:
         self.message_id: str | None = None
         self.blocks: dict[int, dict[str, Any]] = {}
         self.failure: str | None = None
+        self.unclassified: list[str] = []
 
     def feed(self, event: ServerSentEvent) -> None:
         data = event_json(event.data)
@@ -387,32 +628,36 @@ class _MessagesAssembler:
         elif kind == "content_block_start":
             block = dict(data.get("content_block") or {})
             block["_json"] = []
-            self.blocks[data.get("index", len(self.blocks))] = block
+            index = data.get("index", len(self.blocks))
+            if index != len(self.blocks):
+                self.unclassified.append(f"content block started at index {index!r} where the "
+                                         f"SDK puts it at {len(self.blocks)}")
+            self.blocks[len(self.blocks)] = block
         elif kind == "content_block_delta":
             block = self.blocks.setdefault(data.get("index", 0), {"type": "text", "_json": []})
             delta = data.get("delta") or {}
             if delta.get("type") == "input_json_delta":
-                block["_json"].append(delta.get("partial_json", ""))
+                _piece(block["_json"], delta.get("partial_json"), "partial_json",
+                       self.unclassified)
             elif delta.get("type") == "text_delta":
                 block["text"] = block.get("text", "") + delta.get("text", "")
 
     def call_ids(self) -> list[str]:
         return [str(b["id"]) for b in self.blocks.values()
-                if b.get("type") == "tool_use" and b.get("id")]
+                if b.get("type") in _ANTHROPIC_CALLS and b.get("id")]
 
     def is_terminal(self, event: ServerSentEvent) -> bool:
         return event.event == "message_stop"
 
     def turn(self) -> Turn:
-        calls, text = [], []
-        for _, block in sorted(self.blocks.items()):
-            if block.get("type") == "tool_use":
-                raw = "".join(block["_json"])
-                calls.append(_arguments(block.get("id", ""), block.get("name", ""),
-                                        raw if raw else block.get("input") or {}))
-            elif block.get("type") == "text":
-                text.append(block.get("text", ""))
-        return Turn(self.message_id, calls, "".join(text) if not calls else None)
+        blocks = []
+        for _, started in sorted(self.blocks.items()):
+            block = {k: v for k, v in started.items() if k != "_json"}
+            raw = "".join(started["_json"])
+            if raw and block.get("type") in _ANTHROPIC_CALLS:
+                block["input"] = raw
+            blocks.append(block)
+        return _messages_turn(self.message_id, blocks, self.unclassified)
 
 
 _DIALECTS: dict[tuple[str, str], Dialect] = {
