@@ -113,6 +113,9 @@ def connect(path: str | Path, synchronous: str = "NORMAL",
         conn.execute(f"PRAGMA busy_timeout={max(1, int(timeout_s * 1000))}")
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute(f"PRAGMA synchronous={mode}")
+        # statement journals and sorts in memory: an append must not need a new descriptor,
+        # or stepguard out of descriptors would be a store failure instead of a 503 retry
+        conn.execute("PRAGMA temp_store=MEMORY")
         conn.executescript(SCHEMA)
     except BaseException:
         conn.close()
@@ -566,6 +569,10 @@ def _read_only(path: Path, timeout_s: float) -> sqlite3.Connection:
                            check_same_thread=False)
     conn.execute("PRAGMA query_only=1")
     conn.execute(f"PRAGMA busy_timeout={max(1, int(timeout_s * 1000))}")
+    conn.execute("PRAGMA temp_store=MEMORY")
+    # a first read opens the WAL and its index now: a lookup must not need a new descriptor
+    # later, when stepguard may be out of them
+    conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
     return conn
 
 
