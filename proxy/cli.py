@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sqlite3
 import sys
 from collections.abc import Sequence
@@ -26,7 +27,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    code: int = args.func(args)
+    try:
+        code: int = args.func(args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # the reader left (`stepguard runs show X | head`): not an error of ours. Point stdout
+        # at /dev/null so the interpreter's own flush at exit does not raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141      # as a shell reports a command ended by SIGPIPE
     return code
 
 
@@ -84,13 +93,18 @@ def _parser() -> argparse.ArgumentParser:
 
     runs = sub.add_parser("runs", help="inspect runs in the store")
     runs.add_argument("--store", default=None, help="SQLite file (STEPGUARD_STORE)")
+    # --store is read before or after the action: `runs --store F show X`, `runs show X --store F`
+    store_after = argparse.ArgumentParser(add_help=False)
+    store_after.add_argument("--store", default=argparse.SUPPRESS,
+                             help="SQLite file (STEPGUARD_STORE)")
     runs_sub = runs.add_subparsers(metavar="ACTION")
-    runs_list = runs_sub.add_parser("list", help="list runs, newest first")
+    runs_list = runs_sub.add_parser("list", help="list runs, newest first", parents=[store_after])
     runs_list.add_argument("--status", choices=["active", "halted", "escalated", "completed"])
     runs_list.add_argument("--limit", type=int, default=50)
     runs_list.add_argument("--json", action="store_true")
     runs_list.set_defaults(func=_runs_list)
-    runs_show = runs_sub.add_parser("show", help="a run's envelope and event history")
+    runs_show = runs_sub.add_parser("show", help="a run's envelope and event history",
+                                    parents=[store_after])
     runs_show.add_argument("run_id", metavar="RUN")
     runs_show.add_argument("--json", action="store_true")
     runs_show.set_defaults(func=_runs_show)
@@ -190,9 +204,10 @@ def _check(args: argparse.Namespace) -> int:
     try:
         contracts = load_contracts(args.files)
     except ContractError as exc:
+        # the report is the command's output: every issue, then the count on a line of its own
         for issue in exc.issues:
             print(issue)
-        print(f"{len(exc.issues)} error(s)", file=sys.stderr)
+        print(f"\n{len(exc.issues)} error(s)")
         return 1
     for c in contracts:
         print(f"{c.source}: ok: workflow {c.workflow!r} version {c.version}, "

@@ -4,6 +4,7 @@ error, `runs` shows what the proxy stored, `bench drift` reproduces the article'
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import sys
 from dataclasses import dataclass
@@ -78,12 +79,23 @@ async def test_check_rejects_a_broken_contract_printing_every_error_with_file_st
     ran = await stepguard("check", EXAMPLE, path)
 
     assert ran.code == 1
-    assert len(ran.lines) == len(expected)
-    for line, fragment in zip(ran.lines, expected, strict=True):
+    issues = ran.lines[:-2]
+    assert len(issues) == len(expected)
+    for line, fragment in zip(issues, expected, strict=True):
         assert line.startswith(f"{path}: "), line
         assert fragment in line
-    assert f"{len(expected)} error(s)" in ran.err
     assert "order-confirmation" not in ran.out
+
+
+async def test_check_ends_its_report_with_the_error_count_on_a_line_of_its_own(tmp_path):
+    path = write(tmp_path / "broken.yaml", broken(a={"match": match("/a", upstream="nope")},
+                                                  c={"match": match("/c"), "after": ["ghost"]}))
+
+    ran = await stepguard("check", path)
+
+    assert ran.code == 1
+    assert ran.lines[-2:] == ["", "2 error(s)"]
+    assert ran.err == ""
 
 
 # --- runs -------------------------------------------------------------------------------------
@@ -144,6 +156,29 @@ async def test_runs_show_json_holds_envelope_and_complete_history(halted_store):
     assert [(e["step"], e["action"]) for e in shown["history"]] == [
         ("lookup_order", "forward"), ("lookup_order", "advance"), ("check_policy", "halt"),
         ("reserve_slot", "refuse")]
+
+
+@pytest.mark.parametrize("action", [["list"], ["show", "stale-cli"]], ids=["list", "show"])
+async def test_runs_takes_the_store_after_its_action_too(halted_store, action):
+    ran = await stepguard("runs", *action, "--store", halted_store)
+
+    assert ran.code == 0, ran.err
+    assert "stale-cli" in ran.out
+
+
+async def test_runs_show_into_a_reader_that_has_left_ends_quietly(halted_store):
+    read_end, write_end = os.pipe()
+    os.close(read_end)      # `| head` gone before stepguard writes a line
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "stepguard.proxy.cli", "runs", "--store", str(halted_store),
+            "show", "stale-cli", stdout=write_end, stderr=asyncio.subprocess.PIPE)
+    finally:
+        os.close(write_end)
+    _, err = await asyncio.wait_for(proc.communicate(), 50)
+
+    assert proc.returncode == 141
+    assert b"Traceback" not in err and b"BrokenPipeError" not in err, err.decode()
 
 
 async def test_runs_show_of_an_unknown_run_fails(halted_store):
