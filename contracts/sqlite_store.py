@@ -147,10 +147,12 @@ class SQLiteStore:
         self._writer: threading.Thread | None = None
         self._stop = threading.Event()
         self._checkpointer: threading.Thread | None = None
+        self._checkpointing = threading.Lock()   # one checkpoint at a time, in this process
         self._next_purge = 0.0
         self._next_truncate = 0.0
         self._busy_ms = 0      # the writer connection's busy_timeout, as last set
         self._lock_fd: int | None = None
+        self._close_problem: str | None = None   # the final checkpoint's failure, for close
         # point reads on one thread over `_lookup`; count_by_status on another over `_reader`
         self._lookup: sqlite3.Connection | None = None
         self._reader: sqlite3.Connection | None = None
@@ -209,8 +211,6 @@ class SQLiteStore:
         self._release_lock()
         if problem is not None:
             raise StoreError(f"store {self.path}: final checkpoint failed: {problem}")
-
-    _close_problem: str | None = None
 
     async def load(self, run_id: str) -> Envelope | None:
         row = await self._read(lambda c: c.execute(
@@ -418,11 +418,18 @@ class SQLiteStore:
             self._next_truncate = now + TRUNCATE_RETRY_S
 
     def _truncate(self, conn: sqlite3.Connection) -> bool:
+        """A TRUNCATE checkpoint. SQLite does not wait for a checkpoint in progress (it answers
+        busy at once), so the writer first waits for the checkpointer thread's round to end."""
+        wait_s = min(self.timeout_s, 0.5)
+        if not self._checkpointing.acquire(timeout=wait_s):
+            return False
         try:
-            self._busy_wait(conn, int(min(self.timeout_s, 0.5) * 1000))
+            self._busy_wait(conn, int(wait_s * 1000))
             busy = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
         except sqlite3.Error:
             return False
+        finally:
+            self._checkpointing.release()
         if busy:
             return False
         self.truncations += 1
@@ -468,9 +475,14 @@ class SQLiteStore:
                 now = time.monotonic()
                 if size <= self.wal_limit_bytes // 2 and now - last < self.checkpoint_interval_s:
                     continue
+                if not self._checkpointing.acquire(blocking=False):
+                    continue    # the writer is truncating
                 last = now
-                with contextlib.suppress(sqlite3.Error):   # busy: the next round catches up
-                    conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+                try:
+                    with contextlib.suppress(sqlite3.Error):   # busy: the next round catches up
+                        conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+                finally:
+                    self._checkpointing.release()
         finally:
             conn.close()
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import orjson
 
-from stepguard.contracts.errors import ContractError
+from stepguard.contracts.errors import ContractError, StepguardError
 from stepguard.contracts.loader import load_contracts
 from stepguard.contracts.sqlite_store import connect, read_escalations, read_history, read_runs
 from stepguard.metrics.logs import LOG_FORMATS, LOG_LEVELS
@@ -194,7 +194,7 @@ def _serve(args: argparse.Namespace) -> int:
             uvloop.run(serve(settings, contracts))
         else:
             asyncio.run(serve(settings, contracts))
-    except OSError as exc:
+    except (OSError, StepguardError) as exc:    # a store that cannot be opened, a port taken
         print(f"stepguard serve: {exc}", file=sys.stderr)
         return 1
     return 0

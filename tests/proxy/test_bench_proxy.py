@@ -529,3 +529,18 @@ def test_steal_is_the_stolen_share_of_all_cpu_time() -> None:
     assert steal_pct((100, 10_000), (150, 10_500)) == 10.0
     assert steal_pct((100, 10_000), (100, 10_000)) is None      # no time passed
     assert steal_pct(None, (100, 10_000)) is None                # no /proc/stat
+
+
+@needs_tools
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_wal_soak_reports_throughput_and_the_wal_size_under_its_limit() -> None:
+    result = run(BenchOptions(concurrency=8, wal_soak_s=1))
+    soak = result["wal_soak"]
+    assert soak["calls"] > 0 and soak["calls_per_s"] > 0
+    assert soak["non_2xx"] == 0 and soak["socket_errors"] == 0
+    assert soak["stored_events"] >= 2 * soak["calls"]          # entry and exit of each call
+    assert 0 < soak["wal_peak_bytes"] <= soak["wal_limit_bytes"]
+    assert len(soak["wal_peak_bytes_by_tenth"]) == 10
+    text = render(result)
+    assert "WAL peak" in text and "calls/s" in text

@@ -6,9 +6,11 @@ test is bounded to a few seconds; real SQLite, a real second process holding the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -17,8 +19,21 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
-from sgtest import OrderFlow, Proxy, Reply, example_contract, problem
+import yaml
+from sgtest import (
+    EXAMPLE,
+    OrderFlow,
+    Proxy,
+    Remote,
+    Reply,
+    clean,
+    example_contract,
+    free_port,
+    problem,
+    trail,
+)
 
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.sqlite_store import SQLiteStore
@@ -245,3 +260,181 @@ async def test_shutdown_on_a_full_disk_logs_the_failed_checkpoint_and_finishes(
     failures = sg.metrics.registry.get_sample_value("stepguard_store_errors_total",
                                                     {"operation": "close"})
     assert failures == 1
+
+
+# --- starting on a store that cannot be used ---------------------------------------------------
+
+
+@pytest.fixture
+def contract_file(tmp_path: Path, tools: Any) -> Path:
+    document = yaml.safe_load(EXAMPLE.read_bytes())
+    document["upstreams"]["tools"]["url"] = tools.url
+    path = tmp_path / "contract.yaml"
+    path.write_text(yaml.safe_dump(document, sort_keys=False))
+    return path
+
+
+def serve_argv(contract: Path, store: Path, port: int, admin: int) -> list[str]:
+    return [sys.executable, "-m", "stepguard.proxy.cli", "serve", "--contract", str(contract),
+            "--port", str(port), "--admin-port", str(admin), "--store", str(store),
+            "--log-format", "json"]
+
+
+async def refused_start(contract: Path, store: Path) -> tuple[int, str, int]:
+    """`stepguard serve` that must not start: (exit status, its stderr, its proxy port)."""
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        *serve_argv(contract, store, port, free_port()), stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE)
+    try:
+        _, err = await asyncio.wait_for(proc.communicate(), 20)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode is not None
+    return proc.returncode, err.decode(), port
+
+
+def one_line_naming(err: str, store: Path) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    assert lines[0].startswith("stepguard serve: ") and str(store) in lines[0], lines[0]
+    return lines[0]
+
+
+async def test_a_store_in_a_missing_directory_stops_serve_with_one_line_naming_it(
+        tmp_path: Path, contract_file: Path) -> None:
+    store = tmp_path / "no-such-dir" / "s.db"
+    status, err, _ = await refused_start(contract_file, store)
+    assert status == 1
+    assert "does not exist" in one_line_naming(err, store)
+    assert not store.parent.exists()
+
+
+async def test_a_corrupt_store_stops_serve_with_one_line_naming_it(
+        tmp_path: Path, contract_file: Path) -> None:
+    store = tmp_path / "s.db"
+    garbage = b"this is not a database, " * 100
+    store.write_bytes(garbage)
+    status, err, _ = await refused_start(contract_file, store)
+    assert status == 1
+    assert "not a database" in one_line_naming(err, store)
+    assert store.read_bytes() == garbage
+
+
+async def test_a_read_only_store_stops_serve_with_one_line_naming_it(
+        tmp_path: Path, contract_file: Path, small_disk: Path) -> None:
+    store = small_disk / "s.db"
+    made = SQLiteStore(store)
+    await made.open()
+    await made.close()
+    remount = await asyncio.to_thread(subprocess.run, ["mount", "-o", "remount,ro",
+                                                       str(small_disk)], capture_output=True,
+                                      check=False)
+    if remount.returncode != 0:
+        pytest.skip(f"cannot remount the tmpfs read-only: {remount.stderr.decode().strip()}")
+    status, err, _ = await refused_start(contract_file, store)
+    assert status == 1
+    assert "read-only" in one_line_naming(err, store).lower()
+
+
+@asynccontextmanager
+async def serving(contract: Path, store: Path, log: Path
+                  ) -> AsyncIterator[tuple[asyncio.subprocess.Process, Remote, int]]:
+    """`stepguard serve` in a subprocess on free ports, yielded once /readyz says ready."""
+    port, admin = free_port(), free_port()
+    with log.open("ab") as out:
+        proc = await asyncio.create_subprocess_exec(*serve_argv(contract, store, port, admin),
+                                                    stdout=out, stderr=out)
+    try:
+        async with aiohttp.ClientSession() as session:
+            for _ in range(300):
+                if proc.returncode is not None:
+                    pytest.fail(f"stepguard serve exited: {await asyncio.to_thread(log.read_text)}")
+                with contextlib.suppress(aiohttp.ClientConnectionError):
+                    async with session.get(f"http://127.0.0.1:{admin}/readyz") as resp:
+                        if resp.status == 200:
+                            break
+                await asyncio.sleep(0.05)
+            else:
+                pytest.fail("stepguard serve did not become ready in 15 s")
+            yield proc, Remote(session, f"http://127.0.0.1:{port}"), admin
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()
+
+
+def fingerprint(store: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(store.parent.glob(store.name + "*"))
+            if not p.name.endswith(".lock")}
+
+
+async def test_a_second_instance_on_a_store_in_use_fails_clearly_without_touching_it(
+        tmp_path: Path, contract_file: Path, store_path: Path) -> None:
+    async with serving(contract_file, store_path, tmp_path / "serve.log") as (_, remote, _):
+        await OrderFlow(remote, "first").through("lookup_order")
+        await asyncio.sleep(1.5)      # the first instance's checkpointer has caught up: idle
+        before = fingerprint(store_path)
+        status, err, port = await refused_start(contract_file, store_path)
+        assert status == 1
+        assert "in use by another stepguard" in one_line_naming(err, store_path)
+        assert fingerprint(store_path) == before
+        with pytest.raises(OSError):        # it never bound its port
+            await asyncio.open_connection("127.0.0.1", port)
+        assert (await OrderFlow(remote, "first").call("check_policy")).status == 200
+
+
+# --- kill -9 under load -------------------------------------------------------------------------
+
+
+async def load_until_killed(remote: Remote, proc: asyncio.subprocess.Process, prefix: str,
+                            seconds: float, workers: int = 16) -> list[str]:
+    """Checked calls, each a run of its own, from `workers` clients until the server is killed
+    with SIGKILL after `seconds`; returns the runs whose call was answered 200."""
+    answered: list[str] = []
+    stop = False
+
+    async def client(w: int) -> None:
+        n = 0
+        while not stop:
+            run = f"{prefix}-{w}-{n}"
+            n += 1
+            try:
+                reply = await OrderFlow(remote, run).call("lookup_order")
+            except (TimeoutError, aiohttp.ClientError):
+                return           # the server is gone
+            assert reply.status == 200, reply.body[:300]
+            answered.append(run)
+
+    clients = [asyncio.ensure_future(client(w)) for w in range(workers)]
+    await asyncio.sleep(seconds)
+    proc.send_signal(signal.SIGKILL)
+    assert await proc.wait() == -signal.SIGKILL
+    stop = True
+    await asyncio.gather(*clients)
+    return answered
+
+
+async def test_kill_9_under_load_loses_no_acknowledged_event(
+        tmp_path: Path, contract_file: Path, store_path: Path) -> None:
+    log = tmp_path / "serve.log"
+    acknowledged: list[str] = []
+    for kill in range(2):
+        async with serving(contract_file, store_path, log) as (proc, remote, _):
+            if acknowledged:        # the restarted server continues a run of the last life
+                assert (await OrderFlow(remote, acknowledged[-1]).call("check_policy")).status \
+                    == 200
+            acknowledged += await load_until_killed(remote, proc, f"kill{kill}", 1.5)
+    assert len(acknowledged) > 100, "too little load to test anything"
+
+    store = SQLiteStore(store_path)
+    await store.open()
+    try:
+        lost = [run for run in acknowledged
+                if trail(await store.history(run))[:2] != clean("lookup_order")]
+    finally:
+        await store.close()
+    assert lost == [], f"{len(lost)} of {len(acknowledged)} acknowledged runs lost events"
