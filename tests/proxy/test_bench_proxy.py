@@ -35,9 +35,11 @@ from stepguard.proxy.bench_proxy import (
     _parse_wrk,
     _percentile,
     _plan,
+    _render_bounds,
     boundary_micro,
     closed_loop,
     combine_rounds,
+    hop_bounds,
     loadgen,
     parse_cpu_line,
     render,
@@ -529,3 +531,14 @@ def test_steal_is_the_stolen_share_of_all_cpu_time() -> None:
     assert steal_pct((100, 10_000), (150, 10_500)) == 10.0
     assert steal_pct((100, 10_000), (100, 10_000)) is None      # no time passed
     assert steal_pct(None, (100, 10_000)) is None                # no /proc/stat
+
+
+def test_the_report_states_the_resource_bounds_the_hop_ran_under(monkeypatch):
+    monkeypatch.setattr("resource.getrlimit", lambda which: (4096, 4096))
+    bounds = hop_bounds()
+
+    assert bounds["max_connections"] == (4096 - 256) // 2
+    assert _render_bounds(bounds) == (
+        "bounds: request head 10 s, body stall 30 s, idle 75 s; connections 1,920 (admin 32); "
+        "request bodies held 256 MiB in all, 10 MiB each; responses 10 MiB each; an "
+        "unreachable upstream 3 tries in 2 s")
