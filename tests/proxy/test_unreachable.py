@@ -17,9 +17,11 @@ import orjson
 import pytest
 import yaml
 from aiohttp import web
+from multidict import CIMultiDict
 from sgtest import answer_ok, clean, contract_doc, free_port, make_contract, trail
 
 from stepguard.contracts.sqlite_store import connect, read_history
+from stepguard.proxy.forward import Forwarder, UpstreamError
 
 RPC_UNCHECKABLE = -31002
 
@@ -216,3 +218,34 @@ async def test_runs_go_on_while_their_upstream_restarts_and_none_is_halted_for_a
     assert sum(not through for through in runs.values()) <= workers * outages
     async with aiohttp.ClientSession() as session, session.get(url) as direct:
         assert direct.status == 200
+
+
+async def test_a_call_to_an_upstream_back_within_the_connect_budget_goes_through_unseen(proxy):
+    port = free_port()
+    px = await proxy(make_contract(f"http://127.0.0.1:{port}", {"act": {}}),
+                     connect_attempts=5, connect_timeout_s=5.0)    # tries at 0, .25, .75, 1.75 s
+    upstream = Restarting(port)
+
+    async def comes_back() -> None:
+        await asyncio.sleep(0.4)        # after the first tries
+        await upstream.start()
+
+    try:
+        reply, _ = await asyncio.gather(px.call("/tools/act", {}, run="back-1"), comes_back())
+    finally:
+        await upstream.stop()
+
+    assert reply.status == 200
+    assert trail(await px.history("back-1")) == clean("act")
+
+
+async def test_a_name_that_does_not_resolve_is_unreachable_not_sent():
+    forwarder = Forwarder(1 << 20, connect_attempts=2, connect_timeout_s=1.0)
+    try:
+        with pytest.raises(UpstreamError) as caught:
+            await forwarder.fetch("POST", "http://stepguard-test.invalid/act", CIMultiDict(),
+                                  b"{}", 5.0)
+    finally:
+        await forwarder.close()
+    assert caught.value.kind == "unreachable"
+    assert not caught.value.own
