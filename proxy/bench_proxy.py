@@ -1114,7 +1114,7 @@ def run(options: BenchOptions) -> dict[str, Any]:
               "contract/nginx": _ratio(rps("contract"), rps("nginx")),
               "passthrough/nginx": _ratio(rps("passthrough"), rps("nginx"))}
     return {"rows": {name: asdict(row) for name, row in rows.items()}, "ratios": ratios,
-            "targets": _targets(rows, ratios, micro), "micro": micro,
+            "targets": _targets(rows, ratios, micro), "micro": micro, "bounds": hop_bounds(),
             "options": asdict(options),
             "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0],
                         "platform": sys.platform,
@@ -1124,6 +1124,31 @@ def run(options: BenchOptions) -> dict[str, Any]:
                         # the share of CPU time the hypervisor gave elsewhere during the run
                         "steal_pct": steal_pct(ticks, _cpu_ticks())},
             "elapsed_s": round(time.perf_counter() - began, 1)}
+
+
+def hop_bounds() -> dict[str, Any]:
+    """The resource bounds the hop ran under (its defaults: the bench sets none of them)."""
+    from stepguard.proxy.config import Settings
+    from stepguard.proxy.listener import ADMIN_CONNECTIONS, connection_limit
+
+    s = Settings()
+    return {"header_timeout_s": s.header_timeout_s, "body_timeout_s": s.body_timeout_s,
+            "idle_timeout_s": s.idle_timeout_s,
+            "max_connections": connection_limit(s.max_connections),
+            "admin_connections": ADMIN_CONNECTIONS,
+            "max_inflight_body_mib": s.max_inflight_body_bytes / (1 << 20),
+            "max_request_mib": s.max_request_bytes / (1 << 20),
+            "max_response_mib": s.max_response_bytes / (1 << 20),
+            "connect_attempts": s.connect_attempts, "connect_timeout_s": s.connect_timeout_s}
+
+
+def _render_bounds(b: dict[str, Any]) -> str:
+    return (f"bounds: request head {b['header_timeout_s']:g} s, body stall "
+            f"{b['body_timeout_s']:g} s, idle {b['idle_timeout_s']:g} s; connections "
+            f"{b['max_connections']:,} (admin {b['admin_connections']}); request bodies held "
+            f"{b['max_inflight_body_mib']:g} MiB in all, {b['max_request_mib']:g} MiB each; "
+            f"responses {b['max_response_mib']:g} MiB each; an unreachable upstream "
+            f"{b['connect_attempts']} tries in {b['connect_timeout_s']:g} s")
 
 
 # --- rendering -----------------------------------------------------------------------------
@@ -1179,6 +1204,8 @@ def render(result: dict[str, Any]) -> str:
               "steal %: CPU time the hypervisor gave elsewhere while the row ran."]
     if notes:
         lines += ["", *notes]
+    if result.get("bounds"):
+        lines += ["", _render_bounds(result["bounds"])]
     lines += ["", "ratios:"]
     lines += [f"  {name:<20} {_fmt(value, 3)}" for name, value in result["ratios"].items()]
     micro = result.get("micro")

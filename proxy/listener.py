@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import resource
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from aiohttp import web
 from aiohttp.web_request import BaseRequest
@@ -55,7 +55,6 @@ class Gate:
     max_connections: int
     head_timeout_s: float
     open: int = 0
-    refused: int = 0
 
 
 class _Handler(web.RequestHandler):
@@ -71,9 +70,7 @@ class _Handler(web.RequestHandler):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         gate = self._gate
         if gate.open >= gate.max_connections:
-            gate.refused += 1
-            writable: Any = transport
-            writable.write(BUSY)
+            cast(asyncio.Transport, transport).write(BUSY)
             transport.close()       # flushes the 503 first
             return
         gate.open += 1

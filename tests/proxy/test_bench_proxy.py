@@ -35,9 +35,11 @@ from stepguard.proxy.bench_proxy import (
     _parse_wrk,
     _percentile,
     _plan,
+    _render_bounds,
     boundary_micro,
     closed_loop,
     combine_rounds,
+    hop_bounds,
     loadgen,
     parse_cpu_line,
     render,
@@ -544,3 +546,14 @@ def test_the_wal_soak_reports_throughput_and_the_wal_size_under_its_limit() -> N
     assert len(soak["wal_peak_bytes_by_tenth"]) == 10
     text = render(result)
     assert "WAL peak" in text and "calls/s" in text
+
+
+def test_the_report_states_the_resource_bounds_the_hop_ran_under(monkeypatch):
+    monkeypatch.setattr("resource.getrlimit", lambda which: (4096, 4096))
+    bounds = hop_bounds()
+
+    assert bounds["max_connections"] == (4096 - 256) // 2
+    assert _render_bounds(bounds) == (
+        "bounds: request head 10 s, body stall 30 s, idle 75 s; connections 1,920 (admin 32); "
+        "request bodies held 256 MiB in all, 10 MiB each; responses 10 MiB each; an "
+        "unreachable upstream 3 tries in 2 s")

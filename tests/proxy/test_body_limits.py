@@ -67,6 +67,24 @@ async def test_a_request_over_max_request_bytes_is_refused_with_413_before_reach
     assert [e for e in await px.history("big-in") if e["verdict"] == "pass"] == []
 
 
+@pytest.mark.parametrize("declared", [True, False], ids=["content-length", "chunked"])
+async def test_a_body_past_the_in_flight_budget_is_503_retry_unforwarded_and_gives_it_back(
+        proxy, tools, declared):
+    px = await proxy(example_contract(tools), max_inflight_body_bytes=CAP)
+    payload = orjson.dumps({"order_id": "ord-1", "pad": "x" * (4 * CAP)})
+
+    reply = await px.call("/tools/lookup_order", data=payload if declared else chunks(payload),
+                          run="budget-1", headers={"content-type": "application/json"})
+
+    body = problem(reply, 503, should_retry="true")
+    assert str(CAP) in body["detail"]
+    assert tools.hits() == 0
+    assert px.sg.budget.held == 0
+    small = await px.call("/tools/lookup_order", {"order_id": "ord-1"}, run="budget-2")
+    assert small.status == 200
+    assert px.sg.budget.held == 0
+
+
 # --- responses --------------------------------------------------------------------------------
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import resource
+import sys
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -15,39 +15,87 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+import yaml
 from aiohttp import web
-from sgtest import answer_ok, free_port, make_contract, problem, trail
+from multidict import CIMultiDict
+from sgtest import answer_ok, clean, contract_doc, free_port, make_contract, trail
+
+from stepguard.contracts.sqlite_store import connect, read_history
+from stepguard.proxy.forward import Forwarder, UpstreamError
 
 RPC_UNCHECKABLE = -31002
 
 
-async def test_a_call_while_stepguard_is_out_of_descriptors_is_503_retry_not_a_tool_error(
-        proxy, make_upstream):
-    tool = await make_upstream()
-    px = await proxy(make_contract(tool.url, {"act": {}}))
-    assert (await px.call("/elsewhere", {})).status == 404    # the client's connection is open
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    in_use = len(os.listdir("/proc/self/fd"))
-    filler: list[int] = []
-    resource.setrlimit(resource.RLIMIT_NOFILE, (in_use + 16, hard))
-    try:
-        with contextlib.suppress(OSError):
-            while True:
-                filler.append(os.open(os.devnull, os.O_RDONLY))
-        reply = await px.call("/tools/act", {}, run="emfile-1")
-    finally:
-        for fd in filler:
-            os.close(fd)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+FD_LIMIT = 96       # the sidecar's RLIMIT_NOFILE: it starts with about 40 in use
 
-    body = problem(reply, 503, should_retry="true")
-    assert body["title"] == "Stepguard exhausted"
+
+def low_fd_limit() -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (FD_LIMIT, FD_LIMIT))
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(30)
+async def test_a_call_while_stepguard_is_out_of_descriptors_is_503_retry_not_a_tool_error(
+        tmp_path, make_upstream):
+    """Stalled sockets use up the sidecar's descriptors (its connection limit set above what
+    it has): a call on a connection already open then cannot open its upstream socket. That
+    is stepguard's exhaustion, not the tool's failure."""
+    tool = await make_upstream()
+    contract, store = tmp_path / "c.yaml", tmp_path / "sg.db"
+    contract.write_text(yaml.safe_dump(contract_doc(tool.url, {"act": {}})))
+    port, admin = free_port(), free_port()
+    sidecar = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "stepguard.proxy.cli", "serve", "--contract", str(contract),
+        "--port", str(port), "--admin-port", str(admin), "--store", str(store),
+        "--log-level", "critical", "--max-connections", "10000", "--connect-attempts", "1",
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+        preexec_fn=low_fd_limit)
+    stalled: list[asyncio.StreamWriter] = []
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as session:
+            base = f"http://127.0.0.1:{port}"
+            await wait_answering(session, base + "/elsewhere")   # the one connection is open
+            for _ in range(FD_LIMIT):
+                with contextlib.suppress(OSError):
+                    stalled.append((await asyncio.open_connection("127.0.0.1", port))[1])
+            await asyncio.sleep(0.5)         # accepted until the sidecar ran out
+
+            async def act() -> tuple[int, str | None, dict[str, Any]]:
+                async with session.post(base + "/tools/act", json={},
+                                        headers={"x-stepguard-run": "emfile-1"}) as reply:
+                    return (reply.status, reply.headers.get("x-should-retry"),
+                            orjson.loads(await reply.read()))
+
+            status, retry, body = await act()
+            for writer in stalled:
+                writer.close()
+            await asyncio.sleep(0.3)
+            after, _, _ = await act()
+    finally:
+        sidecar.terminate()
+        await sidecar.wait()
+
+    assert (status, retry, body["title"]) == (503, "true", "Stepguard exhausted")
     assert "Too many open files" in body["detail"]
-    assert trail(await px.history("emfile-1"))[-1] == ("act", "exit", "unreachable",
-                                                        "unreachable")
-    assert await px.status("emfile-1") == "active"
-    assert (await px.call("/tools/act", {}, run="emfile-1")).status == 200
+    assert after == 200
+    conn = connect(store)
+    history = read_history(conn, "emfile-1")
+    conn.close()
+    assert trail(history) == [("act", "entry", "pass", "forward"),
+                              ("act", "exit", "unreachable", "unreachable"),
+                              *clean("act")]
     assert len(tool.seen) == 1
+
+
+async def wait_answering(session: aiohttp.ClientSession, url: str) -> None:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        with contextlib.suppress(aiohttp.ClientError):
+            async with session.get(url) as reply:
+                await reply.read()
+                return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{url} never answered")
 
 
 MCP_STEP = {"match": {"upstream": "tools", "tool": "act"}}
@@ -170,3 +218,34 @@ async def test_runs_go_on_while_their_upstream_restarts_and_none_is_halted_for_a
     assert sum(not through for through in runs.values()) <= workers * outages
     async with aiohttp.ClientSession() as session, session.get(url) as direct:
         assert direct.status == 200
+
+
+async def test_a_call_to_an_upstream_back_within_the_connect_budget_goes_through_unseen(proxy):
+    port = free_port()
+    px = await proxy(make_contract(f"http://127.0.0.1:{port}", {"act": {}}),
+                     connect_attempts=5, connect_timeout_s=5.0)    # tries at 0, .25, .75, 1.75 s
+    upstream = Restarting(port)
+
+    async def comes_back() -> None:
+        await asyncio.sleep(0.4)        # after the first tries
+        await upstream.start()
+
+    try:
+        reply, _ = await asyncio.gather(px.call("/tools/act", {}, run="back-1"), comes_back())
+    finally:
+        await upstream.stop()
+
+    assert reply.status == 200
+    assert trail(await px.history("back-1")) == clean("act")
+
+
+async def test_a_name_that_does_not_resolve_is_unreachable_not_sent():
+    forwarder = Forwarder(1 << 20, connect_attempts=2, connect_timeout_s=1.0)
+    try:
+        with pytest.raises(UpstreamError) as caught:
+            await forwarder.fetch("POST", "http://stepguard-test.invalid/act", CIMultiDict(),
+                                  b"{}", 5.0)
+    finally:
+        await forwarder.close()
+    assert caught.value.kind == "unreachable"
+    assert not caught.value.own
