@@ -366,7 +366,7 @@ class McpAdapter:
         # a body that is not strict JSON may still be a call a lenient server runs (NaN, 1e999,
         # \u-escaped names): it is refused (BodyError) rather than let through unchecked
         message = parse_json(raw, "request body", max_depth,
-                             charset_of(request.headers.get("content-type")))
+                             charset_of(request.headers.get("content-type")), unique_keys=True)
         if isinstance(message, list):
             calls = [m for m in message if isinstance(m, dict) and m.get("method") == "tools/call"]
             return message if calls else None
