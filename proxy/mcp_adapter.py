@@ -586,11 +586,12 @@ class McpAdapter:
         if output is None:
             text = "".join(c.get("text", "") for c in result.get("content") or []
                            if isinstance(c, dict) and c.get("type") == "text")
-            try:
-                output = orjson.loads(text)
-            except orjson.JSONDecodeError:
+            try:     # bounded like every parse (the default depth: no settings here)
+                output = parse_json(text.encode(), "tool result text")
+            except BodyError as exc:
                 output = {"text": text}
-                parse_error = "tool result has neither structuredContent nor JSON text"
+                parse_error = ("tool result has neither structuredContent nor JSON text"
+                               f" ({exc.detail})")
         if result.get("isError") is True:
             return ToolResult(None, output, error="tool reported isError: "
                               f"{orjson.dumps(output).decode()[:500]}", error_kind="tool")

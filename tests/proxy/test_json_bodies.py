@@ -86,3 +86,18 @@ async def test_a_tool_answer_nested_past_the_limit_is_a_tool_error_not_a_store_e
     assert "deeper than 64 levels" in body["detail"]
     assert trail(await px.history("deep-out")) == [("act", "entry", "pass", "forward"),
                                                    ("act", "exit", "violation", "halt")]
+
+
+async def test_an_escalated_body_nested_past_what_redaction_recurses_is_recorded_by_size(
+        proxy, make_upstream):
+    tool = await make_upstream()
+    px = await proxy(make_contract(tool.url, {"act": {"on_failure": "escalate"}}))
+    body = b'{"a": ' + b"[" * 990 + b"]" * 990 + b"}"
+
+    reply = await px.call("/tools/act", data=body, run="deep-esc",
+                          headers={"content-type": "application/json"})
+
+    assert reply.status == 400 and "deeper than 64 levels" in reply.json["detail"]
+    (record,) = await px.sg.store.escalations("deep-esc")
+    assert record["input"] == {"unparsed": True, "bytes": len(body)}
+    assert tool.hits() == 0
