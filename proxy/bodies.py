@@ -84,6 +84,13 @@ def _refuse_duplicate_keys(body: bytes, what: str) -> None:
     json.loads(body, object_pairs_hook=pairs)
 
 
+def check_depth(value: Any, what: str, max_depth: int = MAX_JSON_DEPTH) -> None:
+    """A BodyError when an already parsed `value` nests deeper than `max_depth` containers
+    (a value taken from inside a stream event, parsed with the event)."""
+    if (type(value) is dict or type(value) is list) and not _within(value, max_depth - 1):
+        raise _too_deep(what, max_depth)
+
+
 def _too_deep(what: str, max_depth: int) -> BodyError:
     return BodyError(f"{what} nests JSON arrays and objects deeper than {max_depth} levels, the "
                      "limit (--max-json-depth)")

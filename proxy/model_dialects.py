@@ -10,7 +10,7 @@ from typing import Any, Protocol
 import orjson
 from httpx_sse import ServerSentEvent
 
-from stepguard.proxy.bodies import BodyError, parse_json
+from stepguard.proxy.bodies import BodyError, check_depth, parse_json
 from stepguard.proxy.sse import event_json
 
 
@@ -99,6 +99,10 @@ class Dialect(Protocol):
 
 def _arguments(call_id: str, name: str, raw: Any) -> ToolCall:
     if isinstance(raw, dict):
+        try:    # a streamed block's input arrives parsed with its event, unbounded
+            check_depth(raw, "arguments")
+        except BodyError as exc:
+            return ToolCall(call_id, name, None, f"arguments of tool call {call_id}: {exc}")
         return ToolCall(call_id, name, raw)
     if raw and not isinstance(raw, str):
         return ToolCall(call_id, name, None, f"arguments of tool call {call_id} are not JSON: "
