@@ -150,7 +150,7 @@ bodies = (st.binary(max_size=200)
               lambda members: b"{" + b", ".join(members) + b"}"))
 
 
-@BOUNDED
+@settings(BOUNDED, max_examples=250)
 @given(body=bodies)
 def test_any_body_is_a_message_none_or_a_body_error_and_none_only_for_parsed_non_calls(body):
     try:
