@@ -9,6 +9,7 @@ honoured."""
 from __future__ import annotations
 
 import codecs
+import json
 import re
 import zlib
 from email.message import Message
@@ -36,10 +37,12 @@ def is_json_type(content_type: str) -> bool:
 
 
 def parse_json(body: bytes, what: str, max_depth: int = MAX_JSON_DEPTH,
-               charset: str | None = None) -> Any:
+               charset: str | None = None, unique_keys: bool = False) -> Any:
     """`body` parsed, read in `charset` (UTF-8 when None). A BodyError when it is not JSON, is
     nested deeper than `max_depth` containers, or holds an integer that is not exact in 64
-    bits; 415 for a charset stepguard cannot read."""
+    bits; 415 for a charset stepguard cannot read. With `unique_keys`, an object that names a
+    key twice is refused too: orjson keeps the last, a server whose parser keeps the first
+    would act on a value stepguard never checked."""
     if charset is not None:
         body = _as_utf8(body, charset, what)
     try:
@@ -63,7 +66,29 @@ def parse_json(body: bytes, what: str, max_depth: int = MAX_JSON_DEPTH,
             raise BodyError(f"{what} holds the integer {inexact[:40]!r}, outside the 64-bit "
                             f"range stepguard keeps exactly ({_INT_MIN} to {_INT_MAX}); send "
                             "it as a string")
+    if unique_keys and (type(value) is dict or type(value) is list):
+        _refuse_duplicate_keys(body, what)
     return value
+
+
+def _refuse_duplicate_keys(body: bytes, what: str) -> None:
+    def pairs(items: list[tuple[str, Any]]) -> None:
+        seen: set[str] = set()
+        for key, _ in items:
+            if key in seen:
+                raise BodyError(f"{what} names the key {key[:60]!r} twice in one object; "
+                                "servers differ on which one counts")
+            seen.add(key)
+
+    # the structure is already known to be valid JSON, within the depth limit
+    json.loads(body, object_pairs_hook=pairs)
+
+
+def check_depth(value: Any, what: str, max_depth: int = MAX_JSON_DEPTH) -> None:
+    """A BodyError when an already parsed `value` nests deeper than `max_depth` containers
+    (a value taken from inside a stream event, parsed with the event)."""
+    if (type(value) is dict or type(value) is list) and not _within(value, max_depth - 1):
+        raise _too_deep(what, max_depth)
 
 
 def _too_deep(what: str, max_depth: int) -> BodyError:

@@ -10,8 +10,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import orjson
-
 from stepguard.contracts.engine import FINAL, action_for
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.errors import ConflictError, StoreError
@@ -29,7 +27,7 @@ from stepguard.contracts.model import Contract, Step
 from stepguard.contracts.runs import RunBook
 from stepguard.metrics.observer import Observer
 from stepguard.metrics.redact import Redactor
-from stepguard.proxy.bodies import history_payload
+from stepguard.proxy.bodies import BodyError, history_payload, parse_json
 from stepguard.proxy.escalation import Escalator
 from stepguard.proxy.forward import Timing
 from stepguard.proxy.routing import Route
@@ -230,7 +228,7 @@ def _raw(body: bytes, redact: Redactor) -> Any:
     stepguard cannot tell which part of unparsed text is a secret."""
     if not body:
         return None
-    try:
-        return redact(orjson.loads(body))
-    except orjson.JSONDecodeError:
+    try:    # bounded like every parse: a body refused for its depth is not read here either
+        return redact(parse_json(body, "body"))
+    except BodyError:
         return {"unparsed": True, "bytes": len(body)}

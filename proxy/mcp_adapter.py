@@ -374,7 +374,7 @@ class McpAdapter:
         # a body that is not strict JSON may still be a call a lenient server runs (NaN, 1e999,
         # \u-escaped names): it is refused (BodyError) rather than let through unchecked
         message = parse_json(raw, "request body", max_depth,
-                             charset_of(request.headers.get("content-type")))
+                             charset_of(request.headers.get("content-type")), unique_keys=True)
         if isinstance(message, list):
             calls = [m for m in message if isinstance(m, dict) and m.get("method") == "tools/call"]
             return message if calls else None
@@ -628,11 +628,12 @@ class McpAdapter:
         if output is None:
             text = "".join(c.get("text", "") for c in result.get("content") or []
                            if isinstance(c, dict) and c.get("type") == "text")
-            try:
-                output = orjson.loads(text)
-            except orjson.JSONDecodeError:
+            try:     # bounded like every parse (the default depth: no settings here)
+                output = parse_json(text.encode(), "tool result text")
+            except BodyError as exc:
                 output = {"text": text}
-                parse_error = "tool result has neither structuredContent nor JSON text"
+                parse_error = ("tool result has neither structuredContent nor JSON text"
+                               f" ({exc.detail})")
         if result.get("isError") is True:
             return ToolResult(None, output, error="tool reported isError: "
                               f"{orjson.dumps(output).decode()[:500]}", error_kind="tool")

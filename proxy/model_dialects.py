@@ -10,6 +10,7 @@ from typing import Any, Protocol
 import orjson
 from httpx_sse import ServerSentEvent
 
+from stepguard.proxy.bodies import BodyError, check_depth, parse_json
 from stepguard.proxy.sse import event_json
 
 
@@ -57,8 +58,8 @@ class Turn:
         if self.calls or self.final_text is None:
             return None
         try:
-            value = orjson.loads(self.final_text)
-        except orjson.JSONDecodeError:
+            value = parse_json(self.final_text.encode("utf-8", "surrogatepass"), "final answer")
+        except BodyError:
             return {"text": self.final_text}
         return value if isinstance(value, dict) else {"text": self.final_text}
 
@@ -106,10 +107,17 @@ class Dialect(Protocol):
 
 def _arguments(call_id: str, name: str, raw: Any) -> ToolCall:
     if isinstance(raw, dict):
+        try:    # a streamed block's input arrives parsed with its event, unbounded
+            check_depth(raw, "arguments")
+        except BodyError as exc:
+            return ToolCall(call_id, name, None, f"arguments of tool call {call_id}: {exc}")
         return ToolCall(call_id, name, raw)
-    try:
-        value = orjson.loads(raw or "{}")
-    except (orjson.JSONDecodeError, TypeError) as exc:
+    if raw and not isinstance(raw, str):
+        return ToolCall(call_id, name, None, f"arguments of tool call {call_id} are not JSON: "
+                                             f"a {type(raw).__name__}, not a string")
+    try:    # bounded like every parse: depth, exact integers
+        value = parse_json(raw.encode("utf-8", "surrogatepass") if raw else b"{}", "arguments")
+    except BodyError as exc:
         return ToolCall(call_id, name, None, f"arguments of tool call {call_id} are not JSON: {exc}")
     if not isinstance(value, dict):
         return ToolCall(call_id, name, None, f"arguments of tool call {call_id} are not a JSON object")
@@ -144,8 +152,9 @@ def _output(call_id: str, content: Any, is_error: bool = False) -> ToolOutput:
         return ToolOutput(call_id, content, is_error=is_error)
     text = _text(content)
     try:
-        return ToolOutput(call_id, orjson.loads(text), is_error=is_error)
-    except orjson.JSONDecodeError:
+        return ToolOutput(call_id, parse_json(text.encode("utf-8", "surrogatepass"), "output"),
+                          is_error=is_error)
+    except BodyError:
         return ToolOutput(call_id, {"text": text}, f"tool result of {call_id} is not JSON",
                           is_error)
 

@@ -86,3 +86,32 @@ async def test_a_tool_answer_nested_past_the_limit_is_a_tool_error_not_a_store_e
     assert "deeper than 64 levels" in body["detail"]
     assert trail(await px.history("deep-out")) == [("act", "entry", "pass", "forward"),
                                                    ("act", "exit", "violation", "halt")]
+
+
+async def test_an_escalated_body_nested_past_what_redaction_recurses_is_recorded_by_size(
+        proxy, make_upstream):
+    tool = await make_upstream()
+    px = await proxy(make_contract(tool.url, {"act": {"on_failure": "escalate"}}))
+    body = b'{"a": ' + b"[" * 990 + b"]" * 990 + b"}"
+
+    reply = await px.call("/tools/act", data=body, run="deep-esc",
+                          headers={"content-type": "application/json"})
+
+    assert reply.status == 400 and "deeper than 64 levels" in reply.json["detail"]
+    (record,) = await px.sg.store.escalations("deep-esc")
+    assert record["input"] == {"unparsed": True, "bytes": len(body)}
+    assert tool.hits() == 0
+
+
+def test_tool_call_arguments_that_arrive_parsed_with_a_stream_event_are_bounded_too():
+    from stepguard.proxy.model_dialects import _arguments
+
+    deep: list[object] = []
+    for _ in range(100):
+        deep = [deep]
+
+    refused = _arguments("toolu_1", "lookup_order", {"order_id": "ord-1", "x": deep})
+    kept = _arguments("toolu_2", "lookup_order", {"order_id": "ord-1", "x": [[1]]})
+
+    assert refused.arguments is None and "deeper than 64 levels" in (refused.error or "")
+    assert kept.arguments == {"order_id": "ord-1", "x": [[1]]} and kept.error is None

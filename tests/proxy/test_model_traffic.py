@@ -254,6 +254,23 @@ async def test_a_final_answer_claiming_done_before_confirm_is_a_false_completion
     assert len(agent.turns) == 1             # the agent never received the false claim
 
 
+@pytest.mark.parametrize("mode", modes())
+async def test_a_tool_call_whose_arguments_nest_past_the_limit_is_stopped_naming_the_limit(
+        make_stack: MakeStack, mode: Mode) -> None:
+    deep: list[Any] = []
+    for _ in range(300):        # past orjson's 254 levels, where storing it failed as store_error
+        deep = [deep]
+    model = FakeModel([ToolCalls.of((None, "lookup_order", {"order_id": "ord-7", "x": deep}))])
+    stack = make_stack(mode.api, model=model)
+    agent = stack.agent(mode)
+
+    with pytest.raises(SDK_ERRORS) as stopped:
+        await agent.run()
+
+    assert "deeper than 64 levels" in str(stopped.value)
+    assert "store" not in str(stopped.value).lower()
+
+
 # --- 3. streaming --------------------------------------------------------------------------------
 
 
