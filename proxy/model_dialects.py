@@ -377,11 +377,17 @@ _NOT_CALLS = frozenset({"message", "reasoning", "compaction", "additional_tools"
                         "tool_search_output"})
 
 
+def _kind(item: dict[str, Any]) -> str | None:
+    """An item's or block's type; None when it has none, or one that is not a string."""
+    kind = item.get("type")
+    return kind if isinstance(kind, str) else None
+
+
 def _responses_call(item: dict[str, Any]) -> ToolCall | str | None:
     """An output item as a tool call; None: not a call; a string: a call of a type stepguard
     cannot classify (why). A built-in call matches a step by its type name and is checked
     with the whole item (its status aside) as its input."""
-    kind = item.get("type")
+    kind = _kind(item)
     call_id = str(item.get("call_id") or item.get("id") or "")
     if kind == "function_call":
         return _arguments(call_id, item.get("name") or "", item.get("arguments"))
@@ -400,7 +406,7 @@ def _responses_call(item: dict[str, Any]) -> ToolCall | str | None:
 
 
 def _responses_echoed(item: dict[str, Any]) -> ToolCall | None:
-    call = _responses_call(item) if item.get("type") in _AGENT_RUNS else None
+    call = _responses_call(item) if _kind(item) in _AGENT_RUNS else None
     return call if isinstance(call, ToolCall) and call.error is None else None
 
 
@@ -562,7 +568,7 @@ def _messages_turn(message_id: str | None, blocks: list[dict[str, Any]],
     calls, text, unknown = [], [], list(unclassified or [])
     results = {b.get("tool_use_id"): b for b in blocks if str(b.get("type")).endswith("_result")}
     for block in blocks:
-        kind = block.get("type")
+        kind = _kind(block)
         if kind in _ANTHROPIC_CALLS:
             call = _arguments(str(block.get("id")), block.get("name") or "", block.get("input"))
             if _ANTHROPIC_CALLS[kind]:
@@ -653,7 +659,7 @@ class _MessagesAssembler:
 
     def call_ids(self) -> list[str]:
         return [str(b["id"]) for b in self.blocks.values()
-                if b.get("type") in _ANTHROPIC_CALLS and b.get("id")]
+                if _kind(b) in _ANTHROPIC_CALLS and b.get("id")]
 
     def is_terminal(self, event: ServerSentEvent) -> bool:
         return event.event == "message_stop"
@@ -663,7 +669,7 @@ class _MessagesAssembler:
         for _, started in sorted(self.blocks.items()):
             block = {k: v for k, v in started.items() if k != "_json"}
             raw = "".join(started["_json"])
-            if raw and block.get("type") in _ANTHROPIC_CALLS:
+            if raw and _kind(block) in _ANTHROPIC_CALLS:
                 block["input"] = raw
             blocks.append(block)
         return _messages_turn(self.message_id, blocks, self.unclassified)

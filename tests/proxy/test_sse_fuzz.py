@@ -2,7 +2,9 @@
 
 - Any chunking of a valid stream assembles the tool calls the SDK's own accumulator builds
   from the same events (the openai SDK's `ChatCompletionStreamState`, the anthropic SDK's
-  `accumulate_event`): the oracle is the SDK, not a copy of stepguard's reading.
+  `accumulate_event`): the oracle is the SDK, not a copy of stepguard's reading. For
+  Responses, every call the SDK's `ResponseStreamState` hands over is among those checked.
+- The events stepguard's splitter cuts are the events the openai SDK's SSE decoder reads.
 - Arbitrary bytes, and valid streams with bytes changed, never crash the assembler: reading
   them either gives a turn or ends in the clean refusals the relay turns into a stream error
   (`Stop`, `EventTooLarge`).
@@ -19,9 +21,13 @@ import pytest
 from anthropic.lib.streaming._messages import accumulate_event
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from openai import omit
+from openai._models import construct_type
 from openai._streaming import SSEDecoder
 from openai.lib.streaming.chat import ChatCompletionStreamState
+from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.chat import ChatCompletionChunk
+from openai.types.responses import ResponseStreamEvent
 
 from stepguard.proxy.model_adapter import ModelAdapter, Stop
 from stepguard.proxy.model_dialects import ChatCompletions, Dialect, Messages, Responses, Turn
@@ -194,8 +200,12 @@ def dicts(value: Any) -> Any:
                      "item": {"type": "function_call", "call_id": [1]}}, id="responses"),
     pytest.param(2, {"type": "content_block_start", "index": 0,
                      "content_block": {"type": "tool_use", "id": [1]}}, id="messages"),
+    pytest.param(2, {"type": "content_block_start", "index": 0,
+                     "content_block": {"type": [], "id": "toolu_1"}}, id="messages-type"),
+    pytest.param(1, {"type": "response.output_item.added", "output_index": 0,
+                     "item": {"type": {}, "call_id": "c"}}, id="responses-type"),
 ])
-def test_a_streamed_tool_call_id_that_is_not_a_string_is_no_crash(which, event):
+def test_a_streamed_tool_call_id_or_type_that_is_not_a_string_is_no_crash(which, event):
     survives(DIALECTS[which], [event_bytes(event, b"\n")])
 
 
@@ -260,3 +270,54 @@ def test_the_events_stepguard_reads_are_the_events_the_openai_sdk_reads(stream_l
     ours = [(e.event or "message", e.data) for chunk in cut(data, cuts)
             for _, e in splitter.events(chunk) if e is not None and e.data]
     assert ours == sdk
+
+
+def responses_events(tool_calls: list[tuple[str, dict[str, Any], list[int], list[int]]],
+                     final: bool) -> list[dict[str, Any]]:
+    """A Responses stream: function calls (even) and custom tool calls (odd), their arguments
+    or input in pieces; the completed response repeats the output (`final`) or leaves it out."""
+    base = {"id": "resp_1", "object": "response", "created_at": 0, "model": "m",
+            "status": "in_progress", "output": []}
+    events: list[dict[str, Any]] = [{"type": "response.created", "sequence_number": 0,
+                                     "response": base}]
+    done = []
+    for index, (name, args, _, arg_cuts) in enumerate(tool_calls):
+        custom = index % 2 == 1
+        field = "input" if custom else "arguments"
+        item = {"type": "custom_tool_call" if custom else "function_call", "id": f"it_{index}",
+                "call_id": f"call_{index}", "name": name, "status": "completed"}
+        text = orjson.dumps(args).decode()
+        events.append({"type": "response.output_item.added", "output_index": index,
+                       "sequence_number": 0, "item": {**item, field: ""}})
+        kind = ("response.custom_tool_call_input.delta" if custom
+                else "response.function_call_arguments.delta")
+        events += [{"type": kind, "output_index": index, "item_id": item["id"], "delta": part,
+                    "sequence_number": 0} for part in pieces(text, arg_cuts)]
+        done.append({**item, field: text})
+        events.append({"type": "response.output_item.done", "output_index": index,
+                       "sequence_number": 0, "item": done[-1]})
+    events.append({"type": "response.completed", "sequence_number": 0, "response": {
+        **base, "status": "completed", "output": done if final else []}})
+    return events
+
+
+@BOUNDED
+@given(tool_calls=calls, cuts=chunking, eol=line_ends, final=st.booleans())
+def test_every_call_the_openai_sdk_assembles_from_a_responses_stream_is_checked(
+        tool_calls, cuts, eol, final):
+    events = responses_events(tool_calls, final)
+    stream = b"".join(event_bytes(e, eol, e["type"]) for e in events)
+    state: ResponseStreamState[Any] = ResponseStreamState(input_tools=omit, text_format=omit)
+    for event in events:
+        state.handle_event(construct_type(type_=ResponseStreamEvent, value=event))  # type: ignore[arg-type]
+    sdk = state._completed_response
+    assert sdk is not None
+    handed = [(o.call_id, o.name, orjson.loads(o.arguments) if o.type == "function_call"
+               else {"input": o.input}) for o in sdk.output]
+
+    turn = relay(Responses(), cut(stream, cuts))
+
+    assert turn is not None and turn.unclassified == []
+    checked = [(c.call_id, c.name, c.arguments) for c in turn.calls]
+    assert all(call in checked for call in handed)       # what the SDK hands over is checked
+    assert len(checked) == len(tool_calls)                # and so is every call the events showed
