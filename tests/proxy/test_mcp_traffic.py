@@ -926,10 +926,9 @@ async def test_concurrent_runs_are_checked_apart_and_a_drift_halts_only_its_own(
 
 @pytest.mark.parametrize(("arguments", "says"), [
     (b"[" * 300 + b"]" * 300, "deeper than 64 levels"),
-    (b"[" * 990 + b"]" * 990, "deeper than 64 levels"),
     (b"18446744073709551616", "64-bit"),
     (b'1, "x": 2', "names the key 'x' twice"),
-], ids=["nested-300-levels", "nested-990-levels", "integer-past-64-bits", "duplicate-key"])
+], ids=["nested-300-levels", "integer-past-64-bits", "duplicate-key"])
 async def test_a_tools_call_past_the_json_limits_is_refused_naming_the_limit(
         guard: Guard, server: ToolServer, mode: Mode, arguments: bytes, says: str) -> None:
     body = (b'{"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": {"name": '

@@ -254,7 +254,7 @@ async def test_a_final_answer_claiming_done_before_confirm_is_a_false_completion
     assert len(agent.turns) == 1             # the agent never received the false claim
 
 
-@pytest.mark.parametrize("mode", modes())
+@pytest.mark.parametrize("mode", modes(sync=False))
 async def test_a_tool_call_whose_arguments_nest_past_the_limit_is_stopped_naming_the_limit(
         make_stack: MakeStack, mode: Mode) -> None:
     deep: list[Any] = []

@@ -20,6 +20,7 @@ from sgtest import (
     problem,
     trail,
 )
+from structlog.testing import capture_logs
 
 from stepguard.contracts.loader import parse_contract
 
@@ -275,11 +276,14 @@ async def test_an_ambiguous_path_is_refused_400_naming_the_reason_even_under_unm
     tool = await make_upstream()
     px = await proxy(make_contract(tool.url, {"act": {"after": ["prepare"]}, "prepare": {}}))
 
-    status, answer = await raw(px, head(f"POST {target} HTTP/1.1", f"Host: {tool.authority}",
-                                        "x-stepguard-run: amb-1", "Content-Length: 0",
-                                        "Connection: close"))
+    with capture_logs() as logged:
+        status, answer = await raw(px, head(f"POST {target} HTTP/1.1", f"Host: {tool.authority}",
+                                            "x-stepguard-run: amb-1", "Content-Length: 0",
+                                            "Connection: close"))
 
     assert status == 400
+    assert [(e["event"], e["reason"], e["client"]) for e in logged] == [
+        ("request_refused", reason, "127.0.0.1")]
     body = orjson.loads(answer.split(b"\r\n\r\n", 1)[1])
     assert body["reason"] == reason and body["title"] == "Ambiguous request"
     assert tool.hits() == 0
