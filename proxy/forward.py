@@ -137,14 +137,18 @@ async def read_body(request: web.Request, limit: int, budget: BodyBudget,
     chunks: list[bytes] = []
     size = 0
     try:
-        while True:
-            try:
-                async with asyncio.timeout(stall_s):
-                    chunk = await content.readany()
-            except TimeoutError:
-                raise BodyStalled(stall_s or 0.0) from None
+        while size != length:
+            chunk = content.read_nowait()     # what has arrived: most bodies come with the head
             if not chunk:
-                break
+                if content.is_eof():
+                    break
+                try:
+                    async with asyncio.timeout(stall_s):
+                        chunk = await content.readany()
+                except TimeoutError:
+                    raise BodyStalled(stall_s or 0.0) from None
+                if not chunk:
+                    break
             size += len(chunk)
             if size > limit:
                 raise BodyTooLarge(limit)

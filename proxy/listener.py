@@ -17,6 +17,7 @@ This leans on three of aiohttp's private names (`_handle_request`, `_messages`, 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import resource
 from dataclasses import dataclass
 from typing import Any, cast
@@ -35,6 +36,15 @@ BUSY = (b"HTTP/1.1 503 Service Unavailable\r\n"
         b"Content-Type: application/problem+json\r\n"
         b"x-should-retry: true\r\nRetry-After: 1\r\nConnection: close\r\n"
         b"Content-Length: " + str(len(_BUSY_BODY)).encode() + b"\r\n\r\n" + _BUSY_BODY)
+
+
+def raise_fd_limit() -> None:
+    """Raise the soft open-file limit to the hard one (as Go programs do at start): the soft
+    default (often 1024) is a compatibility relic, and the connection limit is derived from it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard and hard != resource.RLIM_INFINITY:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def connection_limit(configured: int) -> int:

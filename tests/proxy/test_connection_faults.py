@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -222,3 +223,15 @@ async def test_a_flood_of_large_bodies_to_a_slow_upstream_keeps_rss_bounded(tmp_
     assert set(answers) <= {(200, None), (503, "true")}
     assert (503, "true") in answers and (200, None) in answers
     assert peak - idle < RSS_GROWTH_MB, f"idle {idle:.0f} MB, peak {peak:.0f} MB"
+
+
+def test_stepguard_raises_its_soft_open_file_limit_to_the_hard_one_and_derives_its_connections():
+    script = ("import resource\n"
+              "from stepguard.proxy.listener import connection_limit, raise_fd_limit\n"
+              "resource.setrlimit(resource.RLIMIT_NOFILE, (300, 2304))\n"
+              "raise_fd_limit()\n"
+              "print(resource.getrlimit(resource.RLIMIT_NOFILE)[0], connection_limit(0),"
+              " connection_limit(50))\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["2304", str((2304 - 256) // 2), "50"]
