@@ -12,6 +12,7 @@ import codecs
 import json
 import re
 import zlib
+from collections.abc import Mapping
 from email.message import Message
 from functools import cache
 from typing import Any
@@ -197,11 +198,28 @@ def decode(body: bytes, content_encoding: str | None, limit: int = 10 * 1024 * 1
     return data
 
 
-def request_input(method: str, query: dict[str, str], body: bytes, content_type: str,
-                  content_encoding: str | None, limit: int = 10 * 1024 * 1024,
-                  max_depth: int = MAX_JSON_DEPTH) -> Any:
+def query_input(query: Mapping[str, str]) -> dict[str, str | list[str]]:
+    """A query string as a call's input: a name given once is its value, a name given more
+    than once the list of its values. Never one of them: servers differ on which one counts
+    (first, last, all), so checking either would let the other through unchecked."""
+    values: dict[str, str | list[str]] = {}
+    for name, value in query.items():
+        held = values.get(name)
+        if held is None:
+            values[name] = value
+        elif isinstance(held, list):
+            held.append(value)
+        else:
+            values[name] = [held, value]
+    return values
+
+
+def request_input(method: str, query: dict[str, str | list[str]], body: bytes,
+                  content_type: str, content_encoding: str | None,
+                  limit: int = 10 * 1024 * 1024, max_depth: int = MAX_JSON_DEPTH) -> Any:
     """The input of a call: its JSON body (`content_type`: the whole header, charset
-    included), or its query for a bodiless GET/HEAD/DELETE/OPTIONS."""
+    included), or its query for a bodiless GET/HEAD/DELETE/OPTIONS. A body naming a key twice
+    in one object is refused: the upstream may act on the one stepguard did not check."""
     if not body:
         return query if method in ("GET", "HEAD", "DELETE", "OPTIONS") else None
     if not is_json_type(content_type):
@@ -209,7 +227,7 @@ def request_input(method: str, query: dict[str, str], body: bytes, content_type:
         raise BodyError(f"request body must be JSON (content-type application/json), got "
                         f"{shown or 'no content-type'!r}", 415)
     return parse_json(decode(body, content_encoding, limit), "request body", max_depth,
-                      charset_of(content_type))
+                      charset_of(content_type), unique_keys=True)
 
 
 def response_output(body: bytes, content_type: str, content_encoding: str | None,

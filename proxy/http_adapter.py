@@ -19,7 +19,13 @@ from stepguard.contracts.events import OBSERVE, RETRY, Decision, ToolResult, Vio
 from stepguard.contracts.model import Contract, Step
 from stepguard.contracts.runs import RunBook
 from stepguard.metrics.observer import Observer
-from stepguard.proxy.bodies import MAX_JSON_DEPTH, BodyError, request_input, response_output
+from stepguard.proxy.bodies import (
+    MAX_JSON_DEPTH,
+    BodyError,
+    query_input,
+    request_input,
+    response_output,
+)
 from stepguard.proxy.boundaries import Boundaries, Evidence, Settled, back_off, retrying_conflicts
 from stepguard.proxy.config import Settings
 from stepguard.proxy.correlation import describe_keys, run_id_for
@@ -113,7 +119,8 @@ class HttpToolAdapter:
         step = call.step
         parse_error: BodyError | None = None
         try:
-            call.input = request_input(call.request.method, dict(call.request.query), call.body,
+            call.input = request_input(call.request.method, query_input(call.request.query),
+                                       call.body,
                                        call.request.headers.get("content-type", "")
                                        if call.body else "",
                                        call.request.headers.get("content-encoding"),

@@ -115,3 +115,33 @@ def test_tool_call_arguments_that_arrive_parsed_with_a_stream_event_are_bounded_
 
     assert refused.arguments is None and "deeper than 64 levels" in (refused.error or "")
     assert kept.arguments == {"order_id": "ord-1", "x": [[1]]} and kept.error is None
+
+
+async def test_a_body_naming_a_key_twice_is_refused_naming_the_key_and_never_forwarded(
+        proxy, make_upstream):
+    tool = await make_upstream()
+    px = await proxy(make_contract(tool.url, {"act": {}}))
+
+    reply = await px.call("/tools/act", data=b'{"order_id": "ord-17", "order_id": "ord-16"}',
+                          run="dup", headers={"content-type": "application/json"})
+
+    assert reply.status == 400
+    assert "'order_id' twice" in reply.json["detail"]
+    assert tool.hits() == 0
+
+
+async def test_a_query_naming_a_parameter_twice_is_checked_as_the_list_of_its_values(
+        proxy, make_upstream):
+    tool = await make_upstream()
+    step = {"match": {"upstream": "tools", "method": "GET", "path": "/act"},
+            "input": {"schema": {"type": "object", "properties": {"id": {"type": "string"}}}}}
+    px = await proxy(make_contract(tool.url, {"act": step}))
+
+    once = await px.call("/tools/act?id=ord-17", method="GET", run="q1")
+    twice = await px.call("/tools/act?id=ord-17&id=ord-16", method="GET", run="q2")
+
+    assert once.status == 200
+    assert (await px.history("q1"))[0]["input"] == {"id": "ord-17"}
+    assert twice.status == 422          # neither value alone: the schema sees both
+    assert (await px.history("q2"))[0]["input"] == {"id": ["ord-17", "ord-16"]}
+    assert tool.hits() == 1
