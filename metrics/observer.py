@@ -48,7 +48,8 @@ class Observer:
             self._child(m.actions, contract.workflow, step, action, traffic).inc()
         if action == "escalate":
             self._child(m.escalations, contract.workflow, step).inc()
-        warn = bool(violation) or action == "refuse"
+        # an upstream stepguard could not reach is not drift, but someone should see it
+        warn = bool(violation) or action == "refuse" or verdict == "unreachable"
         if not warn and not self.log_passes:
             return   # pass lines are filtered out at this log level: do not build them
         fields: dict[str, Any] = {

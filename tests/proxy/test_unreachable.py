@@ -19,6 +19,7 @@ import yaml
 from aiohttp import web
 from multidict import CIMultiDict
 from sgtest import answer_ok, clean, contract_doc, free_port, make_contract, trail
+from structlog.testing import capture_logs
 
 from stepguard.contracts.sqlite_store import connect, read_history
 from stepguard.proxy.forward import Forwarder, UpstreamError
@@ -249,3 +250,15 @@ async def test_a_name_that_does_not_resolve_is_unreachable_not_sent():
         await forwarder.close()
     assert caught.value.kind == "unreachable"
     assert not caught.value.own
+
+
+async def test_an_unreachable_upstream_is_logged_as_a_warning_naming_run_and_step(proxy):
+    url = f"http://127.0.0.1:{free_port()}"
+    px = await proxy(make_contract(url, {"act": {}}), log_level="warning")
+
+    with capture_logs() as logs:
+        reply = await px.call("/tools/act", {}, run="down-logged")
+
+    assert reply.status == 502
+    [line] = [e for e in logs if e.get("verdict") == "unreachable"]
+    assert (line["log_level"], line["run_id"], line["step"]) == ("warning", "down-logged", "act")
