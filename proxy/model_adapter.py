@@ -250,15 +250,16 @@ class ModelAdapter:
 
     def _refuse_unchecked(self, ex: Exchange, outputs: list[ToolOutput],
                           pending: dict[str, Any]) -> None:
-        """A tool result for a call that only a failed turn showed (an agent that acted on a
-        streamed call before the stream broke off): its entry was never checked, so its result
-        is refused rather than passed on unchecked. Nothing is stored and the run goes on."""
+        """A tool result for a call that only a failed or refused turn showed (an agent that
+        acted on a streamed call before the stream broke off, or before the turn's refusal
+        replaced its terminator): its entry was never checked, so its result is refused rather
+        than passed on unchecked. Nothing is stored and the run goes on."""
         unchecked = sorted({o.call_id for o in outputs
                             if o.call_id in self._failed_calls and o.call_id not in pending})
         if unchecked:
             raise Stop(409, f"stepguard: tool call(s) {', '.join(unchecked)} came from a model "
-                       f"turn that did not complete and were never checked; their results are "
-                       f"not taken (retry the turn instead)",
+                       f"turn that did not complete or was refused and were never checked; their "
+                       f"results are not taken (retry the turn instead)",
                        {"check": "upstream", "calls": unchecked, "run": ex.run_id})
 
     async def _exit(self, ex: Exchange, envelope: Envelope, output: ToolOutput,
@@ -455,6 +456,9 @@ class ModelAdapter:
             turn = self._parsed(ex, assembler.turn)
             await retrying_conflicts(ex.run_id, lambda: self._entries(ex, turn))
         except Stop as stop:
+            # the calls the stream showed whose entry was not stored (the turn was refused
+            # before or without them) were never checked: a result for one is not taken
+            self._mark_failed(shown)
             await client.write(ex.dialect.stream_error(stop.message, stop.details))
         except StoreError as exc:
             try:

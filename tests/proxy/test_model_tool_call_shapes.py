@@ -374,3 +374,30 @@ async def test_a_built_in_call_the_provider_ran_settles_its_entry_and_exit_at_on
     envelope = await guard.envelope(run)
     assert set(envelope.verified) == {"lookup_order", "web_search_call"}
     assert envelope.pending == {}
+
+
+async def test_a_result_for_a_call_shown_by_a_refused_stream_is_not_taken_unchecked(
+        aiohttp_server, stepguard):
+    # a stream shows a lookup_order call, then a call stepguard cannot classify: the turn is
+    # refused before any entry is stored, so lookup_order was never checked
+    shape = Shape("chat", None, chat_stream({"tool_calls": [
+        {**CHECK_POLICY, "function": {"name": "lookup_order", "arguments": "{}"}},
+        {"index": 1, "id": "call_2", "type": "teleport"}]}), "unclassified")
+    url = await canned_model(aiohttp_server, shape)
+    guard = await stepguard(contract(url, "openai"))
+    asked = [{"role": "user", "content": "go"}]
+
+    streamed = await guard.client.post("/o/v1/chat/completions", headers={"x-stepguard-run": "r1"},
+                                       json={"model": "m", "stream": True, "messages": asked})
+    assert b'"check":"unclassified"' in await streamed.read()
+    result = await guard.client.post("/o/v1/chat/completions", headers={"x-stepguard-run": "r1"},
+                                     json={"model": "m", "messages": [*asked, {
+                                         "role": "assistant", "tool_calls": [{
+                                             "id": "call_1", "type": "function", "function": {
+                                                 "name": "lookup_order", "arguments": "{}"}}]},
+                                         {"role": "tool", "tool_call_id": "call_1",
+                                          "content": "{}"}]})
+
+    assert result.status == 409, await result.read()
+    assert (await result.json())["error"]["stepguard"]["calls"] == ["call_1"]
+    assert await guard.history("r1") == []
