@@ -296,8 +296,7 @@ class ModelAdapter:
                                             ex.route.upstream.timeout_s)
         except UpstreamError as exc:
             self._upstream_seen(ex, None, since)
-            raise Stop(504 if exc.kind == "timeout" else 502, f"stepguard: {exc.detail}",
-                       {"check": "upstream"}, retry=exc.kind != "cap") from None
+            raise _upstream_failed(exc) from None
         self._upstream_seen(ex, up.status, since)
         return await self._checked_answer(ex, up)
 
@@ -329,8 +328,7 @@ class ModelAdapter:
             resp = await self.forwarder.open("POST", self._url(ex), headers, ex.raw, timeout_s)
         except UpstreamError as exc:
             self._upstream_seen(ex, None, since)
-            raise Stop(504 if exc.kind == "timeout" else 502, f"stepguard: {exc.detail}",
-                       {"check": "upstream"}, retry=exc.kind != "cap") from None
+            raise _upstream_failed(exc) from None
         self._upstream_seen(ex, resp.status, since)
         async with resp:
             if resp.status == 200 and is_json_type(resp.headers.get("content-type", "")):
@@ -636,3 +634,12 @@ class ModelAdapter:
                             content_type="application/json",
                             headers={"x-should-retry": "true" if retry else "false"})
 
+
+def _upstream_failed(exc: UpstreamError) -> Stop:
+    """The model call failed before an answer: 504 on a timeout, 503 when stepguard itself ran
+    out of descriptors or buffers (never the model's fault), else 502. Worth another try unless
+    the answer was over the size cap."""
+    status = (504 if exc.kind == "timeout" else
+              503 if exc.kind == "unreachable" and exc.own else 502)
+    return Stop(status, f"stepguard: {exc.detail}", {"check": "upstream"},
+                retry=exc.kind != "cap")

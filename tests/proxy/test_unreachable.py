@@ -23,6 +23,7 @@ from structlog.testing import capture_logs
 
 from stepguard.contracts.sqlite_store import connect, read_history
 from stepguard.proxy.forward import Forwarder, UpstreamError
+from stepguard.proxy.model_adapter import _upstream_failed
 
 RPC_UNCHECKABLE = -31002
 
@@ -262,3 +263,16 @@ async def test_an_unreachable_upstream_is_logged_as_a_warning_naming_run_and_ste
     assert reply.status == 502
     [line] = [e for e in logs if e.get("verdict") == "unreachable"]
     assert (line["log_level"], line["run_id"], line["step"]) == ("warning", "down-logged", "act")
+
+
+@pytest.mark.parametrize(("error", "status", "retry"), [
+    (UpstreamError("unreachable", "no descriptors", own=True), 503, True),
+    (UpstreamError("unreachable", "connection refused"), 502, True),
+    (UpstreamError("timeout", "no answer"), 504, True),
+    (UpstreamError("cap", "too large"), 502, False),
+], ids=["own-exhaustion", "refused", "timeout", "cap"])
+def test_a_model_call_that_failed_before_an_answer_is_answered_by_whose_failure_it_was(
+        error, status, retry):
+    stop = _upstream_failed(error)
+
+    assert (stop.status, stop.retry) == (status, retry)
