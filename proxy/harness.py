@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import socket
 from collections import deque
 from collections.abc import AsyncIterator
@@ -18,16 +19,44 @@ from stepguard.contracts.model import Contract
 _recent_ports: deque[int] = deque(maxlen=64)
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999          # Linux's default
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port nothing listens on right now, and not one handed out recently: asking twice in
-    a row for a proxy port and an admin port must not give the same number twice."""
+    a row for a proxy port and an admin port must not give the same number twice.
+
+    It is taken below the kernel's ephemeral range when there is room: a port from bind(0) is
+    one the kernel also hands to outgoing connections, so between this check and the server
+    binding it, any client socket on the machine could take it ("address already in use")."""
+    low, _ = _ephemeral_range()
+    if low > 12000:
+        for _ in range(200):
+            port = random.randrange(10000, low)
+            if port not in _recent_ports and _bindable(host, port):
+                _recent_ports.append(port)
+                return port
     while True:
         with socket.socket() as sock:
             sock.bind((host, 0))
-            port: int = sock.getsockname()[1]
+            port = sock.getsockname()[1]
         if port not in _recent_ports:
             _recent_ports.append(port)
             return port
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 @asynccontextmanager
