@@ -44,7 +44,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     while True:
         with socket.socket() as sock:
             sock.bind((host, 0))
-            port = sock.getsockname()[1]
+            port = int(sock.getsockname()[1])
         if port not in _recent_ports:
             _recent_ports.append(port)
             return port
