@@ -415,10 +415,18 @@ class Following:
         return code, self.proc.stderr.read()
 
 
+def interruptible() -> None:
+    """Ctrl-C as at a terminal: a shell starts a background job (`make test &`, a CI runner's
+    script) with SIGINT ignored, the child inherits that, and Python then never raises
+    KeyboardInterrupt, so the tail under test would not stop."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @contextmanager
 def following(path: Path) -> Iterator[Following]:
     with subprocess.Popen([*CLI, "tail", str(path), "--follow", "--color", "never"], text=True, env=ENV,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          preexec_fn=interruptible) as proc:
         session = Following(proc)
         reader = threading.Thread(target=session.read)
         reader.start()
