@@ -196,9 +196,12 @@ class Contract:
     run_keys_declared: bool = False   # `run.key` written in the file, not the default
 
     def step_for(self, upstream: str, method: str, path: str) -> Step | None:
+        # HEAD is GET without the body: servers (Starlette, Flask, Express) run the GET handler
+        # for it, so a GET step is HEAD's step too, or HEAD would walk around it
+        also = "GET" if method == "HEAD" else method
         for step in self.steps.values():
             m = step.match
-            if m.upstream == upstream and m.path == path and m.method in (None, method):
+            if m.upstream == upstream and m.path == path and m.method in (None, method, also):
                 return step
         return None
 

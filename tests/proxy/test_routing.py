@@ -338,3 +338,16 @@ async def test_a_case_sensitive_upstream_passes_another_case_as_unmatched(proxy,
 
     assert reply.status == 200 and tool.last().path == "/ACT"
     assert await px.history("cs-1") == []
+
+
+async def test_a_head_request_is_checked_as_the_get_step_of_its_path(proxy, make_upstream):
+    tool = await make_upstream()
+    px = await proxy(make_contract(tool.url, {"prepare": {}, "lookup": {
+        "match": {"upstream": "tools", "method": "GET", "path": "/lookup"},
+        "after": ["prepare"]}}))
+
+    reply = await px.call("/tools/lookup", None, run="head-1", method="HEAD")
+
+    assert reply.status == 409        # out of order, as the GET would be
+    assert tool.hits() == 0
+    assert trail(await px.history("head-1")) == [("lookup", "entry", "violation", "halt")]
