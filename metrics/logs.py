@@ -31,7 +31,7 @@ CLIENT_ERROR_INTERVAL_S = 10.0     # ... per interval
 _TRACKED_SOURCES = 4096            # rate-limit state kept for at most this many kinds x clients
 CLIENT_EVENTS = frozenset({"bad_request", "client_disconnected", "request_refused"})
 _CLIENT_GONE = (ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
-_QUOTED = re.compile(r"""b?'[^']*'|b?"[^"]*\"""")
+_QUOTE = re.compile(r"""b?['"]""")
 
 
 class RateLimit:
@@ -87,8 +87,12 @@ def _exception(exc_info: Any) -> BaseException | None:
 def _summary(exc: BaseException) -> str:
     """An exception's message in one line, without anything it quotes: aiohttp's parser quotes
     the offending request or header line, which can hold a credential."""
-    text = exc.message if isinstance(exc, HttpProcessingError) else str(exc)
-    text = _QUOTED.sub("[REDACTED]", str(text))
+    text = str(exc.message if isinstance(exc, HttpProcessingError) else exc)
+    # everything from the first quote on: a quoted value may itself hold (escaped) quotes, so
+    # no pattern can tell where it ends; the text before it says what was wrong
+    quote = _QUOTE.search(text)
+    if quote is not None:
+        text = text[:quote.start()].rstrip() + " [REDACTED]"
     parts = [part.strip() for part in text.splitlines()]
     return " ".join(p for p in parts if p.strip("^ ~"))[:200]
 

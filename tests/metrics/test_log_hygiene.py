@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
+from aiohttp.http_exceptions import InvalidHeader
 
-from stepguard.metrics.logs import CLIENT_ERROR_BURST, RateLimit
+from stepguard.metrics.logs import CLIENT_ERROR_BURST, RateLimit, _summary
 from stepguard.proxy.harness import free_port
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "order-confirmation" / "contract.yaml"
@@ -124,3 +126,15 @@ def test_a_rate_limited_key_reports_what_it_dropped_on_its_next_line():
     assert other == (True, 0)                 # per client
     assert later == (True, 3)                 # the dropped count, once
     assert limit.allow("bad_request", "10.0.0.1") == (True, 0)
+
+
+@pytest.mark.parametrize("line", [
+    b"Cookie: sid=\"sk-ab'cd\" SECRETTAIL\x01",
+    b"Authorization: Bearer sk-'quoted'\"both\" SECRETTAIL\x01",
+    b"X-Api-Key: b'SECRETTAIL'\x01",
+], ids=["both-quotes", "nested", "bytes-repr"])
+def test_a_parser_error_summary_keeps_nothing_of_the_header_line_it_quotes(line):
+    summary = _summary(InvalidHeader(line))
+
+    assert "SECRETTAIL" not in summary and "sk-" not in summary
+    assert summary.endswith("[REDACTED]")
