@@ -54,6 +54,9 @@ DEFAULT_WAL_LIMIT_BYTES = 64 * 1024 * 1024
 PROBE_INTERVAL_S = 0.25      # how often an unhealthy, idle writer tries a write
 CHECKPOINT_POLL_S = 0.05     # how often the checkpointer looks at the WAL's size
 TRUNCATE_RETRY_S = 0.01      # after a TRUNCATE checkpoint kept from completing (reader, checkpointer)
+TRUNCATE_RETRY_MAX_S = 0.2   # ... doubling up to this while it keeps failing
+TRUNCATE_BUSY_S = 0.1        # how long the writer's TRUNCATE waits for readers to let go ...
+TRUNCATE_BUSY_MIN_S = 0.01   # ... halving down to this while it keeps failing
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -150,6 +153,7 @@ class SQLiteStore:
         self._checkpointing = threading.Lock()   # one checkpoint at a time, in this process
         self._next_purge = 0.0
         self._next_truncate = 0.0
+        self._truncate_failures = 0    # TRUNCATE checkpoints failed in a row
         self._busy_ms = 0      # the writer connection's busy_timeout, as last set
         self._lock_fd: int | None = None
         self._close_problem: str | None = None   # the final checkpoint's failure, for close
@@ -412,19 +416,27 @@ class SQLiteStore:
         now = time.monotonic()
         if now < self._next_truncate:
             return
-        if self._truncate(conn):
+        # a reader holding an old snapshot (a backup, a sqlite3 shell) makes every try fail
+        # after its busy wait: while tries keep failing the writer waits less each time (100,
+        # 50, ... 10 ms) and tries less often (10, 20, ... 200 ms apart), so writes keep most
+        # of their pace (a 500 ms wait per batch once left 2 writes/s) and the WAL is emptied
+        # soon after the reader lets go. The WAL cannot be emptied past a held snapshot at all.
+        failed = self._truncate_failures
+        if self._truncate(conn, max(TRUNCATE_BUSY_MIN_S, TRUNCATE_BUSY_S / (1 << failed))):
             self._next_truncate = 0.0
+            self._truncate_failures = 0
         else:
-            self._next_truncate = now + TRUNCATE_RETRY_S
+            self._next_truncate = now + min(TRUNCATE_RETRY_S * (1 << failed), TRUNCATE_RETRY_MAX_S)
+            self._truncate_failures = min(failed + 1, 16)
 
-    def _truncate(self, conn: sqlite3.Connection) -> bool:
+    def _truncate(self, conn: sqlite3.Connection, busy_s: float = 0.5) -> bool:
         """A TRUNCATE checkpoint. SQLite does not wait for a checkpoint in progress (it answers
         busy at once), so the writer first waits for the checkpointer thread's round to end."""
         wait_s = min(self.timeout_s, 0.5)
         if not self._checkpointing.acquire(timeout=wait_s):
             return False
         try:
-            self._busy_wait(conn, int(wait_s * 1000))
+            self._busy_wait(conn, max(1, int(min(wait_s, busy_s) * 1000)))
             busy = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
         except sqlite3.Error:
             return False

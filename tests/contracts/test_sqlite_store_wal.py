@@ -4,6 +4,7 @@ TRUNCATE checkpoint between two batches, even while readers keep reading beside 
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import time
 from pathlib import Path
 
@@ -77,3 +78,37 @@ async def test_the_wal_stays_under_its_bound_during_sustained_load(tmp_path: Pat
     assert peak <= BOUND, f"WAL peaked at {peak} bytes, bound {BOUND} ({stored} events)"
     assert store.truncations > 0
     assert not (tmp_path / "runs.db-wal").exists() or (tmp_path / "runs.db-wal").stat().st_size == 0
+
+
+async def test_a_reader_holding_a_snapshot_past_the_limit_slows_writes_little_and_the_wal_empties_after(
+        tmp_path: Path) -> None:
+    store = SQLiteStore(tmp_path / "runs.db", wal_limit_bytes=64 * 1024)
+    await store.open()
+    envelope = Envelope("run-r", "wf", "1")
+
+    async def write(n: int) -> float:
+        nonlocal envelope
+        started = time.monotonic()
+        for _ in range(n):
+            event = {"seq": envelope.seq + 1, "ts": time.time(), "action": "advance",
+                     "step": "s", "boundary": "exit", "input": PAYLOAD}
+            after = envelope.apply(event)
+            await store.append(after, event)
+            envelope = after
+        return time.monotonic() - started
+
+    free = await write(50)                          # past the limit, truncated as it goes
+    other = sqlite3.connect(tmp_path / "runs.db", isolation_level=None)
+    other.execute("BEGIN")
+    other.execute("SELECT count(*) FROM events").fetchone()      # holds its snapshot
+    held = await asyncio.wait_for(write(100), 20)   # a 500 ms wait per write took ~50 s
+    other.execute("COMMIT")
+    other.close()
+    deadline = time.monotonic() + 5
+    while store.wal_bytes() > 64 * 1024 and time.monotonic() < deadline:
+        await write(5)
+    wal = store.wal_bytes()
+    await store.close()
+
+    assert held < max(2.0, 40 * free), (held, free)
+    assert wal <= 64 * 1024 + BOUND - LIMIT
