@@ -112,8 +112,9 @@ def _fill(path: Path, runs: int) -> None:
 
 @pytest.mark.timeout(60)
 async def test_scanning_100000_runs_does_not_stall_the_loop(tmp_path: Path) -> None:
-    """The scan takes 100+ ms here; the loop's longest pause while it runs must stay a small
-    part of that (in place, the pause was the whole scan)."""
+    """The scan takes 100+ ms here; the loop keeps ticking while it runs (in place, the loop
+    paused for the whole scan: one gap as long as the scan). Counted in ticks, not by the
+    longest gap: on a loaded machine the OS may pause the whole process for tens of ms."""
     await asyncio.to_thread(_fill, tmp_path / "runs.db", 100_000)
     store = SQLiteStore(tmp_path / "runs.db", retention_s=0)
     await store.open()
@@ -142,4 +143,5 @@ async def test_scanning_100000_runs_does_not_stall_the_loop(tmp_path: Path) -> N
     assert sorted(counts) == [("order-confirmation", "active", 33334),
                               ("order-confirmation", "completed", 33333),
                               ("order-confirmation", "halted", 33333)]
-    assert max(gaps) < max(scan / 2, 0.02), (max(gaps), scan)
+    typical = sorted(gaps)[len(gaps) // 2]
+    assert len(gaps) >= 10 and typical < scan / 10, (len(gaps), typical, max(gaps), scan)
