@@ -19,7 +19,9 @@ from stepguard.contracts.conditions import (
     EXIT_VARIABLES,
     Condition,
     ConditionSyntaxError,
+    Var,
     compile_condition,
+    parse_time,
 )
 from stepguard.contracts.errors import ContractError, ContractIssue
 from stepguard.contracts.model import (
@@ -27,6 +29,7 @@ from stepguard.contracts.model import (
     Contract,
     Match,
     OnFailure,
+    Override,
     Schema,
     Step,
     Upstream,
@@ -42,34 +45,59 @@ def format_schema() -> dict[str, Any]:
     return schema
 
 
-def load_contract(path: str | Path) -> Contract:
+_NO_OVERRIDES: Mapping[str, Override] = {}
+
+
+def load_contract(path: str | Path, vars: Mapping[str, Override] = _NO_OVERRIDES) -> Contract:
     path = Path(path)
     try:
         raw = path.read_bytes()
     except OSError as exc:
         raise ContractError([ContractIssue(str(path), None, "", f"cannot read: {exc.strerror}")]) from None
-    return parse_contract(raw, str(path))
+    return parse_contract(raw, str(path), vars)
 
 
-def load_contracts(paths: Iterable[str | Path]) -> list[Contract]:
+def load_contracts(paths: Iterable[str | Path],
+                   vars: Mapping[str, Override] = _NO_OVERRIDES) -> list[Contract]:
+    """Every file, compiled with `vars` overriding the values of the vars they declare (set
+    at start: `--var`, STEPGUARD_VAR_*). An override no contract declares is an issue."""
     contracts, issues = [], []
+    paths = list(paths)
     for path in paths:
         try:
-            contracts.append(load_contract(path))
+            contracts.append(load_contract(path, vars))
         except ContractError as exc:
             issues.extend(exc.issues)
     issues.extend(_cross_contract_issues(contracts))
+    if not issues:
+        declared = {name for c in contracts for name in c.vars}
+        for given, override in vars.items():
+            if _declared_name(given, declared) is None:
+                issues.append(ContractIssue(override.source, None, f"vars.{given}",
+                                            f"no contract declares var {given!r} (declared: "
+                                            f"{', '.join(sorted(declared)) or 'none'})"))
     if issues:
         raise ContractError(issues)
     return contracts
 
 
-def parse_contract(raw: bytes, source: str) -> Contract:
+def _declared_name(given: str, declared: Iterable[str]) -> str | None:
+    """The declared name an override names: itself, else the one it spells in another case
+    with `_` for `-` (environment variable names are written in upper case)."""
+    names = list(declared)
+    if given in names:
+        return given
+    folded = [n for n in names if n.upper().replace("-", "_") == given.upper().replace("-", "_")]
+    return folded[0] if len(folded) == 1 else None
+
+
+def parse_contract(raw: bytes, source: str,
+                   vars: Mapping[str, Override] = _NO_OVERRIDES) -> Contract:
     document = _parse_document(raw, source)
     issues = [_schema_issue(source, e) for e in _format_validator().iter_errors(document)]
     if issues:
         raise ContractError(sorted(issues, key=lambda i: (i.step or "", i.field)))
-    compiler = _Compiler(source, document)
+    compiler = _Compiler(source, document, vars)
     contract = compiler.compile(hashlib.sha256(raw).hexdigest())
     if compiler.issues:
         raise ContractError(compiler.issues)
@@ -184,16 +212,20 @@ def _schema_issue(source: str, error: jsonschema.ValidationError) -> ContractIss
 
 
 class _Compiler:
-    def __init__(self, source: str, document: dict[str, Any]) -> None:
+    def __init__(self, source: str, document: dict[str, Any],
+                 overrides: Mapping[str, Override] = _NO_OVERRIDES) -> None:
         self.source = source
         self.doc = document
+        self.overrides = overrides
         self.issues: list[ContractIssue] = []
+        self.constants: dict[str, Var] = {}
 
     def issue(self, step: str | None, field: str, message: str) -> None:
         self.issues.append(ContractIssue(self.source, step, field, message))
 
     def compile(self, content_hash: str) -> Contract:
         doc = self.doc
+        self.constants = self.vars(doc.get("vars", {}))
         upstreams = self.upstreams(doc["upstreams"])
         self.schemas = self.named_schemas(doc.get("schemas", {}))
         steps = {name: self.step(name, i, spec, upstreams)
@@ -218,7 +250,37 @@ class _Compiler:
             source=self.source,
             content_hash=content_hash,
             run_keys_declared="key" in run,
+            vars=self.constants,
         )
+
+    def vars(self, specs: Mapping[str, Any]) -> dict[str, Var]:
+        given = {_declared_name(name, specs): override
+                 for name, override in self.overrides.items()}
+        compiled = {}
+        for name, spec in specs.items():
+            if isinstance(spec, dict):
+                kind, value = spec["type"], spec["value"]
+            else:
+                kind, value = _var_kind(spec), spec
+            converted = _var_value(kind, value)
+            if converted is _BAD:
+                self.issue(None, f"vars.{name}", f"value {value!r} is not a {_KIND_HINT.get(kind, kind)}")
+                continue
+            if kind == "list":
+                kind = _list_kind(converted)
+            var = Var(name, kind, converted)
+            override = given.get(name)
+            if override is not None:
+                value = _override_value(var.kind, override.value)
+                if value is _BAD:
+                    self.issue(None, f"vars.{name}",
+                               f"{override.source} sets var {name!r} to {override.value!r}, "
+                               f"which is not a {_KIND_HINT.get(var.kind, var.kind)}: the "
+                               f"contract declares it of type {var.kind}")
+                else:
+                    var = Var(name, var.kind, value, override.source)
+            compiled[name] = var
+        return compiled
 
     def upstreams(self, specs: Mapping[str, Any]) -> dict[str, Upstream]:
         return {name: Upstream(name, spec["url"].rstrip("/"), spec.get("kind", "http"),
@@ -281,9 +343,9 @@ class _Compiler:
     def condition(self, step: str | None, field: str, expr: str, variables: tuple[str, ...],
                   drift: str, message: str | None = None) -> Condition | None:
         try:
-            return compile_condition(expr, variables, drift, message)
+            return compile_condition(expr, variables, drift, message, self.constants)
         except ConditionSyntaxError as exc:
-            allowed = ", ".join(variables)
+            allowed = ", ".join((*variables, "now", "vars.NAME"))
             self.issue(step, field, f"CEL expression {expr!r} does not compile: {exc} "
                                     f"(variables here: {allowed})")
             return None
@@ -394,6 +456,90 @@ class _Compiler:
                                  "false_completion", spec.get("message")) if proof else None,
             message=spec.get("message"),
         )
+
+
+# --- vars: contract constants -------------------------------------------------------------------
+
+_BAD = object()
+_KIND_HINT = {"duration": "duration (like 1h, 30m, 90s, 1h30m)",
+              "timestamp": "timestamp (RFC 3339, like 2026-01-31T00:00:00Z)",
+              "int": "whole number", "double": "number", "bool": "boolean (true or false)"}
+
+
+def _var_kind(value: Any) -> str:
+    """The kind of a var written as a bare value: a string CEL reads as a duration is one."""
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int):
+        return "int"
+    if isinstance(value, float):
+        return "double"
+    if isinstance(value, list):
+        return "list"
+    return "duration" if parse_time("duration", value) is not None else "string"
+
+
+def _var_value(kind: str, value: Any) -> Any:
+    """`value` as the CEL runtime takes a var of `kind`, or _BAD."""
+    if kind in ("duration", "timestamp"):
+        parsed = parse_time(kind, value) if isinstance(value, str) else None
+        return _BAD if parsed is None else parsed
+    if kind == "list":
+        return list(value) if isinstance(value, list) and _list_kind(value) else _BAD
+    if kind.startswith("list<"):
+        items = [_var_value(kind[5:-1], item) for item in value] if isinstance(value, list) else [_BAD]
+        return _BAD if any(i is _BAD for i in items) else items
+    expected = {"string": (str,), "int": (int,), "double": (int, float), "bool": (bool,)}[kind]
+    if isinstance(value, bool) and kind != "bool":
+        return _BAD
+    if not isinstance(value, expected):
+        return _BAD
+    return float(cast(float, value)) if kind == "double" else value
+
+
+def _list_kind(items: list[Any]) -> str:
+    """list<...> of a var's items: all strings, all booleans, whole numbers, or numbers."""
+    kinds = {_var_kind(i) if not isinstance(i, str) else "string" for i in items}
+    if not kinds:
+        return "list<dyn>"
+    if kinds == {"int", "double"}:
+        return "list<double>"
+    return f"list<{kinds.pop()}>" if len(kinds) == 1 and "list" not in kinds else ""
+
+
+def _override_value(kind: str, text: str) -> Any:
+    """An override (always text) read as a var of `kind`, or _BAD."""
+    if kind in ("string", "duration", "timestamp"):
+        return _var_value(kind, text)
+    if kind.startswith("list<"):
+        stripped = text.strip()
+        if stripped.startswith("["):
+            try:
+                items = yaml.safe_load(stripped)
+            except yaml.YAMLError:
+                return _BAD
+        else:
+            items = [t.strip() for t in stripped.split(",") if t.strip()]
+        if not isinstance(items, list):
+            return _BAD
+        element = kind[5:-1]
+        if element == "dyn":
+            return items
+        converted = [_override_value(element, i if isinstance(i, str) else orjson_text(i))
+                     for i in items]
+        return _BAD if any(c is _BAD for c in converted) else converted
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return _BAD
+    if kind == "bool" and isinstance(text, str) and text.strip().lower() not in ("true", "false"):
+        return _BAD
+    return _var_value(kind, value)
+
+
+def orjson_text(value: Any) -> str:
+    """A list item of an override written as YAML/JSON, back as the text an override is."""
+    return json.dumps(value) if not isinstance(value, bool) else str(value).lower()
 
 
 def _on_failure(spec: Any) -> OnFailure:

@@ -9,7 +9,7 @@ from typing import Any, Literal
 import orjson
 from jsonschema_rs import ValidationErrorKind
 
-from stepguard.contracts.conditions import Condition
+from stepguard.contracts.conditions import Condition, Var
 
 Mode = Literal["enforce", "observe"]
 Action = Literal["halt", "escalate"]
@@ -119,6 +119,15 @@ _RENDER: dict[str, Callable[[Any, int], str]] = {
 
 
 @dataclass(frozen=True, slots=True)
+class Override:
+    """A value set at start for a contract's var or upstream URL, and where it was set (the
+    flag, `--var`, or the environment variable's name)."""
+
+    value: str
+    source: str
+
+
+@dataclass(frozen=True, slots=True)
 class Upstream:
     name: str
     url: str
@@ -194,6 +203,7 @@ class Contract:
     source: str
     content_hash: str
     run_keys_declared: bool = False   # `run.key` written in the file, not the default
+    vars: Mapping[str, Var] = field(default_factory=dict)
 
     def step_for(self, upstream: str, method: str, path: str) -> Step | None:
         for step in self.steps.values():

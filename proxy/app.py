@@ -208,7 +208,8 @@ async def reload_contracts(sg: Stepguard, paths: list[str]) -> bool:
     """Load the contract files again (SIGHUP); on any error keep the contracts in force."""
     log = get_logger("stepguard")
     try:
-        contracts = await asyncio.to_thread(load_contracts, paths)
+        # the overrides given at start (--var, STEPGUARD_VAR_*) apply to the new files too
+        contracts = await asyncio.to_thread(load_contracts, paths, sg.settings.vars)
     except ContractError as exc:
         sg.metrics.contract_reload_failures.inc()
         sg.metrics.contract_loads.labels("error").inc()
@@ -263,6 +264,9 @@ async def serve(settings: Settings, contracts: list[Contract]) -> None:
         log.info("started", proxy=f"{settings.host}:{settings.port}",
                  admin=f"{settings.admin_host}:{settings.admin_port}", store=settings.store,
                  workflows=[c.workflow for c in contracts],
+                 vars={f"{c.workflow}.{v.name}": {"kind": v.kind, "source": v.source,
+                                                  "value": str(v.value)}
+                       for c in contracts for v in c.vars.values()},
                  max_connections=proxy_gate.max_connections,
                  passthrough=settings.passthrough)
         await stop.wait()
