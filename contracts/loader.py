@@ -335,10 +335,22 @@ class _Compiler:
         for i, spec in enumerate(specs or []):
             expr, message = (spec, None) if isinstance(spec, str) else (spec["expr"], spec.get("message"))
             tagged = drift if isinstance(spec, str) else spec.get("drift", drift)
-            cond = self.condition(step, f"{field}[{i}]", expr, variables, tagged, message)
+            cond = self.boolean(step, f"{field}[{i}]",
+                                self.condition(step, f"{field}[{i}]", expr, variables, tagged,
+                                               message))
             if cond:
                 compiled.append(cond)
         return tuple(compiled)
+
+    def boolean(self, step: str | None, field: str, cond: Condition | None) -> Condition | None:
+        """A condition must be able to be true or false: one CEL types as anything else (a
+        literal `1`, `output.total + 1`, a string) could never pass, or would pass only by
+        accident of the value. `dyn` (a field of the call) is checked when it runs."""
+        if cond is None or cond.result_type in ("bool", "dyn"):
+            return cond
+        self.issue(step, field, f"CEL expression {cond.expr!r} is of type {cond.result_type}, "
+                                "not bool: a condition must be true or false")
+        return None
 
     def condition(self, step: str | None, field: str, expr: str, variables: tuple[str, ...],
                   drift: str, message: str | None = None) -> Condition | None:
@@ -361,6 +373,7 @@ class _Compiler:
             cond = self.condition(name, f"record.{key}", expr, EXIT_VARIABLES, "postcondition")
             if cond:
                 record[key] = cond
+                self.check_recorded_fields(name, key, cond, spec.get("output"))
         return Step(
             name=name,
             index=index,
@@ -382,6 +395,26 @@ class _Compiler:
             timeout_s=spec.get("timeout_s"),
             on_failure=_on_failure(spec.get("on_failure", "halt")),
         )
+
+    def check_recorded_fields(self, step: str, key: str, cond: Condition, output: Any) -> None:
+        """A `record` reading an output field the step's output schema does not declare (an
+        object schema with `properties` that does not allow others through
+        `additionalProperties` or `patternProperties`) is a typo or a schema out of date: the
+        value would never be there, and the state would silently lack it."""
+        spec = output.get("schema") if isinstance(output, dict) else None
+        if isinstance(spec, str):
+            spec = self.doc.get("schemas", {}).get(spec)
+        for var, *path in cond.paths:
+            if var != "output" or not path:
+                continue
+            missing = _undeclared(spec, path)
+            if missing is not None:
+                self.issue(step, f"record.{key}",
+                           f"records output.{missing}, which the step's output schema does not "
+                           "declare (it lists its properties and allows no others): a result "
+                           "that passes the schema cannot carry it; declare it under "
+                           "`properties`, or allow it with `additionalProperties`")
+                return
 
     def redacted(self, step: str, key: str) -> bool:
         """A recorded key that redaction covers would enter the state as "[REDACTED]" (the
@@ -449,13 +482,37 @@ class _Compiler:
         claim = spec.get("claim")
         proof = spec.get("proof")
         return Completion(
-            claim=self.condition(None, "completion.claim", claim, EXIT_VARIABLES,
-                                 "false_completion") if claim else None,
+            claim=self.boolean(None, "completion.claim", self.condition(
+                None, "completion.claim", claim, EXIT_VARIABLES,
+                "false_completion")) if claim else None,
             requires=requires,
-            proof=self.condition(None, "completion.proof", proof, EXIT_VARIABLES,
-                                 "false_completion", spec.get("message")) if proof else None,
+            proof=self.boolean(None, "completion.proof", self.condition(
+                None, "completion.proof", proof, EXIT_VARIABLES, "false_completion",
+                spec.get("message"))) if proof else None,
             message=spec.get("message"),
         )
+
+
+def _undeclared(schema: Any, path: list[str]) -> str | None:
+    """The dotted prefix of `path` that `schema` declares no property for, walking `properties`
+    of plain object schemas; None when declared, or when the schema cannot tell (a reference, a
+    combinator, additional or pattern properties allowed)."""
+    walked: list[str] = []
+    node = schema
+    for key in path:
+        if not isinstance(node, dict) or "properties" not in node or not isinstance(
+                node["properties"], dict):
+            return None
+        if any(k in node for k in ("$ref", "$dynamicRef", "allOf", "anyOf", "oneOf", "if",
+                                   "patternProperties", "unevaluatedProperties",
+                                   "dependentSchemas")):
+            return None
+        walked.append(key)
+        if key not in node["properties"]:
+            extra = node.get("additionalProperties", False)
+            return None if extra is not False else ".".join(walked)
+        node = node["properties"][key]
+    return None
 
 
 # --- vars: contract constants -------------------------------------------------------------------
