@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -97,7 +97,7 @@ def parse_contract(raw: bytes, source: str,
     issues = [_schema_issue(source, e) for e in _format_validator().iter_errors(document)]
     if issues:
         raise ContractError(sorted(issues, key=lambda i: (i.step or "", i.field)))
-    compiler = _Compiler(source, document, vars)
+    compiler = _Compiler(source, _without_extensions(document), vars)
     contract = compiler.compile(hashlib.sha256(raw).hexdigest())
     if compiler.issues:
         raise ContractError(compiler.issues)
@@ -122,6 +122,46 @@ def _parse_document(raw: bytes, source: str) -> Any:
     if duplicates:
         raise ContractError([_duplicate_issue(source, path, where) for path, where in duplicates])
     return document
+
+
+def _without_extensions(doc: dict[str, Any]) -> dict[str, Any]:
+    """The document without its `x-` keys (annotations, YAML anchors), at every level of the
+    contract's own structure: top, run, vars, upstreams, steps and what a step holds, checks,
+    completion, escalation. JSON Schemas (`schemas`, `input`/`output` schema) are kept as
+    written: there `x-` is the schema's business (and may name a property)."""
+
+    def bare(node: Any) -> Any:
+        return ({k: v for k, v in node.items() if not str(k).startswith("x-")}
+                if isinstance(node, dict) else node)
+
+    def each(node: Any, inner: Callable[[Any], Any]) -> Any:
+        return {k: inner(v) for k, v in bare(node).items()} if isinstance(node, dict) else node
+
+    def conditions(items: Any) -> Any:
+        return [bare(c) for c in items] if isinstance(items, list) else items
+
+    def step(spec: Any) -> Any:
+        spec = bare(spec)
+        if not isinstance(spec, dict):
+            return spec
+        match = spec.get("match")
+        spec["match"] = [bare(m) for m in match] if isinstance(match, list) else bare(match)
+        for key in ("input", "output", "on_failure"):
+            if key in spec:
+                spec[key] = bare(spec[key])
+        for key in ("precondition", "postcondition", "error_when"):
+            if key in spec:
+                spec[key] = conditions(spec[key])
+        return spec
+
+    out: dict[str, Any] = bare(doc)
+    for key in ("run", "completion", "escalation"):
+        if key in out:
+            out[key] = bare(out[key])
+    for key, inner in (("upstreams", bare), ("vars", bare), ("steps", step)):
+        if key in out:
+            out[key] = each(out[key], inner)
+    return out
 
 
 # A mapping key written twice would silently keep the last one (a second `confirm` step
@@ -208,7 +248,21 @@ def _schema_issue(source: str, error: jsonschema.ValidationError) -> ContractIss
     path = [str(p) for p in error.absolute_path]
     step = path[1] if len(path) > 1 and path[0] == "steps" else None
     field = ".".join(path[2:] if step else path)
-    return ContractIssue(source, step, field, error.message)
+    return ContractIssue(source, step, field, _schema_message(error))
+
+
+def _schema_message(error: jsonschema.ValidationError) -> str:
+    """jsonschema's message; for a key the format does not know, jsonschema's usual words (its
+    message for objects that allow `x-` keys only quotes the `^x-` pattern)."""
+    schema = error.schema if isinstance(error.schema, dict) else {}
+    if (error.validator == "additionalProperties" and "patternProperties" in schema
+            and isinstance(error.instance, dict)):
+        extra = [k for k in error.instance
+                 if k not in schema.get("properties", {}) and not str(k).startswith("x-")]
+        verb = "was" if len(extra) == 1 else "were"
+        return (f"Additional properties are not allowed ({', '.join(map(repr, extra))} {verb} "
+                "unexpected; only `x-` keys may be added)")
+    return error.message
 
 
 class _Compiler:
@@ -364,8 +418,14 @@ class _Compiler:
 
     def step(self, name: str, index: int, spec: dict[str, Any],
              upstreams: Mapping[str, Upstream]) -> Step:
-        m = spec["match"]
-        self.check_match(name, m, upstreams)
+        written = spec["match"]
+        entries = written if isinstance(written, list) else [written]
+        for i, m in enumerate(entries):
+            self.check_match(name, m, upstreams,
+                             f"match[{i}]" if isinstance(written, list) else "match")
+        matches = tuple(Match(m.get("upstream"), m.get("method"),
+                              _step_path(m["path"], upstreams.get(m.get("upstream") or ""))
+                              if m.get("path") else None, m.get("tool")) for m in entries)
         record = {}
         for key, expr in spec.get("record", {}).items():
             if self.redacted(name, key):
@@ -377,9 +437,8 @@ class _Compiler:
         return Step(
             name=name,
             index=index,
-            match=Match(m.get("upstream"), m.get("method"),
-                        _step_path(m["path"], upstreams.get(m.get("upstream") or ""))
-                        if m.get("path") else None, m.get("tool")),
+            match=matches[0],
+            matches=matches,
             input_schema=self.schema_ref(name, "input", spec.get("input")),
             output_schema=self.schema_ref(name, "output", spec.get("output")),
             preconditions=self.conditions(name, "precondition", spec.get("precondition"),
@@ -433,19 +492,22 @@ class _Compiler:
                                           "postcondition instead of recording it")
         return True
 
-    def check_match(self, step: str, match: dict[str, Any], upstreams: Mapping[str, Upstream]) -> None:
+    def check_match(self, step: str, match: dict[str, Any], upstreams: Mapping[str, Upstream],
+                    field: str = "match") -> None:
         name = match.get("upstream")
         if name is not None and name not in upstreams:
-            self.issue(step, "match.upstream", f"unknown upstream {name!r} "
-                                               f"(declared: {', '.join(upstreams)})")
+            self.issue(step, f"{field}.upstream", f"unknown upstream {name!r} "
+                                                  f"(declared: {', '.join(upstreams)})")
             return
         kinds = {upstreams[name].kind} if name else {u.kind for u in upstreams.values()}
         if "tool" in match and kinds == {"http"}:
-            self.issue(step, "match.tool", "a tool match needs a model or MCP upstream "
-                                           "(kind openai, anthropic or mcp); HTTP tools match by path")
+            self.issue(step, f"{field}.tool", "a tool match needs a model or MCP upstream "
+                                              "(kind openai, anthropic or mcp); HTTP tools match "
+                                              "by path")
         if "path" in match and name and upstreams[name].kind != "http":
-            self.issue(step, "match.path", f"upstream {name!r} is kind {upstreams[name].kind!r}: "
-                                           "match its steps by tool name")
+            self.issue(step, f"{field}.path", f"upstream {name!r} is kind "
+                                              f"{upstreams[name].kind!r}: match its steps by "
+                                              "tool name")
 
     def check_graph(self, steps: Mapping[str, Step]) -> None:
         for step in steps.values():
@@ -457,11 +519,15 @@ class _Compiler:
             self.issue(cycle[0], "after", "cycle: " + " -> ".join(cycle))
 
     def check_duplicate_matches(self, steps: Mapping[str, Step]) -> None:
-        earlier: list[Step] = []
+        earlier: list[tuple[Step, Match]] = []
         for step in steps.values():
-            m = step.match
-            for other in earlier:
-                o = other.match
+            self.check_step_matches(step, earlier)
+            earlier.extend((step, m) for m in step.matches)
+
+    def check_step_matches(self, step: Step, earlier: list[tuple[Step, Match]]) -> None:
+        """One issue at most per step: the first of its matches an earlier step also has."""
+        for m in step.matches:
+            for other, o in earlier:
                 same_tool = m.tool is not None and o.tool == m.tool and (
                     None in (o.upstream, m.upstream) or o.upstream == m.upstream)
                 same_path = m.path is not None and (o.upstream, o.path) == (m.upstream, m.path) and (
@@ -469,8 +535,7 @@ class _Compiler:
                 if same_tool or same_path:
                     what = f"tool {m.tool}" if same_tool else f"{m.method or '*'} {m.upstream} {m.path}"
                     self.issue(step.name, "match", f"same match as step {other.name!r} ({what})")
-                    break
-            earlier.append(step)
+                    return
 
     def completion(self, spec: dict[str, Any] | None, steps: Mapping[str, Step]) -> Completion | None:
         if spec is None:

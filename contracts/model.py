@@ -164,7 +164,7 @@ class OnFailure:
 class Step:
     name: str
     index: int
-    match: Match
+    match: Match                  # the first of `matches`
     input_schema: Schema | None = None
     output_schema: Schema | None = None
     preconditions: tuple[Condition, ...] = ()
@@ -176,6 +176,11 @@ class Step:
     idempotency_key: bool = False
     timeout_s: float | None = None
     on_failure: OnFailure = OnFailure()
+    matches: tuple[Match, ...] = ()   # every entry of the step's `match`: any one matches
+
+    def __post_init__(self) -> None:
+        if not self.matches:
+            object.__setattr__(self, "matches", (self.match,))
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,14 +212,19 @@ class Contract:
 
     def step_for(self, upstream: str, method: str, path: str) -> Step | None:
         for step in self.steps.values():
-            m = step.match
-            if m.upstream == upstream and m.path == path and m.method in (None, method):
-                return step
+            for m in step.matches:
+                if m.upstream == upstream and m.path == path and m.method in (None, method):
+                    return step
         return None
 
     def step_for_tool(self, upstream: str, tool: str) -> Step | None:
         for step in self.steps.values():
-            m = step.match
-            if m.tool == tool and m.upstream in (None, upstream):
-                return step
+            for m in step.matches:
+                if m.tool == tool and m.upstream in (None, upstream):
+                    return step
         return None
+
+    def checks_tools_on(self, upstream: str) -> bool:
+        """Whether any step matches a tool by name on `upstream`."""
+        return any(m.tool is not None and m.upstream in (None, upstream)
+                   for step in self.steps.values() for m in step.matches)

@@ -694,8 +694,7 @@ def _withheld(rpc_id: Any, event_id: str) -> bytes:
 
 
 def _has_checked_tools(route: Route) -> bool:
-    return any(step.match.tool is not None and step.match.upstream in (None, route.upstream.name)
-               for step in route.contract.steps.values())
+    return route.contract.checks_tools_on(route.upstream.name)
 
 
 def _halted(call: ToolCall, envelope: Envelope, boundary: str, decision_id: str) -> Refusal:
