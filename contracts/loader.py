@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Callable, Iterable, Mapping
 from functools import cache
 from importlib import resources
@@ -37,6 +38,10 @@ from stepguard.contracts.model import (
 )
 from stepguard.metrics.redact import is_redacted, normal_key
 
+# what an upstream URL may be, in the contract or set at start: a base path is kept, the
+# path after the mount is appended to it
+_URL = re.compile(r"https?://[^/?#\s]+(/[^?#\s]*)?")
+
 
 @cache
 def format_schema() -> dict[str, Any]:
@@ -48,27 +53,42 @@ def format_schema() -> dict[str, Any]:
 _NO_OVERRIDES: Mapping[str, Override] = {}
 
 
-def load_contract(path: str | Path, vars: Mapping[str, Override] = _NO_OVERRIDES) -> Contract:
+def load_contract(path: str | Path, vars: Mapping[str, Override] = _NO_OVERRIDES,
+                  upstreams: Mapping[str, Override] = _NO_OVERRIDES) -> Contract:
     path = Path(path)
     try:
         raw = path.read_bytes()
     except OSError as exc:
         raise ContractError([ContractIssue(str(path), None, "", f"cannot read: {exc.strerror}")]) from None
-    return parse_contract(raw, str(path), vars)
+    return parse_contract(raw, str(path), vars, upstreams)
 
 
 def load_contracts(paths: Iterable[str | Path],
-                   vars: Mapping[str, Override] = _NO_OVERRIDES) -> list[Contract]:
-    """Every file, compiled with `vars` overriding the values of the vars they declare (set
-    at start: `--var`, STEPGUARD_VAR_*). An override no contract declares is an issue."""
+                   vars: Mapping[str, Override] = _NO_OVERRIDES,
+                   upstreams: Mapping[str, Override] = _NO_OVERRIDES) -> list[Contract]:
+    """Every file, compiled with `vars` overriding the values of the vars they declare and
+    `upstreams` the URLs of the upstreams they declare (set at start: `--var`,
+    STEPGUARD_VAR_*, `--upstream`, STEPGUARD_UPSTREAM_*). An override that names nothing
+    declared is an issue, and so is an upstream override naming upstreams of two contracts."""
     contracts, issues = [], []
     paths = list(paths)
     for path in paths:
         try:
-            contracts.append(load_contract(path, vars))
+            contracts.append(load_contract(path, vars, upstreams))
         except ContractError as exc:
             issues.extend(exc.issues)
     issues.extend(_cross_contract_issues(contracts))
+    for given, override in upstreams.items():
+        owners = [c.source for c in contracts if _declared_name(given, c.upstreams) is not None]
+        if len(owners) > 1:
+            issues.append(ContractIssue(override.source, None, f"upstreams.{given}",
+                                        f"upstream {given!r} is declared by {' and '.join(owners)}: "
+                                        "an override must name one upstream; rename one of them"))
+        elif not owners and contracts and not issues:
+            names = sorted({name for c in contracts for name in c.upstreams})
+            issues.append(ContractIssue(override.source, None, f"upstreams.{given}",
+                                        f"no contract declares upstream {given!r} (declared: "
+                                        f"{', '.join(names)})"))
     if not issues:
         declared = {name for c in contracts for name in c.vars}
         for given, override in vars.items():
@@ -92,12 +112,13 @@ def _declared_name(given: str, declared: Iterable[str]) -> str | None:
 
 
 def parse_contract(raw: bytes, source: str,
-                   vars: Mapping[str, Override] = _NO_OVERRIDES) -> Contract:
+                   vars: Mapping[str, Override] = _NO_OVERRIDES,
+                   upstreams: Mapping[str, Override] = _NO_OVERRIDES) -> Contract:
     document = _parse_document(raw, source)
     issues = [_schema_issue(source, e) for e in _format_validator().iter_errors(document)]
     if issues:
         raise ContractError(sorted(issues, key=lambda i: (i.step or "", i.field)))
-    compiler = _Compiler(source, _without_extensions(document), vars)
+    compiler = _Compiler(source, _without_extensions(document), vars, upstreams)
     contract = compiler.compile(hashlib.sha256(raw).hexdigest())
     if compiler.issues:
         raise ContractError(compiler.issues)
@@ -267,10 +288,12 @@ def _schema_message(error: jsonschema.ValidationError) -> str:
 
 class _Compiler:
     def __init__(self, source: str, document: dict[str, Any],
-                 overrides: Mapping[str, Override] = _NO_OVERRIDES) -> None:
+                 overrides: Mapping[str, Override] = _NO_OVERRIDES,
+                 urls: Mapping[str, Override] = _NO_OVERRIDES) -> None:
         self.source = source
         self.doc = document
         self.overrides = overrides
+        self.urls = urls
         self.issues: list[ContractIssue] = []
         self.constants: dict[str, Var] = {}
 
@@ -337,12 +360,24 @@ class _Compiler:
         return compiled
 
     def upstreams(self, specs: Mapping[str, Any]) -> dict[str, Upstream]:
-        return {name: Upstream(name, spec["url"].rstrip("/"), spec.get("kind", "http"),
-                               spec.get("mount", f"/{name}").rstrip("/") or "/",
-                               float(spec.get("timeout_s", 30.0)),
-                               bool(spec.get("case_insensitive", False)),
-                               bool(spec.get("allow_method_override", False)))
-                for name, spec in specs.items()}
+        given = {_declared_name(name, specs): override for name, override in self.urls.items()}
+        compiled = {}
+        for name, spec in specs.items():
+            url, source = spec["url"], "contract"
+            override = given.get(name)
+            if override is not None:
+                if _URL.fullmatch(override.value) is None:
+                    self.issue(None, f"upstreams.{name}.url",
+                               f"{override.source}={override.value!r} is not an upstream URL: "
+                               "http(s)://host[:port][/base/path], no query or fragment")
+                else:
+                    url, source = override.value, override.source
+            compiled[name] = Upstream(name, url.rstrip("/"), spec.get("kind", "http"),
+                                      spec.get("mount", f"/{name}").rstrip("/") or "/",
+                                      float(spec.get("timeout_s", 30.0)),
+                                      bool(spec.get("case_insensitive", False)),
+                                      bool(spec.get("allow_method_override", False)), source)
+        return compiled
 
     def named_schemas(self, specs: Mapping[str, Any]) -> dict[str, Schema]:
         compiled = {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
+from urllib.parse import urlsplit, urlunsplit
 
 import orjson
 from jsonschema_rs import ValidationErrorKind
@@ -136,6 +137,16 @@ class Upstream:
     timeout_s: float
     case_insensitive: bool = False         # steps match paths in any case (as the upstream does)
     allow_method_override: bool = False    # X-HTTP-Method-Override & co. let through
+    url_source: str = "contract"           # or the flag / environment variable that set `url`
+
+    @property
+    def shown_url(self) -> str:
+        """The URL for logs and reports, without the password a `user:password@` URL holds."""
+        parts = urlsplit(self.url)
+        if parts.password is None:
+            return self.url
+        netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+        return urlunsplit(parts._replace(netloc=netloc))
 
 
 def normal_path(path: str) -> str:

@@ -48,6 +48,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="contract file (repeatable; env STEPGUARD_CONTRACTS, comma-separated)")
     serve.add_argument("--var", action="append", dest="vars", metavar="NAME=VALUE",
                        help="override a contract var (repeatable; env STEPGUARD_VAR_<NAME>)")
+    serve.add_argument("--upstream", action="append", dest="upstreams", metavar="NAME=URL",
+                       help="override a contract upstream's URL, base path allowed (repeatable; "
+                            "env STEPGUARD_UPSTREAM_<NAME>)")
     serve.add_argument("--host", help="proxy listen address (STEPGUARD_HOST, 127.0.0.1)")
     serve.add_argument("--port", type=int, help="proxy port (STEPGUARD_PORT, 8080)")
     serve.add_argument("--admin-host", help="admin listen address (STEPGUARD_ADMIN_HOST)")
@@ -94,6 +97,9 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--var", action="append", dest="vars", metavar="NAME=VALUE",
                        help="check with this var override, as serve would apply it (repeatable; "
                             "STEPGUARD_VAR_<NAME> too)")
+    check.add_argument("--upstream", action="append", dest="upstreams", metavar="NAME=URL",
+                       help="check with this upstream URL override (repeatable; "
+                            "STEPGUARD_UPSTREAM_<NAME> too)")
     check.set_defaults(func=_check)
 
     runs = sub.add_parser("runs", help="inspect runs in the store")
@@ -186,7 +192,7 @@ def _serve(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     try:
-        contracts = load_contracts(settings.contracts, settings.vars)
+        contracts = load_contracts(settings.contracts, settings.vars, settings.upstreams)
     except ContractError as exc:
         print(f"stepguard serve: {len(exc.issues)} contract error(s):", file=sys.stderr)
         for issue in exc.issues:
@@ -207,7 +213,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _check(args: argparse.Namespace) -> int:
     try:
-        contracts = load_contracts(args.files, assignments("vars", args.vars))
+        contracts = load_contracts(args.files, assignments("vars", args.vars),
+                                   assignments("upstreams", args.upstreams))
     except ConfigError as exc:
         print(f"stepguard check: {exc}", file=sys.stderr)
         return 2
@@ -220,6 +227,8 @@ def _check(args: argparse.Namespace) -> int:
     for c in contracts:
         print(f"{c.source}: ok: workflow {c.workflow!r} version {c.version}, "
               f"{len(c.steps)} steps, sha256 {c.content_hash[:12]}")
+        for up in c.upstreams.values():
+            print(f"  upstream {up.name} ({up.kind}) {up.mount} -> {up.shown_url} (from {up.url_source})")
         for var in c.vars.values():
             print(f"  var {var.name} = {_shown(var.value)} ({var.kind}, from {var.source})")
     return 0

@@ -26,10 +26,11 @@ from stepguard.proxy.bodies import JSON_DEPTH_CEILING, MAX_JSON_DEPTH
 TRUE_WORDS = ("true", "1", "yes", "on")
 FALSE_WORDS = ("false", "0", "no", "off")
 # flags whose name is not `--` + the field name with dashes
-_FLAGS = {"contracts": "--contract", "uvloop": "--no-uvloop", "vars": "--var"}
+_FLAGS = {"contracts": "--contract", "uvloop": "--no-uvloop", "vars": "--var",
+          "upstreams": "--upstream"}
 # settings that are a set of NAME=VALUE assignments: a repeatable flag, and one environment
 # variable per name (STEPGUARD_VAR_<NAME>), a flag winning over the variable of its name
-ASSIGNMENT_PREFIXES = {"vars": "STEPGUARD_VAR_"}
+ASSIGNMENT_PREFIXES = {"vars": "STEPGUARD_VAR_", "upstreams": "STEPGUARD_UPSTREAM_"}
 
 
 class ConfigError(ValueError):
@@ -186,6 +187,7 @@ _PARSERS: dict[str, _Parse] = {
     "log_format": _choice(LOG_FORMATS, str.lower),
     "log_level": _choice(LOG_LEVELS, str.lower),
     "vars": _assignments("--var"),
+    "upstreams": _assignments("--upstream"),
 }
 
 
@@ -245,6 +247,7 @@ class Settings:
     log_format: str = "auto"
     log_level: str = "info"
     vars: dict[str, Override] = field(default_factory=dict)
+    upstreams: dict[str, Override] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # values given in code are held to the same rules as flags and environment
