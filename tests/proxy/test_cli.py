@@ -58,8 +58,9 @@ async def test_check_accepts_the_example_contract():
     ran = await stepguard("check", EXAMPLE)
 
     assert ran.code == 0, ran.err
-    assert ran.lines == [line for line in ran.lines if "ok: workflow 'order-confirmation'" in line]
-    assert "4 steps" in ran.out
+    [summary] = [line for line in ran.lines if not line.startswith("  ")]
+    assert "ok: workflow 'order-confirmation'" in summary and "4 steps" in summary
+    assert ran.lines[1:] == ["  upstream tools (http) /tools -> http://127.0.0.1:9002 (from contract)"]
 
 
 @pytest.mark.parametrize(("document", "expected"), [
