@@ -78,7 +78,7 @@ def test_an_override_naming_upstreams_of_two_contracts_is_an_error(tmp_path: Pat
     b = tmp_path / "b.yaml"
     b.write_text(yaml.safe_dump(contract_doc(NOWHERE, workflow="other", upstreams={
         "tools": {"url": NOWHERE, "mount": "/other"}})))
-    with pytest.raises(ContractError, match="declared by .* and .*rename one"):
+    with pytest.raises(ContractError, match=r"declared by .* and .*rename one"):
         load_contracts([a, b], upstreams={"tools": Override("http://h", "--upstream tools")})
 
 
