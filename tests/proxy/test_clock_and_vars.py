@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import yaml
+from aiohttp import web
 from sgtest import contract_doc, make_contract
 
 from stepguard.contracts.loader import load_contracts
@@ -90,3 +91,30 @@ def test_a_var_flag_without_a_value_is_a_config_error() -> None:
 def test_arrival_time_is_taken_once_per_call_on_the_wall_clock() -> None:
     timing = Timing(time.perf_counter(), time.time())
     assert abs(timing.arrived - time.time()) < 5
+
+
+async def rpc_answer(request: web.Request) -> web.Response:
+    call = await request.json()
+    return web.json_response({"jsonrpc": "2.0", "id": call["id"], "result": {
+        "content": [{"type": "text", "text": "{}"}], "structuredContent": {"ok": True}}})
+
+
+async def test_an_mcp_tool_call_is_checked_against_the_clock_too(proxy, make_upstream):
+    server = await make_upstream(rpc_answer)
+    contract = make_contract(server.url, {"act": {"match": {"tool": "act"}, "precondition": [
+        {"expr": "timestamp(input.sent_at) <= now", "drift": "freshness"}]}},
+        upstreams={"mcp": {"url": server.url, "kind": "mcp", "mount": "/mcp"}})
+    px = await proxy(contract)
+
+    def call(sent_at: str) -> dict[str, Any]:
+        return {"jsonrpc": "2.0", "id": 7, "method": "tools/call",
+                "params": {"name": "act", "arguments": {"sent_at": sent_at}}}
+
+    headers = {"accept": "application/json, text/event-stream"}
+    past = await px.call("/mcp", call(iso(60)), run="mcp-clock-1", headers=headers)
+    future = await px.call("/mcp", call(iso(-3600)), run="mcp-clock-2", headers=headers)
+
+    assert "result" in past.json
+    assert future.json["error"]["code"] == -31000
+    assert future.json["error"]["data"]["drift"] == "freshness"
+    assert server.hits() == 1
