@@ -1,10 +1,16 @@
-"""CEL conditions, compiled once at load and fed only the fields they read."""
+"""CEL conditions, compiled once at load and fed only the fields they read.
+
+Besides the boundary's variables every condition may read `now` (a CEL timestamp: when the
+call arrived at stepguard, given by the adapter; the engine reads no clock) and the contract's
+`vars` (named constants, `vars.NAME`, each declared to CEL with its own type so a misuse fails
+at load). Both are fed only to the conditions that mention them."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 from cel_expr_python import cel
@@ -15,14 +21,60 @@ EXIT_VARIABLES = ("input", "output", "state", "status")
 _DYN = cel.Type.DYN
 _TYPES = {"input": _DYN, "output": _DYN, "state": cel.Type.Map(cel.Type.STRING, _DYN),
           "status": cel.Type.INT}
-_ENVS: dict[tuple[str, ...], Any] = {}
+_ENVS: dict[tuple[Any, ...], Any] = {}
 _REFERENCE = re.compile(r"(?<![\w.])(input|output|state|status)((?:\.[A-Za-z_]\w*)*)")
+_NOW = re.compile(r"(?<![\w.])now(?!\w)")
+_VAR = re.compile(r"(?<![\w.])vars\.([A-Za-z_]\w*)")
+NOW_TYPE = cel.Type.TIMESTAMP
 
 
-def _env(variables: tuple[str, ...]) -> Any:
-    env = _ENVS.get(variables)
+@dataclass(frozen=True, slots=True)
+class Var:
+    """A contract constant as conditions see it: its CEL type and its value (a Python value
+    the CEL runtime converts: timedelta for a duration, datetime for a timestamp)."""
+
+    name: str
+    kind: str          # duration, timestamp, string, int, double, bool, list<string>, ...
+    value: Any
+    source: str = "contract"    # where the value came from: contract, --var, STEPGUARD_VAR_*
+
+    @property
+    def type(self) -> Any:
+        return cel_type(self.kind)
+
+
+_SCALARS = {"string": cel.Type.STRING, "int": cel.Type.INT, "double": cel.Type.DOUBLE,
+            "bool": cel.Type.BOOL, "duration": cel.Type.DURATION,
+            "timestamp": cel.Type.TIMESTAMP, "dyn": _DYN}
+
+
+def cel_type(kind: str) -> Any:
+    """The CEL type of a var kind: a scalar name or `list<scalar>`."""
+    if kind.startswith("list<") and kind.endswith(">"):
+        return cel.Type.List(_SCALARS[kind[5:-1]])
+    return _SCALARS[kind]
+
+
+_PARSE_ENV = cel.NewEnv(variables={"text": cel.Type.STRING})
+_PARSE = {"duration": _PARSE_ENV.compile("duration(text)"),
+          "timestamp": _PARSE_ENV.compile("timestamp(text)")}
+
+
+def parse_time(kind: str, text: str) -> Any:
+    """`text` read as CEL reads it with duration() or timestamp() (a timedelta or a datetime),
+    or None when CEL refuses it."""
+    result = _PARSE[kind].eval(data={"text": text})
+    return None if result.type() == cel.Type.ERROR else result.plain_value()
+
+
+def _env(variables: tuple[str, ...], constants: Mapping[str, Var]) -> Any:
+    key = (variables, tuple((name, var.kind) for name, var in sorted(constants.items())))
+    env = _ENVS.get(key)
     if env is None:
-        env = _ENVS[variables] = cel.NewEnv(variables={v: _TYPES[v] for v in variables})
+        declared = {v: _TYPES[v] for v in variables}
+        declared["now"] = NOW_TYPE
+        declared.update({f"vars.{name}": var.type for name, var in constants.items()})
+        env = _ENVS[key] = cel.NewEnv(variables=declared)
     return env
 
 
@@ -46,9 +98,19 @@ class Condition:
     program: Any = field(repr=False, compare=False)
     reads: Mapping[str, frozenset[str] | None] = field(repr=False, compare=False)
     paths: tuple[tuple[str, ...], ...] = field(repr=False, compare=False)
+    uses_now: bool = field(default=False, repr=False, compare=False)
+    constants: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    result_type: str = field(default="dyn", repr=False, compare=False)
 
     def evaluate(self, context: Mapping[str, Any]) -> Outcome:
         data = _narrow(context, self.reads)
+        if self.constants:
+            data.update(self.constants)
+        if self.uses_now:
+            now = context.get("now")
+            if now is None:
+                return Outcome(False, error="`now` is not known at this boundary")
+            data["now"] = datetime.fromtimestamp(now, UTC)
         try:
             result = self.program.eval(data=data)
         except Exception as exc:  # the runtime raises on conversion of exotic values
@@ -91,21 +153,41 @@ def scrub(message: str) -> str:
 
 
 def compile_condition(expr: str, variables: tuple[str, ...], drift: str,
-                      message: str | None = None) -> Condition:
+                      message: str | None = None,
+                      constants: Mapping[str, Var] | None = None) -> Condition:
+    constants = constants or {}
     try:
-        program = _env(variables).compile(expr)
+        program = _env(variables, constants).compile(expr)
     except RuntimeError as exc:
-        raise ConditionSyntaxError(_compile_message(str(exc))) from None
+        raise ConditionSyntaxError(_compile_message(str(exc), constants)) from None
     references = [(m.group(1), tuple(p for p in m.group(2).split(".") if p))
                   for m in _REFERENCE.finditer(expr)]
+    used = {f"vars.{name}": constants[name].value
+            for name in _VAR.findall(expr) if name in constants}
     return Condition(expr, drift, message, program, _reads(expr, references),
-                     tuple((var, *path) for var, path in references if path))
+                     tuple((var, *path) for var, path in references if path),
+                     uses_now=_NOW.search(expr) is not None, constants=used,
+                     result_type=_type_name(program.return_type()))
 
 
-def _compile_message(text: str) -> str:
+def _type_name(t: Any) -> str:
+    name = str(t.name()).lower()
+    return {"google.protobuf.timestamp": "timestamp",
+            "google.protobuf.duration": "duration"}.get(name, name)
+
+
+_UNDECLARED_VAR = re.compile(r"undeclared reference to 'vars\.([^']*)'")
+
+
+def _compile_message(text: str, constants: Mapping[str, Var] | None = None) -> str:
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     head = lines[0].removeprefix("INVALID_ARGUMENT:").strip() if lines else text
-    return head.removeprefix("ERROR:").strip()
+    head = head.removeprefix("ERROR:").strip()
+    unknown = _UNDECLARED_VAR.search(head)
+    if unknown is not None:
+        declared = ", ".join(sorted(constants or {})) or "none"
+        head = f"unknown var {unknown.group(1)!r}: declare it under `vars` (declared: {declared})"
+    return head
 
 
 def _reads(expr: str, references: list[tuple[str, tuple[str, ...]]]) -> dict[str, frozenset[str] | None]:

@@ -2,6 +2,10 @@
 
 Checks run as an ordered chain. Entry: order, input schema, precondition. Exit: tool error,
 output schema, postcondition, recorded values, completion proof. The first failing check wins.
+
+`now` is the call's arrival time at stepguard (seconds since the epoch), taken once by the
+adapter: conditions see it as the CEL timestamp `now`. The engine never reads a clock: without
+`now` a condition that reads it cannot be evaluated (a violation, never a pass).
 """
 
 from __future__ import annotations
@@ -18,23 +22,25 @@ from stepguard.contracts.model import Contract, Step
 FINAL = "final_answer"   # the pseudo-step of a model's final answer
 
 
-def check_entry(step: Step, envelope: Envelope, input: Any) -> Decision:
+def check_entry(step: Step, envelope: Envelope, input: Any, *,
+                now: float | None = None) -> Decision:
     violation = (_order(step, envelope)
                  or _schema(step.input_schema, input, "input", "input_schema", "entry")
-                 or _conditions(step.preconditions, {"input": input, "state": envelope.state},
+                 or _conditions(step.preconditions,
+                                {"input": input, "state": envelope.state, "now": now},
                                 "precondition", "entry"))
     return Decision(step.name, "entry", violation)
 
 
 def check_exit(contract: Contract, step: Step, envelope: Envelope, input: Any,
-               result: ToolResult) -> Decision:
+               result: ToolResult, *, now: float | None = None) -> Decision:
     # a 4xx is the tool refusing the call; a 304 answers a conditional request with "use the
     # copy you have": neither is a result to check, nothing is verified, the run goes on
     if result.status is not None and (400 <= result.status < 500 or result.status == 304) \
             and result.error_kind in (None, "parse"):
         return Decision(step.name, "exit", rejected=True)
     context = {"input": input, "output": result.output, "state": envelope.state,
-               "status": result.status or 0}
+               "status": result.status or 0, "now": now}
     violation = (_tool_error(step, result, context)
                  or _schema(step.output_schema, result.output, "output", "output_schema", "exit")
                  or _conditions(step.postconditions, context, "postcondition", "exit"))
@@ -70,9 +76,11 @@ def _dependents(contract: Contract, step: Step, envelope: Envelope) -> tuple[str
                  if name != step.name and name in affected and name in envelope.verified)
 
 
-def check_final(contract: Contract, envelope: Envelope, output: Any) -> Decision:
+def check_final(contract: Contract, envelope: Envelope, output: Any, *,
+                now: float | None = None) -> Decision:
     """A final answer (no tool call) of a model turn: does it claim completion, with proof?"""
-    context = {"input": None, "output": output, "state": envelope.state, "status": 200}
+    context = {"input": None, "output": output, "state": envelope.state, "status": 200,
+               "now": now}
     verified = set(envelope.verified)
     if contract.completion is None or contract.completion.claim is None:
         return Decision(FINAL, "exit")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Mapping
+import re
+from collections.abc import Callable, Iterable, Mapping
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -19,7 +20,9 @@ from stepguard.contracts.conditions import (
     EXIT_VARIABLES,
     Condition,
     ConditionSyntaxError,
+    Var,
     compile_condition,
+    parse_time,
 )
 from stepguard.contracts.errors import ContractError, ContractIssue
 from stepguard.contracts.model import (
@@ -27,12 +30,17 @@ from stepguard.contracts.model import (
     Contract,
     Match,
     OnFailure,
+    Override,
     Schema,
     Step,
     Upstream,
     normal_path,
 )
 from stepguard.metrics.redact import is_redacted, normal_key
+
+# what an upstream URL may be, in the contract or set at start: a base path is kept, the
+# path after the mount is appended to it
+_URL = re.compile(r"https?://[^/?#\s]+(/[^?#\s]*)?")
 
 
 @cache
@@ -42,34 +50,75 @@ def format_schema() -> dict[str, Any]:
     return schema
 
 
-def load_contract(path: str | Path) -> Contract:
+_NO_OVERRIDES: Mapping[str, Override] = {}
+
+
+def load_contract(path: str | Path, vars: Mapping[str, Override] = _NO_OVERRIDES,
+                  upstreams: Mapping[str, Override] = _NO_OVERRIDES) -> Contract:
     path = Path(path)
     try:
         raw = path.read_bytes()
     except OSError as exc:
         raise ContractError([ContractIssue(str(path), None, "", f"cannot read: {exc.strerror}")]) from None
-    return parse_contract(raw, str(path))
+    return parse_contract(raw, str(path), vars, upstreams)
 
 
-def load_contracts(paths: Iterable[str | Path]) -> list[Contract]:
+def load_contracts(paths: Iterable[str | Path],
+                   vars: Mapping[str, Override] = _NO_OVERRIDES,
+                   upstreams: Mapping[str, Override] = _NO_OVERRIDES) -> list[Contract]:
+    """Every file, compiled with `vars` overriding the values of the vars they declare and
+    `upstreams` the URLs of the upstreams they declare (set at start: `--var`,
+    STEPGUARD_VAR_*, `--upstream`, STEPGUARD_UPSTREAM_*). An override that names nothing
+    declared is an issue, and so is an upstream override naming upstreams of two contracts."""
     contracts, issues = [], []
+    paths = list(paths)
     for path in paths:
         try:
-            contracts.append(load_contract(path))
+            contracts.append(load_contract(path, vars, upstreams))
         except ContractError as exc:
             issues.extend(exc.issues)
     issues.extend(_cross_contract_issues(contracts))
+    for given, override in upstreams.items():
+        owners = [c.source for c in contracts if _declared_name(given, c.upstreams) is not None]
+        if len(owners) > 1:
+            issues.append(ContractIssue(override.source, None, f"upstreams.{given}",
+                                        f"upstream {given!r} is declared by {' and '.join(owners)}: "
+                                        "an override must name one upstream; rename one of them"))
+        elif not owners and contracts and not issues:
+            names = sorted({name for c in contracts for name in c.upstreams})
+            issues.append(ContractIssue(override.source, None, f"upstreams.{given}",
+                                        f"no contract declares upstream {given!r} (declared: "
+                                        f"{', '.join(names)})"))
+    if not issues:
+        declared = {name for c in contracts for name in c.vars}
+        for given, override in vars.items():
+            if _declared_name(given, declared) is None:
+                issues.append(ContractIssue(override.source, None, f"vars.{given}",
+                                            f"no contract declares var {given!r} (declared: "
+                                            f"{', '.join(sorted(declared)) or 'none'})"))
     if issues:
         raise ContractError(issues)
     return contracts
 
 
-def parse_contract(raw: bytes, source: str) -> Contract:
+def _declared_name(given: str, declared: Iterable[str]) -> str | None:
+    """The declared name an override names: itself, else the one it spells in another case
+    with `_` for `-` (environment variable names are written in upper case)."""
+    names = list(declared)
+    if given in names:
+        return given
+    folded = [n for n in names if n.upper().replace("-", "_") == given.upper().replace("-", "_")]
+    return folded[0] if len(folded) == 1 else None
+
+
+def parse_contract(raw: bytes, source: str,
+                   vars: Mapping[str, Override] = _NO_OVERRIDES,
+                   upstreams: Mapping[str, Override] = _NO_OVERRIDES) -> Contract:
     document = _parse_document(raw, source)
     issues = [_schema_issue(source, e) for e in _format_validator().iter_errors(document)]
     if issues:
         raise ContractError(sorted(issues, key=lambda i: (i.step or "", i.field)))
-    compiler = _Compiler(source, document)
+    compiler = _Compiler(source, _without_extensions(document), vars, upstreams)
     contract = compiler.compile(hashlib.sha256(raw).hexdigest())
     if compiler.issues:
         raise ContractError(compiler.issues)
@@ -94,6 +143,46 @@ def _parse_document(raw: bytes, source: str) -> Any:
     if duplicates:
         raise ContractError([_duplicate_issue(source, path, where) for path, where in duplicates])
     return document
+
+
+def _without_extensions(doc: dict[str, Any]) -> dict[str, Any]:
+    """The document without its `x-` keys (annotations, YAML anchors), at every level of the
+    contract's own structure: top, run, vars, upstreams, steps and what a step holds, checks,
+    completion, escalation. JSON Schemas (`schemas`, `input`/`output` schema) are kept as
+    written: there `x-` is the schema's business (and may name a property)."""
+
+    def bare(node: Any) -> Any:
+        return ({k: v for k, v in node.items() if not str(k).startswith("x-")}
+                if isinstance(node, dict) else node)
+
+    def each(node: Any, inner: Callable[[Any], Any]) -> Any:
+        return {k: inner(v) for k, v in bare(node).items()} if isinstance(node, dict) else node
+
+    def conditions(items: Any) -> Any:
+        return [bare(c) for c in items] if isinstance(items, list) else items
+
+    def step(spec: Any) -> Any:
+        spec = bare(spec)
+        if not isinstance(spec, dict):
+            return spec
+        match = spec.get("match")
+        spec["match"] = [bare(m) for m in match] if isinstance(match, list) else bare(match)
+        for key in ("input", "output", "on_failure"):
+            if key in spec:
+                spec[key] = bare(spec[key])
+        for key in ("precondition", "postcondition", "error_when"):
+            if key in spec:
+                spec[key] = conditions(spec[key])
+        return spec
+
+    out: dict[str, Any] = bare(doc)
+    for key in ("run", "completion", "escalation"):
+        if key in out:
+            out[key] = bare(out[key])
+    for key, inner in (("upstreams", bare), ("vars", bare), ("steps", step)):
+        if key in out:
+            out[key] = each(out[key], inner)
+    return out
 
 
 # A mapping key written twice would silently keep the last one (a second `confirm` step
@@ -180,20 +269,40 @@ def _schema_issue(source: str, error: jsonschema.ValidationError) -> ContractIss
     path = [str(p) for p in error.absolute_path]
     step = path[1] if len(path) > 1 and path[0] == "steps" else None
     field = ".".join(path[2:] if step else path)
-    return ContractIssue(source, step, field, error.message)
+    return ContractIssue(source, step, field, _schema_message(error))
+
+
+def _schema_message(error: jsonschema.ValidationError) -> str:
+    """jsonschema's message; for a key the format does not know, jsonschema's usual words (its
+    message for objects that allow `x-` keys only quotes the `^x-` pattern)."""
+    schema = error.schema if isinstance(error.schema, dict) else {}
+    if (error.validator == "additionalProperties" and "patternProperties" in schema
+            and isinstance(error.instance, dict)):
+        extra = [k for k in error.instance
+                 if k not in schema.get("properties", {}) and not str(k).startswith("x-")]
+        verb = "was" if len(extra) == 1 else "were"
+        return (f"Additional properties are not allowed ({', '.join(map(repr, extra))} {verb} "
+                "unexpected; only `x-` keys may be added)")
+    return error.message
 
 
 class _Compiler:
-    def __init__(self, source: str, document: dict[str, Any]) -> None:
+    def __init__(self, source: str, document: dict[str, Any],
+                 overrides: Mapping[str, Override] = _NO_OVERRIDES,
+                 urls: Mapping[str, Override] = _NO_OVERRIDES) -> None:
         self.source = source
         self.doc = document
+        self.overrides = overrides
+        self.urls = urls
         self.issues: list[ContractIssue] = []
+        self.constants: dict[str, Var] = {}
 
     def issue(self, step: str | None, field: str, message: str) -> None:
         self.issues.append(ContractIssue(self.source, step, field, message))
 
     def compile(self, content_hash: str) -> Contract:
         doc = self.doc
+        self.constants = self.vars(doc.get("vars", {}))
         upstreams = self.upstreams(doc["upstreams"])
         self.schemas = self.named_schemas(doc.get("schemas", {}))
         steps = {name: self.step(name, i, spec, upstreams)
@@ -218,15 +327,57 @@ class _Compiler:
             source=self.source,
             content_hash=content_hash,
             run_keys_declared="key" in run,
+            vars=self.constants,
         )
 
+    def vars(self, specs: Mapping[str, Any]) -> dict[str, Var]:
+        given = {_declared_name(name, specs): override
+                 for name, override in self.overrides.items()}
+        compiled = {}
+        for name, spec in specs.items():
+            if isinstance(spec, dict):
+                kind, value = spec["type"], spec["value"]
+            else:
+                kind, value = _var_kind(spec), spec
+            converted = _var_value(kind, value)
+            if converted is _BAD:
+                self.issue(None, f"vars.{name}", f"value {value!r} is not a {_KIND_HINT.get(kind, kind)}")
+                continue
+            if kind == "list":
+                kind = _list_kind(converted)
+            var = Var(name, kind, converted)
+            override = given.get(name)
+            if override is not None:
+                value = _override_value(var.kind, override.value)
+                if value is _BAD:
+                    self.issue(None, f"vars.{name}",
+                               f"{override.source} sets var {name!r} to {override.value!r}, "
+                               f"which is not a {_KIND_HINT.get(var.kind, var.kind)}: the "
+                               f"contract declares it of type {var.kind}")
+                else:
+                    var = Var(name, var.kind, value, override.source)
+            compiled[name] = var
+        return compiled
+
     def upstreams(self, specs: Mapping[str, Any]) -> dict[str, Upstream]:
-        return {name: Upstream(name, spec["url"].rstrip("/"), spec.get("kind", "http"),
-                               spec.get("mount", f"/{name}").rstrip("/") or "/",
-                               float(spec.get("timeout_s", 30.0)),
-                               bool(spec.get("case_insensitive", False)),
-                               bool(spec.get("allow_method_override", False)))
-                for name, spec in specs.items()}
+        given = {_declared_name(name, specs): override for name, override in self.urls.items()}
+        compiled = {}
+        for name, spec in specs.items():
+            url, source = spec["url"], "contract"
+            override = given.get(name)
+            if override is not None:
+                if _URL.fullmatch(override.value) is None:
+                    self.issue(None, f"upstreams.{name}.url",
+                               f"{override.source}={override.value!r} is not an upstream URL: "
+                               "http(s)://host[:port][/base/path], no query or fragment")
+                else:
+                    url, source = override.value, override.source
+            compiled[name] = Upstream(name, url.rstrip("/"), spec.get("kind", "http"),
+                                      spec.get("mount", f"/{name}").rstrip("/") or "/",
+                                      float(spec.get("timeout_s", 30.0)),
+                                      bool(spec.get("case_insensitive", False)),
+                                      bool(spec.get("allow_method_override", False)), source)
+        return compiled
 
     def named_schemas(self, specs: Mapping[str, Any]) -> dict[str, Schema]:
         compiled = {}
@@ -273,25 +424,43 @@ class _Compiler:
         for i, spec in enumerate(specs or []):
             expr, message = (spec, None) if isinstance(spec, str) else (spec["expr"], spec.get("message"))
             tagged = drift if isinstance(spec, str) else spec.get("drift", drift)
-            cond = self.condition(step, f"{field}[{i}]", expr, variables, tagged, message)
+            cond = self.boolean(step, f"{field}[{i}]",
+                                self.condition(step, f"{field}[{i}]", expr, variables, tagged,
+                                               message))
             if cond:
                 compiled.append(cond)
         return tuple(compiled)
 
+    def boolean(self, step: str | None, field: str, cond: Condition | None) -> Condition | None:
+        """A condition must be able to be true or false: one CEL types as anything else (a
+        literal `1`, `output.total + 1`, a string) could never pass, or would pass only by
+        accident of the value. `dyn` (a field of the call) is checked when it runs."""
+        if cond is None or cond.result_type in ("bool", "dyn"):
+            return cond
+        self.issue(step, field, f"CEL expression {cond.expr!r} is of type {cond.result_type}, "
+                                "not bool: a condition must be true or false")
+        return None
+
     def condition(self, step: str | None, field: str, expr: str, variables: tuple[str, ...],
                   drift: str, message: str | None = None) -> Condition | None:
         try:
-            return compile_condition(expr, variables, drift, message)
+            return compile_condition(expr, variables, drift, message, self.constants)
         except ConditionSyntaxError as exc:
-            allowed = ", ".join(variables)
+            allowed = ", ".join((*variables, "now", "vars.NAME"))
             self.issue(step, field, f"CEL expression {expr!r} does not compile: {exc} "
                                     f"(variables here: {allowed})")
             return None
 
     def step(self, name: str, index: int, spec: dict[str, Any],
              upstreams: Mapping[str, Upstream]) -> Step:
-        m = spec["match"]
-        self.check_match(name, m, upstreams)
+        written = spec["match"]
+        entries = written if isinstance(written, list) else [written]
+        for i, m in enumerate(entries):
+            self.check_match(name, m, upstreams,
+                             f"match[{i}]" if isinstance(written, list) else "match")
+        matches = tuple(Match(m.get("upstream"), m.get("method"),
+                              _step_path(m["path"], upstreams.get(m.get("upstream") or ""))
+                              if m.get("path") else None, m.get("tool")) for m in entries)
         record = {}
         for key, expr in spec.get("record", {}).items():
             if self.redacted(name, key):
@@ -299,12 +468,12 @@ class _Compiler:
             cond = self.condition(name, f"record.{key}", expr, EXIT_VARIABLES, "postcondition")
             if cond:
                 record[key] = cond
+                self.check_recorded_fields(name, key, cond, spec.get("output"))
         return Step(
             name=name,
             index=index,
-            match=Match(m.get("upstream"), m.get("method"),
-                        _step_path(m["path"], upstreams.get(m.get("upstream") or ""))
-                        if m.get("path") else None, m.get("tool")),
+            match=matches[0],
+            matches=matches,
             input_schema=self.schema_ref(name, "input", spec.get("input")),
             output_schema=self.schema_ref(name, "output", spec.get("output")),
             preconditions=self.conditions(name, "precondition", spec.get("precondition"),
@@ -320,6 +489,26 @@ class _Compiler:
             timeout_s=spec.get("timeout_s"),
             on_failure=_on_failure(spec.get("on_failure", "halt")),
         )
+
+    def check_recorded_fields(self, step: str, key: str, cond: Condition, output: Any) -> None:
+        """A `record` reading an output field the step's output schema does not declare (an
+        object schema with `properties` that does not allow others through
+        `additionalProperties` or `patternProperties`) is a typo or a schema out of date: the
+        value would never be there, and the state would silently lack it."""
+        spec = output.get("schema") if isinstance(output, dict) else None
+        if isinstance(spec, str):
+            spec = self.doc.get("schemas", {}).get(spec)
+        for var, *path in cond.paths:
+            if var != "output" or not path:
+                continue
+            missing = _undeclared(spec, path)
+            if missing is not None:
+                self.issue(step, f"record.{key}",
+                           f"records output.{missing}, which the step's output schema does not "
+                           "declare (it lists its properties and allows no others): a result "
+                           "that passes the schema cannot carry it; declare it under "
+                           "`properties`, or allow it with `additionalProperties`")
+                return
 
     def redacted(self, step: str, key: str) -> bool:
         """A recorded key that redaction covers would enter the state as "[REDACTED]" (the
@@ -338,19 +527,22 @@ class _Compiler:
                                           "postcondition instead of recording it")
         return True
 
-    def check_match(self, step: str, match: dict[str, Any], upstreams: Mapping[str, Upstream]) -> None:
+    def check_match(self, step: str, match: dict[str, Any], upstreams: Mapping[str, Upstream],
+                    field: str = "match") -> None:
         name = match.get("upstream")
         if name is not None and name not in upstreams:
-            self.issue(step, "match.upstream", f"unknown upstream {name!r} "
-                                               f"(declared: {', '.join(upstreams)})")
+            self.issue(step, f"{field}.upstream", f"unknown upstream {name!r} "
+                                                  f"(declared: {', '.join(upstreams)})")
             return
         kinds = {upstreams[name].kind} if name else {u.kind for u in upstreams.values()}
         if "tool" in match and kinds == {"http"}:
-            self.issue(step, "match.tool", "a tool match needs a model or MCP upstream "
-                                           "(kind openai, anthropic or mcp); HTTP tools match by path")
+            self.issue(step, f"{field}.tool", "a tool match needs a model or MCP upstream "
+                                              "(kind openai, anthropic or mcp); HTTP tools match "
+                                              "by path")
         if "path" in match and name and upstreams[name].kind != "http":
-            self.issue(step, "match.path", f"upstream {name!r} is kind {upstreams[name].kind!r}: "
-                                           "match its steps by tool name")
+            self.issue(step, f"{field}.path", f"upstream {name!r} is kind "
+                                              f"{upstreams[name].kind!r}: match its steps by "
+                                              "tool name")
 
     def check_graph(self, steps: Mapping[str, Step]) -> None:
         for step in steps.values():
@@ -362,11 +554,15 @@ class _Compiler:
             self.issue(cycle[0], "after", "cycle: " + " -> ".join(cycle))
 
     def check_duplicate_matches(self, steps: Mapping[str, Step]) -> None:
-        earlier: list[Step] = []
+        earlier: list[tuple[Step, Match]] = []
         for step in steps.values():
-            m = step.match
-            for other in earlier:
-                o = other.match
+            self.check_step_matches(step, earlier)
+            earlier.extend((step, m) for m in step.matches)
+
+    def check_step_matches(self, step: Step, earlier: list[tuple[Step, Match]]) -> None:
+        """One issue at most per step: the first of its matches an earlier step also has."""
+        for m in step.matches:
+            for other, o in earlier:
                 same_tool = m.tool is not None and o.tool == m.tool and (
                     None in (o.upstream, m.upstream) or o.upstream == m.upstream)
                 same_path = m.path is not None and (o.upstream, o.path) == (m.upstream, m.path) and (
@@ -374,8 +570,7 @@ class _Compiler:
                 if same_tool or same_path:
                     what = f"tool {m.tool}" if same_tool else f"{m.method or '*'} {m.upstream} {m.path}"
                     self.issue(step.name, "match", f"same match as step {other.name!r} ({what})")
-                    break
-            earlier.append(step)
+                    return
 
     def completion(self, spec: dict[str, Any] | None, steps: Mapping[str, Step]) -> Completion | None:
         if spec is None:
@@ -387,13 +582,121 @@ class _Compiler:
         claim = spec.get("claim")
         proof = spec.get("proof")
         return Completion(
-            claim=self.condition(None, "completion.claim", claim, EXIT_VARIABLES,
-                                 "false_completion") if claim else None,
+            claim=self.boolean(None, "completion.claim", self.condition(
+                None, "completion.claim", claim, EXIT_VARIABLES,
+                "false_completion")) if claim else None,
             requires=requires,
-            proof=self.condition(None, "completion.proof", proof, EXIT_VARIABLES,
-                                 "false_completion", spec.get("message")) if proof else None,
+            proof=self.boolean(None, "completion.proof", self.condition(
+                None, "completion.proof", proof, EXIT_VARIABLES, "false_completion",
+                spec.get("message"))) if proof else None,
             message=spec.get("message"),
         )
+
+
+def _undeclared(schema: Any, path: list[str]) -> str | None:
+    """The dotted prefix of `path` that `schema` declares no property for, walking `properties`
+    of plain object schemas; None when declared, or when the schema cannot tell (a reference, a
+    combinator, additional or pattern properties allowed)."""
+    walked: list[str] = []
+    node = schema
+    for key in path:
+        if not isinstance(node, dict) or "properties" not in node or not isinstance(
+                node["properties"], dict):
+            return None
+        if any(k in node for k in ("$ref", "$dynamicRef", "allOf", "anyOf", "oneOf", "if",
+                                   "patternProperties", "unevaluatedProperties",
+                                   "dependentSchemas")):
+            return None
+        walked.append(key)
+        if key not in node["properties"]:
+            extra = node.get("additionalProperties", False)
+            return None if extra is not False else ".".join(walked)
+        node = node["properties"][key]
+    return None
+
+
+# --- vars: contract constants -------------------------------------------------------------------
+
+_BAD = object()
+_KIND_HINT = {"duration": "duration (like 1h, 30m, 90s, 1h30m)",
+              "timestamp": "timestamp (RFC 3339, like 2026-01-31T00:00:00Z)",
+              "int": "whole number", "double": "number", "bool": "boolean (true or false)"}
+
+
+def _var_kind(value: Any) -> str:
+    """The kind of a var written as a bare value: a string CEL reads as a duration is one."""
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int):
+        return "int"
+    if isinstance(value, float):
+        return "double"
+    if isinstance(value, list):
+        return "list"
+    return "duration" if parse_time("duration", value) is not None else "string"
+
+
+def _var_value(kind: str, value: Any) -> Any:
+    """`value` as the CEL runtime takes a var of `kind`, or _BAD."""
+    if kind in ("duration", "timestamp"):
+        parsed = parse_time(kind, value) if isinstance(value, str) else None
+        return _BAD if parsed is None else parsed
+    if kind == "list":
+        return list(value) if isinstance(value, list) and _list_kind(value) else _BAD
+    if kind.startswith("list<"):
+        items = [_var_value(kind[5:-1], item) for item in value] if isinstance(value, list) else [_BAD]
+        return _BAD if any(i is _BAD for i in items) else items
+    expected = {"string": (str,), "int": (int,), "double": (int, float), "bool": (bool,)}[kind]
+    if isinstance(value, bool) and kind != "bool":
+        return _BAD
+    if not isinstance(value, expected):
+        return _BAD
+    return float(cast(float, value)) if kind == "double" else value
+
+
+def _list_kind(items: list[Any]) -> str:
+    """list<...> of a var's items: all strings, all booleans, whole numbers, or numbers."""
+    kinds = {_var_kind(i) if not isinstance(i, str) else "string" for i in items}
+    if not kinds:
+        return "list<dyn>"
+    if kinds == {"int", "double"}:
+        return "list<double>"
+    return f"list<{kinds.pop()}>" if len(kinds) == 1 and "list" not in kinds else ""
+
+
+def _override_value(kind: str, text: str) -> Any:
+    """An override (always text) read as a var of `kind`, or _BAD."""
+    if kind in ("string", "duration", "timestamp"):
+        return _var_value(kind, text)
+    if kind.startswith("list<"):
+        stripped = text.strip()
+        if stripped.startswith("["):
+            try:
+                items = yaml.safe_load(stripped)
+            except yaml.YAMLError:
+                return _BAD
+        else:
+            items = [t.strip() for t in stripped.split(",") if t.strip()]
+        if not isinstance(items, list):
+            return _BAD
+        element = kind[5:-1]
+        if element == "dyn":
+            return items
+        converted = [_override_value(element, i if isinstance(i, str) else orjson_text(i))
+                     for i in items]
+        return _BAD if any(c is _BAD for c in converted) else converted
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return _BAD
+    if kind == "bool" and isinstance(text, str) and text.strip().lower() not in ("true", "false"):
+        return _BAD
+    return _var_value(kind, value)
+
+
+def orjson_text(value: Any) -> str:
+    """A list item of an override written as YAML/JSON, back as the text an override is."""
+    return json.dumps(value) if not isinstance(value, bool) else str(value).lower()
 
 
 def _on_failure(spec: Any) -> OnFailure:

@@ -5,11 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
+from urllib.parse import urlsplit, urlunsplit
 
 import orjson
 from jsonschema_rs import ValidationErrorKind
 
-from stepguard.contracts.conditions import Condition
+from stepguard.contracts.conditions import Condition, Var
 
 Mode = Literal["enforce", "observe"]
 Action = Literal["halt", "escalate"]
@@ -119,6 +120,15 @@ _RENDER: dict[str, Callable[[Any, int], str]] = {
 
 
 @dataclass(frozen=True, slots=True)
+class Override:
+    """A value set at start for a contract's var or upstream URL, and where it was set (the
+    flag, `--var`, or the environment variable's name)."""
+
+    value: str
+    source: str
+
+
+@dataclass(frozen=True, slots=True)
 class Upstream:
     name: str
     url: str
@@ -127,6 +137,16 @@ class Upstream:
     timeout_s: float
     case_insensitive: bool = False         # steps match paths in any case (as the upstream does)
     allow_method_override: bool = False    # X-HTTP-Method-Override & co. let through
+    url_source: str = "contract"           # or the flag / environment variable that set `url`
+
+    @property
+    def shown_url(self) -> str:
+        """The URL for logs and reports, without the password a `user:password@` URL holds."""
+        parts = urlsplit(self.url)
+        if parts.password is None:
+            return self.url
+        netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+        return urlunsplit(parts._replace(netloc=netloc))
 
 
 def normal_path(path: str) -> str:
@@ -155,7 +175,7 @@ class OnFailure:
 class Step:
     name: str
     index: int
-    match: Match
+    match: Match                  # the first of `matches`
     input_schema: Schema | None = None
     output_schema: Schema | None = None
     preconditions: tuple[Condition, ...] = ()
@@ -167,6 +187,11 @@ class Step:
     idempotency_key: bool = False
     timeout_s: float | None = None
     on_failure: OnFailure = OnFailure()
+    matches: tuple[Match, ...] = ()   # every entry of the step's `match`: any one matches
+
+    def __post_init__(self) -> None:
+        if not self.matches:
+            object.__setattr__(self, "matches", (self.match,))
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,20 +219,26 @@ class Contract:
     source: str
     content_hash: str
     run_keys_declared: bool = False   # `run.key` written in the file, not the default
+    vars: Mapping[str, Var] = field(default_factory=dict)
 
     def step_for(self, upstream: str, method: str, path: str) -> Step | None:
         # HEAD is GET without the body: servers (Starlette, Flask, Express) run the GET handler
         # for it, so a GET step is HEAD's step too, or HEAD would walk around it
         also = "GET" if method == "HEAD" else method
         for step in self.steps.values():
-            m = step.match
-            if m.upstream == upstream and m.path == path and m.method in (None, method, also):
-                return step
+            for m in step.matches:
+                if m.upstream == upstream and m.path == path and m.method in (None, method, also):
+                    return step
         return None
 
     def step_for_tool(self, upstream: str, tool: str) -> Step | None:
         for step in self.steps.values():
-            m = step.match
-            if m.tool == tool and m.upstream in (None, upstream):
-                return step
+            for m in step.matches:
+                if m.tool == tool and m.upstream in (None, upstream):
+                    return step
         return None
+
+    def checks_tools_on(self, upstream: str) -> bool:
+        """Whether any step matches a tool by name on `upstream`."""
+        return any(m.tool is not None and m.upstream in (None, upstream)
+                   for step in self.steps.values() for m in step.matches)

@@ -208,7 +208,10 @@ async def reload_contracts(sg: Stepguard, paths: list[str]) -> bool:
     """Load the contract files again (SIGHUP); on any error keep the contracts in force."""
     log = get_logger("stepguard")
     try:
-        contracts = await asyncio.to_thread(load_contracts, paths)
+        # the overrides given at start (--var, --upstream, STEPGUARD_VAR_*,
+        # STEPGUARD_UPSTREAM_*) apply to the new files too
+        contracts = await asyncio.to_thread(load_contracts, paths, sg.settings.vars,
+                                            sg.settings.upstreams)
     except ContractError as exc:
         sg.metrics.contract_reload_failures.inc()
         sg.metrics.contract_loads.labels("error").inc()
@@ -263,6 +266,12 @@ async def serve(settings: Settings, contracts: list[Contract]) -> None:
         log.info("started", proxy=f"{settings.host}:{settings.port}",
                  admin=f"{settings.admin_host}:{settings.admin_port}", store=settings.store,
                  workflows=[c.workflow for c in contracts],
+                 upstreams={f"{c.workflow}.{u.name}": {"url": u.shown_url, "mount": u.mount,
+                                                       "source": u.url_source}
+                            for c in contracts for u in c.upstreams.values()},
+                 vars={f"{c.workflow}.{v.name}": {"kind": v.kind, "source": v.source,
+                                                  "value": str(v.value)}
+                       for c in contracts for v in c.vars.values()},
                  max_connections=proxy_gate.max_connections,
                  passthrough=settings.passthrough)
         await stop.wait()

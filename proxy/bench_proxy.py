@@ -233,7 +233,7 @@ async def _micro(n: int) -> dict[str, Any]:
             payload = orjson.loads(request)
             t1 = clock()
             envelope = Envelope(f"micro-{i}", contract.workflow, contract.version)
-            entry = check_entry(step, envelope, payload)
+            entry = check_entry(step, envelope, payload, now=time.time())
             t2 = clock()
             fields = _event("entry", contract.version, {"input": redact(history_payload(
                 payload, len(request), PAYLOAD_HISTORY_BYTES))})
@@ -242,7 +242,8 @@ async def _micro(n: int) -> dict[str, Any]:
             t4 = clock()
             output = orjson.loads(response)
             t5 = clock()
-            decision = check_exit(contract, step, envelope, payload, ToolResult(200, output))
+            decision = check_exit(contract, step, envelope, payload, ToolResult(200, output),
+                                  now=time.time())
             t6 = clock()
             fields = _event("exit", contract.version, {"upstream_status": 200, "output": redact(
                 history_payload(output, len(response), PAYLOAD_HISTORY_BYTES))})

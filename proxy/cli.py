@@ -8,7 +8,7 @@ import os
 import sqlite3
 import sys
 from collections.abc import Sequence
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ from stepguard.contracts.errors import ContractError, StepguardError
 from stepguard.contracts.loader import load_contracts
 from stepguard.contracts.sqlite_store import connect, read_escalations, read_history, read_runs
 from stepguard.metrics.logs import LOG_FORMATS, LOG_LEVELS
-from stepguard.proxy.config import ConfigError, Settings, env_setting
+from stepguard.proxy.config import ConfigError, Settings, assignments, env_setting
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -46,6 +46,11 @@ def _parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the proxy and its admin listener")
     serve.add_argument("--contract", action="append", dest="contracts", metavar="FILE",
                        help="contract file (repeatable; env STEPGUARD_CONTRACTS, comma-separated)")
+    serve.add_argument("--var", action="append", dest="vars", metavar="NAME=VALUE",
+                       help="override a contract var (repeatable; env STEPGUARD_VAR_<NAME>)")
+    serve.add_argument("--upstream", action="append", dest="upstreams", metavar="NAME=URL",
+                       help="override a contract upstream's URL, base path allowed (repeatable; "
+                            "env STEPGUARD_UPSTREAM_<NAME>)")
     serve.add_argument("--host", help="proxy listen address (STEPGUARD_HOST, 127.0.0.1)")
     serve.add_argument("--port", type=int, help="proxy port (STEPGUARD_PORT, 8080)")
     serve.add_argument("--admin-host", help="admin listen address (STEPGUARD_ADMIN_HOST)")
@@ -89,6 +94,12 @@ def _parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("check", help="validate and compile contract files")
     check.add_argument("files", nargs="+", metavar="CONTRACT")
+    check.add_argument("--var", action="append", dest="vars", metavar="NAME=VALUE",
+                       help="check with this var override, as serve would apply it (repeatable; "
+                            "STEPGUARD_VAR_<NAME> too)")
+    check.add_argument("--upstream", action="append", dest="upstreams", metavar="NAME=URL",
+                       help="check with this upstream URL override (repeatable; "
+                            "STEPGUARD_UPSTREAM_<NAME> too)")
     check.set_defaults(func=_check)
 
     runs = sub.add_parser("runs", help="inspect runs in the store")
@@ -181,7 +192,7 @@ def _serve(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     try:
-        contracts = load_contracts(settings.contracts)
+        contracts = load_contracts(settings.contracts, settings.vars, settings.upstreams)
     except ContractError as exc:
         print(f"stepguard serve: {len(exc.issues)} contract error(s):", file=sys.stderr)
         for issue in exc.issues:
@@ -202,7 +213,11 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _check(args: argparse.Namespace) -> int:
     try:
-        contracts = load_contracts(args.files)
+        contracts = load_contracts(args.files, assignments("vars", args.vars),
+                                   assignments("upstreams", args.upstreams))
+    except ConfigError as exc:
+        print(f"stepguard check: {exc}", file=sys.stderr)
+        return 2
     except ContractError as exc:
         # the report is the command's output: every issue, then the count on a line of its own
         for issue in exc.issues:
@@ -212,7 +227,22 @@ def _check(args: argparse.Namespace) -> int:
     for c in contracts:
         print(f"{c.source}: ok: workflow {c.workflow!r} version {c.version}, "
               f"{len(c.steps)} steps, sha256 {c.content_hash[:12]}")
+        for up in c.upstreams.values():
+            print(f"  upstream {up.name} ({up.kind}) {up.mount} -> {up.shown_url} (from {up.url_source})")
+        for var in c.vars.values():
+            print(f"  var {var.name} = {_shown(var.value)} ({var.kind}, from {var.source})")
     return 0
+
+
+def _shown(value: Any) -> str:
+    """A var's value as it would be written: durations and timestamps as CEL reads them."""
+    if isinstance(value, timedelta):
+        return f"{value.total_seconds():g}s"
+    if isinstance(value, datetime):
+        return value.isoformat().replace("+00:00", "Z")
+    if isinstance(value, list):
+        return "[" + ", ".join(_shown(v) for v in value) + "]"
+    return orjson.dumps(value).decode()
 
 
 def _open_store(args: argparse.Namespace) -> sqlite3.Connection | None:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from stepguard.contracts.model import Override
 from stepguard.contracts.sqlite_store import (
     DEFAULT_TIMEOUT_S,
     DEFAULT_WAL_LIMIT_BYTES,
@@ -25,7 +26,11 @@ from stepguard.proxy.bodies import JSON_DEPTH_CEILING, MAX_JSON_DEPTH
 TRUE_WORDS = ("true", "1", "yes", "on")
 FALSE_WORDS = ("false", "0", "no", "off")
 # flags whose name is not `--` + the field name with dashes
-_FLAGS = {"contracts": "--contract", "uvloop": "--no-uvloop"}
+_FLAGS = {"contracts": "--contract", "uvloop": "--no-uvloop", "vars": "--var",
+          "upstreams": "--upstream"}
+# settings that are a set of NAME=VALUE assignments: a repeatable flag, and one environment
+# variable per name (STEPGUARD_VAR_<NAME>), a flag winning over the variable of its name
+ASSIGNMENT_PREFIXES = {"vars": "STEPGUARD_VAR_", "upstreams": "STEPGUARD_UPSTREAM_"}
 
 
 class ConfigError(ValueError):
@@ -114,6 +119,29 @@ def _number(minimum: float, what: str, hint: str = "") -> _Parse:
     return parse
 
 
+def _assignments(flag: str) -> _Parse:
+    """NAME=VALUE assignments (a list of them, as flags give them; or a mapping) as
+    {NAME: Override}; a value given without a source is named after the flag."""
+    expected = "NAME=VALUE"
+
+    def parse(value: object) -> dict[str, Override]:
+        if isinstance(value, dict):
+            items = [(str(k), v if isinstance(v, Override) else Override(str(v), f"{flag} {k}"))
+                     for k, v in value.items()]
+        elif isinstance(value, list | tuple):
+            items = []
+            for text in value:
+                name, sep, given = str(text).partition("=")
+                if not sep or not name.strip():
+                    raise _Invalid(expected)
+                items.append((name.strip(), Override(given, f"{flag} {name.strip()}")))
+        else:
+            raise _Invalid(expected)
+        return dict(items)
+
+    return parse
+
+
 def _choice(options: tuple[str, ...], normalize: Callable[[str], str]) -> _Parse:
     expected = "one of " + ", ".join(options) + " (any case)"
 
@@ -158,6 +186,8 @@ _PARSERS: dict[str, _Parse] = {
     "payload_log_bytes": _bytes(0),
     "log_format": _choice(LOG_FORMATS, str.lower),
     "log_level": _choice(LOG_LEVELS, str.lower),
+    "vars": _assignments("--var"),
+    "upstreams": _assignments("--upstream"),
 }
 
 
@@ -216,6 +246,8 @@ class Settings:
     payload_log_bytes: int = 2048
     log_format: str = "auto"
     log_level: str = "info"
+    vars: dict[str, Override] = field(default_factory=dict)
+    upstreams: dict[str, Override] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # values given in code are held to the same rules as flags and environment
@@ -229,6 +261,9 @@ class Settings:
         invalid flag or variable."""
         values: dict[str, Any] = {}
         for f in fields(cls):
+            if f.name in ASSIGNMENT_PREFIXES:
+                values[f.name] = assignments(f.name, overrides.pop(f.name, None))
+                continue
             flag = overrides.pop(f.name, None)
             if flag is not None:
                 values[f.name] = parse_setting(f.name, flag, flag_name(f.name))
@@ -238,3 +273,15 @@ class Settings:
                 values[f.name] = parse_setting(f.name, raw, env_name(f.name))
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
+
+
+def assignments(name: str, flags: list[str] | None) -> dict[str, Override]:
+    """The NAME=VALUE setting `name` from its environment variables (STEPGUARD_VAR_<NAME>)
+    and its repeatable flag (`flags`), the flag winning for its name."""
+    prefix = ASSIGNMENT_PREFIXES[name]
+    found = {key[len(prefix):]: Override(value, key) for key, value in os.environ.items()
+             if key.startswith(prefix) and len(key) > len(prefix)}
+    given: dict[str, Override] = parse_setting(name, list(flags or []), flag_name(name))
+    folded = {k.upper().replace("-", "_") for k in given}
+    return {**{k: v for k, v in found.items() if k.upper().replace("-", "_") not in folded},
+            **given}

@@ -45,7 +45,7 @@ class Dispatcher:
         self.body_timeout_s = body_timeout_s
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        timing = Timing(time.perf_counter())
+        timing = Timing(time.perf_counter(), time.time())
         try:
             route = self.router.resolve(request.path, request.rel_url.raw_path)
             if route is not None:

@@ -87,9 +87,12 @@ OVERHEAD_HEADER = "x-stepguard-overhead-ms"
 
 @dataclass(slots=True)
 class Timing:
-    """When a call started and how long it waited on upstreams: the rest is stepguard's own."""
+    """When a call started and how long it waited on upstreams: the rest is stepguard's own.
+    `arrived` is the same moment on the wall clock (seconds since the epoch): conditions see
+    it as `now`."""
 
     started: float
+    arrived: float
     upstream_s: float = 0.0
 
     def upstream(self, since: float) -> float:

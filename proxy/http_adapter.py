@@ -148,7 +148,7 @@ class HttpToolAdapter:
                                       field="input")
                 decision = Decision(call.step.name, "entry", violation)
             else:
-                decision = check_entry(call.step, envelope, call.input)
+                decision = check_entry(call.step, envelope, call.input, now=call.timing.arrived)
             settled = await self._settle(call, envelope, decision)
         return self._render(call, decision, settled, parse_error.status if parse_error else None)
 
@@ -230,7 +230,8 @@ class HttpToolAdapter:
             envelope = await self.runs.envelope(call.contract, call.run_id)
             if envelope.status in ("halted", "escalated"):
                 return await self._refuse(call, envelope, "exit")
-            decision = check_exit(call.contract, call.step, envelope, call.input, result)
+            decision = check_exit(call.contract, call.step, envelope, call.input, result,
+                                  now=call.timing.arrived)
             return decision, await self._settle(call, envelope, decision, attempt, result, up)
 
     async def _settle(self, call: Call, envelope: Envelope, decision: Decision, attempt: int = 1,

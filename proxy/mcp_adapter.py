@@ -435,7 +435,8 @@ class McpAdapter:
             envelope = await self.runs.envelope(call.contract, call.run_id)
             if envelope.status in ("halted", "escalated"):   # halted while this call ran
                 await self._refuse_stopped(call, envelope, "exit")
-            decision = check_exit(call.contract, call.step, envelope, call.arguments, answer.result)
+            decision = check_exit(call.contract, call.step, envelope, call.arguments, answer.result,
+                                  now=call.timing.arrived)
             return decision, await self._settle(call, envelope, decision, answer, attempt, safe)
 
     async def _unreachable(self, call: ToolCall, exc: UpstreamError, attempt: int) -> None:
@@ -473,7 +474,8 @@ class McpAdapter:
             if envelope.status in ("halted", "escalated"):
                 await self._refuse_stopped(call, envelope, "entry")
             if isinstance(call.arguments, dict) or call.arguments is None:
-                decision = check_entry(call.step, envelope, call.arguments or {})
+                decision = check_entry(call.step, envelope, call.arguments or {},
+                                       now=call.timing.arrived)
             else:
                 decision = Decision(call.step.name, "entry", Violation(
                     "input_schema", "shape", "tools/call arguments are not a JSON object",
@@ -692,8 +694,7 @@ def _withheld(rpc_id: Any, event_id: str) -> bytes:
 
 
 def _has_checked_tools(route: Route) -> bool:
-    return any(step.match.tool is not None and step.match.upstream in (None, route.upstream.name)
-               for step in route.contract.steps.values())
+    return route.contract.checks_tools_on(route.upstream.name)
 
 
 def _halted(call: ToolCall, envelope: Envelope, boundary: str, decision_id: str) -> Refusal:

@@ -278,7 +278,8 @@ class ModelAdapter:
             result = ToolResult(200, None, error=output.error, error_kind="parse")
         else:
             result = ToolResult(200, output.content)
-        decision = check_exit(ex.contract, step, envelope, pending.get("input"), result)
+        decision = check_exit(ex.contract, step, envelope, pending.get("input"), result,
+                              now=ex.timing.arrived)
         settled = await self.boundaries.settle(
             ex.contract, ex.run_id, envelope, decision,
             Evidence(pending.get("input"), b"", result, orjson.dumps(output.content)),
@@ -550,7 +551,7 @@ class ModelAdapter:
                 final = choice.final
                 if final is None:
                     continue
-                decision = check_final(contract, envelope, final)
+                decision = check_final(contract, envelope, final, now=ex.timing.arrived)
                 if decision.violation is not None or decision.completed:
                     settled = await self.boundaries.settle(
                         contract, ex.run_id, envelope, decision, Evidence(None, b"",
@@ -581,7 +582,7 @@ class ModelAdapter:
                                 Violation("input_schema", "shape", call.error, "entry",
                                           field="input"))
         else:
-            decision = check_entry(step, envelope, call.arguments)
+            decision = check_entry(step, envelope, call.arguments, now=ex.timing.arrived)
         goes_ahead = decision.passed or contract.mode == "observe"
         raw = orjson.dumps(call.arguments)
         settled = await self.boundaries.settle(

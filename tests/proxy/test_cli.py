@@ -58,8 +58,9 @@ async def test_check_accepts_the_example_contract():
     ran = await stepguard("check", EXAMPLE)
 
     assert ran.code == 0, ran.err
-    assert ran.lines == [line for line in ran.lines if "ok: workflow 'order-confirmation'" in line]
-    assert "4 steps" in ran.out
+    [summary] = [line for line in ran.lines if not line.startswith("  ")]
+    assert "ok: workflow 'order-confirmation'" in summary and "4 steps" in summary
+    assert ran.lines[1:] == ["  upstream tools (http) /tools -> http://127.0.0.1:9002 (from contract)"]
 
 
 @pytest.mark.parametrize(("document", "expected"), [
@@ -205,3 +206,43 @@ async def test_bench_drift_reproduces_the_table_contract_catches_all_baseline_on
     assert [r["first_stop_step"] for r in classes.values()] == [1, 2, 3, 3, 4]
     assert (result["control"]["passed"], result["control"]["runs"]) == (10, 10)
     assert result["control"]["baseline_passed"] == 10
+
+
+# --- check: vars ------------------------------------------------------------------------------
+
+
+def with_vars(**vars: Any) -> dict[str, Any]:
+    return {**broken(a={"match": match("/a"), "precondition": [
+        "timestamp(input.verified_at) > now - vars.max_age"]}), "vars": vars}
+
+
+async def test_check_lists_each_var_with_its_type_value_and_source(tmp_path):
+    path = write(tmp_path / "c.yaml", with_vars(max_age="1h", limit=3))
+    os.environ["STEPGUARD_VAR_LIMIT"] = "5"
+    try:
+        ran = await stepguard("check", path, "--var", "max_age=90m")
+    finally:
+        del os.environ["STEPGUARD_VAR_LIMIT"]
+
+    assert ran.code == 0, ran.out + ran.err
+    assert "  var max_age = 5400s (duration, from --var max_age)" in ran.lines
+    assert "  var limit = 5 (int, from STEPGUARD_VAR_LIMIT)" in ran.lines
+
+
+async def test_check_refuses_a_var_override_of_the_wrong_type_naming_the_var(tmp_path):
+    path = write(tmp_path / "c.yaml", with_vars(max_age="1h"))
+
+    ran = await stepguard("check", path, "--var", "max_age=abc")
+
+    assert ran.code == 1
+    assert "vars.max_age: --var max_age sets var 'max_age' to 'abc'" in ran.out
+    assert "not a duration" in ran.out
+
+
+async def test_check_refuses_a_condition_naming_an_undeclared_var(tmp_path):
+    path = write(tmp_path / "c.yaml", with_vars(limit=1))
+
+    ran = await stepguard("check", path)
+
+    assert ran.code == 1
+    assert "unknown var 'max_age'" in ran.out
