@@ -28,6 +28,7 @@ from typing import Any
 import httpx2
 import pytest
 import yaml
+from aiohttp import web
 from mcp import Client, MCPError
 from mcp.client.streamable_http import streamable_http_client
 from mcp.types import CallToolResult, TextContent
@@ -1058,3 +1059,42 @@ async def test_a_tools_call_past_the_json_limits_is_refused_naming_the_limit(
     assert error["code"] == REQUEST and says in error["message"]
     assert server.recorder.seen == []
     assert await guard.run_ids() == set()
+
+
+
+async def test_a_client_hanging_up_on_a_relayed_stream_is_one_line_not_a_traceback(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # a session's GET stream passes through; the agent leaves, then the server ends the stream:
+    # stepguard's last write finds the client gone
+    hung_up = asyncio.Event()
+
+    async def events(request: web.Request) -> web.StreamResponse:
+        out = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await out.prepare(request)
+        await out.write(b"event: message\r\ndata: {}\r\n\r\n")
+        await hung_up.wait()
+        await asyncio.sleep(0.1)
+        await out.write_eof()
+        return out
+
+    upstream = web.Application()
+    upstream.router.add_get(MCP_PATH, events)
+    async with running(upstream) as base:
+        sg = build(Settings(store=str(tmp_path / "s.db")),
+                   [contract_with_upstreams(CONTRACT, {"tools": base})])
+        async with running(create_proxy_app(sg)) as proxy:
+            host, port = proxy.removeprefix("http://").split(":")
+            with capture_logs() as logs:
+                reader, writer = await asyncio.open_connection(host, int(port))
+                writer.write(f"GET {MOUNT}{MCP_PATH} HTTP/1.1\r\nHost: x\r\n"
+                             "Accept: text/event-stream\r\nMcp-Session-Id: s-1\r\n\r\n".encode())
+                assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+                await reader.readuntil(b"\r\n\r\n")      # the first event
+                writer.close()
+                await writer.wait_closed()
+                hung_up.set()
+                await asyncio.sleep(0.5)
+
+    assert [r.getMessage() for r in caplog.records if r.exc_info or r.levelno >= 40] == []
+    (gone,) = [e for e in logs if e["event"] == "client_disconnected"]
+    assert (gone["log_level"], gone["method"], gone["path"]) == ("info", "GET", MOUNT + MCP_PATH)
