@@ -31,6 +31,7 @@ from stepguard.proxy.bodies import BodyError, history_payload, parse_json
 from stepguard.proxy.correlation import RunKeys
 from stepguard.proxy.escalation import Escalator
 from stepguard.proxy.forward import Timing
+from stepguard.proxy.joining import PendingCalls
 from stepguard.proxy.routing import Route
 
 CONFLICT_RETRIES = 3
@@ -89,7 +90,8 @@ class Boundaries:
         self.observer = observer
         self.escalator = escalator
         self.payload_limit = payload_history_bytes
-        self.run_keys = RunKeys(runs.store)   # argument run keys, shared by every adapter
+        self.pending = PendingCalls()           # model-issued tool calls, for joining
+        self.run_keys = RunKeys(runs.store, self.pending)   # shared by every adapter
         self.use(contracts)
 
     def use(self, contracts: list[Contract]) -> None:

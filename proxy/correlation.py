@@ -8,12 +8,13 @@ import re
 import uuid
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from stepguard.contracts.errors import StoreError
 from stepguard.contracts.model import Contract, Step
 from stepguard.contracts.store import Store
+from stepguard.proxy.joining import PendingCalls
 
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}$")
 _RUN_ID = re.compile(r"^[\x21-\x7e]{1,200}$")
@@ -92,6 +93,7 @@ class Keyed:
     detail: str = ""
     drift: str | None = None
     field: str | None = None
+    joined: str | None = None   # the model's call id this call executes (cross-traffic join)
 
 
 def _forward(contract: Contract, name: str, value: str) -> str:
@@ -115,16 +117,28 @@ class RunKeys:
     (`no_live_run`). Claims made by calls whose first event is not stored yet are kept in memory
     (bounded), so two first calls with one value race to one run."""
 
-    def __init__(self, store: Store, limit: int = 65536) -> None:
+    def __init__(self, store: Store, pending: PendingCalls | None = None,
+                 limit: int = 65536) -> None:
         self.store = store
+        self.pending = pending if pending is not None else PendingCalls()
         self.limit = limit
         self._claims: OrderedDict[str, str] = OrderedDict()
         self._lock = asyncio.Lock()
 
     async def resolve(self, contract: Contract, step: Step, headers: Mapping[str, str],
-                      arguments: Any, traceparent: object = None) -> Keyed:
+                      arguments: Any, traceparent: object = None, call_input: Any = None) -> Keyed:
+        """The call's run. `arguments` are read for `arg:` keys; `call_input` (default
+        `arguments`) is matched against the tool calls model responses issued (joining)."""
         known = run_id_for(contract, headers, implicit=False, traceparent=traceparent)
+        joined = None
+        if known is None:   # no key of its own: is it a call a model response issued?
+            issued = self.pending.take(contract.workflow, step.name,
+                                       arguments if call_input is None else call_input)
+            if issued is not None:
+                known, joined = issued.run_id, issued.call_id
         values = [(n, v) for n in arg_names(contract) if (v := arg_value(arguments, n)) is not None]
+        if joined is not None and not values:
+            return Keyed(known, joined=joined)
         if not values:
             run_id = known or implicit_run_id(contract)
             if run_id is None:
@@ -134,7 +148,8 @@ class RunKeys:
             return Keyed(run_id)
         try:
             async with self._lock:
-                return await self._resolve(contract, step, known, values)
+                keyed = await self._resolve(contract, step, known, values)
+            return replace(keyed, joined=joined) if joined and keyed.run_id == known else keyed
         except StoreError as exc:
             return Keyed(None, STORE, f"the run key of step {step.name!r} cannot be looked up: {exc}")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import ChainMap
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from aiohttp import web
@@ -94,7 +94,8 @@ class HttpToolAdapter:
         query = query_input(request.query)
         keyed = await self.boundaries.run_keys.resolve(
             route.contract, step, request.headers,
-            ChainMap(arguments, query) if isinstance(arguments, dict) else query)
+            ChainMap(arguments, query) if isinstance(arguments, dict) else query,
+            call_input=arguments if arguments is not None else query)
         if keyed.run_id is None:
             reason = keyed.reason or NO_RUN_KEY
             self.boundaries.call_refused(route, reason, keyed.detail, step.name, TRAFFIC)
@@ -158,6 +159,10 @@ class HttpToolAdapter:
             if envelope.status in ("halted", "escalated"):
                 return await self._refuse(call, envelope)
             drift = call.key_drift
+            if drift is not None and drift.joined is not None and drift.drift is None:
+                if drift.joined in envelope.pending and parse_error is None:
+                    return None   # the model's tool call was this call's entry, checked and stored
+                call.key_drift = replace(drift, joined=None)   # no longer pending: on its own
             if drift is not None and drift.drift is not None:
                 decision = Decision(call.step.name, "entry", Violation(
                     "run_key", "freshness", drift.drift, "entry", field=drift.field))
@@ -249,14 +254,20 @@ class HttpToolAdapter:
             if envelope.status in ("halted", "escalated"):
                 return await self._refuse(call, envelope, "exit")
             decision = check_exit(call.contract, call.step, envelope, call.input, result)
-            return decision, await self._settle(call, envelope, decision, attempt, result, up)
+            settled = await self._settle(call, envelope, decision, attempt, result, up)
+        joined = call.key_drift.joined if call.key_drift is not None else None
+        if joined is not None:
+            self.boundaries.pending.checked(call.run_id, joined, call.step.name, result.output)
+        return decision, settled
 
     async def _settle(self, call: Call, envelope: Envelope, decision: Decision, attempt: int = 1,
                       result: ToolResult | None = None, up: Upstreamed | None = None) -> Settled:
         evidence = Evidence(call.input, call.body, result, up.body if up else None)
+        joined = call.key_drift.joined if call.key_drift is not None else None
         return await self.boundaries.settle(
             call.contract, call.run_id, envelope, decision, evidence, timing=call.timing,
-            traffic=TRAFFIC, attempt=attempt, safe_to_retry=call.safe_to_retry)
+            traffic=TRAFFIC, attempt=attempt, safe_to_retry=call.safe_to_retry,
+            extra={"call_id": joined} if joined is not None else None)
 
     @staticmethod
     def _render(call: Call, decision: Decision, settled: Settled,

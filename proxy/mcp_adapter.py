@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import orjson
@@ -448,7 +448,12 @@ class McpAdapter:
             if envelope.status in ("halted", "escalated"):   # halted while this call ran
                 await self._refuse_stopped(call, envelope, "exit")
             decision = check_exit(call.contract, call.step, envelope, call.arguments, answer.result)
-            return decision, await self._settle(call, envelope, decision, answer, attempt, safe)
+            settled = await self._settle(call, envelope, decision, answer, attempt, safe)
+        joined = call.key_drift.joined if call.key_drift is not None else None
+        if joined is not None:
+            self.boundaries.pending.checked(call.run_id, joined, call.step.name,
+                                            answer.result.output)
+        return decision, settled
 
     async def _unreachable(self, call: ToolCall, exc: UpstreamError, attempt: int) -> None:
         """The call never reached the MCP server: recorded as such, the run left where it was
@@ -485,6 +490,10 @@ class McpAdapter:
             if envelope.status in ("halted", "escalated"):
                 await self._refuse_stopped(call, envelope, "entry")
             drift = call.key_drift
+            if drift is not None and drift.joined is not None and drift.drift is None:
+                if drift.joined in envelope.pending:
+                    return   # the model's tool call was this call's entry, checked and stored
+                call.key_drift = replace(drift, joined=None)   # no longer pending: on its own
             if drift is not None and drift.drift is not None:
                 decision = Decision(call.step.name, "entry", Violation(
                     "run_key", "freshness", drift.drift, "entry", field=drift.field))
@@ -511,7 +520,7 @@ class McpAdapter:
             call.contract, call.run_id, envelope, decision,
             Evidence(call.arguments, call.body, answer.result, answer.body),
             timing=call.timing, traffic=TRAFFIC, attempt=attempt, safe_to_retry=safe,
-            extra={"rpc_id": call.rpc_id})
+            extra=_extra(call))
 
     def _raise_if_stopped(self, call: ToolCall, decision: Decision, settled: Settled) -> None:
         violation = decision.violation
@@ -727,3 +736,10 @@ def _halted(call: ToolCall, envelope: Envelope, boundary: str, decision_id: str)
                     "detection_point": f"{call.step.name}.{boundary}.run_status",
                     "decision_id": decision_id})
 
+
+
+def _extra(call: ToolCall) -> dict[str, Any]:
+    """What an exit event of the call stores besides the verdict: the JSON-RPC id, and for a
+    call joined to a model's tool call, that call's id (which ends its pending state)."""
+    joined = call.key_drift.joined if call.key_drift is not None else None
+    return {"rpc_id": call.rpc_id} if joined is None else {"rpc_id": call.rpc_id, "call_id": joined}

@@ -51,6 +51,7 @@ from stepguard.proxy.forward import (
 )
 from stepguard.proxy.h1client import H1Response, UpstreamConnectionError
 from stepguard.proxy.http_adapter import HttpToolAdapter
+from stepguard.proxy.joined import joined_result
 from stepguard.proxy.model_dialects import Dialect, ToolCall, ToolOutput, Turn, dialect_for
 from stepguard.proxy.routing import Route
 from stepguard.proxy.sse import EventTooLarge, SSESplitter, decode_event
@@ -237,8 +238,13 @@ class ModelAdapter:
             self._refuse_unchecked(ex, outputs, envelope.pending)
             for output in outputs:
                 pending = envelope.pending.get(output.call_id)
-                if pending is None:
-                    continue   # answered before, or a call no step matched
+                if pending is None:   # answered before (at the tool, if joined), or unmatched
+                    mismatch = await joined_result(self.boundaries, ex.contract, ex.run_id,
+                                                   envelope, output, ex.timing, self.traffic)
+                    if mismatch is not None:
+                        envelope = mismatch[1].envelope
+                        self._raise_if_stopped(ex, *mismatch)
+                    continue
                 # the call's arguments as the model gave them: repeated by the conversation,
                 # else kept in memory since its entry, else the stored (redacted) copy
                 arguments = echoed.get(output.call_id)
@@ -591,6 +597,9 @@ class ModelAdapter:
                 and settled.event.get("input") != call.arguments:
             self.arguments.keep(ex.run_id, call.call_id, call.arguments, len(raw))
         self._raise_if_stopped(ex, decision, settled)
+        if goes_ahead and not call.ran:   # the agent may execute it over MCP or HTTP: joined
+            self.boundaries.pending.issued(contract.workflow, step.name, call.arguments,
+                                           ex.run_id, call.call_id)
         if call.ran and goes_ahead:   # the provider ran it: its outcome is the exit, at once
             return await self._exit(ex, settled.envelope, ToolOutput(call.call_id, call.result),
                                     {"step": step.name, "input": call.arguments})
