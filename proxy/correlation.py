@@ -153,6 +153,16 @@ class RunKeys:
         except StoreError as exc:
             return Keyed(None, STORE, f"the run key of step {step.name!r} cannot be looked up: {exc}")
 
+    async def bind(self, contract: Contract, step: Step, run_id: str, arguments: Any) -> Keyed:
+        """A call whose run is known otherwise (a model's tool call, found by its conversation):
+        its argument keys join that run, or are a drift (`Keyed.drift`) when they name another
+        value than the run's. A store failure raises (the caller fails closed)."""
+        values = [(n, v) for n in arg_names(contract) if (v := arg_value(arguments, n)) is not None]
+        if not values:
+            return Keyed(run_id)
+        async with self._lock:
+            return await self._resolve(contract, step, run_id, values)
+
     async def _resolve(self, contract: Contract, step: Step, known: str | None,
                        values: list[tuple[str, str]]) -> Keyed:
         owners = [await self._owner(contract, n, v) for n, v in values]

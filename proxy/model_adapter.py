@@ -580,10 +580,14 @@ class ModelAdapter:
                            f"{contract.workflow!r}, and the contract refuses unmatched calls",
                            {"check": "unmatched", "tool": call.name, "run": ex.run_id})
             return envelope
+        keyed = await self.boundaries.run_keys.bind(contract, step, ex.run_id, call.arguments)
         if call.error is not None:
             decision = Decision(step.name, "entry",
                                 Violation("input_schema", "shape", call.error, "entry",
                                           field="input"))
+        elif keyed.drift is not None:   # an `arg:` run key naming another value than the run's
+            decision = Decision(step.name, "entry", Violation(
+                "run_key", "freshness", keyed.drift, "entry", field=keyed.field))
         else:
             decision = check_entry(step, envelope, call.arguments)
         goes_ahead = decision.passed or contract.mode == "observe"

@@ -16,7 +16,7 @@ from typing import Any
 import openai
 import pytest
 import yaml
-from mcp import Client
+from mcp import Client, MCPError
 from mcp.client.streamable_http import streamable_http_client
 
 from stepguard.contracts.loader import parse_contract
@@ -46,10 +46,13 @@ class Hybrid:
 
 
 @contextlib.asynccontextmanager
-async def hybrid(tmp_path: Path, mcp_base: str, model: FakeModel) -> AsyncIterator[Hybrid]:
+async def hybrid(tmp_path: Path, mcp_base: str, model: FakeModel,
+                 run: dict[str, Any] | None = None) -> AsyncIterator[Hybrid]:
     """The example model contract with an MCP upstream beside the model: its steps match tool
     names, so they match the model's tool calls and the MCP tools/calls alike."""
     document = yaml.safe_load(CONTRACT.read_bytes())
+    if run is not None:
+        document["run"] = run
     async with fake_model.serve(model) as model_base:
         document["upstreams"]["model"]["url"] = model_base
         document["upstreams"]["tools"] = {"url": mcp_base, "kind": "mcp", "mount": "/mcp-tools"}
@@ -139,3 +142,43 @@ def test_a_pending_call_is_taken_once_by_canonical_arguments_and_forgotten_when_
         pending.issued("wf", "lookup", {"n": n}, "run-1", f"call-{n}")
     assert pending.take("wf", "lookup", {"n": 0}) is None
     assert pending.take("wf", "lookup", {"n": 2}) is not None
+
+
+ARG_KEY = {"key": ["header:x-stepguard-run", "arg:order_id"]}
+
+
+async def test_an_argument_key_of_a_models_tool_call_names_its_run_for_a_stateless_mcp_call(
+        tmp_path: Path, mcp_server: str) -> None:
+    async with hybrid(tmp_path, mcp_server, FakeModel(model_agent.script_for(1, None)),
+                      ARG_KEY) as h:
+        model = openai.AsyncOpenAI(base_url=h.model_url, api_key="sk-test", max_retries=0)
+        async with model:
+            reply = await model.chat.completions.create(
+                model="fake-model", messages=[{"role": "user", "content": "Confirm ord-1."}],
+                tools=model_agent.TOOLS)
+        (call,) = reply.choices[0].message.tool_calls or []
+        assert call.function.name == "lookup_order"
+        # another client, stateless MCP, no header, skipping ahead: its order_id names the
+        # model's run (lookup_order is still pending there), so the skip is caught in that run
+        async with Client(streamable_http_client(h.mcp_url), mode="auto",
+                          read_timeout_seconds=10) as tools:
+            with pytest.raises(MCPError) as refused:
+                await tools.call_tool("check_policy", {"order_id": "ord-1"})
+        (run,) = await h.sg.store.runs()
+        history = await h.sg.store.history(run.run_id)
+    assert refused.value.error.code == -31000
+    assert [(e["step"], e["boundary"], e["verdict"], (e.get("violation") or {}).get("check"))
+            for e in history] == [("lookup_order", "entry", "pass", None),
+                                  ("check_policy", "entry", "violation", "order")]
+
+
+async def test_a_models_tool_call_naming_another_value_of_the_argument_key_is_freshness_drift(
+        tmp_path: Path, mcp_server: str) -> None:
+    async with hybrid(tmp_path, mcp_server, FakeModel(model_agent.script_for(1, "stale_input")),
+                      ARG_KEY) as h:
+        refused = await agent_loop(h)
+        assert isinstance(refused, openai.UnprocessableEntityError)
+        (run,) = await h.sg.store.runs()
+        last = (await h.sg.store.history(run.run_id))[-1]
+    assert (last["step"], last["boundary"], last["violation"]["check"],
+            last["violation"]["drift"]) == ("check_policy", "entry", "run_key", "freshness")
