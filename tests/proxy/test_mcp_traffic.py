@@ -1098,3 +1098,16 @@ async def test_a_client_hanging_up_on_a_relayed_stream_is_one_line_not_a_traceba
     assert [r.getMessage() for r in caplog.records if r.exc_info or r.levelno >= 40] == []
     (gone,) = [e for e in logs if e["event"] == "client_disconnected"]
     assert (gone["log_level"], gone["method"], gone["path"]) == ("info", "GET", MOUNT + MCP_PATH)
+
+
+@modes(MODERN_MODES[:1])
+async def test_first_calls_carrying_one_argument_value_at_once_start_one_run(
+        guarded: StartGuard, tmp_path: Path, mode: Mode) -> None:
+    async with guarded(variant(tmp_path, ARG_KEYS)) as guard:
+        async def agent() -> None:
+            async with connect(guard.url, mode) as client:
+                await call(client, "lookup_order", {"order_id": "ord-77"})
+
+        await asyncio.gather(*(agent() for _ in range(4)))
+        (run,) = await guard.run_ids()
+        assert [e["step"] for e in await guard.history(run)] == ["lookup_order"] * 8
