@@ -576,6 +576,8 @@ class ModelAdapter:
         step = contract.step_for_tool(ex.route.upstream.name, call.name)
         if step is None:
             if contract.unmatched == "refuse":
+                self.boundaries.call_refused(ex.route, "unmatched", f"tool {call.name[:200]!r} "
+                                             "matches no step", None, self.traffic, ex.run_id)
                 raise Stop(403, f"stepguard: tool {call.name!r} matches no step of workflow "
                            f"{contract.workflow!r}, and the contract refuses unmatched calls",
                            {"check": "unmatched", "tool": call.name, "run": ex.run_id})
