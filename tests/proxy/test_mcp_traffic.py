@@ -1111,3 +1111,19 @@ async def test_first_calls_carrying_one_argument_value_at_once_start_one_run(
         await asyncio.gather(*(agent() for _ in range(4)))
         (run,) = await guard.run_ids()
         assert [e["step"] for e in await guard.history(run)] == ["lookup_order"] * 8
+
+
+@modes(MODERN_MODES[:1])
+async def test_an_unreadable_mcp_body_is_refused_with_a_warning_and_a_count(
+        guard: Guard, server: ToolServer, mode: Mode) -> None:
+    with capture_logs() as logs:
+        async with httpx2.AsyncClient() as http:
+            response = await http.post(guard.url, content=b'{"jsonrpc": "2.0", "id": 1, "id": 2}',
+                                       headers={"content-type": "application/json",
+                                                "accept": "application/json, text/event-stream"})
+    assert response.json()["error"]["code"] == REQUEST
+    (line,) = [e for e in logs if e["event"] == "call_refused"]
+    assert (line["log_level"], line["reason"], line["mount"]) == ("warning", "unparseable", MOUNT)
+    assert guard.sg.metrics.registry.get_sample_value(
+        "stepguard_requests_refused_total", {"reason": "unparseable"}) == 1
+    assert server.recorder.hits() == 0
