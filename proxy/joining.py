@@ -42,6 +42,16 @@ class PendingCalls:
         self.limit, self.ttl_s = limit, ttl_s
         self._issued: OrderedDict[tuple[str, str, str], list[Issued]] = OrderedDict()
         self._checked: OrderedDict[tuple[str, str], tuple[str, str]] = OrderedDict()
+        # entries per (workflow, step): a call of a step no model issued costs no digest
+        self._steps: dict[tuple[str, str], int] = {}
+
+    def _forget(self, key: tuple[str, str, str], entries: int) -> None:
+        step = key[:2]
+        left = self._steps.get(step, 0) - entries
+        if left > 0:
+            self._steps[step] = left
+        else:
+            self._steps.pop(step, None)
 
     def issued(self, workflow: str, step: str, arguments: Any, run_id: str, call_id: str) -> None:
         args = digest(arguments if arguments is not None else {})
@@ -50,12 +60,16 @@ class PendingCalls:
         key = (workflow, step, args)
         self._issued.setdefault(key, []).append(
             Issued(run_id, call_id, time.monotonic() + self.ttl_s))
+        self._steps[(workflow, step)] = self._steps.get((workflow, step), 0) + 1
         self._issued.move_to_end(key)
         while len(self._issued) > self.limit:
-            self._issued.popitem(last=False)
+            old, entries = self._issued.popitem(last=False)
+            self._forget(old, len(entries))
 
     def take(self, workflow: str, step: str, arguments: Any) -> Issued | None:
         """The oldest unexpired call the model issued for `step` with these arguments, consumed."""
+        if (workflow, step) not in self._steps:
+            return None
         args = digest(arguments if arguments is not None else {})
         if args is None:
             return None
@@ -64,6 +78,7 @@ class PendingCalls:
         now = time.monotonic()
         while waiting:
             issued = waiting.pop(0)
+            self._forget(key, 1)
             if issued.expires > now:
                 if not waiting:
                     del self._issued[key]

@@ -182,3 +182,14 @@ async def test_a_models_tool_call_naming_another_value_of_the_argument_key_is_fr
         last = (await h.sg.store.history(run.run_id))[-1]
     assert (last["step"], last["boundary"], last["violation"]["check"],
             last["violation"]["drift"]) == ("check_policy", "entry", "run_key", "freshness")
+
+
+def test_the_pending_index_forgets_its_per_step_counts_with_its_entries() -> None:
+    from stepguard.proxy.joining import PendingCalls
+
+    pending = PendingCalls(limit=1)
+    pending.issued("wf", "a", {"n": 1}, "run-1", "c1")
+    pending.issued("wf", "b", {"n": 1}, "run-1", "c2")     # pushes the "a" entry out
+    assert pending._steps == {("wf", "b"): 1}
+    assert pending.take("wf", "b", {"n": 1}) is not None
+    assert pending._steps == {} and len(pending._issued) == 0
