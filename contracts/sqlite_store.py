@@ -234,6 +234,14 @@ class SQLiteStore:
             "SELECT run_id FROM run_keys WHERE key = ?", (key,)).fetchone())
         return str(row[0]) if row else None
 
+    async def find_keys(self, prefix: str, limit: int = 8) -> list[str]:
+        # a range of the primary key: `LIKE` would need escaping and could not use the index
+        end = prefix + "\U0010ffff"
+        rows = await self._read(lambda c: c.execute(
+            "SELECT key FROM run_keys WHERE key >= ? AND key < ? ORDER BY key LIMIT ?",
+            (prefix, end, limit)).fetchall())
+        return [str(r[0]) for r in rows]
+
     async def history(self, run_id: str) -> list[dict[str, Any]]:
         history: list[dict[str, Any]] = await self._read(lambda c: read_history(c, run_id))
         return history

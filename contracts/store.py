@@ -41,6 +41,9 @@ class Store(Protocol):
     async def find_run(self, key: str) -> str | None:
         """The run a correlation key was stored with, if any."""
 
+    async def find_keys(self, prefix: str, limit: int = 8) -> list[str]:
+        """Stored correlation keys starting with `prefix` (at most `limit`, in key order)."""
+
     async def history(self, run_id: str) -> list[dict[str, Any]]: ...
 
     async def runs(self, status: str | None = None, limit: int = 100) -> list[Envelope]: ...

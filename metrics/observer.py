@@ -15,6 +15,20 @@ from stepguard.metrics.redact import truncate
 _ACTIONS = frozenset({"halt", "retry", "escalate", "observe", "refuse"})
 
 
+# the `reason` label of stepguard_requests_refused for refused calls (the router adds its own
+# fixed reasons for ambiguous paths); anything else is counted as "other"
+REFUSAL_REASONS = frozenset({
+    "no_run_key",       # no header, traceparent, session or argument key, and no implicit run
+    "no_live_run",      # an argument key naming no live run, at a step that cannot start one
+    "halted_run",       # a call of a halted or escalated run
+    "unparseable",      # a body that cannot be read to be checked
+    "unmatched",        # a call matching no step, with `unmatched: refuse`
+    "batch",            # a JSON-RPC batch holding a tools/call
+    "other_workflow",   # a run key naming a run of another workflow
+    "store",            # the store failed while the run key was looked up
+})
+
+
 class Observer:
     def __init__(self, metrics: Metrics | None = None, log_payloads: bool = False,
                  payload_log_bytes: int = 2048, log_level: str = "info") -> None:
@@ -78,6 +92,15 @@ class Observer:
         """A request refused before any upstream or run was chosen (an ambiguous path)."""
         self.metrics.requests_refused.labels(reason).inc()
         self.log.warning("request_refused", reason=reason, detail=detail, client=client)
+
+    def call_refused(self, reason: str, detail: str, *, workflow: str, mount: str,
+                     step: str | None, traffic: str, run_id: str | None = None) -> None:
+        """A call of a mounted upstream refused before its upstream saw it (`REFUSAL_REASONS`):
+        one warning line naming reason, mount and step, and the count by reason."""
+        self._child(self.metrics.requests_refused,
+                    reason if reason in REFUSAL_REASONS else "other").inc()
+        self.log.warning("call_refused", reason=reason, workflow=workflow, mount=mount, step=step,
+                         run_id=run_id, traffic=traffic, detail=detail)
 
     def added(self, traffic: str, seconds: float) -> None:
         self._child(self.metrics.added, traffic).observe(seconds)

@@ -58,8 +58,9 @@ class Metrics:
             "stepguard_runs", "Runs in the store, by workflow and status.",
             ["workflow", "status"], registry=r)
         self.requests_refused = Counter(
-            "stepguard_requests_refused", "Requests refused before routing: ambiguous paths "
-            "and method-override headers, by reason.", ["reason"], registry=r)
+            "stepguard_requests_refused", "Requests refused before their upstream saw them: "
+            "ambiguous paths and method-override headers, and calls refused for a reason in "
+            "observer.REFUSAL_REASONS, by reason.", ["reason"], registry=r)
         self.store_errors = Counter(
             "stepguard_store_errors", "Store operations that failed.", ["operation"], registry=r)
         self.contract_loads = Counter(

@@ -28,8 +28,10 @@ from stepguard.contracts.runs import RunBook
 from stepguard.metrics.observer import Observer
 from stepguard.metrics.redact import Redactor
 from stepguard.proxy.bodies import BodyError, history_payload, parse_json
+from stepguard.proxy.correlation import RunKeys
 from stepguard.proxy.escalation import Escalator
 from stepguard.proxy.forward import Timing
+from stepguard.proxy.joining import PendingCalls
 from stepguard.proxy.routing import Route
 
 CONFLICT_RETRIES = 3
@@ -88,6 +90,8 @@ class Boundaries:
         self.observer = observer
         self.escalator = escalator
         self.payload_limit = payload_history_bytes
+        self.pending = PendingCalls()           # model-issued tool calls, for joining
+        self.run_keys = RunKeys(runs.store, self.pending)   # shared by every adapter
         self.use(contracts)
 
     def use(self, contracts: list[Contract]) -> None:
@@ -118,6 +122,14 @@ class Boundaries:
             self.escalator.submit(contract, escalation)
         return Settled(action, decision_id, event, after)
 
+    def call_refused(self, route: Route, reason: str, detail: str, step: str | None,
+                     traffic: str, run_id: str | None = None) -> None:
+        """A call refused before its upstream saw it, with no event of its own (the run is not
+        known, or there is none): logged and counted."""
+        self.observer.call_refused(reason, detail, workflow=route.contract.workflow,
+                                   mount=route.upstream.mount, step=step, traffic=traffic,
+                                   run_id=run_id)
+
     def upstream_seen(self, route: Route, timing: Timing, since: float,
                       status: int | None) -> None:
         """The upstream answered (status None: it did not): its time is not stepguard's own."""
@@ -135,6 +147,7 @@ class Boundaries:
                   **(extra or {})}
         after, event = await self.runs.commit(envelope, fields)
         self.observer.verdict(contract, run_id, event, timing.added_s(), traffic)
+        self.observer.metrics.requests_refused.labels("halted_run").inc()
         return Settled(REFUSE, decision_id, event, after)
 
     async def unreachable(self, contract: Contract, run_id: str, envelope: Envelope, step: str,

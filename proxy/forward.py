@@ -13,6 +13,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from stepguard.metrics.logs import get_logger
 from stepguard.proxy.h1client import (
     BodyCapExceeded,
     H1Client,
@@ -198,6 +199,12 @@ def ask_for_identity(headers: CIMultiDict[str]) -> None:
     headers["Accept-Encoding"] = "identity"
 
 
+def client_gone(request: web.Request, exc: BaseException) -> None:
+    """A client that hung up while stepguard relayed an answer to it: one info line."""
+    get_logger().info("client_disconnected", client=request.remote or "-",
+                      method=request.method, path=request.path[:200], detail=str(exc))
+
+
 class ClientEnd:
     """The agent's end of a relayed stream; once it has hung up, writes are dropped (the relay
     goes on reading the upstream so the boundary is still checked and recorded)."""
@@ -205,29 +212,36 @@ class ClientEnd:
     def __init__(self, out: web.StreamResponse) -> None:
         self.out = out
         self.gone = False
+        self.request: web.Request | None = None
 
     async def start(self, request: web.Request) -> ClientEnd:
         """Send the response head; a client already gone leaves this end gone."""
+        self.request = request
         try:
             await self.out.prepare(request)
-        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
-            self.gone = True
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError) as exc:
+            self._left(exc)
         return self
+
+    def _left(self, exc: BaseException) -> None:
+        if not self.gone and self.request is not None:
+            client_gone(self.request, exc)
+        self.gone = True
 
     async def write(self, data: bytes) -> None:
         if self.gone:
             return
         try:
             await self.out.write(data)
-        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
-            self.gone = True
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError) as exc:
+            self._left(exc)
 
     async def close(self) -> None:
         if not self.gone:
             try:
                 await self.out.write_eof()
-            except (ConnectionResetError, aiohttp.ClientConnectionResetError):
-                self.gone = True
+            except (ConnectionResetError, aiohttp.ClientConnectionResetError) as exc:
+                self._left(exc)
 
 
 CONNECT_BACKOFF_S = 0.25   # the first wait before another try to reach an upstream; doubles
@@ -336,19 +350,20 @@ class Forwarder:
             if resp.content_length is not None:
                 out.content_length = resp.content_length
             timing.stamp(out)
-            await out.prepare(request)
             sent = 0
             try:
+                await out.prepare(request)
                 async for chunk in read_chunks(resp, request, sock_read):
                     sent += len(chunk)
                     if sent > limit:
                         raise UpstreamError("cap", f"upstream response exceeds {limit} bytes")
                     await out.write(chunk)
+                await out.write_eof()
             except (UpstreamConnectionError, TimeoutError, UpstreamError):
                 if request.transport is not None:
                     request.transport.close()
-                return out
-            except (ConnectionResetError, aiohttp.ClientConnectionResetError):
-                return out      # the client left: the upstream connection is closed on release
-            await out.write_eof()
+            except (ConnectionResetError, aiohttp.ClientConnectionResetError) as exc:
+                # the client left (normal: an agent closing its stream): one line, no traceback;
+                # the upstream connection is closed on release
+                client_gone(request, exc)
             return out

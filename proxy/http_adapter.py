@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass
+from collections import ChainMap
+from dataclasses import dataclass, replace
 from typing import Any
 
 from aiohttp import web
@@ -28,7 +29,7 @@ from stepguard.proxy.bodies import (
 )
 from stepguard.proxy.boundaries import Boundaries, Evidence, Settled, back_off, retrying_conflicts
 from stepguard.proxy.config import Settings
-from stepguard.proxy.correlation import describe_keys, run_id_for
+from stepguard.proxy.correlation import NO_RUN_KEY, STORE, Keyed
 from stepguard.proxy.forward import SAME_AS_TIMEOUT, Forwarder, Timing, Upstreamed, UpstreamError, end_to_end
 from stepguard.proxy.problems import halted_problem, problem, violation_problem
 from stepguard.proxy.routing import Route
@@ -51,6 +52,7 @@ class Call:
     safe_to_retry: bool = False
     forwarded: bool = False               # the upstream has been called: never call it again
     answer: Upstreamed | None = None      # ... and what it answered last
+    key_drift: Keyed | None = None        # the run key's resolution (`drift`: a stale argument)
 
     @property
     def contract(self) -> Contract:
@@ -78,28 +80,52 @@ class HttpToolAdapter:
             route.upstream.name, request.method, route.path)
         if step is None:
             return await self._unmatched(request, route, headers, body, timing)
-        run_id = run_id_for(route.contract, request.headers)
-        if run_id is None:
-            return problem(400, "No run key",
-                           f"call of step {step.name!r} of workflow {route.contract.workflow!r} "
-                           f"carries no run key: send {describe_keys(route.contract)}",
-                           workflow=route.contract.workflow, step=step.name)
-        call = Call(route, step, run_id, request, headers, body, timing)
+        arguments: Any = None
+        parse_error: BodyError | None = None
         try:
-            return await self._checked(call)
+            arguments = request_input(request.method, query_input(request.query), body,
+                                      request.headers.get("content-type", "") if body else "",
+                                      request.headers.get("content-encoding"),
+                                      self.settings.max_request_bytes,
+                                      self.settings.max_json_depth)
+        except BodyError as exc:
+            parse_error = exc
+        # an argument key is the JSON body's member, else the query parameter of that name
+        query = query_input(request.query)
+        keyed = await self.boundaries.run_keys.resolve(
+            route.contract, step, request.headers,
+            ChainMap(arguments, query) if isinstance(arguments, dict) else query,
+            call_input=arguments if arguments is not None else query)
+        if keyed.run_id is None:
+            reason = keyed.reason or NO_RUN_KEY
+            self.boundaries.call_refused(route, reason, keyed.detail, step.name, TRAFFIC)
+            if reason == STORE:
+                return problem(503, "Store unavailable", keyed.detail, retry=True,
+                               workflow=route.contract.workflow, step=step.name)
+            return problem(400 if reason == NO_RUN_KEY else 409,
+                           "No run key" if reason == NO_RUN_KEY else "No live run", keyed.detail,
+                           workflow=route.contract.workflow, step=step.name)
+        run_id = keyed.run_id
+        call = Call(route, step, run_id, request, headers, body, timing, input=arguments,
+                    key_drift=keyed)
+        try:
+            return await self._checked(call, parse_error)
         except StoreError as exc:
             return await self._store_failed(call, exc)
         except RunOfAnotherWorkflow as exc:
+            self.boundaries.call_refused(route, "other_workflow", str(exc), step.name, TRAFFIC,
+                                         run_id)
             return problem(409, "Run of another workflow", str(exc), run=run_id,
                            workflow=route.contract.workflow, step=step.name, owner=exc.owner)
 
     async def _unmatched(self, request: web.Request, route: Route, headers: CIMultiDict[str],
                          body: bytes, timing: Timing) -> web.StreamResponse:
         if route.contract.unmatched == "refuse":
-            return problem(403, "Unmatched call",
-                           f"{request.method} {route.path} on upstream {route.upstream.name!r} "
-                           f"matches no step of workflow {route.contract.workflow!r}, and the "
-                           "contract refuses unmatched calls", workflow=route.contract.workflow)
+            detail = (f"{request.method} {route.path[:200]} on upstream {route.upstream.name!r} "
+                      f"matches no step of workflow {route.contract.workflow!r}, and the "
+                      "contract refuses unmatched calls")
+            self.boundaries.call_refused(route, "unmatched", detail, None, TRAFFIC)
+            return problem(403, "Unmatched call", detail, workflow=route.contract.workflow)
         return await self.forward_unchecked(request, route, headers, body, timing)
 
     async def forward_unchecked(self, request: web.Request, route: Route,
@@ -115,19 +141,8 @@ class HttpToolAdapter:
             return problem(504 if exc.kind == "timeout" else 502, "Upstream failed", exc.detail,
                            upstream=route.upstream.name)
 
-    async def _checked(self, call: Call) -> web.StreamResponse:
+    async def _checked(self, call: Call, parse_error: BodyError | None) -> web.StreamResponse:
         step = call.step
-        parse_error: BodyError | None = None
-        try:
-            call.input = request_input(call.request.method, query_input(call.request.query),
-                                       call.body,
-                                       call.request.headers.get("content-type", "")
-                                       if call.body else "",
-                                       call.request.headers.get("content-encoding"),
-                                       self.settings.max_request_bytes,
-                                       self.settings.max_json_depth)
-        except BodyError as exc:
-            parse_error = exc
         call.safe_to_retry = (step.idempotent or step.idempotency_key
                               or "idempotency-key" in call.headers)
         if step.idempotency_key and "idempotency-key" not in call.headers:
@@ -143,7 +158,15 @@ class HttpToolAdapter:
             envelope = await self.runs.envelope(call.contract, call.run_id)
             if envelope.status in ("halted", "escalated"):
                 return await self._refuse(call, envelope)
-            if parse_error is not None:
+            drift = call.key_drift
+            if drift is not None and drift.joined is not None and drift.drift is None:
+                if drift.joined in envelope.pending and parse_error is None:
+                    return None   # the model's tool call was this call's entry, checked and stored
+                call.key_drift = replace(drift, joined=None)   # no longer pending: on its own
+            if drift is not None and drift.drift is not None:
+                decision = Decision(call.step.name, "entry", Violation(
+                    "run_key", "freshness", drift.drift, "entry", field=drift.field))
+            elif parse_error is not None:
                 violation = Violation("input_schema", "shape", parse_error.detail, "entry",
                                       field="input")
                 decision = Decision(call.step.name, "entry", violation)
@@ -232,14 +255,20 @@ class HttpToolAdapter:
                 return await self._refuse(call, envelope, "exit")
             decision = check_exit(call.contract, call.step, envelope, call.input, result,
                                   now=call.timing.arrived)
-            return decision, await self._settle(call, envelope, decision, attempt, result, up)
+            settled = await self._settle(call, envelope, decision, attempt, result, up)
+        joined = call.key_drift.joined if call.key_drift is not None else None
+        if joined is not None:
+            self.boundaries.pending.checked(call.run_id, joined, call.step.name, result.output)
+        return decision, settled
 
     async def _settle(self, call: Call, envelope: Envelope, decision: Decision, attempt: int = 1,
                       result: ToolResult | None = None, up: Upstreamed | None = None) -> Settled:
         evidence = Evidence(call.input, call.body, result, up.body if up else None)
+        joined = call.key_drift.joined if call.key_drift is not None else None
         return await self.boundaries.settle(
             call.contract, call.run_id, envelope, decision, evidence, timing=call.timing,
-            traffic=TRAFFIC, attempt=attempt, safe_to_retry=call.safe_to_retry)
+            traffic=TRAFFIC, attempt=attempt, safe_to_retry=call.safe_to_retry,
+            extra={"call_id": joined} if joined is not None else None)
 
     @staticmethod
     def _render(call: Call, decision: Decision, settled: Settled,

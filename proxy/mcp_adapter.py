@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import orjson
@@ -41,7 +41,7 @@ from stepguard.proxy.boundaries import (
     retrying_conflicts,
 )
 from stepguard.proxy.config import Settings
-from stepguard.proxy.correlation import describe_keys, run_id_for
+from stepguard.proxy.correlation import NO_RUN_KEY, STORE, Keyed, run_id_for
 from stepguard.proxy.forward import (
     HOP_BY_HOP,
     ClientEnd,
@@ -85,6 +85,7 @@ class ToolCall:
     forwarded: bool = False          # the MCP server has been called: never call it again
     answer: Answer | None = None     # ... and what it answered last
     cut: Cut | None = None           # once an event with an id was relayed: resumable
+    key_drift: Keyed | None = None   # the run key's resolution (`drift`: a stale argument key)
 
     @property
     def contract(self) -> Contract:
@@ -183,6 +184,7 @@ class McpAdapter:
             message = self._message(request, body, self.settings.max_request_bytes,
                                     self.settings.max_json_depth)
         except BodyError as exc:
+            self.boundaries.call_refused(route, "unparseable", exc.detail, None, TRAFFIC)
             return self._json(None, REQUEST_CODE, f"stepguard: the request body cannot be read "
                               f"to be checked: {exc.detail}", {"check": "request"})
         if (request.method == "GET" and "last-event-id" in request.headers
@@ -192,6 +194,8 @@ class McpAdapter:
             return await self.http.forward_unchecked(request, route, headers, body, timing,
                                                      read_timeout_s=None)
         if isinstance(message, list):
+            self.boundaries.call_refused(route, "batch", "a JSON-RPC batch holds a tools/call",
+                                         None, TRAFFIC)
             return self._json(None, REQUEST_CODE, "stepguard: a JSON-RPC batch containing "
                               "tools/call cannot be checked; send each call on its own",
                               {"check": "request"})
@@ -200,24 +204,32 @@ class McpAdapter:
         rpc_id = message.get("id")
         if step is None:
             if route.contract.unmatched == "refuse":
-                return self._json(rpc_id, REQUEST_CODE, f"stepguard: tool {params.get('name')!r} "
-                                  f"matches no step of workflow {route.contract.workflow!r}, and "
-                                  "the contract refuses unmatched calls", {"check": "unmatched"})
+                detail = (f"tool {str(params.get('name'))[:200]!r} matches no step of workflow "
+                          f"{route.contract.workflow!r}, and the contract refuses unmatched calls")
+                self.boundaries.call_refused(route, "unmatched", detail, None, TRAFFIC)
+                return self._json(rpc_id, REQUEST_CODE, f"stepguard: {detail}",
+                                  {"check": "unmatched"})
             return await self.http.forward_unchecked(request, route, headers, body, timing)
         meta: dict[str, Any] = params["_meta"] if isinstance(params.get("_meta"), dict) else {}
-        run_id = run_id_for(route.contract, request.headers, traceparent=meta.get("traceparent"))
-        if run_id is None:
-            return self._json(rpc_id, REQUEST_CODE, f"stepguard: call of step {step.name!r} of "
-                              f"workflow {route.contract.workflow!r} carries no run key: send "
-                              f"{describe_keys(route.contract)}",
-                              {"check": "correlation", "step": step.name})
+        keyed = await self.boundaries.run_keys.resolve(
+            route.contract, step, request.headers, params.get("arguments"),
+            traceparent=meta.get("traceparent"))
+        if keyed.run_id is None:
+            reason = keyed.reason or NO_RUN_KEY
+            self.boundaries.call_refused(route, reason, keyed.detail, step.name, TRAFFIC)
+            return self._json(rpc_id, REQUEST_CODE, f"stepguard: {keyed.detail}",
+                              {"check": "correlation", "step": step.name},
+                              retry=reason == STORE)
+        run_id = keyed.run_id
         call = ToolCall(route, step, run_id, request, headers, body, rpc_id,
-                        params.get("arguments"), timing)
+                        params.get("arguments"), timing, key_drift=keyed)
         try:
             return await self._checked(call)
         except Refusal as refusal:
             return await self._refuse(call, refusal)
         except RunOfAnotherWorkflow as exc:
+            self.boundaries.call_refused(route, "other_workflow", str(exc), step.name, TRAFFIC,
+                                         run_id)
             return await self._refuse(call, Refusal(REQUEST_CODE, f"stepguard: {exc}",
                                                     {"check": "correlation", "run": run_id}))
         except StoreError as exc:
@@ -437,7 +449,12 @@ class McpAdapter:
                 await self._refuse_stopped(call, envelope, "exit")
             decision = check_exit(call.contract, call.step, envelope, call.arguments, answer.result,
                                   now=call.timing.arrived)
-            return decision, await self._settle(call, envelope, decision, answer, attempt, safe)
+            settled = await self._settle(call, envelope, decision, answer, attempt, safe)
+        joined = call.key_drift.joined if call.key_drift is not None else None
+        if joined is not None:
+            self.boundaries.pending.checked(call.run_id, joined, call.step.name,
+                                            answer.result.output)
+        return decision, settled
 
     async def _unreachable(self, call: ToolCall, exc: UpstreamError, attempt: int) -> None:
         """The call never reached the MCP server: recorded as such, the run left where it was
@@ -473,7 +490,15 @@ class McpAdapter:
             envelope = await self.runs.envelope(call.contract, call.run_id)
             if envelope.status in ("halted", "escalated"):
                 await self._refuse_stopped(call, envelope, "entry")
-            if isinstance(call.arguments, dict) or call.arguments is None:
+            drift = call.key_drift
+            if drift is not None and drift.joined is not None and drift.drift is None:
+                if drift.joined in envelope.pending:
+                    return   # the model's tool call was this call's entry, checked and stored
+                call.key_drift = replace(drift, joined=None)   # no longer pending: on its own
+            if drift is not None and drift.drift is not None:
+                decision = Decision(call.step.name, "entry", Violation(
+                    "run_key", "freshness", drift.drift, "entry", field=drift.field))
+            elif isinstance(call.arguments, dict) or call.arguments is None:
                 decision = check_entry(call.step, envelope, call.arguments or {},
                                        now=call.timing.arrived)
             else:
@@ -497,7 +522,7 @@ class McpAdapter:
             call.contract, call.run_id, envelope, decision,
             Evidence(call.arguments, call.body, answer.result, answer.body),
             timing=call.timing, traffic=TRAFFIC, attempt=attempt, safe_to_retry=safe,
-            extra={"rpc_id": call.rpc_id})
+            extra=_extra(call))
 
     def _raise_if_stopped(self, call: ToolCall, decision: Decision, settled: Settled) -> None:
         violation = decision.violation
@@ -679,9 +704,10 @@ class McpAdapter:
         return call.out.out
 
     def _json(self, rpc_id: Any, code: int, message: str, data: dict[str, Any],
-              status: int = 200) -> web.Response:
+              status: int = 200, retry: bool = False) -> web.Response:
         return web.Response(status=status, body=orjson.dumps(rpc_error(rpc_id, code, message, data)),
-                            content_type="application/json", headers={"x-should-retry": "false"})
+                            content_type="application/json",
+                            headers={"x-should-retry": "true" if retry else "false"})
 
 
 def _withheld(rpc_id: Any, event_id: str) -> bytes:
@@ -711,3 +737,10 @@ def _halted(call: ToolCall, envelope: Envelope, boundary: str, decision_id: str)
                     "detection_point": f"{call.step.name}.{boundary}.run_status",
                     "decision_id": decision_id})
 
+
+
+def _extra(call: ToolCall) -> dict[str, Any]:
+    """What an exit event of the call stores besides the verdict: the JSON-RPC id, and for a
+    call joined to a model's tool call, that call's id (which ends its pending state)."""
+    joined = call.key_drift.joined if call.key_drift is not None else None
+    return {"rpc_id": call.rpc_id} if joined is None else {"rpc_id": call.rpc_id, "call_id": joined}

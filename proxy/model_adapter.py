@@ -51,6 +51,7 @@ from stepguard.proxy.forward import (
 )
 from stepguard.proxy.h1client import H1Response, UpstreamConnectionError
 from stepguard.proxy.http_adapter import HttpToolAdapter
+from stepguard.proxy.joined import joined_result
 from stepguard.proxy.model_dialects import Dialect, ToolCall, ToolOutput, Turn, dialect_for
 from stepguard.proxy.routing import Route
 from stepguard.proxy.sse import EventTooLarge, SSESplitter, decode_event
@@ -237,8 +238,13 @@ class ModelAdapter:
             self._refuse_unchecked(ex, outputs, envelope.pending)
             for output in outputs:
                 pending = envelope.pending.get(output.call_id)
-                if pending is None:
-                    continue   # answered before, or a call no step matched
+                if pending is None:   # answered before (at the tool, if joined), or unmatched
+                    mismatch = await joined_result(self.boundaries, ex.contract, ex.run_id,
+                                                   envelope, output, ex.timing, self.traffic)
+                    if mismatch is not None:
+                        envelope = mismatch[1].envelope
+                        self._raise_if_stopped(ex, *mismatch)
+                    continue
                 # the call's arguments as the model gave them: repeated by the conversation,
                 # else kept in memory since its entry, else the stored (redacted) copy
                 arguments = echoed.get(output.call_id)
@@ -573,14 +579,20 @@ class ModelAdapter:
         step = contract.step_for_tool(ex.route.upstream.name, call.name)
         if step is None:
             if contract.unmatched == "refuse":
+                self.boundaries.call_refused(ex.route, "unmatched", f"tool {call.name[:200]!r} "
+                                             "matches no step", None, self.traffic, ex.run_id)
                 raise Stop(403, f"stepguard: tool {call.name!r} matches no step of workflow "
                            f"{contract.workflow!r}, and the contract refuses unmatched calls",
                            {"check": "unmatched", "tool": call.name, "run": ex.run_id})
             return envelope
+        keyed = await self.boundaries.run_keys.bind(contract, step, ex.run_id, call.arguments)
         if call.error is not None:
             decision = Decision(step.name, "entry",
                                 Violation("input_schema", "shape", call.error, "entry",
                                           field="input"))
+        elif keyed.drift is not None:   # an `arg:` run key naming another value than the run's
+            decision = Decision(step.name, "entry", Violation(
+                "run_key", "freshness", keyed.drift, "entry", field=keyed.field))
         else:
             decision = check_entry(step, envelope, call.arguments, now=ex.timing.arrived)
         goes_ahead = decision.passed or contract.mode == "observe"
@@ -594,6 +606,9 @@ class ModelAdapter:
                 and settled.event.get("input") != call.arguments:
             self.arguments.keep(ex.run_id, call.call_id, call.arguments, len(raw))
         self._raise_if_stopped(ex, decision, settled)
+        if goes_ahead and not call.ran:   # the agent may execute it over MCP or HTTP: joined
+            self.boundaries.pending.issued(contract.workflow, step.name, call.arguments,
+                                           ex.run_id, call.call_id)
         if call.ran and goes_ahead:   # the provider ran it: its outcome is the exit, at once
             return await self._exit(ex, settled.envelope, ToolOutput(call.call_id, call.result),
                                     {"step": step.name, "input": call.arguments})

@@ -70,3 +70,54 @@ async def test_an_implicit_run_needs_no_key_and_joins_every_call_of_the_workflow
     (run,) = await px.sg.store.runs()
     assert list(run.verified) == ["first", "second"]
     assert trail(await px.history(run.run_id)) == clean("first", "second")
+
+
+# --- run keys from the call's arguments: a JSON body member or a query parameter ------------------
+
+ARG_RUN = {"key": ["header:x-stepguard-run", "arg:ticket"]}
+TWO_STEPS = {"first": {}, "second": {"after": ["first"]}}
+
+
+async def test_an_argument_key_in_the_body_starts_a_run_and_a_query_parameter_joins_it(
+        proxy, make_upstream):
+    tool = await make_upstream()
+    px = await proxy(make_contract(tool.url, TWO_STEPS, run=ARG_RUN))
+
+    first = await px.call("/tools/first", {"ticket": "T-1"}, run=None)
+    other = await px.call("/tools/first", {"ticket": "T-2"}, run=None)
+    second = await px.call("/tools/second?ticket=T-1", None, run=None)
+
+    assert [r.status for r in (first, other, second)] == [200, 200, 200]
+    runs = {r.run_id: r for r in await px.sg.store.runs()}
+    assert len(runs) == 2
+    (joined,) = [run for run in runs.values() if "second" in run.verified]
+    assert trail(await px.history(joined.run_id)) == clean("first", "second")
+
+
+async def test_a_later_http_call_naming_no_live_run_is_refused_409_and_counted(
+        proxy, make_upstream):
+    tool = await make_upstream()
+    px = await proxy(make_contract(tool.url, TWO_STEPS, run=ARG_RUN))
+
+    reply = await px.call("/tools/second", {"ticket": "T-9"}, run=None)
+
+    body = problem(reply, 409)
+    assert body["title"] == "No live run" and "names no live run" in body["detail"]
+    assert tool.hits() == 0
+    registry = px.sg.metrics.registry
+    assert registry.get_sample_value("stepguard_requests_refused_total",
+                                     {"reason": "no_live_run"}) == 1
+
+
+async def test_a_stale_argument_in_a_run_named_by_header_halts_that_run_as_freshness_drift(
+        proxy, make_upstream):
+    tool = await make_upstream()
+    px = await proxy(make_contract(tool.url, TWO_STEPS, run=ARG_RUN))
+
+    assert (await px.call("/tools/first", {"ticket": "T-1"}, run="r-1")).status == 200
+    reply = await px.call("/tools/second", {"ticket": "T-2"}, run="r-1")
+
+    body = problem(reply, 422)
+    assert (body["run"], body["check"], body["drift"]) == ("r-1", "run_key", "freshness")
+    assert await px.status("r-1") == "halted"
+    assert tool.hits() == 1

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import dataclasses
 import json
 import re
 import time
@@ -27,9 +28,11 @@ from typing import Any
 import httpx2
 import pytest
 import yaml
+from aiohttp import web
 from mcp import Client, MCPError
 from mcp.client.streamable_http import streamable_http_client
 from mcp.types import CallToolResult, TextContent
+from structlog.testing import capture_logs
 
 from stepguard.examples.order_confirmation import mcp_tools
 from stepguard.examples.order_confirmation.mcp_tools import DRIFT_HEADER, MCP_PATH, create_app, serve
@@ -773,6 +776,120 @@ async def test_a_traceparent_in_meta_that_is_not_a_string_is_no_run_key(
     assert server.recorder.hits() == 0
 
 
+# --- run keys from the call's arguments (`arg:NAME`): stateless clients with no header ------------
+
+ARG_KEYS = {"key": ["header:x-stepguard-run", "arg:order_id"]}
+
+
+def refusals(guard: Guard, reason: str) -> float:
+    registry = guard.sg.metrics.registry
+    return registry.get_sample_value("stepguard_requests_refused_total", {"reason": reason}) or 0.0
+
+
+@modes(MODERN_MODES)
+async def test_a_stateless_client_is_one_run_per_argument_key_value_with_several_runs_in_flight(
+        guarded: StartGuard, server: ToolServer, tmp_path: Path, mode: Mode) -> None:
+    async def agent(order: str) -> None:
+        async with connect(guard.url, mode) as client:
+            for step in ("lookup_order", "check_policy", "reserve_slot"):
+                await call(client, step, {"order_id": order})
+
+    async with guarded(variant(tmp_path, ARG_KEYS)) as guard:
+        await asyncio.gather(*(agent(f"ord-{n}") for n in range(1, 4)))
+        runs = await guard.run_ids()
+        assert len(runs) == 3
+        for run in runs:
+            assert trail(await guard.history(run)) == clean("lookup_order", "check_policy",
+                                                            "reserve_slot")
+        assert all("mcp-session-id" not in r.headers and RUN_HEADER not in r.headers
+                   for r in server.recorder.calls())
+
+
+@modes(MODERN_MODES[:1])
+async def test_an_argument_key_survives_a_restart_of_stepguard(
+        guarded: StartGuard, mode: Mode, tmp_path: Path) -> None:
+    contract = variant(tmp_path, ARG_KEYS)
+    async with guarded(contract) as guard, connect(guard.url, mode) as client:
+        await call(client, "lookup_order", {"order_id": "ord-41"})
+        (first,) = await guard.run_ids()
+    async with guarded(contract) as guard, connect(guard.url, mode) as client:
+        await call(client, "check_policy", {"order_id": "ord-41"})
+        assert await guard.run_ids() == {first}
+        assert trail(await guard.history(first)) == clean("lookup_order", "check_policy")
+
+
+@modes(MODERN_MODES[:1])
+async def test_a_later_step_whose_argument_names_no_live_run_is_refused_logged_and_counted(
+        guarded: StartGuard, server: ToolServer, tmp_path: Path, mode: Mode) -> None:
+    async with guarded(variant(tmp_path, ARG_KEYS)) as guard:
+        with capture_logs() as logs:
+            async with connect(guard.url, mode) as client:
+                error = await refused(call(client, "check_policy", {"order_id": "ord-404"}))
+        assert error.code == REQUEST and error.data == {"check": "correlation", "step": "check_policy"}
+        assert "names no live run" in str(error) and "lookup_order" in str(error)
+        assert refusals(guard, "no_live_run") == 1
+        assert await guard.run_ids() == set()
+    assert server.recorder.hits() == 0
+    (line,) = [e for e in logs if e["event"] == "call_refused"]
+    assert (line["log_level"], line["reason"], line["mount"], line["step"]) == (
+        "warning", "no_live_run", MOUNT, "check_policy")
+
+
+@modes(MODERN_MODES[:1])
+async def test_a_completed_runs_value_starts_a_new_run_and_a_halted_runs_value_is_refused(
+        guarded: StartGuard, tmp_path: Path, mode: Mode) -> None:
+    async with guarded(variant(tmp_path, ARG_KEYS)) as guard, connect(guard.url, mode) as client:
+        with sending(drift="shape"):
+            await refused(call(client, "lookup_order", {"order_id": "ord-5"}))
+        (halted,) = await guard.run_ids()
+        assert await guard.status(halted) == "halted"
+        error = await refused(call(client, "lookup_order", {"order_id": "ord-5"}))
+        assert error.code == HALTED
+        assert refusals(guard, "halted_run") == 1
+        assert [e["verdict"] for e in await guard.history(halted)][-1] == "refused"
+        stored = await guard.sg.store.load(halted)
+        assert stored is not None   # the run is stored completed (as a completion claim ends it)
+        await guard.sg.store.append(
+            dataclasses.replace(stored, status="completed", seq=stored.seq + 1),
+            {"step": "confirm", "boundary": "final", "verdict": "pass", "action": "complete",
+             "ts": time.time()})
+        await through(client, "lookup_order")   # ORDER, unrelated
+        await call(client, "lookup_order", {"order_id": "ord-5"})
+        runs = await guard.run_ids()
+        assert len(runs) == 3 and halted in runs
+        (again,) = [r for r in runs if r != halted
+                    and (await guard.history(r))[0]["input"]["order_id"] == "ord-5"]
+        assert trail(await guard.history(again)) == clean("lookup_order")
+
+
+@modes(MODERN_MODES[:1])
+async def test_a_stale_argument_in_a_run_named_by_its_header_is_freshness_drift_in_that_run(
+        guarded: StartGuard, server: ToolServer, tmp_path: Path, mode: Mode) -> None:
+    async with guarded(variant(tmp_path, ARG_KEYS)) as guard:
+        async with connect(guard.url, mode, run="r-1") as client:
+            await call(client, "lookup_order", {"order_id": "ord-1"})
+            error = await refused(call(client, "check_policy", {"order_id": "ord-2"}))
+        data = violation_of(error, run="r-1", step="check_policy", check="run_key",
+                            drift="freshness", boundary="entry", action="halt")
+        assert "ord-2" in data["detail"] and "ord-1" in data["detail"]
+        assert await guard.run_ids() == {"r-1"}
+        assert await guard.status("r-1") == "halted"
+    assert [r.rpc["params"]["name"] for r in server.recorder.calls()] == ["lookup_order"]
+
+
+@modes(MODERN_MODES)
+async def test_a_stateless_call_without_any_run_key_is_refused_with_a_warning_and_a_count(
+        guard: Guard, server: ToolServer, mode: Mode) -> None:
+    with capture_logs() as logs:
+        async with connect(guard.url, mode) as client:
+            await refused(call(client, "lookup_order"))
+    (line,) = [e for e in logs if e["event"] == "call_refused"]
+    assert (line["log_level"], line["reason"], line["mount"], line["step"], line["workflow"]) == (
+        "warning", "no_run_key", MOUNT, "lookup_order", "order-confirmation")
+    assert "carries no run key" in line["detail"]
+    assert refusals(guard, "no_run_key") == 1
+
+
 # ==================================================================================================
 # 5. everything that is not a tools/call passes untouched
 # ==================================================================================================
@@ -942,3 +1059,71 @@ async def test_a_tools_call_past_the_json_limits_is_refused_naming_the_limit(
     assert error["code"] == REQUEST and says in error["message"]
     assert server.recorder.seen == []
     assert await guard.run_ids() == set()
+
+
+
+async def test_a_client_hanging_up_on_a_relayed_stream_is_one_line_not_a_traceback(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # a session's GET stream passes through; the agent leaves, then the server ends the stream:
+    # stepguard's last write finds the client gone
+    hung_up = asyncio.Event()
+
+    async def events(request: web.Request) -> web.StreamResponse:
+        out = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await out.prepare(request)
+        await out.write(b"event: message\r\ndata: {}\r\n\r\n")
+        await hung_up.wait()
+        await asyncio.sleep(0.1)
+        await out.write_eof()
+        return out
+
+    upstream = web.Application()
+    upstream.router.add_get(MCP_PATH, events)
+    async with running(upstream) as base:
+        sg = build(Settings(store=str(tmp_path / "s.db")),
+                   [contract_with_upstreams(CONTRACT, {"tools": base})])
+        async with running(create_proxy_app(sg)) as proxy:
+            host, port = proxy.removeprefix("http://").split(":")
+            with capture_logs() as logs:
+                reader, writer = await asyncio.open_connection(host, int(port))
+                writer.write(f"GET {MOUNT}{MCP_PATH} HTTP/1.1\r\nHost: x\r\n"
+                             "Accept: text/event-stream\r\nMcp-Session-Id: s-1\r\n\r\n".encode())
+                assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+                await reader.readuntil(b"\r\n\r\n")      # the first event
+                writer.close()
+                await writer.wait_closed()
+                hung_up.set()
+                await asyncio.sleep(0.5)
+
+    assert [r.getMessage() for r in caplog.records if r.exc_info or r.levelno >= 40] == []
+    (gone,) = [e for e in logs if e["event"] == "client_disconnected"]
+    assert (gone["log_level"], gone["method"], gone["path"]) == ("info", "GET", MOUNT + MCP_PATH)
+
+
+@modes(MODERN_MODES[:1])
+async def test_first_calls_carrying_one_argument_value_at_once_start_one_run(
+        guarded: StartGuard, tmp_path: Path, mode: Mode) -> None:
+    async with guarded(variant(tmp_path, ARG_KEYS)) as guard:
+        async def agent() -> None:
+            async with connect(guard.url, mode) as client:
+                await call(client, "lookup_order", {"order_id": "ord-77"})
+
+        await asyncio.gather(*(agent() for _ in range(4)))
+        (run,) = await guard.run_ids()
+        assert [e["step"] for e in await guard.history(run)] == ["lookup_order"] * 8
+
+
+@modes(MODERN_MODES[:1])
+async def test_an_unreadable_mcp_body_is_refused_with_a_warning_and_a_count(
+        guard: Guard, server: ToolServer, mode: Mode) -> None:
+    with capture_logs() as logs:
+        async with httpx2.AsyncClient() as http:
+            response = await http.post(guard.url, content=b'{"jsonrpc": "2.0", "id": 1, "id": 2}',
+                                       headers={"content-type": "application/json",
+                                                "accept": "application/json, text/event-stream"})
+    assert response.json()["error"]["code"] == REQUEST
+    (line,) = [e for e in logs if e["event"] == "call_refused"]
+    assert (line["log_level"], line["reason"], line["mount"]) == ("warning", "unparseable", MOUNT)
+    assert guard.sg.metrics.registry.get_sample_value(
+        "stepguard_requests_refused_total", {"reason": "unparseable"}) == 1
+    assert server.recorder.hits() == 0

@@ -82,12 +82,18 @@ async def test_an_unmatched_call_is_refused_403_when_the_contract_refuses_unmatc
     tool = await make_upstream()
     px = await proxy(make_contract(tool.url, unmatched="refuse"))
 
-    reply = await px.call("/tools/delete_everything", {}, run="r-403")
+    with capture_logs() as logged:
+        reply = await px.call("/tools/delete_everything", {}, run="r-403")
 
     body = problem(reply, 403)
     assert "/delete_everything" in body["detail"]
     assert body["workflow"] == "test-flow"
     assert tool.hits() == 0
+    # visible: a warning naming reason and mount, and a count by reason
+    assert [(e["log_level"], e["reason"], e["mount"]) for e in logged
+            if e["event"] == "call_refused"] == [("warning", "unmatched", "/tools")]
+    assert px.sg.metrics.registry.get_sample_value(
+        "stepguard_requests_refused_total", {"reason": "unmatched"}) == 1
     assert (await px.call("/tools/act", {}, run="r-403")).status == 200
     assert trail(await px.history("r-403")) == [("act", "entry", "pass", "forward"),
                                                 ("act", "exit", "pass", "advance")]

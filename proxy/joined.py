@@ -1,0 +1,31 @@
+"""The model side of a joined call (see `joining.py`): the result the agent hands the model
+for a call whose exit was checked at the tool's answer must be that answer."""
+
+from __future__ import annotations
+
+from stepguard.contracts.envelope import Envelope
+from stepguard.contracts.events import Decision, ToolResult, Violation
+from stepguard.contracts.model import Contract
+from stepguard.proxy.boundaries import Boundaries, Evidence, Settled
+from stepguard.proxy.forward import Timing
+from stepguard.proxy.model_dialects import ToolOutput
+
+MISMATCH = "output_mismatch"
+
+
+async def joined_result(boundaries: Boundaries, contract: Contract, run_id: str,
+                        envelope: Envelope, output: ToolOutput, timing: Timing,
+                        traffic: str) -> tuple[Decision, Settled] | None:
+    """None when the result agrees with what was checked, or the call was not joined. Else the
+    violation, stored in the run (the caller holds the run's lock and raises it)."""
+    step = boundaries.pending.differs(run_id, output.call_id, output.content)
+    if step is None:
+        return None
+    decision = Decision(step, "exit", Violation(
+        MISMATCH, "freshness", "the result the agent hands the model is not the one checked at "
+        "the tool's answer", "exit", field="output"))
+    settled = await boundaries.settle(
+        contract, run_id, envelope, decision,
+        Evidence(None, b"", ToolResult(200, output.content)), timing=timing, traffic=traffic,
+        extra={"call_id": output.call_id})
+    return decision, settled

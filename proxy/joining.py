@@ -1,0 +1,103 @@
+"""Cross-traffic joining: a tool call a model response issued, executed by the agent over MCP or
+HTTP through stepguard, is one step, not two.
+
+The model adapter registers every tool call whose entry went ahead (`PendingCalls.issued`),
+keyed by (workflow, step, digest of the canonical arguments). A tool-side call (MCP
+`tools/call`, HTTP tool call) that carries no run key of its own and matches such an entry is
+that call (`take` consumes it): it belongs to the model's run, its entry is the one the model's
+call already stored, and its exit is checked at the tool's answer and stored with the model's
+call id (which ends the call's pending state). What the agent then hands the model as the
+call's result must agree with what was checked (`agrees`). Everything is in memory and bounded:
+an entry not taken within `ttl_s`, or pushed out past `limit`, is forgotten (the tool-side call
+is then correlated as any other)."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+
+def digest(value: Any) -> str | None:
+    """The canonical digest of a JSON value (keys sorted); None for what orjson cannot write."""
+    try:
+        return hashlib.sha256(orjson.dumps(value, option=orjson.OPT_SORT_KEYS)).hexdigest()
+    except (TypeError, orjson.JSONEncodeError):
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class Issued:
+    run_id: str
+    call_id: str
+    expires: float
+
+
+class PendingCalls:
+    def __init__(self, limit: int = 10_000, ttl_s: float = 600.0) -> None:
+        self.limit, self.ttl_s = limit, ttl_s
+        self._issued: OrderedDict[tuple[str, str, str], list[Issued]] = OrderedDict()
+        self._checked: OrderedDict[tuple[str, str], tuple[str, str]] = OrderedDict()
+        # entries per (workflow, step): a call of a step no model issued costs no digest
+        self._steps: dict[tuple[str, str], int] = {}
+
+    def _forget(self, key: tuple[str, str, str], entries: int) -> None:
+        step = key[:2]
+        left = self._steps.get(step, 0) - entries
+        if left > 0:
+            self._steps[step] = left
+        else:
+            self._steps.pop(step, None)
+
+    def issued(self, workflow: str, step: str, arguments: Any, run_id: str, call_id: str) -> None:
+        args = digest(arguments if arguments is not None else {})
+        if args is None:
+            return
+        key = (workflow, step, args)
+        self._issued.setdefault(key, []).append(
+            Issued(run_id, call_id, time.monotonic() + self.ttl_s))
+        self._steps[(workflow, step)] = self._steps.get((workflow, step), 0) + 1
+        self._issued.move_to_end(key)
+        while len(self._issued) > self.limit:
+            old, entries = self._issued.popitem(last=False)
+            self._forget(old, len(entries))
+
+    def take(self, workflow: str, step: str, arguments: Any) -> Issued | None:
+        """The oldest unexpired call the model issued for `step` with these arguments, consumed."""
+        if (workflow, step) not in self._steps:
+            return None
+        args = digest(arguments if arguments is not None else {})
+        if args is None:
+            return None
+        key = (workflow, step, args)
+        waiting = self._issued.get(key)
+        now = time.monotonic()
+        while waiting:
+            issued = waiting.pop(0)
+            self._forget(key, 1)
+            if issued.expires > now:
+                if not waiting:
+                    del self._issued[key]
+                return issued
+        self._issued.pop(key, None)
+        return None
+
+    def checked(self, run_id: str, call_id: str, step: str, output: Any) -> None:
+        """The output a joined call's exit was checked on (at the tool's answer)."""
+        out = digest(output)
+        if out is None:
+            return
+        self._checked[(run_id, call_id)] = (step, out)
+        while len(self._checked) > self.limit:
+            self._checked.popitem(last=False)
+
+    def differs(self, run_id: str, call_id: str, output: Any) -> str | None:
+        """The step of a joined call whose result, as the agent hands it to the model, is not
+        the one checked at the tool's answer; None when it agrees or the call was not joined
+        (or is forgotten). Asked once per call."""
+        checked = self._checked.pop((run_id, call_id), None)
+        return None if checked is None or digest(output) == checked[1] else checked[0]

@@ -1,0 +1,195 @@
+"""Cross-traffic joining: a model agent (the real `openai` SDK, against the scripted fake model)
+that executes the tool calls the model issues over MCP through stepguard (the `mcp` SDK
+`Client`, stateless 2026-07-28 protocol), sending no stepguard header anywhere. Each tool call
+is one step of one run: its entry is checked on the model's response, its exit at the MCP
+server's answer, and the result the agent hands back to the model must be the one checked."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import yaml
+from mcp import Client, MCPError
+from mcp.client.streamable_http import streamable_http_client
+
+from stepguard.contracts.loader import parse_contract
+from stepguard.examples.order_confirmation import fake_model, mcp_tools, model_agent
+from stepguard.examples.order_confirmation.fake_model import FakeModel
+from stepguard.proxy.app import Stepguard, build, create_app
+from stepguard.proxy.config import Settings
+from stepguard.proxy.harness import running
+
+CONTRACT = (Path(__file__).resolve().parents[2] / "examples" / "order-confirmation"
+            / "contract.model.yaml")
+STEPS = ["lookup_order", "check_policy", "reserve_slot", "confirm"]
+
+
+@pytest.fixture
+def mcp_server() -> Any:
+    """A fresh server per test: its slot ids count from 1 (order ord-1 gets slot-1)."""
+    with mcp_tools.serve(mcp_tools.create_app(stateless=True, json_response=True)) as base:
+        yield base
+
+
+@dataclass
+class Hybrid:
+    sg: Stepguard
+    model_url: str      # the model through stepguard (OpenAI base URL)
+    mcp_url: str        # the MCP server through stepguard
+
+
+@contextlib.asynccontextmanager
+async def hybrid(tmp_path: Path, mcp_base: str, model: FakeModel,
+                 run: dict[str, Any] | None = None) -> AsyncIterator[Hybrid]:
+    """The example model contract with an MCP upstream beside the model: its steps match tool
+    names, so they match the model's tool calls and the MCP tools/calls alike."""
+    document = yaml.safe_load(CONTRACT.read_bytes())
+    if run is not None:
+        document["run"] = run
+    async with fake_model.serve(model) as model_base:
+        document["upstreams"]["model"]["url"] = model_base
+        document["upstreams"]["tools"] = {"url": mcp_base, "kind": "mcp", "mount": "/mcp-tools"}
+        contract = parse_contract(yaml.safe_dump(document).encode(), "hybrid.yaml")
+        sg = build(Settings(store=str(tmp_path / "s.db")), [contract])
+        async with running(create_app(sg)) as url:
+            yield Hybrid(sg, f"{url}/openai/v1", f"{url}/mcp-tools{mcp_tools.MCP_PATH}")
+
+
+async def agent_loop(h: Hybrid, *, tamper: str | None = None) -> Any:
+    """A plain openai-SDK agent loop whose tools run on the MCP server (through stepguard); with
+    `tamper`, the agent hands the model another result than the tool gave for that tool.
+    Returns the final answer, or the error the model API answered."""
+    model = openai.AsyncOpenAI(base_url=h.model_url, api_key="sk-test", max_retries=0)
+    messages: list[Any] = [{"role": "user", "content": "Please confirm order ord-1."}]
+    async with model, Client(streamable_http_client(h.mcp_url), mode="auto",
+                             read_timeout_seconds=10) as tools:
+        while True:
+            try:
+                reply = await model.chat.completions.create(
+                    model="fake-model", messages=messages, tools=model_agent.TOOLS)
+            except openai.APIStatusError as exc:   # stepguard's answer: the loop ends
+                return exc
+            message = reply.choices[0].message
+            if not message.tool_calls:
+                return json.loads(message.content or "null")
+            messages.append(message.model_dump(exclude_none=True))
+            for call in message.tool_calls:
+                result = await tools.call_tool(call.function.name,
+                                               json.loads(call.function.arguments))
+                content = dict(result.structured_content or {})
+                if call.function.name == tamper:
+                    content["approved"] = not content.get("approved")
+                messages.append({"role": "tool", "tool_call_id": call.id,
+                                 "content": json.dumps(content)})
+
+
+async def test_a_model_agent_whose_tools_run_over_mcp_is_one_run_each_step_checked_once(
+        tmp_path: Path, mcp_server: str) -> None:
+    async with hybrid(tmp_path, mcp_server, FakeModel(model_agent.script_for(1, None))) as h:
+        final = await agent_loop(h)
+
+        assert final == {"done": True, "order_id": "ord-1"}
+        (run,) = await h.sg.store.runs()
+        assert run.status == "completed" and run.pending == {}
+        history = await h.sg.store.history(run.run_id)
+        # the model's call carries the tool name, the MCP call its JSON-RPC id
+        boundaries = [(e["step"], e["boundary"], "tool" in e, "rpc_id" in e) for e in history]
+    # each step: the entry on the model's response, the exit at the MCP server's answer
+    assert boundaries == [row for step in STEPS for row in ((step, "entry", True, False),
+                                                          (step, "exit", False, True))] + [
+        ("final_answer", "exit", False, False)]
+    assert all(e["verdict"] == "pass" for e in history)
+    assert [e["call_id"] for e in history if e["step"] != "final_answer" and e["boundary"] == "exit"] == \
+        [e["call_id"] for e in history if e["boundary"] == "entry"]
+
+
+async def test_a_result_handed_to_the_model_that_differs_from_the_checked_one_is_a_violation(
+        tmp_path: Path, mcp_server: str) -> None:
+    async with hybrid(tmp_path, mcp_server, FakeModel(model_agent.script_for(1, None))) as h:
+        refused = await agent_loop(h, tamper="check_policy")
+        assert isinstance(refused, openai.UnprocessableEntityError)
+
+        (run,) = await h.sg.store.runs()
+        assert run.status == "halted"
+        last = (await h.sg.store.history(run.run_id))[-1]
+    assert (last["step"], last["boundary"], last["violation"]["check"]) == (
+        "check_policy", "exit", "output_mismatch")
+    assert "output_mismatch" in str(refused)
+
+
+def test_a_pending_call_is_taken_once_by_canonical_arguments_and_forgotten_when_it_expires() -> None:
+    from stepguard.proxy.joining import PendingCalls
+
+    pending = PendingCalls(limit=2, ttl_s=60)
+    pending.issued("wf", "lookup", {"b": 1, "a": [1, 2]}, "run-1", "call-1")
+    assert pending.take("wf", "lookup", {"a": [1, 2], "b": 2}) is None       # other arguments
+    taken = pending.take("wf", "lookup", {"a": [1, 2], "b": 1})               # key order ignored
+    assert taken is not None and (taken.run_id, taken.call_id) == ("run-1", "call-1")
+    assert pending.take("wf", "lookup", {"a": [1, 2], "b": 1}) is None       # consumed
+
+    expired = PendingCalls(ttl_s=0)
+    expired.issued("wf", "lookup", {}, "run-1", "call-1")
+    assert expired.take("wf", "lookup", {}) is None
+
+    for n in range(3):   # bounded: the oldest entry goes first
+        pending.issued("wf", "lookup", {"n": n}, "run-1", f"call-{n}")
+    assert pending.take("wf", "lookup", {"n": 0}) is None
+    assert pending.take("wf", "lookup", {"n": 2}) is not None
+
+
+ARG_KEY = {"key": ["header:x-stepguard-run", "arg:order_id"]}
+
+
+async def test_an_argument_key_of_a_models_tool_call_names_its_run_for_a_stateless_mcp_call(
+        tmp_path: Path, mcp_server: str) -> None:
+    async with hybrid(tmp_path, mcp_server, FakeModel(model_agent.script_for(1, None)),
+                      ARG_KEY) as h:
+        model = openai.AsyncOpenAI(base_url=h.model_url, api_key="sk-test", max_retries=0)
+        async with model:
+            reply = await model.chat.completions.create(
+                model="fake-model", messages=[{"role": "user", "content": "Confirm ord-1."}],
+                tools=model_agent.TOOLS)
+        (call,) = reply.choices[0].message.tool_calls or []
+        assert call.function.name == "lookup_order"
+        # another client, stateless MCP, no header, skipping ahead: its order_id names the
+        # model's run (lookup_order is still pending there), so the skip is caught in that run
+        async with Client(streamable_http_client(h.mcp_url), mode="auto",
+                          read_timeout_seconds=10) as tools:
+            with pytest.raises(MCPError) as refused:
+                await tools.call_tool("check_policy", {"order_id": "ord-1"})
+        (run,) = await h.sg.store.runs()
+        history = await h.sg.store.history(run.run_id)
+    assert refused.value.error.code == -31000
+    assert [(e["step"], e["boundary"], e["verdict"], (e.get("violation") or {}).get("check"))
+            for e in history] == [("lookup_order", "entry", "pass", None),
+                                  ("check_policy", "entry", "violation", "order")]
+
+
+async def test_a_models_tool_call_naming_another_value_of_the_argument_key_is_freshness_drift(
+        tmp_path: Path, mcp_server: str) -> None:
+    async with hybrid(tmp_path, mcp_server, FakeModel(model_agent.script_for(1, "stale_input")),
+                      ARG_KEY) as h:
+        refused = await agent_loop(h)
+        assert isinstance(refused, openai.UnprocessableEntityError)
+        (run,) = await h.sg.store.runs()
+        last = (await h.sg.store.history(run.run_id))[-1]
+    assert (last["step"], last["boundary"], last["violation"]["check"],
+            last["violation"]["drift"]) == ("check_policy", "entry", "run_key", "freshness")
+
+
+def test_the_pending_index_forgets_its_per_step_counts_with_its_entries() -> None:
+    from stepguard.proxy.joining import PendingCalls
+
+    pending = PendingCalls(limit=1)
+    pending.issued("wf", "a", {"n": 1}, "run-1", "c1")
+    pending.issued("wf", "b", {"n": 1}, "run-1", "c2")     # pushes the "a" entry out
+    assert pending._steps == {("wf", "b"): 1}
+    assert pending.take("wf", "b", {"n": 1}) is not None
+    assert pending._steps == {} and len(pending._issued) == 0
