@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import openai
 import pytest
 import yaml
@@ -20,7 +21,7 @@ from mcp import Client, MCPError
 from mcp.client.streamable_http import streamable_http_client
 
 from stepguard.contracts.loader import parse_contract
-from stepguard.examples.order_confirmation import fake_model, mcp_tools, model_agent
+from stepguard.examples.order_confirmation import fake_model, mcp_tools, model_agent, tools
 from stepguard.examples.order_confirmation.fake_model import FakeModel
 from stepguard.proxy.app import Stepguard, build, create_app
 from stepguard.proxy.config import Settings
@@ -193,3 +194,53 @@ def test_the_pending_index_forgets_its_per_step_counts_with_its_entries() -> Non
     assert pending._steps == {("wf", "b"): 1}
     assert pending.take("wf", "b", {"n": 1}) is not None
     assert pending._steps == {} and len(pending._issued) == 0
+
+
+@contextlib.asynccontextmanager
+async def http_hybrid(tmp_path: Path, model: FakeModel) -> AsyncIterator[tuple[Stepguard, str, str]]:
+    """The example model contract whose steps also match the HTTP tool server's paths (a match
+    list per step): the model's tool calls and the agent's HTTP calls are one step each."""
+    document = yaml.safe_load(CONTRACT.read_bytes())
+    async with fake_model.serve(model) as model_base, running(tools.create_app()) as tools_base:
+        document["upstreams"]["model"]["url"] = model_base
+        document["upstreams"]["tools"] = {"url": tools_base, "mount": "/http-tools"}
+        for name, step in document["steps"].items():
+            step["match"] = [step["match"], {"upstream": "tools", "method": "POST",
+                                             "path": f"/{name}"}]
+        contract = parse_contract(yaml.safe_dump(document).encode(), "http-hybrid.yaml")
+        sg = build(Settings(store=str(tmp_path / "s.db")), [contract])
+        async with running(create_app(sg)) as url:
+            yield sg, f"{url}/openai/v1", f"{url}/http-tools"
+
+
+async def test_a_model_agent_whose_tools_run_over_http_is_one_run_each_step_checked_once(
+        tmp_path: Path) -> None:
+    async with http_hybrid(tmp_path, FakeModel(model_agent.script_for(1, None))) as (
+            sg, model_url, tools_url):
+        model = openai.AsyncOpenAI(base_url=model_url, api_key="sk-test", max_retries=0)
+        messages: list[Any] = [{"role": "user", "content": "Please confirm order ord-1."}]
+        async with model, aiohttp.ClientSession() as http:   # no stepguard header anywhere
+            while True:
+                reply = await model.chat.completions.create(
+                    model="fake-model", messages=messages, tools=model_agent.TOOLS)
+                message = reply.choices[0].message
+                if not message.tool_calls:
+                    final = json.loads(message.content or "null")
+                    break
+                messages.append(message.model_dump(exclude_none=True))
+                for call in message.tool_calls:
+                    async with http.post(f"{tools_url}/{call.function.name}",
+                                         data=call.function.arguments,
+                                         headers={"content-type": "application/json"}) as resp:
+                        assert resp.status == 200, await resp.text()
+                        content = await resp.json()
+                    messages.append({"role": "tool", "tool_call_id": call.id,
+                                     "content": json.dumps(content)})
+        (run,) = await sg.store.runs()
+        history = await sg.store.history(run.run_id)
+
+    assert final == {"done": True, "order_id": "ord-1"}
+    assert run.status == "completed" and run.pending == {}
+    assert [(e["step"], e["boundary"], e["verdict"]) for e in history] == [
+        row for step in STEPS for row in ((step, "entry", "pass"), (step, "exit", "pass"))] + [
+        ("final_answer", "exit", "pass")]
