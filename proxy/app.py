@@ -109,7 +109,8 @@ class Stepguard:
         self.budget = BodyBudget(self.settings.max_inflight_body_bytes)
         self.dispatcher = Dispatcher(Router(self.contracts), adapters, self.observer,
                                      self.settings.max_request_bytes, self.budget,
-                                     self.settings.body_timeout_s)
+                                     self.settings.body_timeout_s,
+                                     self.settings.body_total_timeout_s)
 
     def reload(self, contracts: list[Contract]) -> None:
         """Swap in newly loaded contracts. Calls in flight finish under the contract they

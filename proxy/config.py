@@ -145,6 +145,7 @@ _PARSERS: dict[str, _Parse] = {
     "max_inflight_body_bytes": _bytes(1),
     "header_timeout_s": _number(0.001, "a number of seconds"),
     "body_timeout_s": _number(0.001, "a number of seconds"),
+    "body_total_timeout_s": _number(0.001, "a number of seconds"),
     "idle_timeout_s": _number(0.001, "a number of seconds"),
     "max_connections": _integer(0, what="a number of connections",
                                 hint=" (0: derived from the open-file limit)"),
@@ -204,6 +205,7 @@ class Settings:
     max_inflight_body_bytes: int = 256 * 1024 * 1024
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
+    body_total_timeout_s: float = 120.0
     idle_timeout_s: float = 75.0
     max_connections: int = 0
     connect_attempts: int = 3

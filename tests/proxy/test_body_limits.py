@@ -4,7 +4,9 @@ and travel unchanged."""
 
 from __future__ import annotations
 
+import asyncio
 import gzip
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -256,3 +258,39 @@ async def test_a_request_whose_content_encoding_does_not_decode_is_answered_400_
 
     problem(reply, 400)
     assert tools.hits() == 0
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(15)
+async def test_a_trickled_body_is_cut_with_408_after_the_total_body_time_and_gives_back_its_budget(
+        make_upstream, proxy):
+    """A byte every 0.2 s never trips the body timeout (1 s of silence), but the whole body
+    must come within 1.5 s: then 408, the connection closed, and the budget it held is free
+    for the next call."""
+    up = await make_upstream()
+    px = await proxy(make_contract(up.url, {"act": {}}), max_inflight_body_bytes=10_000,
+                     max_request_bytes=10_000, body_timeout_s=1.0, body_total_timeout_s=1.5)
+    reader, writer = await asyncio.open_connection("127.0.0.1", px.client.server.port)
+    writer.write(b"POST /tools/act HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"x-stepguard-run: trickle-1\r\nContent-Length: 10000\r\n\r\n")
+
+    async def trickle() -> None:
+        while True:
+            writer.write(b" ")
+            await writer.drain()
+            await asyncio.sleep(0.2)
+
+    trickling = asyncio.create_task(trickle())
+    try:
+        started = time.monotonic()
+        data = await asyncio.wait_for(reader.read(), 5)
+        took = time.monotonic() - started
+        after = await px.call("/tools/act", {"a": 1}, run="trickle-2")
+    finally:
+        trickling.cancel()
+        writer.close()
+
+    assert data.startswith(b"HTTP/1.1 408 ")
+    assert b"did not all arrive within 1.5 s" in data
+    assert 1.3 <= took <= 3.0
+    assert after.status == 200
