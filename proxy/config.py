@@ -223,6 +223,13 @@ class Settings:
         # values given in code are held to the same rules as flags and environment
         for f in fields(self):
             setattr(self, f.name, parse_setting(f.name, getattr(self, f.name), f.name))
+        if self.max_inflight_body_bytes < self.max_request_bytes:
+            # a body between the two would be refused 503 "retry" forever
+            raise ConfigError(
+                f"max_inflight_body_bytes ({self.max_inflight_body_bytes}) is below "
+                f"max_request_bytes ({self.max_request_bytes}): a body between them could never "
+                "be held; raise --max-inflight-body-bytes / STEPGUARD_MAX_INFLIGHT_BODY_BYTES or "
+                "lower --max-request-bytes / STEPGUARD_MAX_REQUEST_BYTES")
 
     @classmethod
     def from_env(cls, **overrides: Any) -> Settings:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
@@ -69,19 +69,35 @@ async def test_a_request_over_max_request_bytes_is_refused_with_413_before_reach
     assert [e for e in await px.history("big-in") if e["verdict"] == "pass"] == []
 
 
+async def until(holds: Callable[[], bool], within_s: float = 5.0) -> None:
+    for _ in range(int(within_s / 0.01)):
+        if holds():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"not so within {within_s:g} s")
+
+
 @pytest.mark.parametrize("declared", [True, False], ids=["content-length", "chunked"])
 async def test_a_body_past_the_in_flight_budget_is_503_retry_unforwarded_and_gives_it_back(
         proxy, tools, declared):
-    px = await proxy(example_contract(tools), max_inflight_body_bytes=CAP)
+    """Another call's body (its head announcing 5 of the 8 CAP budget) is held meanwhile."""
+    px = await proxy(example_contract(tools), max_inflight_body_bytes=8 * CAP,
+                     max_request_bytes=8 * CAP)
     payload = orjson.dumps({"order_id": "ord-1", "pad": "x" * (4 * CAP)})
+    _, holder = await asyncio.open_connection("127.0.0.1", px.client.server.port)
+    holder.write(b"POST /tools/lookup_order HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                 b"application/json\r\nContent-Length: %d\r\n\r\n{" % (5 * CAP))
+    await holder.drain()
+    await until(lambda: px.sg.budget.held > 0)
 
     reply = await px.call("/tools/lookup_order", data=payload if declared else chunks(payload),
                           run="budget-1", headers={"content-type": "application/json"})
+    holder.close()
 
     body = problem(reply, 503, should_retry="true")
-    assert str(CAP) in body["detail"]
+    assert str(8 * CAP) in body["detail"]
     assert tools.hits() == 0
-    assert px.sg.budget.held == 0
+    await until(lambda: px.sg.budget.held == 0)
     small = await px.call("/tools/lookup_order", {"order_id": "ord-1"}, run="budget-2")
     assert small.status == 200
     assert px.sg.budget.held == 0
