@@ -238,8 +238,9 @@ async def serve(settings: Settings, contracts: list[Contract]) -> None:
     # collected, only less often.
     gc.set_threshold(*GC_THRESHOLDS)
     raise_fd_limit()
-    proxy_gate = Gate(connection_limit(settings.max_connections), settings.header_timeout_s)
-    admin_gate = Gate(ADMIN_CONNECTIONS, settings.header_timeout_s)
+    proxy_gate = Gate(connection_limit(settings.max_connections), settings.header_timeout_s,
+                      settings.body_timeout_s)
+    admin_gate = Gate(ADMIN_CONNECTIONS, settings.header_timeout_s, settings.body_timeout_s)
     proxy_runner = GuardedRunner(create_app(sg, manage=False), proxy_gate,
                                  settings.idle_timeout_s, access_log=None, handle_signals=False)
     admin_runner = GuardedRunner(create_admin_app(sg), admin_gate, settings.idle_timeout_s,
