@@ -324,3 +324,18 @@ def test_a_model_call_that_failed_before_an_answer_is_answered_by_whose_failure_
     stop = _upstream_failed(error)
 
     assert (stop.status, stop.retry) == (status, retry)
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(15)
+async def test_an_http_call_that_cannot_connect_within_its_short_timeout_is_unreachable_not_a_timeout(
+        proxy):
+    with blackholed() as url:
+        px = await proxy(make_contract(url, {"act": {}}, upstreams={
+            "tools": {"url": url, "mount": "/tools", "timeout_s": 0.5}}))
+
+        reply = await px.call("/tools/act", {}, run="http-blackholed-1")
+
+    assert (reply.status, reply.headers["x-should-retry"]) == (502, "true")
+    assert trail(await px.history("http-blackholed-1"))[-1][2:] == ("unreachable", "unreachable")
+    assert await px.status("http-blackholed-1") == "active"
