@@ -109,7 +109,8 @@ class Stepguard:
         self.budget = BodyBudget(self.settings.max_inflight_body_bytes)
         self.dispatcher = Dispatcher(Router(self.contracts), adapters, self.observer,
                                      self.settings.max_request_bytes, self.budget,
-                                     self.settings.body_timeout_s)
+                                     self.settings.body_timeout_s,
+                                     self.settings.body_total_timeout_s)
 
     def reload(self, contracts: list[Contract]) -> None:
         """Swap in newly loaded contracts. Calls in flight finish under the contract they
@@ -240,8 +241,9 @@ async def serve(settings: Settings, contracts: list[Contract]) -> None:
     # collected, only less often.
     gc.set_threshold(*GC_THRESHOLDS)
     raise_fd_limit()
-    proxy_gate = Gate(connection_limit(settings.max_connections), settings.header_timeout_s)
-    admin_gate = Gate(ADMIN_CONNECTIONS, settings.header_timeout_s)
+    proxy_gate = Gate(connection_limit(settings.max_connections), settings.header_timeout_s,
+                      settings.body_timeout_s)
+    admin_gate = Gate(ADMIN_CONNECTIONS, settings.header_timeout_s, settings.body_timeout_s)
     proxy_runner = GuardedRunner(create_app(sg, manage=False), proxy_gate,
                                  settings.idle_timeout_s, access_log=None, handle_signals=False)
     admin_runner = GuardedRunner(create_admin_app(sg), admin_gate, settings.idle_timeout_s,

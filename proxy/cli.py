@@ -70,6 +70,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="seconds for a request's head once its first byte came (10)")
     serve.add_argument("--body-timeout-s", type=float,
                        help="seconds a request body may stall between reads (30)")
+    serve.add_argument("--body-total-timeout-s", type=float,
+                       help="seconds for a whole request body, from its head (120)")
     serve.add_argument("--idle-timeout-s", type=float,
                        help="seconds a keep-alive connection may sit idle (75)")
     serve.add_argument("--max-connections", type=int,

@@ -173,6 +173,7 @@ _PARSERS: dict[str, _Parse] = {
     "max_inflight_body_bytes": _bytes(1),
     "header_timeout_s": _number(0.001, "a number of seconds"),
     "body_timeout_s": _number(0.001, "a number of seconds"),
+    "body_total_timeout_s": _number(0.001, "a number of seconds"),
     "idle_timeout_s": _number(0.001, "a number of seconds"),
     "max_connections": _integer(0, what="a number of connections",
                                 hint=" (0: derived from the open-file limit)"),
@@ -234,6 +235,7 @@ class Settings:
     max_inflight_body_bytes: int = 256 * 1024 * 1024
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
+    body_total_timeout_s: float = 120.0
     idle_timeout_s: float = 75.0
     max_connections: int = 0
     connect_attempts: int = 3
@@ -253,6 +255,13 @@ class Settings:
         # values given in code are held to the same rules as flags and environment
         for f in fields(self):
             setattr(self, f.name, parse_setting(f.name, getattr(self, f.name), f.name))
+        if self.max_inflight_body_bytes < self.max_request_bytes:
+            # a body between the two would be refused 503 "retry" forever
+            raise ConfigError(
+                f"max_inflight_body_bytes ({self.max_inflight_body_bytes}) is below "
+                f"max_request_bytes ({self.max_request_bytes}): a body between them could never "
+                "be held; raise --max-inflight-body-bytes / STEPGUARD_MAX_INFLIGHT_BODY_BYTES or "
+                "lower --max-request-bytes / STEPGUARD_MAX_REQUEST_BYTES")
 
     @classmethod
     def from_env(cls, **overrides: Any) -> Settings:

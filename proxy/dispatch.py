@@ -36,13 +36,15 @@ class Adapter(Protocol):
 class Dispatcher:
     def __init__(self, router: Router, adapters: dict[str, Adapter], observer: Observer,
                  max_request_bytes: int, budget: BodyBudget,
-                 body_timeout_s: float | None = None) -> None:
+                 body_timeout_s: float | None = None,
+                 body_total_timeout_s: float | None = None) -> None:
         self.router = router
         self.adapters = adapters
         self.observer = observer
         self.max_request_bytes = max_request_bytes
         self.budget = budget
         self.body_timeout_s = body_timeout_s
+        self.body_total_timeout_s = body_total_timeout_s
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         timing = Timing(time.perf_counter(), time.time())
@@ -67,7 +69,7 @@ class Dispatcher:
             traffic = adapter.traffic
             try:
                 body = await read_body(request, self.max_request_bytes, self.budget,
-                                       self.body_timeout_s)
+                                       self.body_timeout_s, self.body_total_timeout_s)
             except BodyTooLarge as exc:
                 response = adapter.error(route, 413, "Request too large",
                                          f"request body exceeds {exc.limit} bytes")

@@ -38,9 +38,17 @@ class BodyTooLarge(Exception):
 
 
 class BodyStalled(Exception):
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, detail: str | None = None) -> None:
         self.timeout_s = timeout_s
-        super().__init__(f"the request body sent nothing for {timeout_s:g} s")
+        super().__init__(detail or f"the request body sent nothing for {timeout_s:g} s")
+
+
+class BodyTooSlow(BodyStalled):
+    """The body kept coming, but not all of it within the total body time: a trickle would
+    otherwise hold its share of the body budget for as long as it liked."""
+
+    def __init__(self, total_s: float) -> None:
+        super().__init__(total_s, f"the request body did not all arrive within {total_s:g} s")
 
 
 class BudgetSpent(Exception):
@@ -124,10 +132,13 @@ def end_to_end(headers: CIMultiDictProxy[str] | CIMultiDict[str],
 
 
 async def read_body(request: web.Request, limit: int, budget: BodyBudget,
-                    stall_s: float | None = None) -> bytes:
+                    stall_s: float | None = None, total_s: float | None = None) -> bytes:
     """The whole body, up to `limit` bytes (`BodyTooLarge`), waiting at most `stall_s` for each
-    piece (`BodyStalled`). Its bytes are taken from `budget` (`BudgetSpent`): the caller gives
-    back `len(body)` when done with it; on an exception nothing stays taken."""
+    piece (`BodyStalled`) and `total_s` for all of it (`BodyTooSlow`). Its bytes are taken from
+    `budget` (`BudgetSpent`): the caller gives back `len(body)` when done with it; on an
+    exception nothing stays taken."""
+    loop = asyncio.get_running_loop()
+    deadline = None if total_s is None else loop.time() + total_s
     length = request.content_length
     if length is not None and length > limit:
         raise BodyTooLarge(limit)
@@ -146,10 +157,18 @@ async def read_body(request: web.Request, limit: int, budget: BodyBudget,
             if not chunk:
                 if content.is_eof():
                     break
+                wait = stall_s
+                if deadline is not None:
+                    left = deadline - loop.time()
+                    if left <= 0:
+                        raise BodyTooSlow(total_s or 0.0)
+                    wait = left if wait is None else min(wait, left)
                 try:
-                    async with asyncio.timeout(stall_s):
+                    async with asyncio.timeout(wait):
                         chunk = await content.readany()
                 except TimeoutError:
+                    if deadline is not None and loop.time() >= deadline:
+                        raise BodyTooSlow(total_s or 0.0) from None
                     raise BodyStalled(stall_s or 0.0) from None
                 if not chunk:
                     break

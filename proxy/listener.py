@@ -7,7 +7,10 @@ of connections. `GuardedRunner` serves an application with both:
 - a head timeout: from the first byte of a request until its head is parsed; a connection that
   has not finished its head by then is closed;
 - a connection limit: a connection accepted beyond it gets a fixed 503 (`x-should-retry:
-  true`) and is closed at once, so stalled sockets cannot use up the process's descriptors.
+  true`) and is closed at once, so stalled sockets cannot use up the process's descriptors;
+- a write timeout: a response the client reads nothing of (the transport's write buffer stays
+  above its high-water mark and does not shrink) for `write_timeout_s` aborts the connection,
+  so a client that sends requests and never reads the answers cannot hold it for ever.
 
 The body timeout (a request body that stalls between reads) is `forward.read_body`'s.
 This leans on three of aiohttp's private names (`_handle_request`, `_messages`, `Server`'s
@@ -19,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import resource
+import socket
+import struct
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -27,6 +32,7 @@ from aiohttp.web_request import BaseRequest
 
 # descriptors kept out of the derived connection limit: store, logs, admin, listeners, ...
 FD_RESERVE = 256
+_RESET = struct.pack("ii", 1, 0)     # SO_LINGER on, 0 s: close() sends a reset, keeps nothing
 ADMIN_CONNECTIONS = 32     # the admin listener's own limit: it stays reachable when the proxy is full
 
 _BUSY_BODY = (b'{"type":"urn:stepguard:problem:too-many-connections",'
@@ -64,11 +70,13 @@ class Gate:
 
     max_connections: int
     head_timeout_s: float
+    write_timeout_s: float | None = None
     open: int = 0
 
 
 class _Handler(web.RequestHandler):
-    __slots__ = ("_admitted", "_awaiting_head", "_gate", "_head_timer")
+    __slots__ = ("_admitted", "_awaiting_head", "_gate", "_head_timer", "_write_left",
+                 "_write_timer")
 
     def __init__(self, manager: web.Server, *, gate: Gate, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
@@ -76,6 +84,8 @@ class _Handler(web.RequestHandler):
         self._admitted = False
         self._awaiting_head = True
         self._head_timer: asyncio.TimerHandle | None = None
+        self._write_timer: asyncio.TimerHandle | None = None
+        self._write_left = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         gate = self._gate
@@ -93,7 +103,46 @@ class _Handler(web.RequestHandler):
         self._admitted = False
         self._gate.open -= 1
         self._cancel_head_timer()
+        self._cancel_write_timer()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._arm_write_timer()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._cancel_write_timer()
+
+    def _arm_write_timer(self) -> None:
+        if self._gate.write_timeout_s is None or self.transport is None:
+            return
+        self._write_left = self.transport.get_write_buffer_size()
+        self._write_timer = self._loop.call_later(self._gate.write_timeout_s,
+                                                  self._write_expired)
+
+    def _write_expired(self) -> None:
+        """Still paused: go on waiting if the client read some of the answer meanwhile, else
+        abort with a reset (a plain close would wait to flush what the client never reads, and
+        the kernel would hold the unsent answer after the close)."""
+        self._write_timer = None
+        transport = self.transport
+        if not self.writing_paused or transport is None:
+            return
+        if transport.get_write_buffer_size() < self._write_left:
+            self._arm_write_timer()
+            return
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
+        self.force_close()
+        transport.abort()
+
+    def _cancel_write_timer(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)

@@ -542,11 +542,12 @@ class McpAdapter:
     async def _attempt(self, call: ToolCall, since: float, method: str = "POST",
                        headers: CIMultiDict[str] | None = None) -> Answer:
         """One exchange: the call POSTed, or (`GET` with the client's `headers`) its cut
-        stream resumed upstream."""
+        stream resumed upstream. The upstream is reached (else `unreachable`, whatever the
+        timeouts: a call never sent is not the tool's timeout) and answers within the call's
+        timeout; its whole answer comes within that timeout of the start."""
         timeout_s = call.step.timeout_s or call.route.upstream.timeout_s
         try:
-            async with asyncio.timeout(timeout_s):
-                return await self._exchange(call, since, method, headers)
+            return await self._exchange(call, since, method, headers)
         except UpstreamError as exc:
             self._seen(call, None, since)
             if exc.kind == "unreachable":
@@ -569,11 +570,13 @@ class McpAdapter:
     async def _exchange(self, call: ToolCall, since: float, method: str,
                         headers: CIMultiDict[str] | None) -> Answer:
         timeout_s = call.step.timeout_s or call.route.upstream.timeout_s
+        deadline = asyncio.get_running_loop().time() + timeout_s
         sent = call.headers if headers is None else headers
         ask_for_identity(sent)
-        async with await self.forwarder.open(
-                method, upstream_url(call.route, call.request), sent,
-                call.body if method == "POST" else b"", timeout_s) as resp:
+        # `open` bounds reaching the upstream and its head itself; the deadline covers the rest
+        resp = await self.forwarder.open(method, upstream_url(call.route, call.request), sent,
+                                         call.body if method == "POST" else b"", timeout_s)
+        async with resp, asyncio.timeout_at(deadline):
             self._seen(call, resp.status, since)
             headers = end_to_end(resp.headers, HOP_BY_HOP | {"content-length"})
             encoding = resp.headers.get("content-encoding", "identity").strip().lower()

@@ -4,8 +4,10 @@ and travel unchanged."""
 
 from __future__ import annotations
 
+import asyncio
 import gzip
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
@@ -67,19 +69,35 @@ async def test_a_request_over_max_request_bytes_is_refused_with_413_before_reach
     assert [e for e in await px.history("big-in") if e["verdict"] == "pass"] == []
 
 
+async def until(holds: Callable[[], bool], within_s: float = 5.0) -> None:
+    for _ in range(int(within_s / 0.01)):
+        if holds():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"not so within {within_s:g} s")
+
+
 @pytest.mark.parametrize("declared", [True, False], ids=["content-length", "chunked"])
 async def test_a_body_past_the_in_flight_budget_is_503_retry_unforwarded_and_gives_it_back(
         proxy, tools, declared):
-    px = await proxy(example_contract(tools), max_inflight_body_bytes=CAP)
+    """Another call's body (its head announcing 5 of the 8 CAP budget) is held meanwhile."""
+    px = await proxy(example_contract(tools), max_inflight_body_bytes=8 * CAP,
+                     max_request_bytes=8 * CAP)
     payload = orjson.dumps({"order_id": "ord-1", "pad": "x" * (4 * CAP)})
+    _, holder = await asyncio.open_connection("127.0.0.1", px.client.server.port)
+    holder.write(b"POST /tools/lookup_order HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                 b"application/json\r\nContent-Length: %d\r\n\r\n{" % (5 * CAP))
+    await holder.drain()
+    await until(lambda: px.sg.budget.held > 0)
 
     reply = await px.call("/tools/lookup_order", data=payload if declared else chunks(payload),
                           run="budget-1", headers={"content-type": "application/json"})
+    holder.close()
 
     body = problem(reply, 503, should_retry="true")
-    assert str(CAP) in body["detail"]
+    assert str(8 * CAP) in body["detail"]
     assert tools.hits() == 0
-    assert px.sg.budget.held == 0
+    await until(lambda: px.sg.budget.held == 0)
     small = await px.call("/tools/lookup_order", {"order_id": "ord-1"}, run="budget-2")
     assert small.status == 200
     assert px.sg.budget.held == 0
@@ -256,3 +274,39 @@ async def test_a_request_whose_content_encoding_does_not_decode_is_answered_400_
 
     problem(reply, 400)
     assert tools.hits() == 0
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(15)
+async def test_a_trickled_body_is_cut_with_408_after_the_total_body_time_and_gives_back_its_budget(
+        make_upstream, proxy):
+    """A byte every 0.2 s never trips the body timeout (1 s of silence), but the whole body
+    must come within 1.5 s: then 408, the connection closed, and the budget it held is free
+    for the next call."""
+    up = await make_upstream()
+    px = await proxy(make_contract(up.url, {"act": {}}), max_inflight_body_bytes=10_000,
+                     max_request_bytes=10_000, body_timeout_s=1.0, body_total_timeout_s=1.5)
+    reader, writer = await asyncio.open_connection("127.0.0.1", px.client.server.port)
+    writer.write(b"POST /tools/act HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"x-stepguard-run: trickle-1\r\nContent-Length: 10000\r\n\r\n")
+
+    async def trickle() -> None:
+        while True:
+            writer.write(b" ")
+            await writer.drain()
+            await asyncio.sleep(0.2)
+
+    trickling = asyncio.create_task(trickle())
+    try:
+        started = time.monotonic()
+        data = await asyncio.wait_for(reader.read(), 5)
+        took = time.monotonic() - started
+        after = await px.call("/tools/act", {"a": 1}, run="trickle-2")
+    finally:
+        trickling.cancel()
+        writer.close()
+
+    assert data.startswith(b"HTTP/1.1 408 ")
+    assert b"did not all arrive within 1.5 s" in data
+    assert 1.3 <= took <= 3.0
+    assert after.status == 200

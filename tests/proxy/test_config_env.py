@@ -250,3 +250,12 @@ async def test_serve_with_log_format_in_capitals_logs_json(tmp_path: Path) -> No
             await proc.wait()
     line = orjson.loads(first)
     assert (line["event"], line["level"]) == ("started", "info")
+
+
+def test_an_in_flight_body_budget_below_the_request_cap_is_a_config_error_naming_both() -> None:
+    """A body between the two would be refused 503 `x-should-retry: true` for ever."""
+    with pytest.raises(ConfigError, match=r"max_inflight_body_bytes \(100000\) is below "
+                                          r"max_request_bytes \(1000000\)"):
+        Settings.from_env(max_inflight_body_bytes=100_000, max_request_bytes=1_000_000)
+    assert Settings(max_inflight_body_bytes=1_000_000,
+                    max_request_bytes=1_000_000).max_inflight_body_bytes == 1_000_000

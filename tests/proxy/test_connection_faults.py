@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import socket
 import subprocess
 import sys
 import time
@@ -16,6 +17,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 import yaml
+from aiohttp import web
+from sgtest import contract_doc
 
 from stepguard.proxy.bench_proxy import RUN_HEADER, bench_contract
 from stepguard.proxy.bench_upstream import order_request
@@ -235,3 +238,55 @@ def test_stepguard_raises_its_soft_open_file_limit_to_the_hard_one_and_derives_i
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          check=True).stdout.split()
     assert out == ["2304", str((2304 - 256) // 2), "50"]
+
+
+BIG_ANSWER = b"x" * (8 << 20)
+
+
+@pytest.mark.timeout(20)
+async def test_a_client_that_never_reads_its_answer_is_cut_after_the_write_timeout(
+        tmp_path, make_upstream):
+    """An 8 MiB answer to a client that reads none of it (its receive buffer 4 KiB): once the
+    kernel's buffers are full the answer makes no progress, and the connection is aborted
+    after the body timeout (1 s) instead of being held for ever."""
+
+    async def big(request: web.Request) -> web.Response:
+        return web.Response(body=BIG_ANSWER, content_type="application/octet-stream")
+
+    tool = await make_upstream(big)
+    port, admin = free_port(), free_port()
+    contract = tmp_path / "c.yaml"
+    contract.write_text(yaml.safe_dump(contract_doc(tool.url, {"act": {}})))
+    proxy = await started(
+        "stepguard.proxy.cli", "serve", "--contract", str(contract), "--port", str(port),
+        "--admin-port", str(admin), "--store", str(tmp_path / "sg.db"), "--log-level", "error",
+        "--body-timeout-s", str(BODY_S))
+    try:
+        async with aiohttp.ClientSession() as session:
+            await wait_ready(session, f"http://127.0.0.1:{admin}/readyz")
+        loop = asyncio.get_running_loop()
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.setblocking(False)
+            await loop.sock_connect(sock, ("127.0.0.1", port))
+            started_at = time.monotonic()
+            # the second request waits behind the first answer; nothing is ever read
+            await loop.sock_sendall(sock, b"GET /tools/big HTTP/1.1\r\nHost: x\r\n\r\n" * 2)
+            took = await reset_within(sock, BODY_S + 4 * SLACK_S)
+            took -= started_at
+    finally:
+        proxy.terminate()
+        await proxy.wait()
+    assert took <= BODY_S + 4 * SLACK_S
+
+
+TCP_CLOSE = 7      # tcp_info.tcpi_state once the peer reset the connection
+
+
+async def reset_within(sock: socket.socket, seconds: float) -> float:
+    """When (monotonic) the peer reset `sock`, looked at without reading from it."""
+    for _ in range(int(seconds / 0.05)):
+        if sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)[0] == TCP_CLOSE:
+            return time.monotonic()
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the connection was still open after {seconds:g} s")

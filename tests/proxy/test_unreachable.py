@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import resource
+import socket
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -121,6 +122,53 @@ async def test_an_mcp_call_whose_server_refuses_connections_is_a_retry_error_lea
     assert trail(await px.history("mcp-down-1"))[-1] == ("act", "exit", "unreachable",
                                                           "unreachable")
     assert await px.status("mcp-down-1") == "active"
+
+
+@contextlib.contextmanager
+def blackholed() -> Any:
+    """A listener whose backlog is full: the kernel drops further SYNs, so a connect hangs."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    fillers = []
+    for _ in range(8):
+        filler = socket.socket()
+        filler.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            filler.connect(listener.getsockname())
+        fillers.append(filler)
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        for sock in (*fillers, listener):
+            sock.close()
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(15)
+async def test_an_mcp_call_that_cannot_connect_within_its_short_timeout_is_unreachable_not_a_timeout(
+        proxy):
+    """The call's own timeout (0.5 s) is below the connect budget (2 s): it ends when the
+    connect does, and was never sent, so it is not the tool's timeout and halts nothing."""
+    with blackholed() as url:
+        px = await proxy(make_contract(url, {"act": MCP_STEP}, upstreams={
+            "tools": {"url": url, "mount": "/tools", "timeout_s": 0.5, "kind": "mcp"}}))
+        call = {"jsonrpc": "2.0", "id": 7, "method": "tools/call",
+                "params": {"name": "act", "arguments": {}}}
+
+        started = time.monotonic()
+        reply = await px.call("/tools/mcp", call, run="mcp-blackholed-1",
+                              headers={"accept": "application/json, text/event-stream"})
+        took = time.monotonic() - started
+
+    assert reply.headers["x-should-retry"] == "true"
+    error = orjson.loads(reply.body)["error"]
+    assert (error["code"], error["data"]["check"]) == (RPC_UNCHECKABLE, "unreachable")
+    assert "not sent" in error["message"]
+    assert trail(await px.history("mcp-blackholed-1"))[-1] == ("act", "exit", "unreachable",
+                                                               "unreachable")
+    assert await px.status("mcp-blackholed-1") == "active"
+    assert took < 2.0
 
 
 # --- an upstream that restarts while runs go on ---------------------------------------------------
@@ -276,3 +324,18 @@ def test_a_model_call_that_failed_before_an_answer_is_answered_by_whose_failure_
     stop = _upstream_failed(error)
 
     assert (stop.status, stop.retry) == (status, retry)
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(15)
+async def test_an_http_call_that_cannot_connect_within_its_short_timeout_is_unreachable_not_a_timeout(
+        proxy):
+    with blackholed() as url:
+        px = await proxy(make_contract(url, {"act": {}}, upstreams={
+            "tools": {"url": url, "mount": "/tools", "timeout_s": 0.5}}))
+
+        reply = await px.call("/tools/act", {}, run="http-blackholed-1")
+
+    assert (reply.status, reply.headers["x-should-retry"]) == (502, "true")
+    assert trail(await px.history("http-blackholed-1"))[-1][2:] == ("unreachable", "unreachable")
+    assert await px.status("http-blackholed-1") == "active"
