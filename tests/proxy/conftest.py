@@ -13,7 +13,7 @@ from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from sgtest import Guard, Handler, Proxy, Seen, Upstream, answer_ok, recording
+from sgtest import Guard, Handler, Proxy, Seen, Upstream, answer_ok, recording, relaxed
 
 from stepguard.contracts.model import Contract
 from stepguard.contracts.store import Store
@@ -55,7 +55,7 @@ def proxy(aiohttp_client: Any, store_path: Path) -> Callable[..., Awaitable[Prox
     """proxy(*contracts, **settings) -> stepguard, started on the SQLite file `store_path`."""
 
     async def start(*contracts: Contract, **settings: Any) -> Proxy:
-        sg = build(Settings(store=str(store_path), **settings), list(contracts))
+        sg = build(Settings(store=str(store_path), **relaxed(settings)), list(contracts))
         return Proxy(await aiohttp_client(create_app(sg)), sg)
 
     return start
@@ -66,7 +66,8 @@ def stepguard(aiohttp_client: Any, tmp_path: Path) -> Callable[..., Awaitable[Gu
     """stepguard(*contracts, store=None, **settings) -> stepguard on tmp_path/s.db (or `store`)."""
 
     async def start(*contracts: Contract, store: Store | None = None, **settings: Any) -> Guard:
-        sg = build(Settings(store=str(tmp_path / "s.db"), **settings), list(contracts), store=store)
+        sg = build(Settings(store=str(tmp_path / "s.db"), **relaxed(settings)), list(contracts),
+                   store=store)
         return Guard(sg, await aiohttp_client(create_app(sg)))
 
     return start

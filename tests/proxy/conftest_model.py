@@ -30,6 +30,7 @@ from typing import Any, Literal, NamedTuple
 import anthropic
 import openai
 import yaml
+from sgtest import relaxed
 
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.loader import parse_contract
@@ -125,7 +126,7 @@ class Stack:
             self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
             async with fake_model.serve(self.model) as model_url:
                 self.model_url = model_url
-                self.sg = build(Settings(store=str(self.store), **self.settings),
+                self.sg = build(Settings(store=str(self.store), **relaxed(self.settings)),
                                 [model_contract(self.api, model_url)])
                 async with running(create_app(self.sg)) as url:
                     self.url = url
