@@ -9,11 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from sgtest import Guard, Handler, Proxy, Seen, Upstream, answer_ok, recording, relaxed
+from sgtest import EXAMPLE, Guard, Handler, Proxy, Seen, Upstream, answer_ok, recording, relaxed
 
 from stepguard.contracts.model import Contract
 from stepguard.contracts.store import Store
@@ -71,3 +72,13 @@ def stepguard(aiohttp_client: Any, tmp_path: Path) -> Callable[..., Awaitable[Gu
         return Guard(sg, await aiohttp_client(create_app(sg)))
 
     return start
+
+
+@pytest.fixture
+def contract_file(tmp_path: Path, tools: Any) -> Path:
+    """The example contract, its tools upstream at `tools`, as a file for `stepguard serve`."""
+    document = yaml.safe_load(EXAMPLE.read_bytes())
+    document["upstreams"]["tools"]["url"] = tools.url
+    path = tmp_path / "contract.yaml"
+    path.write_text(yaml.safe_dump(document, sort_keys=False))
+    return path

@@ -5,7 +5,10 @@ x-should-retry: false, a stored decision behind it)."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import sys
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -298,3 +301,27 @@ class ExitsNotStored(SQLiteStore):
         if event.get("boundary") == "exit":
             raise StoreError("disk I/O error (injected)")
         await super().append(envelope, event, escalation, keys)
+
+
+# --- stepguard as a process --------------------------------------------------------------------
+
+
+async def started(*argv: str) -> asyncio.subprocess.Process:
+    """`python -m ARGV...` (a `stepguard.proxy.cli serve ...`, an upstream), output discarded."""
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", *argv, stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL)
+
+
+async def wait_ready(session: aiohttp.ClientSession, url: str) -> None:
+    """Until `url` answers with anything below 500 (20 s at most)."""
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            async with session.get(url) as reply:
+                if reply.status < 500:
+                    return
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{url} never answered")

@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 import yaml
 from aiohttp import web
-from sgtest import contract_doc
+from sgtest import contract_doc, started, wait_ready
 
 from stepguard.proxy.bench_proxy import RUN_HEADER, bench_contract
 from stepguard.proxy.bench_upstream import order_request
@@ -51,25 +51,6 @@ class Sidecar:
 
     async def connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         return await asyncio.open_connection("127.0.0.1", self.port)
-
-
-async def started(*argv: str) -> asyncio.subprocess.Process:
-    return await asyncio.create_subprocess_exec(
-        sys.executable, "-m", *argv, stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.DEVNULL)
-
-
-async def wait_ready(session: aiohttp.ClientSession, url: str) -> None:
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        try:
-            async with session.get(url) as reply:
-                if reply.status < 500:
-                    return
-        except aiohttp.ClientError:
-            pass
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"{url} never answered")
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-import sys
 import time
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import aiohttp
 import orjson
 import pytest
 import yaml
+from sgtest import started, wait_ready
 
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.sqlite_store import connect
@@ -49,25 +49,6 @@ def peak_rss_mb(pid: int) -> float:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
     raise AssertionError("no VmHWM")
-
-
-async def started(*argv: str) -> asyncio.subprocess.Process:
-    return await asyncio.create_subprocess_exec(
-        sys.executable, "-m", *argv, stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.DEVNULL)
-
-
-async def wait_ready(session: aiohttp.ClientSession, url: str) -> None:
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        try:
-            async with session.get(url) as reply:
-                if reply.status < 500:
-                    return
-        except aiohttp.ClientError:
-            pass
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"{url} never answered")
 
 
 @pytest.mark.timeout(240)

@@ -13,9 +13,7 @@ from typing import IO, Any
 
 import aiohttp
 import pytest
-import yaml
 from sgtest import (
-    EXAMPLE,
     STEPS,
     OrderFlow,
     Remote,
@@ -86,15 +84,6 @@ async def test_a_fresh_stepguard_keeps_refusing_a_halted_run(proxy, tools):
 def serve_log(tmp_path: Path) -> Iterator[IO[bytes]]:
     with (tmp_path / "serve.log").open("ab") as log:
         yield log
-
-
-@pytest.fixture
-def contract_file(tmp_path: Path, tools: Any) -> Path:
-    document = yaml.safe_load(EXAMPLE.read_bytes())
-    document["upstreams"]["tools"]["url"] = tools.url
-    path = tmp_path / "contract.yaml"
-    path.write_text(yaml.safe_dump(document, sort_keys=False))
-    return path
 
 
 @asynccontextmanager

@@ -21,9 +21,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-import yaml
 from sgtest import (
-    EXAMPLE,
     OrderFlow,
     Proxy,
     Remote,
@@ -263,15 +261,6 @@ async def test_shutdown_on_a_full_disk_logs_the_failed_checkpoint_and_finishes(
 
 
 # --- starting on a store that cannot be used ---------------------------------------------------
-
-
-@pytest.fixture
-def contract_file(tmp_path: Path, tools: Any) -> Path:
-    document = yaml.safe_load(EXAMPLE.read_bytes())
-    document["upstreams"]["tools"]["url"] = tools.url
-    path = tmp_path / "contract.yaml"
-    path.write_text(yaml.safe_dump(document, sort_keys=False))
-    return path
 
 
 def serve_argv(contract: Path, store: Path, port: int, admin: int) -> list[str]:
