@@ -301,8 +301,12 @@ class ModelAdapter:
         return await self._checked_answer(ex, up)
 
     async def _checked_answer(self, ex: Exchange, up: Upstreamed) -> web.Response:
-        """A whole model answer: its tool calls and final answer checked, then handed on."""
-        if up.status != 200 or not is_json_type(up.headers.get("content-type", "")):
+        """A whole model answer: its tool calls and final answer checked, then handed on.
+        Every 2xx answer is read as JSON whatever its Content-Type says (the SDKs parse any 2xx
+        body as JSON), and one that is not a JSON object is refused; a 4xx/5xx is relayed (an
+        SDK raises on it and hands nothing over); a 3xx is refused (see _no_redirect)."""
+        _no_redirect(up.status)
+        if not 200 <= up.status < 300:
             return web.Response(status=up.status, headers=up.headers, body=up.body)
         try:   # a compressed answer (despite Accept-Encoding: identity) is read decoded and
             # handed on as received
@@ -311,12 +315,15 @@ class ModelAdapter:
                                   self.settings.max_json_depth)
         except BodyError as exc:
             raise Stop(502, f"stepguard: {exc.detail}", {"check": "upstream"}) from None
-        if isinstance(response, dict):
-            turn = self._parsed(ex, lambda: ex.dialect.turn(response))
-            try:
-                await retrying_conflicts(ex.run_id, lambda: self._entries(ex, turn))
-            except StoreError as exc:
-                self._entries_not_stored(ex, exc)   # raises unless fail-open
+        if not isinstance(response, dict):
+            raise Stop(502, f"stepguard: the model's {up.status} answer is not a JSON object "
+                       f"(a {type(response).__name__}); it cannot be checked and is refused "
+                       f"(fail closed)", {"check": "upstream"})
+        turn = self._parsed(ex, lambda: ex.dialect.turn(response))
+        try:
+            await retrying_conflicts(ex.run_id, lambda: self._entries(ex, turn))
+        except StoreError as exc:
+            self._entries_not_stored(ex, exc)   # raises unless fail-open
         out = web.Response(status=up.status, headers=up.headers, body=up.body)
         out.headers[RUN_HEADER] = ex.run_id
         return out
@@ -331,7 +338,9 @@ class ModelAdapter:
             raise _upstream_failed(exc) from None
         self._upstream_seen(ex, resp.status, since)
         async with resp:
-            if resp.status == 200 and is_json_type(resp.headers.get("content-type", "")):
+            _no_redirect(resp.status)
+            answered = 200 <= resp.status < 300
+            if answered and is_json_type(resp.headers.get("content-type", "")):
                 # a server that ignored "stream": one JSON answer, checked like any other
                 try:
                     async with asyncio.timeout(timeout_s):
@@ -345,8 +354,9 @@ class ModelAdapter:
                 return await self._checked_answer(ex, Upstreamed(
                     resp.status, end_to_end(resp.headers), body))
             encoding = (resp.headers.get("content-encoding") or "identity").strip().lower()
-            if resp.status == 200 and "text/event-stream" in resp.headers.get(
-                    "content-type", "") and encoding != "identity":
+            # every other 2xx answer is read as events whatever its Content-Type says: an SDK
+            # reads the body of a streamed request as SSE (a 4xx/5xx it raises on, unread)
+            if answered and encoding != "identity":
                 # stepguard asked for identity; a compressed stream would pass unread: refuse
                 raise Stop(502, f"stepguard: the model's event stream came with content-encoding "
                            f"{encoding!r} although identity was asked for; it cannot be checked",
@@ -356,7 +366,7 @@ class ModelAdapter:
             out.headers[RUN_HEADER] = ex.run_id
             ex.timing.stamp(out)
             await out.prepare(ex.request)
-            if resp.status != 200 or "text/event-stream" not in resp.headers.get("content-type", ""):
+            if not answered:
                 try:
                     async for chunk in read_chunks(resp, ex.request, timeout_s):
                         await out.write(chunk)
@@ -633,6 +643,15 @@ class ModelAdapter:
         return web.Response(status=status, body=orjson.dumps(body),
                             content_type="application/json",
                             headers={"x-should-retry": "true" if retry else "false"})
+
+
+def _no_redirect(status: int) -> None:
+    """A model upstream's 3xx is refused: an SDK follows it (the openai and anthropic clients
+    set follow_redirects) to an answer stepguard never sees."""
+    if 300 <= status < 400:
+        raise Stop(502, f"stepguard: the model upstream answered {status} (a redirect); an SDK "
+                   f"would follow it to an answer stepguard cannot check, so it is refused",
+                   {"check": "upstream"})
 
 
 def _upstream_failed(exc: UpstreamError) -> Stop:
