@@ -16,6 +16,7 @@ on a violation.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 import uuid
 from collections import OrderedDict
@@ -60,6 +61,9 @@ _INFLIGHT_WAIT_S = 30.0
 _ARGUMENTS_BUDGET = 16 * 1024 * 1024
 _FAILED_CALLS_KEPT = 10_000
 T = TypeVar("T")
+# a stored Responses response, read again (GET, whole or as a resumed stream) or cancelled
+# (POST .../cancel): both answer with the response, tool calls included
+_STORED_RESPONSE = re.compile(r"/responses/(?P<id>[^/]+)(?P<cancel>/cancel)?/?$")
 
 
 class PendingArguments:
@@ -118,6 +122,7 @@ class Exchange:
     run_id: str = ""
     new_run: bool = False
     keys: list[str] = field(default_factory=list)
+    stored_response: bool = False   # a GET (or cancel) of a response created earlier
 
     @property
     def contract(self) -> Contract:
@@ -150,6 +155,12 @@ class ModelAdapter:
                      timing: Timing) -> web.StreamResponse:
         dialect = dialect_for(route.upstream.kind, route.path)
         headers = end_to_end(request.headers)
+        stored = _STORED_RESPONSE.search(route.path) if dialect is None else None
+        if stored is not None and route.upstream.kind == "openai" \
+                and not self.settings.passthrough \
+                and request.method == ("POST" if stored["cancel"] else "GET"):
+            return await self._stored_response(request, route, body, timing, headers,
+                                               stored["id"])
         if dialect is None or request.method != "POST" or self.settings.passthrough:
             return await self.http.forward_unchecked(request, route, headers, body, timing)
         # Every POST on a dialect path is read as JSON whatever its Content-Type says (a model
@@ -188,6 +199,43 @@ class ModelAdapter:
                                    {"check": "store"}, retry=True)
             self.observer.fail_open(ex.contract, "", ex.run_id)
             return await self.http.forward_unchecked(request, route, headers, body, timing)
+
+    async def _stored_response(self, request: web.Request, route: Route, body: bytes,
+                               timing: Timing, headers: CIMultiDict[str],
+                               response_id: str) -> web.StreamResponse:
+        """A Responses response read again (`responses.retrieve`, whole or its resumed stream
+        with `stream=true`) or cancelled: its tool calls reach the agent as a POST's would (a
+        background response hands them over only here), so they are checked the same way, in
+        the run that created the response. A response id stepguard never saw created cannot be
+        attributed: refused when the contract refuses unmatched calls, else checked as a fresh
+        run's turn would be."""
+        dialect = dialect_for("openai", "/v1/responses")
+        assert dialect is not None
+        ex = Exchange(route, dialect, request, {"previous_response_id": response_id}, body,
+                      timing, stored_response=True)
+        ask_for_identity(headers)
+        try:
+            await self._correlate(ex)
+            if ex.new_run and ex.contract.unmatched == "refuse":
+                raise Stop(403, f"stepguard: response {response_id!r} was not created through "
+                           f"stepguard, so its tool calls belong to no run, and the contract "
+                           f"refuses unmatched calls", {"check": "unmatched",
+                                                        "response": response_id})
+            await retrying_conflicts(ex.run_id, lambda: self._exits(ex))
+            if request.query.get("stream", "").lower() == "true":
+                return await self._stream(ex, headers)
+            return await self._complete(ex, headers)
+        except Stop as stop:
+            return self._error(dialect, stop.status, stop.message, stop.details, retry=stop.retry)
+        except RunOfAnotherWorkflow as exc:
+            return self._error(dialect, 409, f"stepguard: {exc}", {"check": "correlation",
+                                                                  "run": ex.run_id})
+        except StoreError as exc:
+            self.observer.store_error("append", str(exc), run_id=ex.run_id,
+                                      workflow=ex.contract.workflow)
+            return self._error(dialect, 503, f"stepguard: run {ex.run_id!r}: the event could "
+                               f"not be stored ({exc}); the call was not forwarded",
+                               {"check": "store"}, retry=True)
 
     # -- correlation ---------------------------------------------------------------------------
 
@@ -292,7 +340,7 @@ class ModelAdapter:
     async def _complete(self, ex: Exchange, headers: CIMultiDict[str]) -> web.StreamResponse:
         since = time.perf_counter()
         try:
-            up = await self.forwarder.fetch("POST", self._url(ex), headers, ex.raw,
+            up = await self.forwarder.fetch(ex.request.method, self._url(ex), headers, ex.raw,
                                             ex.route.upstream.timeout_s)
         except UpstreamError as exc:
             self._upstream_seen(ex, None, since)
@@ -332,7 +380,8 @@ class ModelAdapter:
         timeout_s = ex.route.upstream.timeout_s
         since = time.perf_counter()
         try:
-            resp = await self.forwarder.open("POST", self._url(ex), headers, ex.raw, timeout_s)
+            resp = await self.forwarder.open(ex.request.method, self._url(ex), headers, ex.raw,
+                                             timeout_s)
         except UpstreamError as exc:
             self._upstream_seen(ex, None, since)
             raise _upstream_failed(exc) from None
@@ -555,6 +604,9 @@ class ModelAdapter:
             before = envelope.seq
             for choice in turn.choices():    # n > 1: the agent may act on any choice
                 for call in choice.calls:
+                    if ex.stored_response and await self.runs.store.find_run(
+                            f"call:{call.call_id}") is not None:
+                        continue    # a response read again: this call's entry was checked
                     self._failed_calls.pop(call.call_id, None)   # a retry issued it again
                     envelope = await self._entry(ex, envelope, call, keys)
                 final = choice.final
@@ -568,12 +620,14 @@ class ModelAdapter:
                         keys=keys)
                     self._raise_if_stopped(ex, decision, settled)
                     envelope = settled.envelope
-            if keys and ex.dialect.chained and envelope.seq == before and envelope.seq > 0:
+            if keys and ex.dialect.chained and envelope.seq == before and (
+                    envelope.seq > 0 or ex.body.get("background") is True):
                 # a turn of a stored run that was no boundary (plain text, unmatched calls):
                 # the next request may continue from it by previous_response_id alone, so its
                 # id must find the run too, or the conversation would split into a new run.
                 # (Every event above was stored with the keys; a run with no event yet has
-                # nothing to continue.)
+                # nothing to continue, unless the response runs in the background: its tool
+                # calls come later, when the agent retrieves it, and must find this run.)
                 await self.runs.store.add_keys(ex.run_id, keys)
 
     async def _entry(self, ex: Exchange, envelope: Envelope, call: ToolCall,
