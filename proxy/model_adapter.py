@@ -61,9 +61,10 @@ _INFLIGHT_WAIT_S = 30.0
 _ARGUMENTS_BUDGET = 16 * 1024 * 1024
 _FAILED_CALLS_KEPT = 10_000
 T = TypeVar("T")
-# a stored Responses response, read again (GET, whole or as a resumed stream) or cancelled
-# (POST .../cancel): both answer with the response, tool calls included
-_STORED_RESPONSE = re.compile(r"/responses/(?P<id>[^/]+)(?P<cancel>/cancel)?/?$")
+# a stored answer read again: a Responses response (GET, whole or as a resumed stream, or
+# POST .../cancel) or a stored chat completion (GET): each answers with its tool calls
+_STORED_RESPONSE = re.compile(
+    r"/(?P<api>responses|chat/completions)/(?P<id>[^/]+)(?P<cancel>/cancel)?/?$")
 
 
 class PendingArguments:
@@ -158,9 +159,10 @@ class ModelAdapter:
         stored = _STORED_RESPONSE.search(route.path) if dialect is None else None
         if stored is not None and route.upstream.kind == "openai" \
                 and not self.settings.passthrough \
-                and request.method == ("POST" if stored["cancel"] else "GET"):
+                and request.method == ("POST" if stored["cancel"] else "GET") \
+                and not (stored["cancel"] and stored["api"] != "responses"):
             return await self._stored_response(request, route, body, timing, headers,
-                                               stored["id"])
+                                               f"/v1/{stored['api']}", stored["id"])
         if dialect is None or request.method != "POST" or self.settings.passthrough:
             return await self.http.forward_unchecked(request, route, headers, body, timing)
         # Every POST on a dialect path is read as JSON whatever its Content-Type says (a model
@@ -201,26 +203,20 @@ class ModelAdapter:
             return await self.http.forward_unchecked(request, route, headers, body, timing)
 
     async def _stored_response(self, request: web.Request, route: Route, body: bytes,
-                               timing: Timing, headers: CIMultiDict[str],
+                               timing: Timing, headers: CIMultiDict[str], api: str,
                                response_id: str) -> web.StreamResponse:
-        """A Responses response read again (`responses.retrieve`, whole or its resumed stream
-        with `stream=true`) or cancelled: its tool calls reach the agent as a POST's would (a
-        background response hands them over only here), so they are checked the same way, in
-        the run that created the response. A response id stepguard never saw created cannot be
-        attributed: refused when the contract refuses unmatched calls, else checked as a fresh
-        run's turn would be."""
-        dialect = dialect_for("openai", "/v1/responses")
+        """A stored answer read again (`responses.retrieve`, whole or its resumed stream with
+        `stream=true`; `responses.cancel`; `chat.completions.retrieve`): its tool calls reach
+        the agent as a POST's would (a background response hands them over only here), so
+        they are checked the same way, in the run that created the answer. Tool calls of an
+        answer stepguard never saw created cannot be attributed: refused when the contract
+        refuses unmatched calls, else checked as a fresh run's turn would be (`_entries`)."""
+        dialect = dialect_for("openai", api)
         assert dialect is not None
-        ex = Exchange(route, dialect, request, {"previous_response_id": response_id}, body,
-                      timing, stored_response=True)
+        ex = Exchange(route, dialect, request, {}, body, timing, stored_response=True)
         ask_for_identity(headers)
         try:
-            await self._correlate(ex)
-            if ex.new_run and ex.contract.unmatched == "refuse":
-                raise Stop(403, f"stepguard: response {response_id!r} was not created through "
-                           f"stepguard, so its tool calls belong to no run, and the contract "
-                           f"refuses unmatched calls", {"check": "unmatched",
-                                                        "response": response_id})
+            await self._correlate(ex, [f"resp:{response_id}"])
             await retrying_conflicts(ex.run_id, lambda: self._exits(ex))
             if request.query.get("stream", "").lower() == "true":
                 return await self._stream(ex, headers)
@@ -239,7 +235,7 @@ class ModelAdapter:
 
     # -- correlation ---------------------------------------------------------------------------
 
-    async def _correlate(self, ex: Exchange) -> None:
+    async def _correlate(self, ex: Exchange, keys: list[str] | None = None) -> None:
         # A header or traceparent the contract names explicitly outranks the conversation's own
         # tool-call ids. By default only the run header does: OpenTelemetry instrumentation puts
         # a traceparent on every model call, one trace per call or one per orchestrator, and
@@ -249,7 +245,8 @@ class ModelAdapter:
             contract = replace(contract, run_keys=("header:x-stepguard-run",))
         run_id = run_id_for(contract, ex.request.headers, implicit=False)
         if run_id is None:
-            keys = self._parsed(ex, lambda: ex.dialect.known_ids(ex.body))
+            if keys is None:
+                keys = self._parsed(ex, lambda: ex.dialect.known_ids(ex.body))
             await self._settled_in_flight(keys)
             found = {r for key in keys
                      if (r := await self.runs.store.find_run(key)) is not None}
@@ -601,6 +598,12 @@ class ModelAdapter:
                            f"({'; '.join(unclassified[:5])}); it is refused (fail closed)",
                            {"check": "unclassified", "calls": unclassified[:20],
                             "run": ex.run_id})
+            if ex.stored_response and ex.new_run and contract.unmatched == "refuse" \
+                    and any(choice.calls for choice in turn.choices()):
+                raise Stop(403, f"stepguard: {turn.response_id!r} was not created through "
+                           f"stepguard, so its tool calls belong to no run, and the contract "
+                           f"refuses unmatched calls", {"check": "unmatched",
+                                                        "response": turn.response_id})
             before = envelope.seq
             for choice in turn.choices():    # n > 1: the agent may act on any choice
                 for call in choice.calls:

@@ -18,6 +18,7 @@ from conftest_model import provider_error
 from sgtest import Guard
 from test_model_tool_call_shapes import (
     RESPONSES_FUNCTION,
+    chat_whole,
     contract,
     responses_stream,
     responses_whole,
@@ -123,3 +124,75 @@ async def test_a_response_read_again_does_not_check_its_tool_calls_a_second_time
     assert [i.type for i in again.output] == ["function_call"]
     assert await guard.history(run) == before
     assert [(e["step"], e["boundary"]) for e in before] == [("lookup_order", "entry")]
+
+
+async def test_a_stored_chat_completion_read_again_is_checked_in_the_run_that_created_it(
+        aiohttp_server, stepguard):
+    def call(name: str) -> dict[str, Any]:
+        return {"id": f"call_{name}", "type": "function",
+                "function": {"name": name, "arguments": "{}"}}
+
+    async def answer(request: web.Request) -> web.Response:
+        # created with one call; read again, the stored completion says another
+        name = "lookup_order" if request.method == "POST" else "check_policy"
+        return web.json_response(chat_whole({"tool_calls": [call(name)]}))
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", answer)
+    app.router.add_get("/v1/chat/completions/{id}", answer)
+    server = await aiohttp_server(app)
+    guard = await stepguard(contract(str(server.make_url("")).rstrip("/"), "openai"))
+
+    async with sdk(guard) as client:
+        created = await client.chat.completions.with_raw_response.create(
+            model="m", messages=[{"role": "user", "content": "go"}], store=True)
+        run = created.headers["x-stepguard-run"]
+        with pytest.raises(openai.APIStatusError) as stopped:   # before lookup_order's result
+            got = await client.chat.completions.retrieve(created.parse().id)
+            pytest.fail(f"the agent was handed the unchecked tool call: {got!r}")
+
+    details = provider_error(stopped.value)["stepguard"]
+    assert (details["check"], details["run"]) == ("order", run)
+    assert [(e["step"], e["boundary"]) for e in await guard.history(run)] == [
+        ("lookup_order", "entry"), ("check_policy", "entry")]
+
+
+async def test_a_stored_chat_completion_stepguard_never_saw_created_is_checked_as_a_new_run(
+        aiohttp_server, stepguard):
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "check_policy", "arguments": "{}"}}
+
+    async def answer(request: web.Request) -> web.Response:
+        return web.json_response(chat_whole({"tool_calls": [call]}))
+
+    app = web.Application()
+    app.router.add_get("/v1/chat/completions/{id}", answer)
+    server = await aiohttp_server(app)
+    guard = await stepguard(contract(str(server.make_url("")).rstrip("/"), "openai"))
+
+    async with sdk(guard) as client:
+        with pytest.raises(openai.APIStatusError) as stopped:
+            got = await client.chat.completions.retrieve("chatcmpl-1")
+            pytest.fail(f"the agent was handed the unchecked tool call: {got!r}")
+
+    assert stopped.value.status_code == 422
+    assert provider_error(stopped.value)["stepguard"]["check"] == "order"
+
+
+async def test_a_response_without_tool_calls_passes_however_it_was_created(
+        aiohttp_server, stepguard):
+    async def answer(request: web.Request) -> web.Response:
+        return web.json_response(responses_whole(
+            {"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
+             "content": [{"type": "output_text", "text": "done", "annotations": []}]}))
+
+    app = web.Application()
+    app.router.add_get("/v1/responses/{id}", answer)
+    server = await aiohttp_server(app)
+    guard = await stepguard(contract(str(server.make_url("")).rstrip("/"), "openai",
+                                     unmatched="refuse"))
+
+    async with sdk(guard) as client:
+        got = await client.responses.retrieve("resp_elsewhere")
+
+    assert got.output_text == "done"
