@@ -35,7 +35,15 @@ from stepguard.contracts.events import OBSERVE, Decision, ToolResult, Violation
 from stepguard.contracts.model import Contract
 from stepguard.contracts.runs import RunBook
 from stepguard.metrics.observer import Observer
-from stepguard.proxy.bodies import BodyError, charset_of, decode, is_json_type, parse_json
+from stepguard.proxy.bodies import (
+    BodyError,
+    _too_deep,
+    charset_of,
+    check_depth,
+    decode,
+    is_json_type,
+    parse_json,
+)
 from stepguard.proxy.boundaries import Boundaries, Evidence, Settled, retrying_conflicts
 from stepguard.proxy.config import Settings
 from stepguard.proxy.correlation import implicit_run_id, run_id_for
@@ -643,22 +651,31 @@ class ModelAdapter:
                            f"{contract.workflow!r}, and the contract refuses unmatched calls",
                            {"check": "unmatched", "tool": call.name, "run": ex.run_id})
             return envelope
-        if call.error is not None:
+        # arguments are read at the most --max-json-depth may be; held here to its setting
+        error, arguments = call.error, call.arguments
+        try:
+            if call.too_deep:
+                raise _too_deep(f"arguments of tool call {call.call_id}",
+                                self.settings.max_json_depth)
+            check_depth(arguments, f"arguments of tool call {call.call_id}",
+                        self.settings.max_json_depth)
+        except BodyError as exc:
+            error, arguments = exc.detail, None
+        if error is not None:
             decision = Decision(step.name, "entry",
-                                Violation("input_schema", "shape", call.error, "entry",
+                                Violation("input_schema", "shape", error, "entry",
                                           field="input"))
         else:
-            decision = check_entry(step, envelope, call.arguments)
+            decision = check_entry(step, envelope, arguments)
         goes_ahead = decision.passed or contract.mode == "observe"
-        raw = orjson.dumps(call.arguments)
+        raw = orjson.dumps(arguments)
         settled = await self.boundaries.settle(
-            contract, ex.run_id, envelope, decision, Evidence(call.arguments, raw),
+            contract, ex.run_id, envelope, decision, Evidence(arguments, raw),
             timing=ex.timing, traffic=self.traffic,
             extra={"call_id": call.call_id, "tool": call.name, "pending": goes_ahead},
             keys=[f"call:{call.call_id}", *keys])
-        if goes_ahead and call.arguments is not None \
-                and settled.event.get("input") != call.arguments:
-            self.arguments.keep(ex.run_id, call.call_id, call.arguments, len(raw))
+        if goes_ahead and arguments is not None and settled.event.get("input") != arguments:
+            self.arguments.keep(ex.run_id, call.call_id, arguments, len(raw))
         self._raise_if_stopped(ex, decision, settled)
         if call.ran and goes_ahead:   # the provider ran it: its outcome is the exit, at once
             return await self._exit(ex, settled.envelope, ToolOutput(call.call_id, call.result),
