@@ -92,8 +92,12 @@ def check_depth(value: Any, what: str, max_depth: int = MAX_JSON_DEPTH) -> None:
         raise _too_deep(what, max_depth)
 
 
+class JsonTooDeep(BodyError):
+    """JSON nested deeper than the limit (--max-json-depth)."""
+
+
 def _too_deep(what: str, max_depth: int) -> BodyError:
-    return BodyError(f"{what} nests JSON arrays and objects deeper than {max_depth} levels, the "
+    return JsonTooDeep(f"{what} nests JSON arrays and objects deeper than {max_depth} levels, the "
                      "limit (--max-json-depth)")
 
 

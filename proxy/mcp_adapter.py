@@ -55,7 +55,13 @@ from stepguard.proxy.forward import (
 from stepguard.proxy.h1client import H1Response, UpstreamConnectionError
 from stepguard.proxy.http_adapter import HttpToolAdapter, upstream_url
 from stepguard.proxy.routing import Route
-from stepguard.proxy.sse import EventTooLarge, SSESplitter, event_json, events_to_end
+from stepguard.proxy.sse import (
+    EventTooDeep,
+    EventTooLarge,
+    SSESplitter,
+    event_json,
+    events_to_end,
+)
 
 TRAFFIC = "mcp"
 VIOLATION_CODE = -31000      # outside JSON-RPC's and MCP's reserved ranges
@@ -352,7 +358,11 @@ class McpAdapter:
                 chunks = read_chunks(resp, request, None)
                 async with contextlib.aclosing(events_to_end(chunks, splitter)) as events:
                     async for raw, event in events:
-                        message = event_json(event.data) if event is not None else {}
+                        try:
+                            message = (event_json(event.data, self.settings.max_json_depth)
+                                       if event is not None else {})
+                        except EventTooDeep:     # unreadable: it may be an answer, withheld
+                            message = {"id": None, "error": None}
                         if "method" not in message and "id" in message and (
                                 "result" in message or "error" in message):
                             raw = _withheld(message["id"], event.id if event else "")
@@ -601,7 +611,15 @@ class McpAdapter:
         try:
             async with contextlib.aclosing(events_to_end(resp.iter_any(), splitter)) as events:
                 async for raw, event in events:
-                    message = event_json(event.data) if event is not None else {}
+                    try:
+                        message = (event_json(event.data, self.settings.max_json_depth)
+                                   if event is not None else {})
+                    except EventTooDeep as exc:
+                        # unreadable, so taken as the call's answer, failed like an over-deep
+                        # JSON answer: never relayed unchecked, never handed to the store
+                        return Answer(ToolResult(resp.status, error=f"MCP server response: "
+                                                 f"{exc}", error_kind="transport"),
+                                      resp.status, headers, raw, sse=True)
                     if message.get("id") == call.rpc_id and ("result" in message
                                                              or "error" in message):
                         return Answer(self._message_result(message), resp.status, headers, raw,

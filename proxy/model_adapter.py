@@ -16,6 +16,7 @@ on a violation.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 import uuid
 from collections import OrderedDict
@@ -34,7 +35,15 @@ from stepguard.contracts.events import OBSERVE, Decision, ToolResult, Violation
 from stepguard.contracts.model import Contract
 from stepguard.contracts.runs import RunBook
 from stepguard.metrics.observer import Observer
-from stepguard.proxy.bodies import BodyError, charset_of, decode, is_json_type, parse_json
+from stepguard.proxy.bodies import (
+    BodyError,
+    _too_deep,
+    charset_of,
+    check_depth,
+    decode,
+    is_json_type,
+    parse_json,
+)
 from stepguard.proxy.boundaries import Boundaries, Evidence, Settled, retrying_conflicts
 from stepguard.proxy.config import Settings
 from stepguard.proxy.correlation import implicit_run_id, run_id_for
@@ -61,6 +70,10 @@ _INFLIGHT_WAIT_S = 30.0
 _ARGUMENTS_BUDGET = 16 * 1024 * 1024
 _FAILED_CALLS_KEPT = 10_000
 T = TypeVar("T")
+# a stored answer read again: a Responses response (GET, whole or as a resumed stream, or
+# POST .../cancel) or a stored chat completion (GET): each answers with its tool calls
+_STORED_RESPONSE = re.compile(
+    r"/(?P<api>responses|chat/completions)/(?P<id>[^/]+)(?P<cancel>/cancel)?/?$")
 
 
 class PendingArguments:
@@ -119,6 +132,7 @@ class Exchange:
     run_id: str = ""
     new_run: bool = False
     keys: list[str] = field(default_factory=list)
+    stored_response: bool = False   # a GET (or cancel) of a response created earlier
 
     @property
     def contract(self) -> Contract:
@@ -151,6 +165,13 @@ class ModelAdapter:
                      timing: Timing) -> web.StreamResponse:
         dialect = dialect_for(route.upstream.kind, route.path)
         headers = end_to_end(request.headers)
+        stored = _STORED_RESPONSE.search(route.path) if dialect is None else None
+        if stored is not None and route.upstream.kind == "openai" \
+                and not self.settings.passthrough \
+                and request.method == ("POST" if stored["cancel"] else "GET") \
+                and not (stored["cancel"] and stored["api"] != "responses"):
+            return await self._stored_response(request, route, body, timing, headers,
+                                               f"/v1/{stored['api']}", stored["id"])
         if dialect is None or request.method != "POST" or self.settings.passthrough:
             return await self.http.forward_unchecked(request, route, headers, body, timing)
         # Every POST on a dialect path is read as JSON whatever its Content-Type says (a model
@@ -190,9 +211,40 @@ class ModelAdapter:
             self.observer.fail_open(ex.contract, "", ex.run_id)
             return await self.http.forward_unchecked(request, route, headers, body, timing)
 
+    async def _stored_response(self, request: web.Request, route: Route, body: bytes,
+                               timing: Timing, headers: CIMultiDict[str], api: str,
+                               response_id: str) -> web.StreamResponse:
+        """A stored answer read again (`responses.retrieve`, whole or its resumed stream with
+        `stream=true`; `responses.cancel`; `chat.completions.retrieve`): its tool calls reach
+        the agent as a POST's would (a background response hands them over only here), so
+        they are checked the same way, in the run that created the answer. Tool calls of an
+        answer stepguard never saw created cannot be attributed: refused when the contract
+        refuses unmatched calls, else checked as a fresh run's turn would be (`_entries`)."""
+        dialect = dialect_for("openai", api)
+        assert dialect is not None
+        ex = Exchange(route, dialect, request, {}, body, timing, stored_response=True)
+        ask_for_identity(headers)
+        try:
+            await self._correlate(ex, [f"resp:{response_id}"])
+            await retrying_conflicts(ex.run_id, lambda: self._exits(ex))
+            if request.query.get("stream", "").lower() == "true":
+                return await self._stream(ex, headers)
+            return await self._complete(ex, headers)
+        except Stop as stop:
+            return self._error(dialect, stop.status, stop.message, stop.details, retry=stop.retry)
+        except RunOfAnotherWorkflow as exc:
+            return self._error(dialect, 409, f"stepguard: {exc}", {"check": "correlation",
+                                                                  "run": ex.run_id})
+        except StoreError as exc:
+            self.observer.store_error("append", str(exc), run_id=ex.run_id,
+                                      workflow=ex.contract.workflow)
+            return self._error(dialect, 503, f"stepguard: run {ex.run_id!r}: the event could "
+                               f"not be stored ({exc}); the call was not forwarded",
+                               {"check": "store"}, retry=True)
+
     # -- correlation ---------------------------------------------------------------------------
 
-    async def _correlate(self, ex: Exchange) -> None:
+    async def _correlate(self, ex: Exchange, keys: list[str] | None = None) -> None:
         # A header or traceparent the contract names explicitly outranks the conversation's own
         # tool-call ids. By default only the run header does: OpenTelemetry instrumentation puts
         # a traceparent on every model call, one trace per call or one per orchestrator, and
@@ -202,7 +254,8 @@ class ModelAdapter:
             contract = replace(contract, run_keys=("header:x-stepguard-run",))
         run_id = run_id_for(contract, ex.request.headers, implicit=False)
         if run_id is None:
-            keys = self._parsed(ex, lambda: ex.dialect.known_ids(ex.body))
+            if keys is None:
+                keys = self._parsed(ex, lambda: ex.dialect.known_ids(ex.body))
             await self._settled_in_flight(keys)
             found = {r for key in keys
                      if (r := await self.runs.store.find_run(key)) is not None}
@@ -299,7 +352,7 @@ class ModelAdapter:
     async def _complete(self, ex: Exchange, headers: CIMultiDict[str]) -> web.StreamResponse:
         since = time.perf_counter()
         try:
-            up = await self.forwarder.fetch("POST", self._url(ex), headers, ex.raw,
+            up = await self.forwarder.fetch(ex.request.method, self._url(ex), headers, ex.raw,
                                             ex.route.upstream.timeout_s)
         except UpstreamError as exc:
             self._upstream_seen(ex, None, since)
@@ -308,8 +361,12 @@ class ModelAdapter:
         return await self._checked_answer(ex, up)
 
     async def _checked_answer(self, ex: Exchange, up: Upstreamed) -> web.Response:
-        """A whole model answer: its tool calls and final answer checked, then handed on."""
-        if up.status != 200 or not is_json_type(up.headers.get("content-type", "")):
+        """A whole model answer: its tool calls and final answer checked, then handed on.
+        Every 2xx answer is read as JSON whatever its Content-Type says (the SDKs parse any 2xx
+        body as JSON), and one that is not a JSON object is refused; a 4xx/5xx is relayed (an
+        SDK raises on it and hands nothing over); a 3xx is refused (see _no_redirect)."""
+        _no_redirect(up.status)
+        if not 200 <= up.status < 300:
             return web.Response(status=up.status, headers=up.headers, body=up.body)
         try:   # a compressed answer (despite Accept-Encoding: identity) is read decoded and
             # handed on as received
@@ -318,12 +375,15 @@ class ModelAdapter:
                                   self.settings.max_json_depth)
         except BodyError as exc:
             raise Stop(502, f"stepguard: {exc.detail}", {"check": "upstream"}) from None
-        if isinstance(response, dict):
-            turn = self._parsed(ex, lambda: ex.dialect.turn(response))
-            try:
-                await retrying_conflicts(ex.run_id, lambda: self._entries(ex, turn))
-            except StoreError as exc:
-                self._entries_not_stored(ex, exc)   # raises unless fail-open
+        if not isinstance(response, dict):
+            raise Stop(502, f"stepguard: the model's {up.status} answer is not a JSON object "
+                       f"(a {type(response).__name__}); it cannot be checked and is refused "
+                       f"(fail closed)", {"check": "upstream"})
+        turn = self._parsed(ex, lambda: ex.dialect.turn(response))
+        try:
+            await retrying_conflicts(ex.run_id, lambda: self._entries(ex, turn))
+        except StoreError as exc:
+            self._entries_not_stored(ex, exc)   # raises unless fail-open
         out = web.Response(status=up.status, headers=up.headers, body=up.body)
         out.headers[RUN_HEADER] = ex.run_id
         return out
@@ -332,13 +392,16 @@ class ModelAdapter:
         timeout_s = ex.route.upstream.timeout_s
         since = time.perf_counter()
         try:
-            resp = await self.forwarder.open("POST", self._url(ex), headers, ex.raw, timeout_s)
+            resp = await self.forwarder.open(ex.request.method, self._url(ex), headers, ex.raw,
+                                             timeout_s)
         except UpstreamError as exc:
             self._upstream_seen(ex, None, since)
             raise _upstream_failed(exc) from None
         self._upstream_seen(ex, resp.status, since)
         async with resp:
-            if resp.status == 200 and is_json_type(resp.headers.get("content-type", "")):
+            _no_redirect(resp.status)
+            answered = 200 <= resp.status < 300
+            if answered and is_json_type(resp.headers.get("content-type", "")):
                 # a server that ignored "stream": one JSON answer, checked like any other
                 try:
                     async with asyncio.timeout(timeout_s):
@@ -352,8 +415,9 @@ class ModelAdapter:
                 return await self._checked_answer(ex, Upstreamed(
                     resp.status, end_to_end(resp.headers), body))
             encoding = (resp.headers.get("content-encoding") or "identity").strip().lower()
-            if resp.status == 200 and "text/event-stream" in resp.headers.get(
-                    "content-type", "") and encoding != "identity":
+            # every other 2xx answer is read as events whatever its Content-Type says: an SDK
+            # reads the body of a streamed request as SSE (a 4xx/5xx it raises on, unread)
+            if answered and encoding != "identity":
                 # stepguard asked for identity; a compressed stream would pass unread: refuse
                 raise Stop(502, f"stepguard: the model's event stream came with content-encoding "
                            f"{encoding!r} although identity was asked for; it cannot be checked",
@@ -363,7 +427,7 @@ class ModelAdapter:
             out.headers[RUN_HEADER] = ex.run_id
             ex.timing.stamp(out)
             await out.prepare(ex.request)
-            if resp.status != 200 or "text/event-stream" not in resp.headers.get("content-type", ""):
+            if not answered:
                 try:
                     async for chunk in read_chunks(resp, ex.request, timeout_s):
                         await out.write(chunk)
@@ -549,9 +613,18 @@ class ModelAdapter:
                            f"({'; '.join(unclassified[:5])}); it is refused (fail closed)",
                            {"check": "unclassified", "calls": unclassified[:20],
                             "run": ex.run_id})
+            if ex.stored_response and ex.new_run and contract.unmatched == "refuse" \
+                    and any(choice.calls for choice in turn.choices()):
+                raise Stop(403, f"stepguard: {turn.response_id!r} was not created through "
+                           f"stepguard, so its tool calls belong to no run, and the contract "
+                           f"refuses unmatched calls", {"check": "unmatched",
+                                                        "response": turn.response_id})
             before = envelope.seq
             for choice in turn.choices():    # n > 1: the agent may act on any choice
                 for call in choice.calls:
+                    if ex.stored_response and await self.runs.store.find_run(
+                            f"call:{call.call_id}") is not None:
+                        continue    # a response read again: this call's entry was checked
                     self._failed_calls.pop(call.call_id, None)   # a retry issued it again
                     envelope = await self._entry(ex, envelope, call, keys)
                 final = choice.final
@@ -565,12 +638,14 @@ class ModelAdapter:
                         keys=keys)
                     self._raise_if_stopped(ex, decision, settled)
                     envelope = settled.envelope
-            if keys and ex.dialect.chained and envelope.seq == before and envelope.seq > 0:
+            if keys and ex.dialect.chained and envelope.seq == before and (
+                    envelope.seq > 0 or ex.body.get("background") is True):
                 # a turn of a stored run that was no boundary (plain text, unmatched calls):
                 # the next request may continue from it by previous_response_id alone, so its
                 # id must find the run too, or the conversation would split into a new run.
                 # (Every event above was stored with the keys; a run with no event yet has
-                # nothing to continue.)
+                # nothing to continue, unless the response runs in the background: its tool
+                # calls come later, when the agent retrieves it, and must find this run.)
                 await self.runs.store.add_keys(ex.run_id, keys)
 
     async def _entry(self, ex: Exchange, envelope: Envelope, call: ToolCall,
@@ -585,29 +660,38 @@ class ModelAdapter:
                            f"{contract.workflow!r}, and the contract refuses unmatched calls",
                            {"check": "unmatched", "tool": call.name, "run": ex.run_id})
             return envelope
-        keyed = await self.boundaries.run_keys.bind(contract, step, ex.run_id, call.arguments)
-        if call.error is not None:
+        # arguments are read at the most --max-json-depth may be; held here to its setting
+        error, arguments = call.error, call.arguments
+        try:
+            if call.too_deep:
+                raise _too_deep(f"arguments of tool call {call.call_id}",
+                                self.settings.max_json_depth)
+            check_depth(arguments, f"arguments of tool call {call.call_id}",
+                        self.settings.max_json_depth)
+        except BodyError as exc:
+            error, arguments = exc.detail, None
+        keyed = await self.boundaries.run_keys.bind(contract, step, ex.run_id, arguments)
+        if error is not None:
             decision = Decision(step.name, "entry",
-                                Violation("input_schema", "shape", call.error, "entry",
+                                Violation("input_schema", "shape", error, "entry",
                                           field="input"))
         elif keyed.drift is not None:   # an `arg:` run key naming another value than the run's
             decision = Decision(step.name, "entry", Violation(
                 "run_key", "freshness", keyed.drift, "entry", field=keyed.field))
         else:
-            decision = check_entry(step, envelope, call.arguments, now=ex.timing.arrived)
+            decision = check_entry(step, envelope, arguments, now=ex.timing.arrived)
         goes_ahead = decision.passed or contract.mode == "observe"
-        raw = orjson.dumps(call.arguments)
+        raw = orjson.dumps(arguments)
         settled = await self.boundaries.settle(
-            contract, ex.run_id, envelope, decision, Evidence(call.arguments, raw),
+            contract, ex.run_id, envelope, decision, Evidence(arguments, raw),
             timing=ex.timing, traffic=self.traffic,
             extra={"call_id": call.call_id, "tool": call.name, "pending": goes_ahead},
             keys=[f"call:{call.call_id}", *keys])
-        if goes_ahead and call.arguments is not None \
-                and settled.event.get("input") != call.arguments:
-            self.arguments.keep(ex.run_id, call.call_id, call.arguments, len(raw))
+        if goes_ahead and arguments is not None and settled.event.get("input") != arguments:
+            self.arguments.keep(ex.run_id, call.call_id, arguments, len(raw))
         self._raise_if_stopped(ex, decision, settled)
         if goes_ahead and not call.ran:   # the agent may execute it over MCP or HTTP: joined
-            self.boundaries.pending.issued(contract.workflow, step.name, call.arguments,
+            self.boundaries.pending.issued(contract.workflow, step.name, arguments,
                                            ex.run_id, call.call_id)
         if call.ran and goes_ahead:   # the provider ran it: its outcome is the exit, at once
             return await self._exit(ex, settled.envelope, ToolOutput(call.call_id, call.result),
@@ -649,6 +733,15 @@ class ModelAdapter:
         return web.Response(status=status, body=orjson.dumps(body),
                             content_type="application/json",
                             headers={"x-should-retry": "true" if retry else "false"})
+
+
+def _no_redirect(status: int) -> None:
+    """A model upstream's 3xx is refused: an SDK follows it (the openai and anthropic clients
+    set follow_redirects) to an answer stepguard never sees."""
+    if 300 <= status < 400:
+        raise Stop(502, f"stepguard: the model upstream answered {status} (a redirect); an SDK "
+                   f"would follow it to an answer stepguard cannot check, so it is refused",
+                   {"check": "upstream"})
 
 
 def _upstream_failed(exc: UpstreamError) -> Stop:

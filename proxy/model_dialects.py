@@ -10,8 +10,14 @@ from typing import Any, Protocol
 import orjson
 from httpx_sse import ServerSentEvent
 
-from stepguard.proxy.bodies import BodyError, check_depth, parse_json
-from stepguard.proxy.sse import event_json
+from stepguard.proxy.bodies import (
+    JSON_DEPTH_CEILING,
+    BodyError,
+    JsonTooDeep,
+    check_depth,
+    parse_json,
+)
+from stepguard.proxy.sse import EventTooDeep, event_json
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +30,7 @@ class ToolCall:
     """The provider ran the tool itself (a Responses built-in tool, an Anthropic server tool):
     the agent gets the call with its outcome (`result`), so entry and exit are settled at once."""
     result: Any = None
+    too_deep: bool = False            # arguments nested past the ceiling (`error` says so)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,19 +113,24 @@ class Dialect(Protocol):
 
 
 def _arguments(call_id: str, name: str, raw: Any) -> ToolCall:
+    """A call's arguments read, bounded at the most --max-json-depth may be (the adapter holds
+    them to the configured limit: `ModelAdapter._entry`)."""
     if isinstance(raw, dict):
-        try:    # a streamed block's input arrives parsed with its event, unbounded
-            check_depth(raw, "arguments")
+        try:    # a streamed block's input arrives parsed with its event
+            check_depth(raw, "arguments", JSON_DEPTH_CEILING)
         except BodyError as exc:
-            return ToolCall(call_id, name, None, f"arguments of tool call {call_id}: {exc}")
+            return ToolCall(call_id, name, None, f"arguments of tool call {call_id}: {exc}",
+                            too_deep=True)
         return ToolCall(call_id, name, raw)
     if raw and not isinstance(raw, str):
         return ToolCall(call_id, name, None, f"arguments of tool call {call_id} are not JSON: "
                                              f"a {type(raw).__name__}, not a string")
     try:    # bounded like every parse: depth, exact integers
-        value = parse_json(raw.encode("utf-8", "surrogatepass") if raw else b"{}", "arguments")
+        value = parse_json(raw.encode("utf-8", "surrogatepass") if raw else b"{}", "arguments",
+                           JSON_DEPTH_CEILING)
     except BodyError as exc:
-        return ToolCall(call_id, name, None, f"arguments of tool call {call_id} are not JSON: {exc}")
+        return ToolCall(call_id, name, None, f"arguments of tool call {call_id} are not JSON: {exc}",
+                        too_deep=isinstance(exc, JsonTooDeep))
     if not isinstance(value, dict):
         return ToolCall(call_id, name, None, f"arguments of tool call {call_id} are not a JSON object")
     return ToolCall(call_id, name, value)
@@ -528,8 +540,13 @@ class _ResponsesAssembler:
 
     def is_terminal(self, event: ServerSentEvent) -> bool:
         # the openai SDK stops reading at data that starts with [DONE], whatever the dialect
-        return event.event in self._TERMINAL or event.data.startswith("[DONE]") or (
-            event.event in ("", "message") and event_json(event.data).get("type") in self._TERMINAL)
+        if event.event in self._TERMINAL or event.data.startswith("[DONE]"):
+            return True
+        try:    # an event too deep to read is no terminator: `feed` refuses it
+            return event.event in ("", "message") and \
+                event_json(event.data).get("type") in self._TERMINAL
+        except EventTooDeep:
+            return False
 
     def turn(self) -> Turn:
         final = self.completed.get("output") if self.completed else None

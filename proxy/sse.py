@@ -11,19 +11,43 @@ import orjson
 from httpx_sse import ServerSentEvent
 from httpx_sse._decoders import SSEDecoder, SSELineDecoder
 
+from stepguard.proxy.bodies import BodyError, check_depth
+
 # an event ends at a blank line: a line terminator (CRLF, LF or a lone CR) right after another,
 # in any mix (`\n\r\n` and `\r\n\r` included); a CR followed by LF is one terminator, never two
 _EOL = rb"(?:\r\n|\r(?!\n)|\n)"
 _BOUNDARY = re.compile(_EOL + _EOL)
 
 
-def event_json(data: str) -> dict[str, Any]:
-    """An event's data as a JSON object ({} when it is not one)."""
+class EventTooDeep(ValueError):
+    """An event's data is JSON nested deeper than the limit: it cannot be read, so whatever it
+    carries (an answer, a tool call) is refused, never taken for an event that says nothing."""
+
+
+def event_json(data: str, max_depth: int | None = None) -> dict[str, Any]:
+    """An event's data as a JSON object ({} when it is not one). Its depth is bounded like
+    every parse (`parse_json`): nested deeper than `max_depth` raises EventTooDeep. Without
+    `max_depth` only the parser's own limit applies (a model's events: the tool-call
+    arguments inside them are held to the limit where they are read)."""
+    what = "server-sent event data"
     try:
         value = orjson.loads(data)
-    except orjson.JSONDecodeError:
+    except orjson.JSONDecodeError as exc:
+        if str(exc).startswith("depth limit exceeded"):    # orjson's own limit, far above ours
+            raise EventTooDeep(f"{what} nests JSON arrays and objects deeper than "
+                               + (f"{max_depth} levels, the limit (--max-json-depth)"
+                                  if max_depth is not None else "the JSON parser reads")
+                               ) from None
         return {}
-    return value if isinstance(value, dict) else {}
+    if type(value) is not dict:
+        return {}
+    # counting brackets first is cheap: fewer opening ones than the limit cannot nest past it
+    if max_depth is not None and data.count("[") + data.count("{") > max_depth:
+        try:
+            check_depth(value, what, max_depth)
+        except BodyError as exc:
+            raise EventTooDeep(exc.detail) from None
+    return value
 
 
 def decode_event(raw: bytes) -> ServerSentEvent | None:

@@ -104,16 +104,19 @@ async def test_an_escalated_body_nested_past_what_redaction_recurses_is_recorded
 
 
 def test_tool_call_arguments_that_arrive_parsed_with_a_stream_event_are_bounded_too():
+    # bounded at the most --max-json-depth may be; the model adapter holds them to its setting
+    # (test_deep_json_events.py)
     from stepguard.proxy.model_dialects import _arguments
 
     deep: list[object] = []
-    for _ in range(100):
+    for _ in range(250):
         deep = [deep]
 
     refused = _arguments("toolu_1", "lookup_order", {"order_id": "ord-1", "x": deep})
     kept = _arguments("toolu_2", "lookup_order", {"order_id": "ord-1", "x": [[1]]})
 
-    assert refused.arguments is None and "deeper than 64 levels" in (refused.error or "")
+    assert refused.arguments is None and "deeper than 200 levels" in (refused.error or "")
+    assert refused.too_deep
     assert kept.arguments == {"order_id": "ord-1", "x": [[1]]} and kept.error is None
 
 
