@@ -7,6 +7,7 @@ server's answer, and the result the agent hands back to the model must be the on
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -214,7 +215,10 @@ async def http_hybrid(tmp_path: Path, model: FakeModel) -> AsyncIterator[tuple[S
 
 
 async def test_a_model_agent_whose_tools_run_over_http_is_one_run_each_step_checked_once(
-        tmp_path: Path) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the HTTP tool service numbers slots from a module-wide counter; the scripted model
+    # confirms slot-1, so this test's service counts from 1 whatever ran before it
+    monkeypatch.setattr(tools, "_counter", itertools.count(1))
     async with http_hybrid(tmp_path, FakeModel(model_agent.script_for(1, None))) as (
             sg, model_url, tools_url):
         model = openai.AsyncOpenAI(base_url=model_url, api_key="sk-test", max_retries=0)
