@@ -67,7 +67,8 @@ class PendingCalls:
             self._forget(old, len(entries))
 
     def take(self, workflow: str, step: str, arguments: Any) -> Issued | None:
-        """The oldest unexpired call the model issued for `step` with these arguments, consumed."""
+        """The oldest unexpired call the model issued for `step` with these arguments, consumed;
+        None when there is none, or when calls of more than one run wait with them."""
         if (workflow, step) not in self._steps:
             return None
         args = digest(arguments if arguments is not None else {})
@@ -75,16 +76,27 @@ class PendingCalls:
             return None
         key = (workflow, step, args)
         waiting = self._issued.get(key)
+        if not waiting:
+            return None
         now = time.monotonic()
-        while waiting:
-            issued = waiting.pop(0)
-            self._forget(key, 1)
-            if issued.expires > now:
-                if not waiting:
-                    del self._issued[key]
-                return issued
-        self._issued.pop(key, None)
-        return None
+        live = [issued for issued in waiting if issued.expires > now]
+        self._forget(key, len(waiting) - len(live))
+        if len({issued.run_id for issued in live}) > 1:
+            # two live runs issued this very call: which one this execution belongs to cannot
+            # be told, and taking either could put it in the wrong run. Neither is taken; the
+            # call goes on by its own keys (or is refused for want of one).
+            self._issued[key] = live
+            return None
+        if not live:
+            del self._issued[key]
+            return None
+        issued = live.pop(0)
+        self._forget(key, 1)
+        if live:
+            self._issued[key] = live
+        else:
+            del self._issued[key]
+        return issued
 
     def checked(self, run_id: str, call_id: str, step: str, output: Any) -> None:
         """The output a joined call's exit was checked on (at the tool's answer)."""

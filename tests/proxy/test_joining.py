@@ -248,3 +248,29 @@ async def test_a_model_agent_whose_tools_run_over_http_is_one_run_each_step_chec
     assert [(e["step"], e["boundary"], e["verdict"]) for e in history] == [
         row for step in STEPS for row in ((step, "entry", "pass"), (step, "exit", "pass"))] + [
         ("final_answer", "exit", "pass")]
+
+
+def test_an_execution_that_two_live_runs_issued_alike_joins_neither() -> None:
+    from stepguard.proxy.joining import PendingCalls
+
+    pending = PendingCalls()
+    pending.issued("wf", "lookup", {"order_id": "ord-1"}, "run-a", "call-a")
+    pending.issued("wf", "lookup", {"order_id": "ord-1"}, "run-b", "call-b")
+
+    assert pending.take("wf", "lookup", {"order_id": "ord-1"}) is None
+    assert pending.take("wf", "lookup", {"order_id": "ord-1"}) is None    # still ambiguous
+
+
+def test_two_alike_calls_of_one_run_are_taken_oldest_first() -> None:
+    from stepguard.proxy.joining import PendingCalls
+
+    pending = PendingCalls()
+    pending.issued("wf", "lookup", {"order_id": "ord-1"}, "run-a", "call-1")
+    pending.issued("wf", "lookup", {"order_id": "ord-1"}, "run-a", "call-2")
+
+    first = pending.take("wf", "lookup", {"order_id": "ord-1"})
+    second = pending.take("wf", "lookup", {"order_id": "ord-1"})
+    assert first is not None and second is not None
+    assert (first.call_id, second.call_id) == ("call-1", "call-2")
+    assert pending.take("wf", "lookup", {"order_id": "ord-1"}) is None
+    assert pending._steps == {}
