@@ -23,6 +23,10 @@ class Envelope:
     pending: dict[str, dict[str, Any]] = field(default_factory=dict)  # call id -> step, input
     created: float = 0.0
     updated: float = 0.0
+    # a model tool call executed over MCP/HTTP (joined): call id -> [step, digest of the output
+    # its exit was checked on], so the result the agent later hands the model can be compared
+    # after a restart or on another replica too
+    joined: dict[str, list[str]] = field(default_factory=dict)
 
     def apply(self, event: dict[str, Any]) -> Envelope:
         """The envelope after one history event (events carry seq, ts, action, ...)."""
@@ -36,6 +40,8 @@ class Envelope:
                                                             "input": event.get("input")}}
         elif call_id and event.get("boundary") == "exit" and call_id in self.pending:
             changes["pending"] = {k: v for k, v in self.pending.items() if k != call_id}
+        if call_id and event.get("joined_digest"):
+            changes["joined"] = {**self.joined, call_id: [event["step"], event["joined_digest"]]}
         stopped = self.status in ("halted", "escalated")   # nothing advances a stopped run
         if action == COMPLETE and not stopped:
             changes["status"] = "completed"
@@ -62,14 +68,15 @@ class Envelope:
         return Envelope(self.run_id, self.workflow, self.contract_version,
                         get("status", self.status), event["seq"], get("verified", self.verified),
                         get("state", self.state), get("halt", self.halt),
-                        get("pending", self.pending), get("created", self.created), event["ts"])
+                        get("pending", self.pending), get("created", self.created), event["ts"],
+                        get("joined", self.joined))
 
     def to_dict(self) -> dict[str, Any]:
         return {"run_id": self.run_id, "workflow": self.workflow,
                 "contract_version": self.contract_version, "status": self.status,
                 "seq": self.seq, "verified": self.verified, "state": self.state,
                 "halt": self.halt, "pending": self.pending, "created": self.created,
-                "updated": self.updated}
+                "updated": self.updated, "joined": self.joined}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Envelope:

@@ -31,6 +31,7 @@ from stepguard.proxy.boundaries import Boundaries, Evidence, Settled, back_off, 
 from stepguard.proxy.config import Settings
 from stepguard.proxy.correlation import NO_RUN_KEY, STORE, Keyed
 from stepguard.proxy.forward import SAME_AS_TIMEOUT, Forwarder, Timing, Upstreamed, UpstreamError, end_to_end
+from stepguard.proxy.joining import joined_extra
 from stepguard.proxy.problems import halted_problem, problem, violation_problem
 from stepguard.proxy.routing import Route
 
@@ -256,9 +257,6 @@ class HttpToolAdapter:
             decision = check_exit(call.contract, call.step, envelope, call.input, result,
                                   now=call.timing.arrived)
             settled = await self._settle(call, envelope, decision, attempt, result, up)
-        joined = call.key_drift.joined if call.key_drift is not None else None
-        if joined is not None:
-            self.boundaries.pending.checked(call.run_id, joined, call.step.name, result.output)
         return decision, settled
 
     async def _settle(self, call: Call, envelope: Envelope, decision: Decision, attempt: int = 1,
@@ -268,7 +266,7 @@ class HttpToolAdapter:
         return await self.boundaries.settle(
             call.contract, call.run_id, envelope, decision, evidence, timing=call.timing,
             traffic=TRAFFIC, attempt=attempt, safe_to_retry=call.safe_to_retry,
-            extra={"call_id": joined} if joined is not None else None)
+            extra=joined_extra(joined, result.output if result is not None else None))
 
     @staticmethod
     def _render(call: Call, decision: Decision, settled: Settled,

@@ -30,6 +30,16 @@ def digest(value: Any) -> str | None:
         return None
 
 
+def joined_extra(call_id: str | None, output: Any) -> dict[str, Any] | None:
+    """What the exit event of a call joined to the model's tool call `call_id` stores: that
+    call's id (which ends its pending state) and the digest of the output checked, which the
+    envelope keeps (`Envelope.joined`)."""
+    if call_id is None:
+        return None
+    out = digest(output) if output is not None else None
+    return {"call_id": call_id} if out is None else {"call_id": call_id, "joined_digest": out}
+
+
 @dataclass(frozen=True, slots=True)
 class Issued:
     run_id: str
@@ -41,7 +51,6 @@ class PendingCalls:
     def __init__(self, limit: int = 10_000, ttl_s: float = 600.0) -> None:
         self.limit, self.ttl_s = limit, ttl_s
         self._issued: OrderedDict[tuple[str, str, str], list[Issued]] = OrderedDict()
-        self._checked: OrderedDict[tuple[str, str], tuple[str, str]] = OrderedDict()
         # entries per (workflow, step): a call of a step no model issued costs no digest
         self._steps: dict[tuple[str, str], int] = {}
 
@@ -98,18 +107,3 @@ class PendingCalls:
             del self._issued[key]
         return issued
 
-    def checked(self, run_id: str, call_id: str, step: str, output: Any) -> None:
-        """The output a joined call's exit was checked on (at the tool's answer)."""
-        out = digest(output)
-        if out is None:
-            return
-        self._checked[(run_id, call_id)] = (step, out)
-        while len(self._checked) > self.limit:
-            self._checked.popitem(last=False)
-
-    def differs(self, run_id: str, call_id: str, output: Any) -> str | None:
-        """The step of a joined call whose result, as the agent hands it to the model, is not
-        the one checked at the tool's answer; None when it agrees or the call was not joined
-        (or is forgotten). Asked once per call."""
-        checked = self._checked.pop((run_id, call_id), None)
-        return None if checked is None or digest(output) == checked[1] else checked[0]

@@ -54,6 +54,7 @@ from stepguard.proxy.forward import (
 )
 from stepguard.proxy.h1client import H1Response, UpstreamConnectionError
 from stepguard.proxy.http_adapter import HttpToolAdapter, upstream_url
+from stepguard.proxy.joining import joined_extra
 from stepguard.proxy.routing import Route
 from stepguard.proxy.sse import (
     EventTooDeep,
@@ -460,10 +461,6 @@ class McpAdapter:
             decision = check_exit(call.contract, call.step, envelope, call.arguments, answer.result,
                                   now=call.timing.arrived)
             settled = await self._settle(call, envelope, decision, answer, attempt, safe)
-        joined = call.key_drift.joined if call.key_drift is not None else None
-        if joined is not None:
-            self.boundaries.pending.checked(call.run_id, joined, call.step.name,
-                                            answer.result.output)
         return decision, settled
 
     async def _unreachable(self, call: ToolCall, exc: UpstreamError, attempt: int) -> None:
@@ -532,7 +529,9 @@ class McpAdapter:
             call.contract, call.run_id, envelope, decision,
             Evidence(call.arguments, call.body, answer.result, answer.body),
             timing=call.timing, traffic=TRAFFIC, attempt=attempt, safe_to_retry=safe,
-            extra=_extra(call))
+            extra={"rpc_id": call.rpc_id, **(joined_extra(
+                call.key_drift.joined if call.key_drift is not None else None,
+                answer.result.output) or {})})
 
     def _raise_if_stopped(self, call: ToolCall, decision: Decision, settled: Settled) -> None:
         violation = decision.violation
@@ -759,9 +758,3 @@ def _halted(call: ToolCall, envelope: Envelope, boundary: str, decision_id: str)
                     "decision_id": decision_id})
 
 
-
-def _extra(call: ToolCall) -> dict[str, Any]:
-    """What an exit event of the call stores besides the verdict: the JSON-RPC id, and for a
-    call joined to a model's tool call, that call's id (which ends its pending state)."""
-    joined = call.key_drift.joined if call.key_drift is not None else None
-    return {"rpc_id": call.rpc_id} if joined is None else {"rpc_id": call.rpc_id, "call_id": joined}

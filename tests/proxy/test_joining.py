@@ -274,3 +274,37 @@ def test_two_alike_calls_of_one_run_are_taken_oldest_first() -> None:
     assert (first.call_id, second.call_id) == ("call-1", "call-2")
     assert pending.take("wf", "lookup", {"order_id": "ord-1"}) is None
     assert pending._steps == {}
+
+
+async def test_a_result_differing_from_the_checked_one_is_caught_after_a_restart_too(
+        tmp_path: Path, mcp_server: str) -> None:
+    model = FakeModel(model_agent.script_for(1, None))
+    messages: list[Any] = [{"role": "user", "content": "Please confirm order ord-1."}]
+    async with hybrid(tmp_path, mcp_server, model) as h:      # the first stepguard
+        client = openai.AsyncOpenAI(base_url=h.model_url, api_key="sk-test", max_retries=0)
+        async with client, Client(streamable_http_client(h.mcp_url), mode="auto",
+                                  read_timeout_seconds=10) as tools:
+            for name in ("lookup_order", "check_policy"):
+                reply = await client.chat.completions.create(
+                    model="fake-model", messages=messages, tools=model_agent.TOOLS)
+                message = reply.choices[0].message
+                (call,) = message.tool_calls or []
+                assert call.function.name == name
+                messages.append(message.model_dump(exclude_none=True))
+                result = await tools.call_tool(name, json.loads(call.function.arguments))
+                content = dict(result.structured_content or {})
+                if name == "check_policy":    # the agent hands the model another result
+                    content["approved"] = not content.get("approved")
+                messages.append({"role": "tool", "tool_call_id": call.id,
+                                 "content": json.dumps(content)})
+    async with hybrid(tmp_path, mcp_server, model) as h:      # restarted, on the same store
+        client = openai.AsyncOpenAI(base_url=h.model_url, api_key="sk-test", max_retries=0)
+        async with client:
+            with pytest.raises(openai.UnprocessableEntityError):
+                await client.chat.completions.create(
+                    model="fake-model", messages=messages, tools=model_agent.TOOLS)
+        (run,) = await h.sg.store.runs()
+        last = (await h.sg.store.history(run.run_id))[-1]
+    assert run.status == "halted"
+    assert (last["step"], last["boundary"], last["violation"]["check"]) == (
+        "check_policy", "exit", "output_mismatch")
