@@ -187,18 +187,21 @@ def _repointed(contract: Contract, urls: dict[str, str]) -> Contract:
     return contract_with_upstreams(contract.source, urls)
 
 
-async def run_bench(runs: int = 5, controls: int = 10, traffic: str = "http") -> dict[str, Any]:
+async def run_bench(runs: int = 5, controls: int = 10, traffic: str = "http",
+                    store: Path | None = None) -> dict[str, Any]:
+    """`store`: where the enforced runs' store is kept (by default a temporary file)."""
     plan = _plan(runs, controls)
     with tempfile.TemporaryDirectory(prefix="stepguard-bench-") as tmp:
+        kept = store or Path(tmp) / "contract.db"
         if traffic in ("model", "mcp"):
             contract = load_contract(example_contract_path(f"contract.{traffic}.yaml"))
             drive = _drive_model if traffic == "model" else _drive_mcp
-            enforced = await drive(contract, False, plan, Path(tmp) / "contract.db")
+            enforced = await drive(contract, False, plan, kept)
             baseline = await drive(contract, True, plan, Path(tmp) / "baseline.db")
         else:
             async with running(tools_mod.create_app()) as tools_url:
                 contract = contract_with_upstreams(example_contract_path(), {"tools": tools_url})
-                enforced = await _drive_http(contract, False, plan, Path(tmp) / "contract.db")
+                enforced = await _drive_http(contract, False, plan, kept)
                 baseline = await _drive_http(contract, True, plan, Path(tmp) / "baseline.db")
     result = summarize(contract, plan, enforced, baseline)
     result["traffic"] = traffic
