@@ -261,7 +261,8 @@ class _Replay:
             if report is not None:
                 return report
         if self.verdicts:
-            return self._report(DIFFERS, change=self.verdicts[0])
+            return self._report(DIFFERS, change=self.verdicts[0],
+                                then="the run goes on as recorded")
         finals = self._unseen_finals()
         if finals:
             return self._report(UNJUDGEABLE, reason="final_answers", detail=finals)
