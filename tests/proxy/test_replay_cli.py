@@ -20,6 +20,7 @@ import yaml
 from sgtest import EXAMPLE, Upstream, send
 
 from stepguard.contracts.loader import load_contract
+from stepguard.contracts.recorded import RecordedStore
 
 CONTROLS_FROM_130 = [f"control-{i}" for i in range(5, 10)]   # orders ord-130 .. ord-134
 FALSE_COMPLETIONS = [f"false_completion-{i}" for i in range(5)]
@@ -179,6 +180,53 @@ async def test_replay_never_writes_the_store(drift_store, tmp_path):
                  drift_store)
 
     assert digest(drift_store) == before
+
+
+# --- model traffic ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The store of `stepguard bench drift --traffic model` (the real openai SDK, a fake model)."""
+    store = tmp_path_factory.mktemp("bench") / "model.db"
+    subprocess.run([sys.executable, "-m", "stepguard.proxy.cli", "bench", "drift", "--traffic",
+                    "model", "--store", str(store)], check=True, capture_output=True, timeout=50)
+    return store
+
+
+MODEL_EXAMPLE = EXAMPLE.with_name("contract.model.yaml")
+
+
+@pytest.mark.timeout(120)
+async def test_model_runs_are_vouched_for_only_with_the_baseline_they_were_recorded_under(
+        model_store):
+    alone = await replay("--contract", MODEL_EXAMPLE, "--store", model_store, "--json")
+    with_baseline = await replay("--contract", MODEL_EXAMPLE, "--baseline", MODEL_EXAMPLE,
+                                 "--store", model_store, "--json")
+
+    assert alone.code == with_baseline.code == 0
+    assert {r["reason"] for r in alone.report["unjudgeable"]} == {"final_answers"}
+    assert alone.report["counts"]["unjudgeable"] == 35
+    assert with_baseline.report["counts"]["unchanged"] == 35
+
+
+async def test_over_model_traffic_a_tighter_postcondition_names_exactly_the_runs_it_halts(
+        model_store, tmp_path):
+    doc = yaml.safe_load(MODEL_EXAMPLE.read_bytes())
+    doc["steps"]["lookup_order"]["postcondition"] = ["output.order_id < 'ord-130'"]
+    candidate = tmp_path / "c.yaml"
+    candidate.write_text(yaml.safe_dump(doc))
+    with RecordedStore(model_store) as store:
+        late = sorted(run.run_id for run in store.runs(store.run_ids("order-confirmation"))
+                      if run.history[0]["input"]["order_id"] >= "ord-130")
+
+    ran = await replay("--contract", candidate, "--baseline", MODEL_EXAMPLE, "--store",
+                       model_store, "--json")
+
+    assert ran.code == 1, ran.err
+    assert len(late) == 5
+    assert names(ran.report["halts"]) == late
+    assert ran.report["counts"]["unchanged"] == 30
 
 
 # --- usage errors -------------------------------------------------------------------------------
