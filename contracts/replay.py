@@ -61,7 +61,7 @@ _BOUNDARY_ACTIONS = frozenset({FORWARD, ADVANCE, HALT, ESCALATE, RETRY, OBSERVE,
 # violations the proxy decides before or instead of the engine: they depend on the traffic
 # (correlation, an unreadable body, a joined call's result), not on the contract's checks
 _RUN_KEY, _MISMATCH = "run_key", "output_mismatch"
-_STOP, _RETRY, _THROUGH = "stop", "retry", "through"
+_STOP, _RETRY, _THROUGH, _OTHER = "stop", "retry", "through", "other"
 
 _Reads = frozenset[str] | None     # top-level fields a check reads; None: the whole value
 _NONE: frozenset[str] = frozenset()
@@ -82,8 +82,11 @@ class Outcome:
 
     @property
     def course(self) -> str:
-        return _STOP if self.action in (HALT, ESCALATE) else _RETRY if self.action == RETRY \
-            else _THROUGH
+        if self.action in (HALT, ESCALATE):
+            return _STOP
+        if self.action == RETRY:
+            return _RETRY
+        return _THROUGH if self.action in _BOUNDARY_ACTIONS else _OTHER
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"verdict": self.verdict, "action": self.action}
@@ -329,7 +332,7 @@ class _Replay:
         else:
             self._readable(event, "input", value, _entry_reads(step))
             decision = check_entry(step, self.envelope, value, now=float(event["ts"]))
-        action = self._action(step, decision)
+        action = action_of(self.candidate, decision)
         goes_ahead = action in (FORWARD, OBSERVE)
         fields: dict[str, Any] = {"step": step.name, "boundary": "entry", "action": action}
         if "tool" in event:          # a model's tool call: pending in the envelope until its exit
@@ -354,7 +357,8 @@ class _Replay:
             self._readable(event, "output", event.get("output"), reads_output)
             now = call.ts if call.call_id is None else float(event["ts"])
             decision = check_exit(self.candidate, step, self.envelope, call.input, result, now=now)
-        action = self._action(step, decision, attempt, self._safe(step, event, decision, attempt))
+        action = action_of(self.candidate, decision, attempt,
+                           self._safe(step, event, decision, attempt))
         if action == RETRY and call is not None:
             self.calls.insert(0, call)         # the same call, sent again
         fields: dict[str, Any] = {"step": step.name, "boundary": "exit", "action": action}
@@ -378,7 +382,7 @@ class _Replay:
                                                     if c is not None]
         self._readable(event, "output", output, _union(_reads(conditions, "output")))
         decision = check_final(self.candidate, self.envelope, output, now=float(event["ts"]))
-        action = self._action(None, decision)
+        action = action_of(self.candidate, decision)
         fields: dict[str, Any] = {"step": FINAL, "boundary": "exit", "action": action}
         if decision.completed:
             fields["completed"] = True
@@ -395,6 +399,9 @@ class _Replay:
             return None
         self._unseen_step(outcome)
         difference = Difference(At.of(event), recorded, outcome)
+        if outcome.course == _OTHER:   # an action replay does not know what follows
+            return self._report(DIFFERS, change=difference, then=f"the candidate would "
+                                f"{outcome.action} here: what follows is not known to replay")
         if recorded.course == outcome.course and outcome.course != _STOP:
             self.verdicts.append(difference)   # the run goes on as it did
             return None
@@ -423,17 +430,6 @@ class _Replay:
             raise _CannotJudge("unseen_step", f"the candidate's verdict turns on step "
                                f"{missing!r}, which no recorded event names: calls to it, if "
                                "any, were not recorded")
-
-    def _action(self, step: Step | None, decision: Decision, attempt: int = 1,
-                safe_to_retry: bool = False) -> str:
-        """As `Boundaries.action` picks it (proxy/boundaries.py)."""
-        if decision.violation is not None:
-            return action_for(self.candidate, step, decision.violation, attempt, safe_to_retry)
-        if decision.rejected:
-            return REJECTED
-        if decision.step == FINAL:
-            return COMPLETE if decision.completed else FORWARD
-        return ADVANCE if decision.boundary == "exit" else FORWARD
 
     def _carried(self, step: Step, event: Mapping[str, Any]) -> Violation | None:
         """A recorded entry violation the proxy decided, not the engine, kept as recorded: an
@@ -516,6 +512,20 @@ class _Replay:
                                          if keys is not None and reads is not None else ""))
         raise _CannotJudge(reason, f"the {name} of step {step!r} {what}, and the candidate's "
                            f"checks at its {event.get('boundary')} read it")
+
+
+def action_of(contract: Contract, decision: Decision, attempt: int = 1,
+              safe_to_retry: bool = False) -> str:
+    """What a decision does, as `Boundaries.action` (proxy/boundaries.py) picks it when the
+    proxy settles a boundary (a test holds the two alike)."""
+    if decision.violation is not None:
+        return action_for(contract, contract.steps.get(decision.step), decision.violation,
+                          attempt, safe_to_retry)
+    if decision.rejected:
+        return REJECTED
+    if decision.step == FINAL:
+        return COMPLETE if decision.completed else FORWARD
+    return ADVANCE if decision.boundary == "exit" else FORWARD
 
 
 def _same_claim(baseline: Contract | None, candidate: Contract) -> bool:

@@ -19,8 +19,12 @@ import pytest
 import yaml
 from sgtest import EXAMPLE, Upstream, send
 
-from stepguard.contracts.loader import load_contract
+from stepguard.contracts.engine import FINAL
+from stepguard.contracts.events import Decision, Violation
+from stepguard.contracts.loader import load_contract, parse_contract
 from stepguard.contracts.recorded import RecordedStore
+from stepguard.contracts.replay import action_of
+from stepguard.proxy.boundaries import Boundaries
 
 CONTROLS_FROM_130 = [f"control-{i}" for i in range(5, 10)]   # orders ord-130 .. ord-134
 FALSE_COMPLETIONS = [f"false_completion-{i}" for i in range(5)]
@@ -227,6 +231,36 @@ async def test_over_model_traffic_a_tighter_postcondition_names_exactly_the_runs
     assert len(late) == 5
     assert names(ran.report["halts"]) == late
     assert ran.report["counts"]["unchanged"] == 30
+
+
+# --- replay picks actions as the proxy does -----------------------------------------------------
+
+
+def _decisions() -> list[tuple[Decision, int, bool]]:
+    error = Violation("tool_error", "tool_error", "upstream answered 503", "exit")
+    late = Violation("precondition", "freshness", "stale", "entry")
+    return [(Decision("lookup_order", "entry"), 1, False),
+            (Decision("lookup_order", "exit"), 1, False),
+            (Decision("lookup_order", "exit", rejected=True), 1, False),
+            (Decision("check_policy", "entry", late), 1, False),
+            (Decision("reserve_slot", "exit", error), 1, True),
+            (Decision("reserve_slot", "exit", error), 1, False),
+            (Decision("reserve_slot", "exit", error), 2, True),
+            (Decision(FINAL, "exit", completed=True), 1, False),
+            (Decision(FINAL, "exit"), 1, False),
+            (Decision(FINAL, "exit", Violation("completion_proof", "false_completion", "no",
+                                               "exit")), 1, False)]
+
+
+@pytest.mark.parametrize("mode", ["enforce", "observe"])
+@pytest.mark.parametrize(("decision", "attempt", "safe"), _decisions())
+def test_replay_picks_the_action_the_proxy_settles_a_decision_with(mode, decision, attempt, safe):
+    doc = yaml.safe_load(EXAMPLE.read_bytes())
+    doc["mode"] = mode
+    contract = parse_contract(yaml.safe_dump(doc).encode(), "c.yaml")
+
+    assert action_of(contract, decision, attempt, safe) == Boundaries.action(
+        contract, decision, attempt, safe)
 
 
 # --- usage errors -------------------------------------------------------------------------------
