@@ -506,10 +506,10 @@ class _Replay:
         if not hit:
             return
         step = event.get("step")
+        fields = None if keys is None else sorted(keys if reads is None else keys & reads)
         what = (f"was stored truncated ({value.get('bytes')} bytes, over the store's "
                 "payload_history_bytes)" if reason == "truncated" else
-                "was stored redacted" + (f" (fields {', '.join(sorted(keys & reads))})"
-                                         if keys is not None and reads is not None else ""))
+                "was stored redacted" + (f" (fields {', '.join(fields)})" if fields else ""))
         raise _CannotJudge(reason, f"the {name} of step {step!r} {what}, and the candidate's "
                            f"checks at its {event.get('boundary')} read it")
 

@@ -495,6 +495,40 @@ def test_a_model_tool_result_is_checked_against_the_arguments_of_its_call():
         4, "exit")
 
 
+def joined_run(order_id: str = "ord-1") -> RecordedRun:
+    """A tool call a model issued (for `order_id`), run by the agent over HTTP through stepguard
+    (joined): the model's entry, then the HTTP exit carrying the model's call id."""
+    history = History().clean("lookup_order").entry(
+        "check_policy", {"order_id": order_id}, call_id="call_7", tool="check_policy",
+        pending=True)
+    return history.exit("check_policy", POLICY, call_id="call_7", joined_digest="d7").run()
+
+
+def test_a_joined_http_exit_is_checked_against_the_arguments_of_the_models_call():
+    strict = candidate(lambda d: step(d, "check_policy").update(
+        precondition=[], postcondition=["output.order_id == input.order_id"]))
+
+    assert one(strict, joined_run("ord-1"), baseline=candidate()).kind == UNCHANGED
+    report = one(strict, joined_run("ord-2"), baseline=candidate())
+    assert report.kind == HALTS
+    assert report.change is not None and report.change.at.seq == 4
+
+
+def test_a_joined_result_that_differed_from_the_one_checked_stays_a_violation():
+    run = joined_run()
+    run.history.append({"seq": 5, "ts": T0 + 5, "step": "check_policy", "boundary": "exit",
+                        "verdict": "violation", "action": "halt", "attempt": 1,
+                        "violation": violation("output_mismatch", "freshness", "not the one "
+                                               "checked", "exit", field="output"),
+                        "upstream_status": 200, "output": {"forged": True}, "call_id": "call_7"})
+
+    assert one(candidate(), run, baseline=candidate()).kind == UNCHANGED
+    escalating = candidate(lambda d: step(d, "check_policy").update(on_failure={"then": "escalate"}))
+    report = one(escalating, run, baseline=candidate())
+    assert report.kind == DIFFERS
+    assert report.change is not None and report.change.candidate.action == "escalate"
+
+
 def test_mcp_calls_pair_by_json_rpc_id_and_retry_when_the_step_is_idempotent():
     error = violation("tool_error", "tool_error", "tool reported isError: {}", "exit")
     history = History().clean(*ALL[:2]).entry("reserve_slot", {"order_id": "ord-1"}, rpc_id=5)
