@@ -418,10 +418,9 @@ class _Replay:
             return "would retry the call: what the retry would have answered is not recorded"
         if self.envelope.status == "completed":
             return "completes the run"
-        if later:
-            return ("goes on; the run's later calls were refused or retried as recorded, so what "
-                    "the agent would have done next is not recorded")
-        return "goes on; what the agent would have done next is not recorded"
+        unknown = "goes on; what the agent would have done next is not recorded"
+        return f"{unknown} (the run's later events followed the recorded stop)" if later \
+            else unknown
 
     def _unseen_step(self, outcome: Outcome) -> None:
         violation = outcome.violation or {}
