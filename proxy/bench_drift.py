@@ -284,20 +284,23 @@ DRIVES: dict[str, Drive] = {"model": _drive_model, "mcp": _drive_mcp,
                             "mcp-stateless": _drive_mcp_stateless, "hybrid": _drive_hybrid}
 
 
-async def run_bench(runs: int = 5, controls: int = 10, traffic: str = "http") -> dict[str, Any]:
+async def run_bench(runs: int = 5, controls: int = 10, traffic: str = "http",
+                    store: Path | None = None) -> dict[str, Any]:
+    """`store`: where the enforced runs' store is kept (by default a temporary file)."""
     if traffic not in TRAFFIC:
         raise ValueError(f"unknown traffic {traffic!r}: one of {', '.join(TRAFFIC)}")
     plan = _plan(runs, controls, traffic)
     with tempfile.TemporaryDirectory(prefix="stepguard-bench-") as tmp:
+        kept = store or Path(tmp) / "contract.db"
         if traffic in DRIVES:
             contract = load_contract(example_contract_path(CONTRACTS[traffic]))
             drive = DRIVES[traffic]
-            enforced = await drive(contract, False, plan, Path(tmp) / "contract.db")
+            enforced = await drive(contract, False, plan, kept)
             baseline = await drive(contract, True, plan, Path(tmp) / "baseline.db")
         else:
             async with running(tools_mod.create_app()) as tools_url:
                 contract = contract_with_upstreams(example_contract_path(), {"tools": tools_url})
-                enforced = await _drive_http(contract, False, plan, Path(tmp) / "contract.db")
+                enforced = await _drive_http(contract, False, plan, kept)
                 baseline = await _drive_http(contract, True, plan, Path(tmp) / "baseline.db")
     result = summarize(contract, plan, enforced, baseline)
     result["traffic"] = traffic

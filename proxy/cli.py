@@ -136,6 +136,9 @@ def _parser() -> argparse.ArgumentParser:
                             "client and no stepguard header (runs named by the order_id "
                             "argument); hybrid: a model agent whose tool calls run over MCP "
                             "through stepguard, no header (each call joined to the model's run)")
+    drift.add_argument("--store", metavar="FILE", type=Path,
+                       help="keep the store of the enforced runs in FILE (a new file), for "
+                            "`stepguard replay` or `runs show`")
     drift.add_argument("--json", action="store_true")
     drift.set_defaults(func=_bench_drift)
 
@@ -180,6 +183,9 @@ def _parser() -> argparse.ArgumentParser:
                                        "drifting agent run")
     demo.add_argument("--store", default="stepguard-demo.db")
     demo.set_defaults(func=_demo)
+
+    from stepguard.proxy import replay_cli  # `stepguard replay`: its flags live beside it
+    replay_cli.add_parser(sub)
     return parser
 
 
@@ -337,8 +343,12 @@ def _bench_drift(args: argparse.Namespace) -> int:
     from stepguard.metrics.logs import configure
     from stepguard.proxy.bench_drift import render_table, run_bench
 
+    if args.store is not None and args.store.exists():
+        print(f"stepguard bench drift: {args.store} exists: --store takes a new file",
+              file=sys.stderr)
+        return 2
     configure("json", "critical")
-    result = asyncio.run(run_bench(args.runs, args.controls, args.traffic))
+    result = asyncio.run(run_bench(args.runs, args.controls, args.traffic, args.store))
     print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode() if args.json
           else render_table(result))
     return 0
