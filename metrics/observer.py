@@ -105,6 +105,19 @@ class Observer:
         self.log.warning("call_refused", reason=reason, workflow=workflow, mount=mount, step=step,
                          run_id=run_id, traffic=traffic, detail=detail)
 
+    def operator_action(self, workflow: str, run_id: str, event: dict[str, Any]) -> None:
+        """An operator acted on a run (its event is stored): one line saying who, what, why."""
+        self.metrics.operator_actions.labels(workflow, event["action"]).inc()
+        self.log.warning("operator_action", action=event["action"], run_id=run_id,
+                         workflow=workflow, seq=event["seq"], operator=event.get("operator"),
+                         reason=event.get("reason"), step=event.get("step"),
+                         superseded=event.get("superseded"))
+
+    def operator_refused(self, path: str, why: str, client: str) -> None:
+        """A state-changing admin request without a valid token."""
+        self.metrics.operator_refusals.inc()
+        self.log.warning("operator_refused", path=path, why=why, client=client)
+
     def added(self, traffic: str, seconds: float) -> None:
         self._child(self.metrics.added, traffic).observe(seconds)
 

@@ -61,6 +61,12 @@ class Metrics:
             "stepguard_requests_refused", "Requests refused before their upstream saw them: "
             "ambiguous paths and method-override headers, and calls refused for a reason in "
             "observer.REFUSAL_REASONS, by reason.", ["reason"], registry=r)
+        self.operator_actions = Counter(
+            "stepguard_operator_actions", "Operator actions on runs through the admin API or "
+            "the CLI (resume), by workflow and action.", ["workflow", "action"], registry=r)
+        self.operator_refusals = Counter(
+            "stepguard_operator_refusals", "State-changing admin requests refused for a missing "
+            "or wrong token.", registry=r)
         self.store_errors = Counter(
             "stepguard_store_errors", "Store operations that failed.", ["operation"], registry=r)
         self.contract_loads = Counter(

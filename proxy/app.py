@@ -20,6 +20,7 @@ from stepguard.contracts.store import Store
 from stepguard.metrics.logs import get_logger
 from stepguard.metrics.observer import Observer
 from stepguard.metrics.prom import Metrics
+from stepguard.proxy.admin import AdminTokens, run_routes
 from stepguard.proxy.boundaries import Boundaries
 from stepguard.proxy.config import Settings
 from stepguard.proxy.dispatch import Adapter, Dispatcher
@@ -94,6 +95,7 @@ class Stepguard:
         self.forwarder = Forwarder(self.settings.max_response_bytes,
                                    self.settings.connect_attempts, self.settings.connect_timeout_s)
         self.runs = RunBook(self.store)
+        self.tokens = AdminTokens.load(self.settings.admin_token, self.settings.admin_token_file)
         self.run_counts = RunCounts(self.store)
         self.escalator = Escalator(self.observer)
         self.boundaries = Boundaries(self.runs, self.observer, self.escalator, self.contracts,
@@ -174,6 +176,7 @@ def create_admin_app(sg: Stepguard) -> web.Application:
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)
+    app.router.add_routes(run_routes(sg.runs, sg.observer, sg.tokens))
     return app
 
 
@@ -275,6 +278,7 @@ async def serve(settings: Settings, contracts: list[Contract]) -> None:
                                                   "value": str(v.value)}
                        for c in contracts for v in c.vars.values()},
                  max_connections=proxy_gate.max_connections,
+                 admin_actions=[name for name, _ in sg.tokens.tokens] or "off (no admin token)",
                  passthrough=settings.passthrough)
         await stop.wait()
         log.info("stopping")

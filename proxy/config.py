@@ -155,6 +155,13 @@ def _choice(options: tuple[str, ...], normalize: Callable[[str], str]) -> _Parse
     return parse
 
 
+def _optional(parse: _Parse) -> _Parse:
+    def parse_optional(value: object) -> Any:
+        return None if value is None else parse(value)
+
+    return parse_optional
+
+
 _PORT = _integer(0, 65535, "a TCP port")
 _PARSERS: dict[str, _Parse] = {
     "contracts": _paths,
@@ -187,6 +194,8 @@ _PARSERS: dict[str, _Parse] = {
     "payload_log_bytes": _bytes(0),
     "log_format": _choice(LOG_FORMATS, str.lower),
     "log_level": _choice(LOG_LEVELS, str.lower),
+    "admin_token": _optional(_text),
+    "admin_token_file": _optional(_text),
     "vars": _assignments("--var"),
     "upstreams": _assignments("--upstream"),
 }
@@ -250,6 +259,9 @@ class Settings:
     log_level: str = "info"
     vars: dict[str, Override] = field(default_factory=dict)
     upstreams: dict[str, Override] = field(default_factory=dict)
+    # operator tokens for the admin API's state-changing endpoints (proxy/admin.py)
+    admin_token: str | None = field(default=None, repr=False)
+    admin_token_file: str | None = None
 
     def __post_init__(self) -> None:
         # values given in code are held to the same rules as flags and environment
