@@ -8,7 +8,7 @@ An operator action is an event of the run like any other: appended with the run'
 before the halt, or the last verification of a named step. The envelope is folded again up to
 that boundary, and the `resume` event carries the result (`restore`), so the fold stays one
 pass over the history and gives the same envelope after a restart. The events after the
-boundary stay in the history; the resume event names them (`superseded`, a closed range of seq)
+boundary stay in the history; the resume event names them (`supersedes`, a closed range of seq)
 and readers mark them superseded.
 """
 
@@ -39,8 +39,8 @@ def superseded(history: Iterable[dict[str, Any]]) -> set[int]:
     """The seq of every event a later resume superseded."""
     gone: set[int] = set()
     for event in history:
-        if event.get("action") == RESUME and event.get("superseded"):
-            first, last = event["superseded"]
+        if event.get("action") == RESUME and event.get("supersedes"):
+            first, last = event["supersedes"]
             gone.update(range(first, last + 1))
     return gone
 
@@ -85,5 +85,5 @@ def resume_event(envelope: Envelope, history: list[dict[str, Any]], *, operator:
                     "verified": restored.verified, "state": restored.state,
                     "pending": restored.pending, "joined": restored.joined}}
     if envelope.seq > at:
-        fields["superseded"] = [at + 1, envelope.seq]
+        fields["supersedes"] = [at + 1, envelope.seq]
     return fields

@@ -111,7 +111,7 @@ class Observer:
         self.log.warning("operator_action", action=event["action"], run_id=run_id,
                          workflow=workflow, seq=event["seq"], operator=event.get("operator"),
                          reason=event.get("reason"), step=event.get("step"),
-                         superseded=event.get("superseded"))
+                         supersedes=event.get("supersedes"))
 
     def operator_refused(self, path: str, why: str, client: str) -> None:
         """A state-changing admin request without a valid token."""

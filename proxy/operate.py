@@ -133,8 +133,8 @@ def _described(result: dict[str, Any]) -> str:
              if event.get("step") else "its start (nothing was verified)")
     lines = [f"run {envelope['run_id']} resumed at {where} by {event['operator']}: "
              f"now {envelope['status']}"]
-    if event.get("superseded"):
-        first, last = event["superseded"]
+    if event.get("supersedes"):
+        first, last = event["supersedes"]
         lines.append(f"  events {first}..{last} are superseded (kept in the history)")
     lines.append(f"  verified: {', '.join(envelope['verified']) or '-'}")
     lines.append(f"  the next call is checked against this envelope (event {event['seq']})")

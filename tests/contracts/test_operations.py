@@ -48,7 +48,7 @@ def test_a_halted_run_resumes_at_its_last_verified_boundary():
     assert (after.status, after.halt) == ("active", None)
     assert after.verified == {"lookup": 1002.0, "policy": 1004.0}
     assert after.state == {"order_id": "ord-1", "approved": True}
-    assert (stored["resumed_at"], stored["step"], stored["superseded"]) == (4, "policy", [5, 7])
+    assert (stored["resumed_at"], stored["step"], stored["supersedes"]) == (4, "policy", [5, 7])
 
 
 def test_the_resume_event_says_who_why_and_which_halt_it_undoes():
@@ -62,7 +62,7 @@ def test_a_resume_from_a_named_step_drops_what_was_verified_after_it():
     after, stored = resumed(HALTED, from_step="lookup")
     assert after.verified == {"lookup": 1002.0}
     assert after.state == {"order_id": "ord-1"}
-    assert (stored["resumed_at"], stored["superseded"]) == (2, [3, 7])
+    assert (stored["resumed_at"], stored["supersedes"]) == (2, [3, 7])
 
 
 def test_a_run_with_nothing_verified_resumes_at_its_start():
@@ -70,7 +70,7 @@ def test_a_run_with_nothing_verified_resumes_at_its_start():
                                                          violation=VIOLATION)]
     after, stored = resumed(history)
     assert (after.status, after.verified, after.state) == ("active", {}, {})
-    assert (stored["resumed_at"], stored["step"], stored["superseded"]) == (0, None, [1, 2])
+    assert (stored["resumed_at"], stored["step"], stored["supersedes"]) == (0, None, [1, 2])
 
 
 def test_the_fold_of_the_whole_history_gives_the_resumed_envelope():
