@@ -47,6 +47,10 @@ def _parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the proxy and its admin listener")
     serve.add_argument("--contract", action="append", dest="contracts", metavar="FILE",
                        help="contract file (repeatable; env STEPGUARD_CONTRACTS, comma-separated)")
+    serve.add_argument("--shadow", action="append", metavar="FILE",
+                       help="a candidate contract checked beside the one in force for its "
+                            "workflow, its verdicts logged and counted, never acted on "
+                            "(repeatable; env STEPGUARD_SHADOW, comma-separated)")
     serve.add_argument("--var", action="append", dest="vars", metavar="NAME=VALUE",
                        help="override a contract var (repeatable; env STEPGUARD_VAR_<NAME>)")
     serve.add_argument("--upstream", action="append", dest="upstreams", metavar="NAME=URL",
@@ -204,7 +208,7 @@ def _parser() -> argparse.ArgumentParser:
 def _serve(args: argparse.Namespace) -> int:
     from stepguard.metrics.logs import configure
     from stepguard.proxy.admin import AdminTokens
-    from stepguard.proxy.app import serve
+    from stepguard.proxy.app import serve, shadowed
 
     try:
         settings = Settings.from_env(**{k: v for k, v in vars(args).items()
@@ -224,6 +228,9 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     try:
         contracts = load_contracts(settings.contracts, settings.vars, settings.upstreams)
+        shadows = load_contracts(settings.shadow, settings.vars, settings.upstreams) \
+            if settings.shadow else []
+        shadowed(contracts, shadows)
     except ContractError as exc:
         print(f"stepguard serve: {len(exc.issues)} contract error(s):", file=sys.stderr)
         for issue in exc.issues:
@@ -233,9 +240,9 @@ def _serve(args: argparse.Namespace) -> int:
         if settings.uvloop:
             import uvloop
 
-            uvloop.run(serve(settings, contracts))
+            uvloop.run(serve(settings, contracts, shadows))
         else:
-            asyncio.run(serve(settings, contracts))
+            asyncio.run(serve(settings, contracts, shadows))
     except (OSError, StepguardError) as exc:    # a store that cannot be opened, a port taken
         print(f"stepguard serve: {exc}", file=sys.stderr)
         return 1

@@ -27,7 +27,7 @@ TRUE_WORDS = ("true", "1", "yes", "on")
 FALSE_WORDS = ("false", "0", "no", "off")
 # flags whose name is not `--` + the field name with dashes
 _FLAGS = {"contracts": "--contract", "uvloop": "--no-uvloop", "vars": "--var",
-          "upstreams": "--upstream"}
+          "upstreams": "--upstream", "shadow": "--shadow"}
 # settings that are a set of NAME=VALUE assignments: a repeatable flag, and one environment
 # variable per name (STEPGUARD_VAR_<NAME>), a flag winning over the variable of its name
 ASSIGNMENT_PREFIXES = {"vars": "STEPGUARD_VAR_", "upstreams": "STEPGUARD_UPSTREAM_"}
@@ -165,6 +165,7 @@ def _optional(parse: _Parse) -> _Parse:
 _PORT = _integer(0, 65535, "a TCP port")
 _PARSERS: dict[str, _Parse] = {
     "contracts": _paths,
+    "shadow": _paths,
     "host": _text,
     "port": _PORT,
     "admin_host": _text,
@@ -229,6 +230,8 @@ def env_setting(name: str) -> Any:
 @dataclass(slots=True)
 class Settings:
     contracts: list[str] = field(default_factory=list)
+    # candidate contracts checked beside those in force, never acted on (serve --shadow)
+    shadow: list[str] = field(default_factory=list)
     host: str = "127.0.0.1"
     port: int = 8080
     admin_host: str = "127.0.0.1"
