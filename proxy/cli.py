@@ -16,6 +16,7 @@ import orjson
 
 from stepguard.contracts.errors import ContractError, StepguardError
 from stepguard.contracts.loader import load_contracts
+from stepguard.contracts.operations import OPERATOR, superseded
 from stepguard.contracts.sqlite_store import connect, read_escalations, read_history, read_runs
 from stepguard.metrics.logs import LOG_FORMATS, LOG_LEVELS
 from stepguard.proxy.config import ConfigError, Settings, assignments, env_setting
@@ -46,6 +47,10 @@ def _parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the proxy and its admin listener")
     serve.add_argument("--contract", action="append", dest="contracts", metavar="FILE",
                        help="contract file (repeatable; env STEPGUARD_CONTRACTS, comma-separated)")
+    serve.add_argument("--shadow", action="append", metavar="FILE",
+                       help="a candidate contract checked beside the one in force for its "
+                            "workflow, its verdicts logged and counted, never acted on "
+                            "(repeatable; env STEPGUARD_SHADOW, comma-separated)")
     serve.add_argument("--var", action="append", dest="vars", metavar="NAME=VALUE",
                        help="override a contract var (repeatable; env STEPGUARD_VAR_<NAME>)")
     serve.add_argument("--upstream", action="append", dest="upstreams", metavar="NAME=URL",
@@ -88,6 +93,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="forward unchecked when the store fails (counted; default: refuse)")
     serve.add_argument("--no-uvloop", dest="uvloop", action="store_false", default=None,
                        help="run on asyncio's own event loop instead of uvloop (STEPGUARD_UVLOOP)")
+    serve.add_argument("--admin-token-file", metavar="FILE",
+                       help="operator tokens (NAME:SECRET per line) for the admin API's "
+                            "state-changing endpoints (STEPGUARD_ADMIN_TOKEN_FILE; one token: "
+                            "STEPGUARD_ADMIN_TOKEN); without any, those endpoints are off")
     serve.add_argument("--log-format", type=str.lower, choices=LOG_FORMATS,
                        help="STEPGUARD_LOG_FORMAT, auto")
     serve.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS,
@@ -121,6 +130,24 @@ def _parser() -> argparse.ArgumentParser:
     runs_show.add_argument("run_id", metavar="RUN")
     runs_show.add_argument("--json", action="store_true")
     runs_show.set_defaults(func=_runs_show)
+    # an operator action: through a running stepguard's admin API (--admin URL or
+    # STEPGUARD_ADMIN_URL, token from STEPGUARD_ADMIN_TOKEN or --token-file), else on the
+    # store directly (refused while a stepguard holds it)
+    acting = argparse.ArgumentParser(add_help=False, parents=[store_after])
+    acting.add_argument("--admin", metavar="URL",
+                        help="a running stepguard's admin listener, e.g. http://127.0.0.1:9090 "
+                             "(STEPGUARD_ADMIN_URL); without it the store is changed directly")
+    acting.add_argument("--token-file", metavar="FILE",
+                        help="file holding the admin token (else STEPGUARD_ADMIN_TOKEN)")
+    acting.add_argument("--reason", required=True, help="why: stored in the run's history")
+    acting.add_argument("--json", action="store_true")
+    runs_resume = runs_sub.add_parser(
+        "resume", parents=[acting],
+        help="put a halted or escalated run back at its last verified boundary")
+    runs_resume.add_argument("run_id", metavar="RUN")
+    runs_resume.add_argument("--from", dest="from_step", metavar="STEP",
+                             help="resume at the boundary where STEP was last verified instead")
+    runs_resume.set_defaults(func=_runs_resume)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(metavar="BENCH")
@@ -191,7 +218,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _serve(args: argparse.Namespace) -> int:
     from stepguard.metrics.logs import configure
-    from stepguard.proxy.app import serve
+    from stepguard.proxy.admin import AdminTokens
+    from stepguard.proxy.app import serve, shadowed
 
     try:
         settings = Settings.from_env(**{k: v for k, v in vars(args).items()
@@ -200,12 +228,20 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"stepguard serve: {exc}", file=sys.stderr)
         return 2
     configure(settings.log_format, settings.log_level)
+    try:
+        AdminTokens.load(settings.admin_token, settings.admin_token_file)
+    except ConfigError as exc:
+        print(f"stepguard serve: {exc}", file=sys.stderr)
+        return 2
     if not settings.contracts:
         print("stepguard serve: no contract given (--contract FILE or STEPGUARD_CONTRACTS)",
               file=sys.stderr)
         return 2
     try:
         contracts = load_contracts(settings.contracts, settings.vars, settings.upstreams)
+        shadows = load_contracts(settings.shadow, settings.vars, settings.upstreams) \
+            if settings.shadow else []
+        shadowed(contracts, shadows)
     except ContractError as exc:
         print(f"stepguard serve: {len(exc.issues)} contract error(s):", file=sys.stderr)
         for issue in exc.issues:
@@ -215,9 +251,9 @@ def _serve(args: argparse.Namespace) -> int:
         if settings.uvloop:
             import uvloop
 
-            uvloop.run(serve(settings, contracts))
+            uvloop.run(serve(settings, contracts, shadows))
         else:
-            asyncio.run(serve(settings, contracts))
+            asyncio.run(serve(settings, contracts, shadows))
     except (OSError, StepguardError) as exc:    # a store that cannot be opened, a port taken
         print(f"stepguard serve: {exc}", file=sys.stderr)
         return 1
@@ -314,16 +350,28 @@ def _runs_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _runs_resume(args: argparse.Namespace) -> int:
+    from stepguard.proxy.operate import resume
+
+    return resume(args)
+
+
 def _render_run(envelope: dict[str, Any], history: list[dict[str, Any]],
                 escalations: list[dict[str, Any]]) -> str:
     lines = [f"run {envelope['run_id']}  workflow {envelope['workflow']} "
              f"v{envelope['contract_version']}  status {envelope['status'].upper()}",
              f"  verified: {', '.join(envelope['verified']) or '-'}",
              f"  state:    {orjson.dumps(envelope['state']).decode()}", "", "  history:"]
-    first_bad = next((e["seq"] for e in history if e.get("verdict") == "violation"), None)
+    gone = superseded(history)
+    first_bad = next((e["seq"] for e in history
+                      if e.get("verdict") == "violation" and e["seq"] not in gone), None)
     for e in history:
         violation = e.get("violation") or {}
-        marker = ">>" if e["seq"] == first_bad else "  "
+        marker = ">>" if e["seq"] == first_bad else "~~" if e["seq"] in gone else "  "
+        if e.get("kind") == OPERATOR:
+            lines.append(f"{marker} {e['seq']:>4}  {_time(e['ts'])}  {e['action'].upper()} by "
+                         f"{e.get('operator')} at seq {e.get('resumed_at')}: {e.get('reason')}")
+            continue
         line = (f"{marker} {e['seq']:>4}  {_time(e['ts'])}  {e.get('step', '-'):<16} "
                 f"{e.get('boundary', '-'):<5} {e.get('verdict', '-'):<9} "
                 f"{e.get('action', '-'):<8}")
@@ -334,6 +382,8 @@ def _render_run(envelope: dict[str, Any], history: list[dict[str, Any]],
         lines.append(line.rstrip())
     if first_bad is not None:
         lines += ["", "  >> marks the first unsupported transition"]
+    if gone:
+        lines += ["  ~~ marks events superseded by a resume (kept, no longer in force)"]
     for esc in escalations:
         lines.append(f"  escalation at {esc['detection_point']} (decision {esc['decision_id']})")
     return "\n".join(lines)
