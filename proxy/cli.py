@@ -14,10 +14,15 @@ from typing import Any
 
 import orjson
 
-from stepguard.contracts.errors import ContractError, StepguardError
+from stepguard.contracts.errors import ContractError, StepguardError, StoreError
 from stepguard.contracts.loader import load_contracts
 from stepguard.contracts.operations import OPERATOR, superseded
-from stepguard.contracts.sqlite_store import connect, read_escalations, read_history, read_runs
+from stepguard.contracts.sqlite_store import (
+    open_read_only,
+    read_escalations,
+    read_history,
+    read_runs,
+)
 from stepguard.metrics.logs import LOG_FORMATS, LOG_LEVELS
 from stepguard.proxy.config import ConfigError, Settings, assignments, env_setting
 
@@ -303,7 +308,11 @@ def _open_store(args: argparse.Namespace) -> sqlite3.Connection | None:
     if not Path(path).exists():
         print(f"stepguard runs: no store at {path}", file=sys.stderr)
         return None
-    return connect(path)
+    try:
+        return open_read_only(path)
+    except StoreError as exc:
+        print(f"stepguard runs: {exc}", file=sys.stderr)
+        return None
 
 
 def _time(ts: float | None) -> str:
