@@ -329,8 +329,8 @@ def _render_run(envelope: dict[str, Any], history: list[dict[str, Any]],
 
 
 def _bench_drift(args: argparse.Namespace) -> int:
+    from stepguard.bench.drift import render_table, run_bench
     from stepguard.metrics.logs import configure
-    from stepguard.proxy.bench_drift import render_table, run_bench
 
     configure("json", "critical")
     result = asyncio.run(run_bench(args.runs, args.controls, args.traffic))
@@ -348,7 +348,7 @@ def _tail(args: argparse.Namespace) -> int:
 
 
 def _bench_proxy(args: argparse.Namespace) -> int:
-    from stepguard.proxy.bench_proxy import BenchOptions, render, run
+    from stepguard.bench.proxy import BenchOptions, render, run
 
     options = BenchOptions(concurrency=args.concurrency, duration_s=args.duration,
                            rate=args.rate, rate_duration_s=args.rate_duration,
@@ -364,8 +364,8 @@ def _bench_proxy(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    from stepguard.examples.order_confirmation.demo import fresh_store, run_demo
     from stepguard.metrics.logs import configure
-    from stepguard.proxy.demo import fresh_store, run_demo
 
     configure("auto", "warning")
     fresh_store(Path(args.store))

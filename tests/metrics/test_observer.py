@@ -11,11 +11,11 @@ import yaml
 from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
+from stepguard.bench.drift import example_contract_path
 from stepguard.contracts.loader import parse_contract
 from stepguard.examples.order_confirmation import agent, tools
 from stepguard.metrics.prom import Metrics
 from stepguard.proxy.app import build, create_admin_app, create_app
-from stepguard.proxy.bench_drift import example_contract_path
 from stepguard.proxy.config import Settings
 from stepguard.proxy.forward import OVERHEAD_HEADER
 

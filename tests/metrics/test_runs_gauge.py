@@ -11,14 +11,14 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
+from stepguard.bench.drift import example_contract_path
+from stepguard.bench.harness import contract_with_upstreams
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.events import ADVANCE, HALT
 from stepguard.contracts.sqlite_store import SQLiteStore
 from stepguard.metrics.prom import Metrics
 from stepguard.proxy.app import RUN_COUNTS_MAX_AGE_S, Stepguard, build, create_admin_app, create_app
-from stepguard.proxy.bench_drift import example_contract_path
 from stepguard.proxy.config import Settings
-from stepguard.proxy.harness import contract_with_upstreams
 
 WORKFLOW = "order-confirmation"
 

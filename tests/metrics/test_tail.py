@@ -508,7 +508,7 @@ SCRIPT = """
 from stepguard.contracts.loader import load_contract
 from stepguard.metrics.logs import configure
 from stepguard.metrics.observer import Observer
-from stepguard.proxy.bench_drift import example_contract_path
+from stepguard.bench.drift import example_contract_path
 
 configure("json", "info")
 contract, observer = load_contract(example_contract_path()), Observer()

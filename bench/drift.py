@@ -18,6 +18,7 @@ from typing import Any
 
 import aiohttp
 
+from stepguard.bench.harness import contract_with_upstreams, running
 from stepguard.contracts.loader import load_contract
 from stepguard.contracts.model import Contract
 from stepguard.examples.order_confirmation import agent as agent_mod
@@ -25,7 +26,6 @@ from stepguard.examples.order_confirmation import fake_model
 from stepguard.examples.order_confirmation import tools as tools_mod
 from stepguard.proxy.app import build, create_app
 from stepguard.proxy.config import Settings
-from stepguard.proxy.harness import contract_with_upstreams, running
 
 # (drift class as stepguard names it, the injector that causes it)
 CLASSES = (("shape", "shape"), ("freshness", "stale_input"), ("order", "reordered"),

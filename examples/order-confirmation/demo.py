@@ -8,14 +8,14 @@ from pathlib import Path
 import aiohttp
 import orjson
 
+from stepguard.bench.drift import example_contract_path
+from stepguard.bench.harness import contract_with_upstreams, running
 from stepguard.contracts.sqlite_store import connect, read_history
 from stepguard.examples.order_confirmation import agent as agent_mod
 from stepguard.examples.order_confirmation import tools as tools_mod
 from stepguard.proxy.app import build, create_app
-from stepguard.proxy.bench_drift import example_contract_path
 from stepguard.proxy.cli import _render_run
 from stepguard.proxy.config import Settings
-from stepguard.proxy.harness import contract_with_upstreams, running
 
 
 def _print_run(run: agent_mod.AgentRun) -> None:
