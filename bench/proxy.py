@@ -71,9 +71,9 @@ from stepguard.contracts.engine import check_entry, check_exit
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.events import ToolResult
 from stepguard.contracts.loader import parse_contract
+from stepguard.contracts.redact import Redactor
 from stepguard.contracts.runs import RunBook
 from stepguard.contracts.sqlite_store import SQLiteStore
-from stepguard.metrics.redact import Redactor
 from stepguard.proxy.bodies import history_payload
 from stepguard.proxy.config import Settings
 

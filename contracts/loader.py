@@ -36,7 +36,7 @@ from stepguard.contracts.model import (
     Upstream,
     normal_path,
 )
-from stepguard.metrics.redact import is_redacted, normal_key
+from stepguard.contracts.redact import is_redacted, normal_key
 
 # what an upstream URL may be, in the contract or set at start: a base path is kept, the
 # path after the mount is appended to it

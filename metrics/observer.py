@@ -8,9 +8,9 @@ from typing import Any
 import orjson
 
 from stepguard.contracts.model import Contract
+from stepguard.contracts.redact import truncate
 from stepguard.metrics.logs import get_logger
 from stepguard.metrics.prom import Metrics, status_class
-from stepguard.metrics.redact import truncate
 
 _ACTIONS = frozenset({"halt", "retry", "escalate", "observe", "refuse"})
 

@@ -28,7 +28,7 @@ from structlog.testing import capture_logs
 from stepguard.bench.harness import running
 from stepguard.contracts.loader import parse_contract
 from stepguard.contracts.model import Contract
-from stepguard.metrics.redact import REDACTED
+from stepguard.contracts.redact import REDACTED
 from stepguard.proxy.app import Stepguard, build, create_app
 from stepguard.proxy.config import Settings
 from stepguard.proxy.forward import Forwarder, UpstreamError
