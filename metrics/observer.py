@@ -8,9 +8,13 @@ from typing import Any
 import orjson
 
 from stepguard.contracts.model import Contract
-from stepguard.contracts.redact import truncate
 from stepguard.metrics.logs import get_logger
 from stepguard.metrics.prom import Metrics, status_class
+
+
+def truncate(text: str, limit: int) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}...[{len(text) - limit} more chars]"
+
 
 _ACTIONS = frozenset({"halt", "retry", "escalate", "observe", "refuse"})
 
