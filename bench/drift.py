@@ -12,7 +12,6 @@ import asyncio
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from stepguard.bench.harness import contract_with_upstreams, running
 from stepguard.contracts.loader import load_contract
 from stepguard.contracts.model import Contract
 from stepguard.examples.order_confirmation import agent as agent_mod
+from stepguard.examples.order_confirmation import contract_path as example_contract_path
 from stepguard.examples.order_confirmation import fake_model
 from stepguard.examples.order_confirmation import tools as tools_mod
 from stepguard.proxy.app import build, create_app
@@ -32,11 +32,6 @@ CLASSES = (("shape", "shape"), ("freshness", "stale_input"), ("order", "reordere
            ("tool_error", "tool_error"), ("false_completion", "false_completion"))
 LABELS = {"shape": "Changed output shape", "freshness": "Stale input", "order": "Reordered step",
           "tool_error": "Tool error", "false_completion": "False completion"}
-
-
-def example_contract_path(name: str = "contract.yaml") -> Path:
-    ref = resources.files("stepguard.examples.order_confirmation").joinpath(name)
-    return Path(str(ref))
 
 
 @dataclass

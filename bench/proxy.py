@@ -1233,12 +1233,9 @@ def render(result: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if "--loadgen" in args:
-        return _loadgen_main(args)
-    from stepguard.proxy.cli import main as cli_main
-
-    return cli_main(["bench", "proxy", *args])
+    """`python -m stepguard.bench.proxy --loadgen ...`: the open-loop client a run starts in a
+    process of its own. The benchmark itself is `stepguard bench proxy` (cli.py)."""
+    return _loadgen_main(argv)
 
 
 if __name__ == "__main__":

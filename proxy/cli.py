@@ -8,7 +8,7 @@ import os
 import sqlite3
 import sys
 from collections.abc import Sequence
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ from stepguard.contracts.errors import ContractError, StepguardError
 from stepguard.contracts.loader import load_contracts
 from stepguard.contracts.sqlite_store import connect, read_escalations, read_history, read_runs
 from stepguard.metrics.logs import LOG_FORMATS, LOG_LEVELS
+from stepguard.metrics.report import render_run, timestamp
 from stepguard.proxy.config import ConfigError, Settings, assignments, env_setting
 
 
@@ -259,12 +260,6 @@ def _open_store(args: argparse.Namespace) -> sqlite3.Connection | None:
     return connect(path)
 
 
-def _time(ts: float | None) -> str:
-    if not ts:
-        return "-"
-    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")[:-4] + "Z"
-
-
 def _runs_list(args: argparse.Namespace) -> int:
     conn = _open_store(args)
     if conn is None:
@@ -280,7 +275,7 @@ def _runs_list(args: argparse.Namespace) -> int:
         reason = (f"{halt.get('step')} {halt.get('violation', {}).get('check')} "
                   f"({halt.get('violation', {}).get('drift')})") if halt else ""
         print(f"{r.run_id:<28} {r.workflow:<22} {r.contract_version:<4} {r.status:<10} "
-              f"{r.seq:>6}  {_time(r.updated):<23} {reason}")
+              f"{r.seq:>6}  {timestamp(r.updated):<23} {reason}")
     return 0
 
 
@@ -299,33 +294,8 @@ def _runs_show(args: argparse.Namespace) -> int:
         print(orjson.dumps({"envelope": envelope, "history": history,
                             "escalations": escalations}).decode())
         return 0
-    print(_render_run(envelope, history, escalations))
+    print(render_run(envelope, history, escalations))
     return 0
-
-
-def _render_run(envelope: dict[str, Any], history: list[dict[str, Any]],
-                escalations: list[dict[str, Any]]) -> str:
-    lines = [f"run {envelope['run_id']}  workflow {envelope['workflow']} "
-             f"v{envelope['contract_version']}  status {envelope['status'].upper()}",
-             f"  verified: {', '.join(envelope['verified']) or '-'}",
-             f"  state:    {orjson.dumps(envelope['state']).decode()}", "", "  history:"]
-    first_bad = next((e["seq"] for e in history if e.get("verdict") == "violation"), None)
-    for e in history:
-        violation = e.get("violation") or {}
-        marker = ">>" if e["seq"] == first_bad else "  "
-        line = (f"{marker} {e['seq']:>4}  {_time(e['ts'])}  {e.get('step', '-'):<16} "
-                f"{e.get('boundary', '-'):<5} {e.get('verdict', '-'):<9} "
-                f"{e.get('action', '-'):<8}")
-        if violation:
-            line += f" {violation['check']} ({violation['drift']}): {violation['detail']}"
-        elif e.get("recorded"):
-            line += f" recorded {orjson.dumps(e['recorded']).decode()}"
-        lines.append(line.rstrip())
-    if first_bad is not None:
-        lines += ["", "  >> marks the first unsupported transition"]
-    for esc in escalations:
-        lines.append(f"  escalation at {esc['detection_point']} (decision {esc['decision_id']})")
-    return "\n".join(lines)
 
 
 def _bench_drift(args: argparse.Namespace) -> int:
