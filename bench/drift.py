@@ -203,7 +203,7 @@ async def run_bench(runs: int = 5, controls: int = 10, traffic: str = "http") ->
 def render_table(result: dict[str, Any]) -> str:
     head = ("Drift class", "Rolling detection", "Contract detection", "First contract stop",
             "Runtime action")
-    rows = [head]
+    rows: list[tuple[str, ...]] = [head]
     for cls, row in result["classes"].items():
         rows.append((LABELS[cls], f"{row['baseline_detected']}/{row['runs']}",
                      f"{row['contract_detected']}/{row['runs']}",

@@ -270,7 +270,7 @@ async def serve(host: str, port: int, delay_s: float = 0.0) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m stepguard.bench.upstream",
-                                     description=__doc__.split("\n\n")[0])
+                                     description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0: any free port (printed)")
     parser.add_argument("--delay-ms", type=float, default=0.0, help="hold every answer this long")
