@@ -41,9 +41,11 @@ class McpAgentRun:
 
 
 async def run_mcp_agent(url: str, run_id: str, order_num: int, drift: str | None = None,
-                        mode: str = "auto") -> McpAgentRun:
+                        mode: str = "auto", *, run_header: bool = True) -> McpAgentRun:
+    """One run. With `run_header` False the client sends no `x-stepguard-run` (`run_id` is then
+    only the agent's own label): a stateless client whose run stepguard finds by its arguments."""
     run = McpAgentRun(run_id, drift)
-    headers = {"x-stepguard-run": run_id}
+    headers = {"x-stepguard-run": run_id} if run_header else {}
     if drift:
         headers[DRIFT_HEADER] = drift
     order_id = f"ord-{order_num}"
