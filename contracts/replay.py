@@ -50,7 +50,7 @@ from stepguard.contracts.events import (
 )
 from stepguard.contracts.model import Contract, Step
 from stepguard.contracts.recorded import RecordedRun
-from stepguard.metrics.redact import REDACTED, Redactor
+from stepguard.contracts.redact import REDACTED, Redactor
 
 HALTS, PASSES, DIFFERS, UNJUDGEABLE, UNCHANGED = (
     "halts", "passes", "differs", "unjudgeable", "unchanged")

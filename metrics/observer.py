@@ -11,7 +11,11 @@ from stepguard.contracts.events import Decision
 from stepguard.contracts.model import Contract
 from stepguard.metrics.logs import get_logger
 from stepguard.metrics.prom import Metrics, status_class
-from stepguard.metrics.redact import truncate
+
+
+def truncate(text: str, limit: int) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}...[{len(text) - limit} more chars]"
+
 
 _ACTIONS = frozenset({"halt", "retry", "escalate", "observe", "refuse"})
 

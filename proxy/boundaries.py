@@ -24,9 +24,9 @@ from stepguard.contracts.events import (
     ToolResult,
 )
 from stepguard.contracts.model import Contract, Step
+from stepguard.contracts.redact import Redactor
 from stepguard.contracts.runs import RunBook
 from stepguard.metrics.observer import Observer
-from stepguard.metrics.redact import Redactor
 from stepguard.proxy.bodies import BodyError, history_payload, parse_json
 from stepguard.proxy.correlation import RunKeys
 from stepguard.proxy.escalation import Escalator

@@ -8,7 +8,7 @@ import os
 import sqlite3
 import sys
 from collections.abc import Sequence
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,6 @@ import orjson
 
 from stepguard.contracts.errors import ContractError, StepguardError, StoreError
 from stepguard.contracts.loader import load_contracts
-from stepguard.contracts.operations import OPERATOR, superseded
 from stepguard.contracts.sqlite_store import (
     open_read_only,
     read_escalations,
@@ -24,6 +23,7 @@ from stepguard.contracts.sqlite_store import (
     read_runs,
 )
 from stepguard.metrics.logs import LOG_FORMATS, LOG_LEVELS
+from stepguard.metrics.report import render_run, timestamp
 from stepguard.proxy.config import ConfigError, Settings, assignments, env_setting
 
 
@@ -315,12 +315,6 @@ def _open_store(args: argparse.Namespace) -> sqlite3.Connection | None:
         return None
 
 
-def _time(ts: float | None) -> str:
-    if not ts:
-        return "-"
-    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")[:-4] + "Z"
-
-
 def _runs_list(args: argparse.Namespace) -> int:
     conn = _open_store(args)
     if conn is None:
@@ -336,7 +330,7 @@ def _runs_list(args: argparse.Namespace) -> int:
         reason = (f"{halt.get('step')} {halt.get('violation', {}).get('check')} "
                   f"({halt.get('violation', {}).get('drift')})") if halt else ""
         print(f"{r.run_id:<28} {r.workflow:<22} {r.contract_version:<4} {r.status:<10} "
-              f"{r.seq:>6}  {_time(r.updated):<23} {reason}")
+              f"{r.seq:>6}  {timestamp(r.updated):<23} {reason}")
     return 0
 
 
@@ -355,7 +349,7 @@ def _runs_show(args: argparse.Namespace) -> int:
         print(orjson.dumps({"envelope": envelope, "history": history,
                             "escalations": escalations}).decode())
         return 0
-    print(_render_run(envelope, history, escalations))
+    print(render_run(envelope, history, escalations))
     return 0
 
 
@@ -365,42 +359,9 @@ def _runs_resume(args: argparse.Namespace) -> int:
     return resume(args)
 
 
-def _render_run(envelope: dict[str, Any], history: list[dict[str, Any]],
-                escalations: list[dict[str, Any]]) -> str:
-    lines = [f"run {envelope['run_id']}  workflow {envelope['workflow']} "
-             f"v{envelope['contract_version']}  status {envelope['status'].upper()}",
-             f"  verified: {', '.join(envelope['verified']) or '-'}",
-             f"  state:    {orjson.dumps(envelope['state']).decode()}", "", "  history:"]
-    gone = superseded(history)
-    first_bad = next((e["seq"] for e in history
-                      if e.get("verdict") == "violation" and e["seq"] not in gone), None)
-    for e in history:
-        violation = e.get("violation") or {}
-        marker = ">>" if e["seq"] == first_bad else "~~" if e["seq"] in gone else "  "
-        if e.get("kind") == OPERATOR:
-            lines.append(f"{marker} {e['seq']:>4}  {_time(e['ts'])}  {e['action'].upper()} by "
-                         f"{e.get('operator')} at seq {e.get('resumed_at')}: {e.get('reason')}")
-            continue
-        line = (f"{marker} {e['seq']:>4}  {_time(e['ts'])}  {e.get('step', '-'):<16} "
-                f"{e.get('boundary', '-'):<5} {e.get('verdict', '-'):<9} "
-                f"{e.get('action', '-'):<8}")
-        if violation:
-            line += f" {violation['check']} ({violation['drift']}): {violation['detail']}"
-        elif e.get("recorded"):
-            line += f" recorded {orjson.dumps(e['recorded']).decode()}"
-        lines.append(line.rstrip())
-    if first_bad is not None:
-        lines += ["", "  >> marks the first unsupported transition"]
-    if gone:
-        lines += ["  ~~ marks events superseded by a resume (kept, no longer in force)"]
-    for esc in escalations:
-        lines.append(f"  escalation at {esc['detection_point']} (decision {esc['decision_id']})")
-    return "\n".join(lines)
-
-
 def _bench_drift(args: argparse.Namespace) -> int:
+    from stepguard.bench.drift import render_table, run_bench
     from stepguard.metrics.logs import configure
-    from stepguard.proxy.bench_drift import render_table, run_bench
 
     if args.store is not None and args.store.exists():
         print(f"stepguard bench drift: {args.store} exists: --store takes a new file",
@@ -422,7 +383,7 @@ def _tail(args: argparse.Namespace) -> int:
 
 
 def _bench_proxy(args: argparse.Namespace) -> int:
-    from stepguard.proxy.bench_proxy import BenchOptions, render, run
+    from stepguard.bench.proxy import BenchOptions, render, run
 
     options = BenchOptions(concurrency=args.concurrency, duration_s=args.duration,
                            rate=args.rate, rate_duration_s=args.rate_duration,
@@ -438,8 +399,8 @@ def _bench_proxy(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    from stepguard.examples.order_confirmation.demo import fresh_store, run_demo
     from stepguard.metrics.logs import configure
-    from stepguard.proxy.demo import fresh_store, run_demo
 
     configure("auto", "warning")
     fresh_store(Path(args.store))
