@@ -7,17 +7,17 @@ meanwhile stops the retry). A call that never reached its upstream is recorded a
 not checked. A store failure fails closed, or (counted) open; a call that reached its upstream
 is never sent again by that path.
 
-`CallLoop` is that loop, once; an adapter subclasses it and supplies only its protocol: how one
-attempt is sent and its answer read (`send`), how a checked answer is handed on (`relay`), and
-how a call that stops is answered (`render`, given a `Stopped` reason).
+`CallLoop` is that loop, once. An adapter gives it a `CallProtocol`, which supplies only what
+differs between protocols: how one attempt is sent and its answer read (`send`), how a checked
+answer is handed on (`relay`), how a call that stops is answered (`render`, given a `Stopped`
+reason), and the protocol's fields of every event (`extra`).
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections.abc import Awaitable
 from dataclasses import dataclass, replace
-from typing import Any, Generic, NoReturn, TypeVar
+from typing import Any, Generic, NoReturn, Protocol, TypeVar
 
 from aiohttp import web
 from multidict import CIMultiDict
@@ -147,46 +147,52 @@ class OtherWorkflow(Stopped):
 
 C = TypeVar("C", bound=Call)
 A = TypeVar("A", bound=Answer)
+C_contra = TypeVar("C_contra", bound=Call, contravariant=True)
 
 
-class CallLoop(ABC, Generic[C, A]):
-    """Entry, attempts, exit, retries and failures of a checked call, in one place."""
+class CallProtocol(Protocol[C_contra, A]):
+    """What an adapter supplies to the call loop: its protocol, nothing of the loop."""
 
     traffic: str
-    runs: RunBook
-    boundaries: Boundaries
-    observer: Observer
-    settings: Settings
 
-    # -- what the adapter supplies -------------------------------------------------------------
-
-    @abstractmethod
-    async def send(self, call: C) -> A:
+    async def send(self, call: C_contra) -> A:
         """One attempt: the call sent upstream, its answer read into a `ToolResult` (an answer
         with `unreachable` when no connection could be made), the upstream's time noted."""
+        ...
 
-    @abstractmethod
-    async def relay(self, call: C, answer: Answer) -> web.StreamResponse:
+    async def relay(self, call: C_contra, answer: Answer) -> web.StreamResponse:
         """Hand an answer the checks let through (or fail-open kept) on to the client."""
+        ...
 
-    @abstractmethod
-    async def render(self, call: C, why: Stopped) -> web.StreamResponse:
+    async def render(self, call: C_contra, why: Stopped) -> web.StreamResponse:
         """Answer a call that stops, in the adapter's protocol."""
+        ...
 
-    @abstractmethod
-    async def unchecked(self, call: C) -> web.StreamResponse:
+    async def unchecked(self, call: C_contra) -> web.StreamResponse:
         """Forward the call unchecked (fail-open, before it was ever sent)."""
+        ...
 
-    def extra(self, call: C) -> dict[str, Any] | None:
+    def extra(self, call: C_contra) -> dict[str, Any] | None:
         """Protocol fields every event of the call carries."""
-        return None
+        ...
 
-    async def pause(self, call: C, answer: A, attempt: int) -> web.StreamResponse | None:
+    async def pause(self, call: C_contra, answer: A, attempt: int) -> web.StreamResponse | None:
         """An answer that is not the call's outcome yet (the call goes on in a later request):
         the response that ends this one, else None to check the answer now."""
-        return None
+        ...
 
-    # -- the loop ------------------------------------------------------------------------------
+
+class CallLoop(Generic[C, A]):
+    """Entry, attempts, exit, retries and failures of a checked call, in one place."""
+
+    def __init__(self, protocol: CallProtocol[C, A], runs: RunBook, boundaries: Boundaries,
+                 observer: Observer, settings: Settings) -> None:
+        self.protocol = protocol
+        self.traffic = protocol.traffic
+        self.runs = runs
+        self.boundaries = boundaries
+        self.observer = observer
+        self.settings = settings
 
     async def checked(self, call: C) -> web.StreamResponse:
         """The call through its entry and attempts, answered whatever happens."""
@@ -200,13 +206,13 @@ class CallLoop(ABC, Generic[C, A]):
         try:
             return await work
         except Stopped as why:
-            return await self.render(call, why)
+            return await self.protocol.render(call, why)
         except StoreError as exc:
             return await self._store_failed(call, exc)
         except RunOfAnotherWorkflow as exc:
             self.boundaries.call_refused(call.route, "other_workflow", str(exc), call.step.name,
                                          self.traffic, call.run_id)
-            return await self.render(call, OtherWorkflow(exc))
+            return await self.protocol.render(call, OtherWorkflow(exc))
 
     async def _checked(self, call: C) -> web.StreamResponse:
         await retrying_conflicts(call.run_id, lambda: self._entry(call))
@@ -219,11 +225,11 @@ class CallLoop(ABC, Generic[C, A]):
         while True:
             if answer is None:
                 call.forwarded = True
-                answer = await self.send(call)
+                answer = await self.protocol.send(call)
                 if answer.unreachable is not None:
                     await self._unreachable(call, answer.unreachable, attempt)
             call.answer = got = answer
-            paused = await self.pause(call, got, attempt)
+            paused = await self.protocol.pause(call, got, attempt)
             if paused is not None:
                 return paused
             decision, settled = await retrying_conflicts(
@@ -238,7 +244,7 @@ class CallLoop(ABC, Generic[C, A]):
                 self.observer.retry_outcome(call.contract, step.name, recovered=decision.passed)
             self._stop_if(decision, settled,
                           504 if got.result.error_kind == "timeout" else None)
-            return await self.relay(call, got)
+            return await self.protocol.relay(call, got)
 
     # -- boundaries ------------------------------------------------------------------------------
 
@@ -291,7 +297,7 @@ class CallLoop(ABC, Generic[C, A]):
     async def _settle(self, call: C, envelope: Envelope, decision: Decision, attempt: int = 1,
                       answer: A | None = None) -> Settled:
         result = answer.result if answer is not None else None
-        extra = self.extra(call)
+        extra = self.protocol.extra(call)
         joined = joined_extra(call.key_drift.joined if call.key_drift is not None else None,
                               result.output if result is not None else None)
         if joined:
@@ -310,7 +316,7 @@ class CallLoop(ABC, Generic[C, A]):
     async def _refuse(self, call: C, envelope: Envelope, boundary: str) -> NoReturn:
         settled = await self.boundaries.refuse(
             call.contract, call.run_id, envelope, call.step.name, timing=call.timing,
-            traffic=self.traffic, boundary=boundary, extra=self.extra(call))
+            traffic=self.traffic, boundary=boundary, extra=self.protocol.extra(call))
         raise RunStopped(envelope, boundary, settled.decision_id)
 
     async def _unreachable(self, call: C, error: UpstreamError, attempt: int) -> NoReturn:
@@ -325,7 +331,7 @@ class CallLoop(ABC, Generic[C, A]):
                 return await self.boundaries.unreachable(
                     call.contract, call.run_id, envelope, call.step.name, error.detail,
                     timing=call.timing, traffic=self.traffic, attempt=attempt,
-                    extra=self.extra(call))
+                    extra=self.protocol.extra(call))
 
         settled = await retrying_conflicts(call.run_id, record)
         raise Unreached(error, settled.decision_id)
@@ -339,8 +345,8 @@ class CallLoop(ABC, Generic[C, A]):
         if self.settings.fail_open:
             if not call.forwarded:
                 self.observer.fail_open(call.contract, call.step.name, call.run_id)
-                return await self.unchecked(call)
+                return await self.protocol.unchecked(call)
             if call.answer is not None and call.answer.status is not None:
                 self.observer.fail_open(call.contract, call.step.name, call.run_id)
-                return await self.relay(call, call.answer)
-        return await self.render(call, NotStored(exc, call.forwarded))
+                return await self.protocol.relay(call, call.answer)
+        return await self.protocol.render(call, NotStored(exc, call.forwarded))

@@ -70,9 +70,9 @@ class HttpCall(Call):
         return self.parse_error.status if self.parse_error is not None else None
 
 
-class HttpToolAdapter(CallLoop[HttpCall, Answer]):
-    """Plain HTTP tool calls on the shared call loop: the upstream's answer relayed as it came,
-    stops answered as problem+json."""
+class HttpToolAdapter:
+    """Plain HTTP tool calls, checked on the shared call loop (`calls`), for which this is the
+    protocol: the upstream's answer relayed as it came, stops answered as problem+json."""
 
     traffic = TRAFFIC
 
@@ -83,6 +83,7 @@ class HttpToolAdapter(CallLoop[HttpCall, Answer]):
         self.settings = settings
         self.observer = observer
         self.boundaries = boundaries
+        self.calls = CallLoop(self, runs, boundaries, observer, settings)
 
     def error(self, route: Route, status: int, title: str, detail: str) -> web.Response:
         return problem(status, title, detail, upstream=route.upstream.name)
@@ -126,7 +127,7 @@ class HttpToolAdapter(CallLoop[HttpCall, Answer]):
         if step.idempotency_key and "idempotency-key" not in headers:
             digest = hashlib.sha256(f"{call.run_id}\0{step.name}".encode()).hexdigest()[:32]
             headers["Idempotency-Key"] = f"sg-{digest}"
-        return await self.checked(call)
+        return await self.calls.checked(call)
 
     async def _unmatched(self, request: web.Request, route: Route, headers: CIMultiDict[str],
                          body: bytes, timing: Timing) -> web.StreamResponse:
@@ -173,6 +174,13 @@ class HttpToolAdapter(CallLoop[HttpCall, Answer]):
     async def relay(self, call: HttpCall, answer: Answer) -> web.StreamResponse:
         assert answer.status is not None
         return web.Response(status=answer.status, headers=answer.headers, body=answer.body)
+
+    def extra(self, call: HttpCall) -> dict[str, Any] | None:
+        return None
+
+    async def pause(self, call: HttpCall, answer: Answer,
+                    attempt: int) -> web.StreamResponse | None:
+        return None
 
     async def unchecked(self, call: HttpCall) -> web.StreamResponse:
         return await self.forward_unchecked(call.request, call.route, call.headers, call.body,

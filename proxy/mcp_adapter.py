@@ -17,31 +17,32 @@ import asyncio
 import contextlib
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
-from stepguard.contracts.engine import check_entry, check_exit
 from stepguard.contracts.envelope import Envelope
-from stepguard.contracts.errors import RunOfAnotherWorkflow, StoreError
-from stepguard.contracts.events import OBSERVE, RETRY, Decision, ToolResult, Violation
-from stepguard.contracts.model import Contract, Step
+from stepguard.contracts.events import ToolResult
 from stepguard.contracts.runs import RunBook
 from stepguard.metrics.observer import Observer
 from stepguard.proxy.bodies import MAX_JSON_DEPTH, BodyError, charset_of, decode, parse_json
-from stepguard.proxy.boundaries import (
-    UNREACHABLE,
-    Boundaries,
-    Evidence,
-    Settled,
-    back_off,
-    retrying_conflicts,
+from stepguard.proxy.boundaries import UNREACHABLE, Boundaries
+from stepguard.proxy.calls import (
+    Answer,
+    Call,
+    CallLoop,
+    NotStored,
+    OtherWorkflow,
+    RunStopped,
+    Stopped,
+    Unreached,
+    Violated,
 )
 from stepguard.proxy.config import Settings
-from stepguard.proxy.correlation import NO_RUN_KEY, STORE, Keyed, run_id_for
+from stepguard.proxy.correlation import NO_RUN_KEY, STORE, run_id_for
 from stepguard.proxy.forward import (
     HOP_BY_HOP,
     ClientEnd,
@@ -54,7 +55,6 @@ from stepguard.proxy.forward import (
 )
 from stepguard.proxy.h1client import H1Response, UpstreamConnectionError
 from stepguard.proxy.http_adapter import HttpToolAdapter, upstream_url
-from stepguard.proxy.joining import joined_extra
 from stepguard.proxy.routing import Route
 from stepguard.proxy.sse import (
     EventTooDeep,
@@ -78,38 +78,31 @@ class Refusal(Exception):
 
 
 @dataclass(slots=True)
-class ToolCall:
-    route: Route
-    step: Step
-    run_id: str
-    request: web.Request
-    headers: CIMultiDict[str]
-    body: bytes
-    rpc_id: Any
-    arguments: Any
-    timing: Timing
+class McpCall(Call):
+    """A checked `tools/call`: its input is `params.arguments`; its answer may come as an event
+    stream, relayed to the client as it flows (`out`) and resumable once cut (`cut`)."""
+
+    rpc_id: Any = None
     out: ClientEnd | None = None     # the client's stream, once an SSE answer starts flowing
-    forwarded: bool = False          # the MCP server has been called: never call it again
-    answer: Answer | None = None     # ... and what it answered last
     cut: Cut | None = None           # once an event with an id was relayed: resumable
-    key_drift: Keyed | None = None   # the run key's resolution (`drift`: a stale argument key)
 
     @property
-    def contract(self) -> Contract:
-        return self.route.contract
+    def entry_input(self) -> Any:
+        return {} if self.input is None else self.input
+
+    @property
+    def input_fault(self) -> str | None:
+        if self.input is None or isinstance(self.input, dict):
+            return None
+        return "tools/call arguments are not a JSON object"
 
 
 @dataclass(slots=True)
-class Answer:
-    """What the upstream said to one attempt of a tools/call."""
+class McpAnswer(Answer):
+    """What the MCP server said to one attempt of a tools/call: `body` is the JSON answer, or
+    the held SSE event that answers the call."""
 
-    result: ToolResult
-    status: int | None = None
-    headers: CIMultiDict[str] | None = None
-    body: bytes = b""               # the JSON answer, or the held SSE event that answers the call
-    sse: bool = False
     resumable: bool = False         # the stream ended unanswered after events with ids
-    unreachable: UpstreamError | None = None   # no connection could be made: never sent
 
 
 @dataclass(slots=True, eq=False)
@@ -119,7 +112,7 @@ class Cut:
     answer, or the refusal), or None when the server ended its stream before answering (SSE
     polling), so the resumption goes on upstream and the answer is checked there."""
 
-    call: ToolCall
+    call: McpCall
     attempt: int = 1
     ids: list[tuple[str, str, str]] = field(default_factory=list)
     outcome: asyncio.Future[bytes | None] = field(
@@ -168,6 +161,10 @@ def rpc_error(rpc_id: Any, code: int, message: str, data: dict[str, Any]) -> dic
 
 
 class McpAdapter:
+    """MCP `tools/call`, checked on the shared call loop (`calls`), for which this is the
+    protocol: answers relayed as JSON or as an event stream, stops answered as JSON-RPC errors
+    for the call's id."""
+
     traffic = TRAFFIC
 
     def __init__(self, runs: RunBook, forwarder: Forwarder, settings: Settings,
@@ -179,6 +176,7 @@ class McpAdapter:
         self.boundaries = boundaries
         self.http = http
         self.resumptions = Resumptions()
+        self.calls = CallLoop(self, runs, boundaries, observer, settings)
 
     def error(self, route: Route, status: int, title: str, detail: str) -> web.Response:
         body = rpc_error(None, REQUEST_CODE, f"stepguard: {title}: {detail}", {"title": title})
@@ -227,40 +225,10 @@ class McpAdapter:
             return self._json(rpc_id, REQUEST_CODE, f"stepguard: {keyed.detail}",
                               {"check": "correlation", "step": step.name},
                               retry=reason == STORE)
-        run_id = keyed.run_id
-        call = ToolCall(route, step, run_id, request, headers, body, rpc_id,
-                        params.get("arguments"), timing, key_drift=keyed)
-        try:
-            return await self._checked(call)
-        except Refusal as refusal:
-            return await self._refuse(call, refusal)
-        except RunOfAnotherWorkflow as exc:
-            self.boundaries.call_refused(route, "other_workflow", str(exc), step.name, TRAFFIC,
-                                         run_id)
-            return await self._refuse(call, Refusal(REQUEST_CODE, f"stepguard: {exc}",
-                                                    {"check": "correlation", "run": run_id}))
-        except StoreError as exc:
-            self.observer.store_error("append", str(exc), run_id=run_id,
-                                      workflow=route.contract.workflow, step=step.name)
-            return await self._store_failed(call, exc)
-
-    async def _store_failed(self, call: ToolCall, exc: StoreError) -> web.StreamResponse:
-        """Fail closed, or (counted) fail open. Once the tool has been called it is never called
-        again: fail-open hands back the answer it gave, fail-closed withholds it."""
-        answer = call.answer
-        if self.settings.fail_open and not call.forwarded:
-            self.observer.fail_open(call.contract, call.step.name, call.run_id)
-            return await self.http.forward_unchecked(call.request, call.route, call.headers,
-                                                     call.body, call.timing)
-        if self.settings.fail_open and answer is not None and answer.status is not None:
-            self.observer.fail_open(call.contract, call.step.name, call.run_id)
-            return await self._relay(call, answer)
-        what = ("the tool was called, but its exit could not be stored; its answer is withheld "
-                "(the side effect may have happened)") if call.forwarded else (
-                "the event could not be stored; the call was not forwarded")
-        return await self._refuse(call, Refusal(
-            REQUEST_CODE, f"stepguard: run {call.run_id!r}, step {call.step.name!r}: {what} "
-            f"({exc})", {"check": "store", "forwarded": call.forwarded}))
+        call = McpCall(route, step, keyed.run_id, request, headers, body, timing,
+                       input=params.get("arguments"), key_drift=keyed, rpc_id=rpc_id,
+                       safe_to_retry=step.idempotent)   # MCP calls carry no idempotency key
+        return await self.calls.checked(call)
 
     async def _resume(self, request: web.Request, route: Route, headers: CIMultiDict[str],
                       timing: Timing) -> web.StreamResponse:
@@ -298,15 +266,8 @@ class McpAdapter:
         self.resumptions.forget(cut)
         call.request, call.timing, call.out = request, timing, end
         cut.outcome = asyncio.get_running_loop().create_future()
-        try:
-            answer = await self._attempt(call, time.perf_counter(), "GET", headers)
-            return await self._attempts(call, cut.attempt, answer)
-        except Refusal as refusal:
-            return await self._refuse(call, refusal)
-        except StoreError as exc:
-            self.observer.store_error("append", str(exc), run_id=call.run_id,
-                                      workflow=call.contract.workflow, step=call.step.name)
-            return await self._store_failed(call, exc)
+        answer = await self._attempt(call, time.perf_counter(), "GET", headers)
+        return await self.calls.resumed(call, cut.attempt, answer)
 
     async def _outcome_of(self, cut: Cut, end: ClientEnd) -> bool:
         """Wait for the call's outcome within its timeout, with an SSE comment every
@@ -405,41 +366,31 @@ class McpAdapter:
             return message
         return None
 
-    # -- boundaries -----------------------------------------------------------------------------
+    # -- the call loop's protocol -----------------------------------------------------------------
 
-    async def _checked(self, call: ToolCall) -> web.StreamResponse:
-        await retrying_conflicts(call.run_id, lambda: self._entry(call))
-        return await self._attempts(call, 1, None)
+    async def send(self, call: McpCall) -> McpAnswer:
+        return await self._attempt(call, time.perf_counter())
 
-    async def _attempts(self, call: ToolCall, attempt: int,
-                        answer: Answer | None) -> web.StreamResponse:
-        """Send the call (unless `answer` came on a resumed stream), check each answer, retry
-        what the contract says to, and hand the last answer on."""
-        step, contract = call.step, call.contract
-        safe = step.idempotent   # MCP calls carry no idempotency key stepguard could add
-        while True:
-            if answer is None:
-                call.forwarded = True
-                answer = await self._attempt(call, time.perf_counter())
-                if answer.unreachable is not None:
-                    await self._unreachable(call, answer.unreachable, attempt)
-            call.answer = got = answer
-            if got.resumable and call.cut is not None:
-                return await self._await_resumption(call, attempt)
-            decision, settled = await retrying_conflicts(
-                call.run_id, lambda: self._exit(call, got, attempt, safe))  # noqa: B023
-            if settled.action == RETRY:
-                await back_off(step, attempt, call.timing)
-                await retrying_conflicts(call.run_id, lambda: self._stopped_meanwhile(call))
-                attempt += 1
-                answer = None
-                continue
-            if attempt > 1:
-                self.observer.retry_outcome(contract, step.name, recovered=decision.passed)
-            self._raise_if_stopped(call, decision, settled)
-            return await self._relay(call, got)
+    def extra(self, call: McpCall) -> dict[str, Any] | None:
+        return {"rpc_id": call.rpc_id}
 
-    async def _await_resumption(self, call: ToolCall, attempt: int) -> web.StreamResponse:
+    async def pause(self, call: McpCall, answer: McpAnswer,
+                    attempt: int) -> web.StreamResponse | None:
+        if answer.resumable and call.cut is not None:
+            return await self._await_resumption(call, attempt)
+        return None
+
+    async def unchecked(self, call: McpCall) -> web.StreamResponse:
+        return await self.http.forward_unchecked(call.request, call.route, call.headers,
+                                                 call.body, call.timing)
+
+    async def relay(self, call: McpCall, answer: Answer) -> web.StreamResponse:
+        return await self._relay(call, answer)
+
+    async def render(self, call: McpCall, why: Stopped) -> web.StreamResponse:
+        return await self._refuse(call, refusal_for(call, why))
+
+    async def _await_resumption(self, call: McpCall, attempt: int) -> web.StreamResponse:
         """The server ended the stream before answering, after events with ids (SSE polling,
         or a cut connection): the client's stream ends the same way and the call stays open
         for the client's resumption, which goes on upstream (`_resume`). Nothing is recorded
@@ -452,104 +403,10 @@ class McpAdapter:
         await end.close()
         return end.out
 
-    async def _exit(self, call: ToolCall, answer: Answer, attempt: int,
-                    safe: bool) -> tuple[Decision, Settled]:
-        async with self.runs.locked(call.run_id):
-            envelope = await self.runs.envelope(call.contract, call.run_id)
-            if envelope.status in ("halted", "escalated"):   # halted while this call ran
-                await self._refuse_stopped(call, envelope, "exit")
-            decision = check_exit(call.contract, call.step, envelope, call.arguments, answer.result,
-                                  now=call.timing.arrived)
-            settled = await self._settle(call, envelope, decision, answer, attempt, safe)
-        return decision, settled
-
-    async def _unreachable(self, call: ToolCall, exc: UpstreamError, attempt: int) -> None:
-        """The call never reached the MCP server: recorded as such, the run left where it was
-        (no tool error, no halt), and the client told to try again (a Refusal)."""
-        if attempt == 1:
-            call.forwarded = False
-
-        async def record() -> Settled:
-            async with self.runs.locked(call.run_id):
-                envelope = await self.runs.envelope(call.contract, call.run_id)
-                return await self.boundaries.unreachable(
-                    call.contract, call.run_id, envelope, call.step.name, exc.detail,
-                    timing=call.timing, traffic=TRAFFIC, attempt=attempt,
-                    extra={"rpc_id": call.rpc_id})
-
-        settled = await retrying_conflicts(call.run_id, record)
-        raise Refusal(REQUEST_CODE, f"stepguard: run {call.run_id!r}, step {call.step.name!r}: "
-                      f"the MCP server could not be reached, the call was not sent "
-                      f"({exc.detail}); try again",
-                      {"check": UNREACHABLE, "run": call.run_id, "step": call.step.name,
-                       "own": exc.own, "decision_id": settled.decision_id})
-
-    async def _stopped_meanwhile(self, call: ToolCall) -> None:
-        """Before a retry is sent: a run halted or escalated during the back-off (by another
-        call of the run) refuses it, so the tool is not called again for a stopped run."""
-        async with self.runs.locked(call.run_id):
-            envelope = await self.runs.envelope(call.contract, call.run_id)
-            if envelope.status in ("halted", "escalated"):
-                await self._refuse_stopped(call, envelope, "entry")
-
-    async def _entry(self, call: ToolCall) -> None:
-        async with self.runs.locked(call.run_id):
-            envelope = await self.runs.envelope(call.contract, call.run_id)
-            if envelope.status in ("halted", "escalated"):
-                await self._refuse_stopped(call, envelope, "entry")
-            drift = call.key_drift
-            if drift is not None and drift.joined is not None and drift.drift is None:
-                if drift.joined in envelope.pending:
-                    return   # the model's tool call was this call's entry, checked and stored
-                call.key_drift = replace(drift, joined=None)   # no longer pending: on its own
-            if drift is not None and drift.drift is not None:
-                decision = Decision(call.step.name, "entry", Violation(
-                    "run_key", "freshness", drift.drift, "entry", field=drift.field))
-            elif isinstance(call.arguments, dict) or call.arguments is None:
-                decision = check_entry(call.step, envelope, call.arguments or {},
-                                       now=call.timing.arrived)
-            else:
-                decision = Decision(call.step.name, "entry", Violation(
-                    "input_schema", "shape", "tools/call arguments are not a JSON object",
-                    "entry", field="input"))
-            settled = await self.boundaries.settle(
-                call.contract, call.run_id, envelope, decision, Evidence(call.arguments, call.body),
-                timing=call.timing, traffic=TRAFFIC, extra={"rpc_id": call.rpc_id})
-        self._raise_if_stopped(call, decision, settled)
-
-    async def _refuse_stopped(self, call: ToolCall, envelope: Envelope, boundary: str) -> None:
-        settled = await self.boundaries.refuse(call.contract, call.run_id, envelope,
-                                               call.step.name, timing=call.timing, traffic=TRAFFIC,
-                                               boundary=boundary, extra={"rpc_id": call.rpc_id})
-        raise _halted(call, envelope, boundary, settled.decision_id)
-
-    async def _settle(self, call: ToolCall, envelope: Envelope, decision: Decision, answer: Answer,
-                      attempt: int, safe: bool) -> Settled:
-        return await self.boundaries.settle(
-            call.contract, call.run_id, envelope, decision,
-            Evidence(call.arguments, call.body, answer.result, answer.body),
-            timing=call.timing, traffic=TRAFFIC, attempt=attempt, safe_to_retry=safe,
-            extra={"rpc_id": call.rpc_id, **(joined_extra(
-                call.key_drift.joined if call.key_drift is not None else None,
-                answer.result.output) or {})})
-
-    def _raise_if_stopped(self, call: ToolCall, decision: Decision, settled: Settled) -> None:
-        violation = decision.violation
-        if violation is None or settled.action == OBSERVE:
-            return
-        data = {"run": call.run_id, "workflow": call.contract.workflow,
-                "contract_version": call.contract.version, "step": call.step.name,
-                **violation.to_dict(),
-                "detection_point": f"{call.step.name}.{violation.boundary}.{violation.check}",
-                "action": settled.action, "decision_id": settled.decision_id}
-        raise Refusal(VIOLATION_CODE, f"stepguard: run {call.run_id!r}, step {call.step.name!r}, "
-                      f"{violation.boundary} {violation.check} ({violation.drift}): "
-                      f"{violation.detail}", data)
-
     # -- the upstream -----------------------------------------------------------------------------
 
-    async def _attempt(self, call: ToolCall, since: float, method: str = "POST",
-                       headers: CIMultiDict[str] | None = None) -> Answer:
+    async def _attempt(self, call: McpCall, since: float, method: str = "POST",
+                       headers: CIMultiDict[str] | None = None) -> McpAnswer:
         """One exchange: the call POSTed, or (`GET` with the client's `headers`) its cut
         stream resumed upstream. The upstream is reached (else `unreachable`, whatever the
         timeouts: a call never sent is not the tool's timeout) and answers within the call's
@@ -560,24 +417,24 @@ class McpAdapter:
         except UpstreamError as exc:
             self._seen(call, None, since)
             if exc.kind == "unreachable":
-                return Answer(ToolResult(None, error=f"MCP server unreachable: {exc.detail}",
+                return McpAnswer(ToolResult(None, error=f"MCP server unreachable: {exc.detail}",
                                          error_kind="transport"), unreachable=exc)
             if exc.kind == "timeout":
-                return Answer(ToolResult(None, error=f"MCP server did not answer within "
+                return McpAnswer(ToolResult(None, error=f"MCP server did not answer within "
                                          f"{timeout_s:g} s", error_kind="timeout"))
-            return Answer(ToolResult(None, error=f"MCP server unreachable: {exc.detail}",
+            return McpAnswer(ToolResult(None, error=f"MCP server unreachable: {exc.detail}",
                                      error_kind="transport"))
         except TimeoutError:
             self._seen(call, None, since)
-            return Answer(ToolResult(None, error=f"MCP server did not answer within {timeout_s:g} s",
+            return McpAnswer(ToolResult(None, error=f"MCP server did not answer within {timeout_s:g} s",
                                      error_kind="timeout"))
         except UpstreamConnectionError as exc:
             self._seen(call, None, since)
-            return Answer(ToolResult(None, error=f"MCP server unreachable: {exc}",
+            return McpAnswer(ToolResult(None, error=f"MCP server unreachable: {exc}",
                                      error_kind="transport"))
 
-    async def _exchange(self, call: ToolCall, since: float, method: str,
-                        headers: CIMultiDict[str] | None) -> Answer:
+    async def _exchange(self, call: McpCall, since: float, method: str,
+                        headers: CIMultiDict[str] | None) -> McpAnswer:
         timeout_s = call.step.timeout_s or call.route.upstream.timeout_s
         deadline = asyncio.get_running_loop().time() + timeout_s
         sent = call.headers if headers is None else headers
@@ -591,7 +448,7 @@ class McpAdapter:
             encoding = resp.headers.get("content-encoding", "identity").strip().lower()
             if "text/event-stream" in resp.headers.get("content-type", ""):
                 if encoding != "identity":
-                    return Answer(ToolResult(None, error=f"MCP server compressed its event "
+                    return McpAnswer(ToolResult(None, error=f"MCP server compressed its event "
                                              f"stream ({encoding}) though asked for identity: "
                                              "it cannot be checked", error_kind="transport"),
                                   resp.status)
@@ -599,13 +456,13 @@ class McpAdapter:
             try:
                 body = await self.forwarder.read_capped(resp)
             except UpstreamError as exc:     # mid-body: "cap" or "transport"
-                return Answer(ToolResult(None, error=exc.detail, error_kind="cap"
+                return McpAnswer(ToolResult(None, error=exc.detail, error_kind="cap"
                                          if exc.kind == "cap" else "transport"), resp.status)
-            return Answer(self._result(call, body, resp.status, encoding), resp.status, headers,
+            return McpAnswer(self._result(call, body, resp.status, encoding), resp.status, headers,
                           body)
 
-    async def _relay_events(self, call: ToolCall, resp: H1Response,
-                            headers: CIMultiDict[str]) -> Answer:
+    async def _relay_events(self, call: McpCall, resp: H1Response,
+                            headers: CIMultiDict[str]) -> McpAnswer:
         splitter = SSESplitter(self.settings.max_response_bytes)
         try:
             async with contextlib.aclosing(events_to_end(resp.iter_any(), splitter)) as events:
@@ -616,13 +473,13 @@ class McpAdapter:
                     except EventTooDeep as exc:
                         # unreadable, so taken as the call's answer, failed like an over-deep
                         # JSON answer: never relayed unchecked, never handed to the store
-                        return Answer(ToolResult(resp.status, error=f"MCP server response: "
+                        return McpAnswer(ToolResult(resp.status, error=f"MCP server response: "
                                                  f"{exc}", error_kind="transport"),
-                                      resp.status, headers, raw, sse=True)
+                                         resp.status, headers, raw)
                     if message.get("id") == call.rpc_id and ("result" in message
                                                              or "error" in message):
-                        return Answer(self._message_result(message), resp.status, headers, raw,
-                                      sse=True)
+                        return McpAnswer(self._message_result(message), resp.status, headers,
+                                         raw)
                     out = await self._out(call, resp.status, headers)
                     await out.write(raw)
                     if event is not None and event.id:      # the client may resume from here
@@ -631,12 +488,12 @@ class McpAdapter:
                         self.resumptions.relayed(call.cut, stream_scope(call.route, call.request),
                                                  event.id)
         except EventTooLarge as exc:
-            return Answer(ToolResult(None, error=str(exc), error_kind="cap"), resp.status)
-        return Answer(ToolResult(None, error="MCP server ended the event stream without answering "
+            return McpAnswer(ToolResult(None, error=str(exc), error_kind="cap"), resp.status)
+        return McpAnswer(ToolResult(None, error="MCP server ended the event stream without answering "
                                  "the call", error_kind="transport"), resp.status, headers,
                       resumable=call.cut is not None and bool(call.cut.ids))
 
-    async def _out(self, call: ToolCall, status: int, headers: CIMultiDict[str]) -> ClientEnd:
+    async def _out(self, call: McpCall, status: int, headers: CIMultiDict[str]) -> ClientEnd:
         if call.out is None:
             out = web.StreamResponse(status=status, headers=headers)
             call.timing.stamp(out)
@@ -644,10 +501,10 @@ class McpAdapter:
             await call.out.start(call.request)   # gone: the call is still checked and recorded
         return call.out
 
-    def _seen(self, call: ToolCall, status: int | None, since: float) -> None:
+    def _seen(self, call: McpCall, status: int | None, since: float) -> None:
         self.boundaries.upstream_seen(call.route, call.timing, since, status)
 
-    def _result(self, call: ToolCall, body: bytes, status: int,
+    def _result(self, call: McpCall, body: bytes, status: int,
                 encoding: str = "identity") -> ToolResult:
         if status >= 500:
             return ToolResult(status, error=f"MCP server answered {status}", error_kind="transport")
@@ -690,7 +547,7 @@ class McpAdapter:
 
     # -- answers ----------------------------------------------------------------------------------
 
-    async def _relay(self, call: ToolCall, answer: Answer) -> web.StreamResponse:
+    async def _relay(self, call: McpCall, answer: Answer) -> web.StreamResponse:
         if call.out is not None:
             return await self._final_event(call, answer.body)
         if answer.status is None:   # no answer at all, but the contract let it pass (observe)
@@ -698,7 +555,7 @@ class McpAdapter:
                               {"check": "tool_error"}, status=502)
         return web.Response(status=answer.status, headers=answer.headers, body=answer.body)
 
-    async def _refuse(self, call: ToolCall, refusal: Refusal) -> web.StreamResponse:
+    async def _refuse(self, call: McpCall, refusal: Refusal) -> web.StreamResponse:
         body = orjson.dumps(rpc_error(call.rpc_id, refusal.code, refusal.message, refusal.data))
         if call.out is not None:
             return await self._final_event(call, b"event: message\r\ndata: " + body + b"\r\n\r\n")
@@ -709,7 +566,7 @@ class McpAdapter:
         return web.Response(body=body, content_type="application/json",
                             headers={"x-should-retry": "true" if later else "false"})
 
-    async def _final_event(self, call: ToolCall, event: bytes) -> web.StreamResponse:
+    async def _final_event(self, call: McpCall, event: bytes) -> web.StreamResponse:
         """The event that ends a checked call's stream. A client that has left may resume the
         stream to get it (`_resume`); one that got it has nothing left to resume."""
         assert call.out is not None
@@ -743,7 +600,39 @@ def _has_checked_tools(route: Route) -> bool:
     return route.contract.checks_tools_on(route.upstream.name)
 
 
-def _halted(call: ToolCall, envelope: Envelope, boundary: str, decision_id: str) -> Refusal:
+def refusal_for(call: McpCall, why: Stopped) -> Refusal:
+    """Why a checked call stops, as the JSON-RPC error that answers it."""
+    run_id, step = call.run_id, call.step.name
+    if isinstance(why, Violated):
+        violation, settled = why.violation, why.settled
+        return Refusal(VIOLATION_CODE, f"stepguard: run {run_id!r}, step {step!r}, "
+                       f"{violation.boundary} {violation.check} ({violation.drift}): "
+                       f"{violation.detail}",
+                       {"run": run_id, "workflow": call.contract.workflow,
+                        "contract_version": call.contract.version, "step": step,
+                        **violation.to_dict(),
+                        "detection_point": f"{step}.{violation.boundary}.{violation.check}",
+                        "action": settled.action, "decision_id": settled.decision_id})
+    if isinstance(why, RunStopped):
+        return _halted(call, why.envelope, why.boundary, why.decision_id)
+    if isinstance(why, Unreached):
+        return Refusal(REQUEST_CODE, f"stepguard: run {run_id!r}, step {step!r}: the MCP server "
+                       f"could not be reached, the call was not sent ({why.error.detail}); "
+                       "try again",
+                       {"check": UNREACHABLE, "run": run_id, "step": step,
+                        "own": why.error.own, "decision_id": why.decision_id})
+    if isinstance(why, NotStored):
+        what = ("the tool was called, but its exit could not be stored; its answer is withheld "
+                "(the side effect may have happened)") if why.forwarded else (
+                "the event could not be stored; the call was not forwarded")
+        return Refusal(REQUEST_CODE, f"stepguard: run {run_id!r}, step {step!r}: {what} "
+                       f"({why.error})", {"check": "store", "forwarded": why.forwarded})
+    assert isinstance(why, OtherWorkflow)
+    return Refusal(REQUEST_CODE, f"stepguard: {why.error}",
+                   {"check": "correlation", "run": run_id})
+
+
+def _halted(call: McpCall, envelope: Envelope, boundary: str, decision_id: str) -> Refusal:
     halt = envelope.halt or {}
     violation = halt.get("violation") or {}
     return Refusal(HALTED_CODE, f"stepguard: run {call.run_id!r} is {envelope.status}: step "
