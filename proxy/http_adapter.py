@@ -172,7 +172,12 @@ class HttpToolAdapter:
                                   self.settings.max_json_depth), up.status, up.headers, up.body)
 
     async def relay(self, call: HttpCall, answer: Answer) -> web.StreamResponse:
-        assert answer.status is not None
+        if answer.status is None:   # no answer at all, but the contract let it pass (observe)
+            result = answer.result
+            return problem(504 if result.error_kind == "timeout" else 502, "Upstream failed",
+                           f"run {call.run_id!r}, step {call.step.name!r}: {result.error}",
+                           upstream=call.route.upstream.name, run=call.run_id,
+                           step=call.step.name)
         return web.Response(status=answer.status, headers=answer.headers, body=answer.body)
 
     def extra(self, call: HttpCall) -> dict[str, Any] | None:
