@@ -1,0 +1,122 @@
+"""The end-to-end stack: the support desk served over MCP and HTTP, the scripted model, and
+stepguard in front of all three, configured as an operator would (the contract file, its
+upstream URLs and vars set at start) and served by the product's own listener on loopback.
+Agents reach stepguard through base URLs only."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import sys
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from refund_desk import Desk, TicketModel, http_app, serving_mcp
+
+from stepguard.contracts.envelope import Envelope
+from stepguard.contracts.loader import load_contracts
+from stepguard.examples.order_confirmation import fake_model
+from stepguard.proxy.app import Stepguard, build, create_app
+from stepguard.proxy.config import Settings
+from stepguard.proxy.harness import running
+from stepguard.proxy.listener import Gate, GuardedRunner
+
+CONTRACT = Path(__file__).parent / "refund.contract.yaml"
+WORKFLOW = "support-refund"
+STORE_TIMEOUT_S = 10.0   # as the proxy tests: a loaded test machine is not a store failure
+
+
+@dataclass
+class Stack:
+    sg: Stepguard
+    url: str
+    desk: Desk
+    model: TicketModel
+
+    @property
+    def model_url(self) -> str:          # an OpenAI base URL
+        return f"{self.url}/openai/v1"
+
+    @property
+    def mcp_url(self) -> str:            # the MCP server's endpoint
+        return f"{self.url}/mcp-tools/mcp"
+
+    @property
+    def tools_url(self) -> str:          # the HTTP desk: POST {tools_url}/<tool>
+        return f"{self.url}/tools"
+
+    async def runs(self) -> list[Envelope]:
+        return await self.sg.store.runs()
+
+    async def history(self, run_id: str) -> list[dict[str, Any]]:
+        return await self.sg.store.history(run_id)
+
+    async def run_of(self, ticket: str) -> Envelope:
+        """The one run whose first call named `ticket`."""
+        found = []
+        for envelope in await self.runs():
+            first = (await self.history(envelope.run_id))[0]
+            if (first.get("input") or {}).get("ticket_id") == ticket:
+                found.append(envelope)
+        assert len(found) == 1, (ticket, [e.run_id for e in found])
+        return found[0]
+
+    def refusals(self, reason: str) -> float:
+        return self.sg.metrics.registry.get_sample_value(
+            "stepguard_requests_refused_total", {"reason": reason}) or 0.0
+
+
+StartStack = Callable[..., AbstractAsyncContextManager[Stack]]
+
+
+@contextlib.asynccontextmanager
+async def _serving(sg: Stepguard) -> AsyncIterator[str]:
+    """stepguard's proxy app on the product's listener (head timeout, connection gate)."""
+    settings = sg.settings
+    runner = GuardedRunner(create_app(sg, manage=False), Gate(64, settings.header_timeout_s,
+                                                settings.body_timeout_s),
+                           settings.idle_timeout_s, access_log=None, handle_signals=False)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> StartStack:
+    """stack(mcp_sessions=False, vars=(), **settings): the whole stack, torn down on exit, on
+    a store of its own. `vars` are `--var NAME=VALUE` flags; STEPGUARD_VAR_* in the environment
+    apply as well."""
+    stores = itertools.count(1)
+
+    @contextlib.asynccontextmanager
+    async def start(*, mcp_sessions: bool = False, vars: tuple[str, ...] = (),
+                    **settings: Any) -> AsyncIterator[Stack]:
+        desk, model = Desk(), TicketModel(fragments=3)
+        with serving_mcp(desk, sessions=mcp_sessions) as mcp_base:
+            async with fake_model.serve(model) as model_base, running(http_app(desk)) as http:
+                config = Settings.from_env(
+                    store=str(tmp_path / f"s{next(stores)}.db"), store_timeout=STORE_TIMEOUT_S,
+                    vars=list(vars),
+                    upstreams=[f"model={model_base}", f"mcp={mcp_base}", f"http={http}/desk"],
+                    **settings)
+                contracts = load_contracts([CONTRACT], config.vars, config.upstreams)
+                sg = build(config, contracts)
+                await sg.start()
+                try:
+                    async with _serving(sg) as url:
+                        yield Stack(sg, url, desk, model)
+                finally:
+                    await sg.stop()
+
+    return start
