@@ -94,29 +94,29 @@ async def _serving(sg: Stepguard) -> AsyncIterator[str]:
 
 @pytest.fixture
 def stack(tmp_path: Path) -> StartStack:
-    """stack(mcp_sessions=False, vars=(), **settings): the whole stack, torn down on exit, on
-    a store of its own. `vars` are `--var NAME=VALUE` flags; STEPGUARD_VAR_* in the environment
-    apply as well."""
+    """stack(mcp=None, vars=(), **settings): the stack, torn down on exit, on a store of its
+    own. `mcp`: also serve the desk over MCP, "stateless" (handshake-era clients get no session;
+    2026-07-28 clients never do) or "sessions". `vars` are `--var NAME=VALUE` flags;
+    STEPGUARD_VAR_* in the environment apply as well."""
     stores = itertools.count(1)
 
     @contextlib.asynccontextmanager
-    async def start(*, mcp_sessions: bool = False, vars: tuple[str, ...] = (),
+    async def start(*, mcp: str | None = None, vars: tuple[str, ...] = (),
                     **settings: Any) -> AsyncIterator[Stack]:
         desk, model = Desk(), TicketModel(fragments=3)
-        with serving_mcp(desk, sessions=mcp_sessions) as mcp_base:
-            async with fake_model.serve(model) as model_base, running(http_app(desk)) as http:
-                config = Settings.from_env(
-                    store=str(tmp_path / f"s{next(stores)}.db"), store_timeout=STORE_TIMEOUT_S,
-                    vars=list(vars),
-                    upstreams=[f"model={model_base}", f"mcp={mcp_base}", f"http={http}/desk"],
-                    **settings)
-                contracts = load_contracts([CONTRACT], config.vars, config.upstreams)
-                sg = build(config, contracts)
-                await sg.start()
-                try:
-                    async with _serving(sg) as url:
-                        yield Stack(sg, url, desk, model)
-                finally:
-                    await sg.stop()
+        async with contextlib.AsyncExitStack() as parts:
+            upstreams = [f"model={await parts.enter_async_context(fake_model.serve(model))}",
+                         f"http={await parts.enter_async_context(running(http_app(desk)))}/desk"]
+            if mcp is not None:
+                assert mcp in ("stateless", "sessions")
+                upstreams.append(f"mcp={parts.enter_context(serving_mcp(desk, sessions=mcp == 'sessions'))}")
+            config = Settings.from_env(
+                store=str(tmp_path / f"s{next(stores)}.db"), store_timeout=STORE_TIMEOUT_S,
+                vars=list(vars), upstreams=upstreams, **settings)
+            sg = build(config, load_contracts([CONTRACT], config.vars, config.upstreams))
+            await sg.start()
+            parts.push_async_callback(sg.stop)
+            url = await parts.enter_async_context(_serving(sg))
+            yield Stack(sg, url, desk, model)
 
     return start

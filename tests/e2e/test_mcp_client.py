@@ -63,7 +63,7 @@ async def refund(client: Client, ticket: str, drift: str | None = None) -> dict[
 async def test_concurrent_clean_runs_of_one_client_are_one_completed_run_each(
         stack: StartStack, mode: str) -> None:
     tickets = ["T-11", "T-12", "T-13"]
-    async with stack(mcp_sessions=mode == "session") as s, connect(s, mode) as client:
+    async with stack(mcp="sessions" if mode == "session" else "stateless") as s, connect(s, mode) as client:
         closed = await asyncio.gather(*(refund(client, t) for t in tickets))
 
         assert closed == [{"ticket_id": t, "done": True, "closed": True,
@@ -121,26 +121,26 @@ async def caught(s: Stack, mode: str, drift: str) -> None:
 @pytest.mark.parametrize("drift", list(CAUGHT))
 async def test_a_stateless_client_is_stopped_at_the_first_boundary_that_sees_the_drift(
         stack: StartStack, drift: str) -> None:
-    async with stack() as s:
+    async with stack(mcp="stateless") as s:
         await caught(s, "stateless", drift)
 
 
 @pytest.mark.parametrize("drift", SESSION_CASES)
 async def test_a_session_client_is_stopped_at_the_first_boundary_that_sees_the_drift(
         stack: StartStack, drift: str) -> None:
-    async with stack(mcp_sessions=True) as s:
+    async with stack(mcp="sessions") as s:
         await caught(s, "session", drift)
 
 
 async def test_the_identity_age_a_var_allows_is_set_at_start(stack: StartStack) -> None:
     """An identity checked 30 minutes ago is fresh under the contract's 1 h, stale under the
     10 min an operator sets with --var: the same contract, tightened at start."""
-    async with stack() as s, connect(s, "stateless") as client:
+    async with stack(mcp="stateless") as s, connect(s, "stateless") as client:
         s.desk.drift("T-31", AGING_IDENTITY)
         await refund(client, "T-31")
         run = await s.run_of("T-31")
         assert_clean(run, await s.history(run.run_id))
-    async with stack(vars=("max_identity_age=10m",)) as s, connect(s, "stateless") as client:
+    async with stack(mcp="stateless", vars=("max_identity_age=10m",)) as s, connect(s, "stateless") as client:
         s.desk.drift("T-31", AGING_IDENTITY)
         with pytest.raises(MCPError) as refused:
             await refund(client, "T-31")
