@@ -132,8 +132,12 @@ class RunKeys:
         known = run_id_for(contract, headers, implicit=False, traceparent=traceparent)
         joined = None
         if known is None:   # no key of its own: is it a call a model response issued?
-            issued = self.pending.take(contract.workflow, step.name,
-                                       arguments if call_input is None else call_input)
+            call = arguments if call_input is None else call_input
+            issued = self.pending.take(contract.workflow, step.name, call)
+            if issued is None and await self.pending.settled(contract.workflow):
+                # a streamed turn was still being checked: the agent may be executing one of
+                # its calls already, before the stream's end
+                issued = self.pending.take(contract.workflow, step.name, call)
             if issued is not None:
                 known, joined = issued.run_id, issued.call_id
         values = [(n, v) for n in arg_names(contract) if (v := arg_value(arguments, n)) is not None]

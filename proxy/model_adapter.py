@@ -453,6 +453,7 @@ class ModelAdapter:
             await self._relay_turn(ex, resp, ClientEnd(out), splitter, assembler, stored, shown)
         finally:   # the turn's calls are stored (or refused): requests waiting on them go on
             stored.set()
+            self.boundaries.pending.streamed(ex.contract.workflow, stored)
             for call_id in shown:
                 self._inflight.pop(call_id, None)
 
@@ -479,6 +480,9 @@ class ModelAdapter:
                             self._parsed(ex, lambda: assembler.feed(event))  # noqa: B023
                             for call_id in assembler.call_ids():
                                 if call_id not in self._inflight:
+                                    if not shown:   # its executions may come before its end
+                                        self.boundaries.pending.streaming(
+                                            ex.contract.workflow, stored)
                                     self._inflight[call_id] = stored
                                     shown.append(call_id)
                         if first:       # the first byte leaves at once (time to first byte)

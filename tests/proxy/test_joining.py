@@ -308,3 +308,83 @@ async def test_a_result_differing_from_the_checked_one_is_caught_after_a_restart
     assert run.status == "halted"
     assert (last["step"], last["boundary"], last["violation"]["check"]) == (
         "check_policy", "exit", "output_mismatch")
+
+
+async def eager_http_agent(model_url: str, tools_url: str) -> Any:
+    """A streaming agent that runs the tool calls of a turn as soon as the model says the turn
+    is finished (finish_reason "tool_calls"), not waiting for the stream's terminator, which
+    stepguard holds until the turn is checked: its HTTP call reaches stepguard while the model's
+    call is still being checked. Returns the final answer, or the status and body of the HTTP
+    call stepguard refused."""
+    messages: list[Any] = [{"role": "user", "content": "Please confirm order ord-1."}]
+    async with openai.AsyncOpenAI(base_url=model_url, api_key="sk-test", max_retries=0) as model, \
+            aiohttp.ClientSession() as http:
+        while True:
+            stream = await model.chat.completions.create(
+                model="fake-model", messages=messages, tools=model_agent.TOOLS, stream=True)
+            text, calls = "", {}
+            async for chunk in stream:
+                choice = chunk.choices[0]
+                text += choice.delta.content or ""
+                for part in choice.delta.tool_calls or ():
+                    call = calls.setdefault(part.index, {"id": "", "name": "", "arguments": ""})
+                    call["id"] = part.id or call["id"]
+                    call["name"] = part.function.name or call["name"]
+                    call["arguments"] += part.function.arguments or ""
+                if choice.finish_reason == "tool_calls":
+                    break       # acts on the calls at once
+            await stream.close()
+            if not calls:
+                return json.loads(text)
+            messages.append({"role": "assistant", "content": None, "tool_calls": [
+                {"id": c["id"], "type": "function",
+                 "function": {"name": c["name"], "arguments": c["arguments"]}}
+                for c in calls.values()]})
+            for c in calls.values():
+                async with http.post(f"{tools_url}/{c['name']}", data=c["arguments"],
+                                     headers={"content-type": "application/json"}) as resp:
+                    if resp.status != 200:
+                        return resp.status, await resp.json(content_type=None)
+                    content = await resp.json()
+                messages.append({"role": "tool", "tool_call_id": c["id"],
+                                 "content": json.dumps(content)})
+
+
+async def test_a_tool_call_executed_before_its_stream_has_ended_is_joined_not_split(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tools, "_counter", itertools.count(1))
+    # each event of the model's stream comes 20 ms after the one before: the agent's HTTP call
+    # arrives before the held terminator, while the model's tool call is still being checked
+    async with http_hybrid(tmp_path, FakeModel(model_agent.script_for(1, None),
+                                               chunk_delay=0.02)) as (sg, model_url, tools_url):
+        final = await eager_http_agent(model_url, tools_url)
+        assert final == {"done": True, "order_id": "ord-1"}
+        (run,) = await sg.store.runs()
+        history = await sg.store.history(run.run_id)
+
+    assert run.status == "completed"
+    assert [(e["step"], e["boundary"], e["verdict"]) for e in history] == [
+        row for step in STEPS for row in ((step, "entry", "pass"), (step, "exit", "pass"))] + [
+        ("final_answer", "exit", "pass")]
+
+
+async def test_a_call_executed_before_the_stream_that_refuses_it_has_ended_does_not_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    reserved: list[str] = []
+    monkeypatch.setattr(tools, "reserve_slot_result",
+                        lambda order_id, *_: reserved.append(order_id) or {})
+    async with http_hybrid(tmp_path, FakeModel(model_agent.script_for(1, "reordered"),
+                                               chunk_delay=0.02)) as (sg, model_url, tools_url):
+        status, body = await eager_http_agent(model_url, tools_url)
+        (run,) = await sg.store.runs()
+        history = await sg.store.history(run.run_id)
+
+    # the model's reserve_slot came before check_policy: refused in its run. The agent's eager
+    # execution of it waited for that verdict: not issued, it is a call of its own, with no
+    # run key of its own, so it is refused too and never reaches the tool
+    assert (status, body["title"]) == (400, "No run key")
+    assert reserved == []
+    assert run.status == "escalated"     # the contract escalates a reserve_slot failure
+    assert [(e["step"], e["boundary"], e["verdict"]) for e in history] == [
+        ("lookup_order", "entry", "pass"), ("lookup_order", "exit", "pass"),
+        ("reserve_slot", "entry", "violation")]
