@@ -46,6 +46,7 @@ STALE_ORDER = "stale_order"          # lookup_policy with the previous ticket's 
 STALE_TICKET = "stale_ticket"        # issue_refund for the previous ticket
 SKIP_POLICY = "skip_policy"          # issue_refund straight after verify_identity
 CLAIM_EARLY = "claim_early"          # the final answer claims done after the refund, unclosed
+PARALLEL = "parallel"                # not a drift: verify_identity and lookup_policy in one turn
 
 
 def number(ticket: str) -> int:
@@ -222,6 +223,8 @@ def script_for(ticket: str, drift: str | None = None) -> list[Turn]:
     if drift == CLAIM_EARLY:
         del calls[4]
     turns: list[Turn] = [ToolCalls.of((None, name, arguments)) for name, arguments in calls]
+    if drift == PARALLEL:
+        turns[1:3] = [ToolCalls.of(*((None, name, arguments) for name, arguments in calls[1:3]))]
     return [*turns, Reply.of_json({"done": True, "ticket_id": ticket})]
 
 
@@ -246,11 +249,17 @@ class TicketModel(FakeModel):
         return super().next_turn(conversation_id or self._ticket)
 
     def requests_for(self, ticket: str) -> list[dict[str, Any]]:
-        return [b for b in self.bodies("/v1/chat/completions") if first_ticket(b) == ticket]
+        with self._lock:
+            return [r.body for r in self.requests if first_ticket(r.body) == ticket]
 
 
 def first_ticket(body: Mapping[str, Any]) -> str | None:
-    for message in body.get("messages") or ():
+    """The ticket the first user message names (Chat Completions `messages`, Responses
+    `input`: a string, or a list of items)."""
+    messages = body.get("messages") or body.get("input") or ()
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
+    for message in messages:
         if isinstance(message, dict) and message.get("role") == "user":
             found = TICKET.search(json.dumps(message.get("content")))
             return found.group(0) if found else None

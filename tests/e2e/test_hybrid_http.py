@@ -40,9 +40,12 @@ class ToolFailed(Exception):
         self.status, self.body = status, body
 
 
-async def agent(s: Stack, ticket: str, *, stream: bool = False,
+async def agent(s: Stack, ticket: str, *, stream: bool = False, eager: bool = False,
                 drift: str | None = None) -> Any:
-    """Ask the model; run each tool call it makes as an HTTP POST; hand the results back."""
+    """Ask the model; run each tool call it makes as an HTTP POST; hand the results back.
+    `eager`: streamed, and the calls run as soon as the model says the turn is done (its
+    finish_reason), before the stream's end."""
+    stream = stream or eager
     messages: list[Any] = [{"role": "system", "content": "You resolve support tickets."},
                            {"role": "user", "content": task(ticket)}]
     async with openai.AsyncOpenAI(base_url=s.model_url, api_key="sk-test") as model, \
@@ -50,7 +53,7 @@ async def agent(s: Stack, ticket: str, *, stream: bool = False,
         for _ in range(8):
             reply = await model.chat.completions.create(
                 model=MODEL, messages=messages, tools=CHAT_TOOLS, stream=stream)
-            message = await whole(reply) if stream else reply.choices[0].message
+            message = await whole(reply, eager) if stream else reply.choices[0].message
             if not message.tool_calls:
                 return json.loads(message.content)
             messages.append(message.model_dump(exclude_none=True))
@@ -67,8 +70,9 @@ async def agent(s: Stack, ticket: str, *, stream: bool = False,
     raise AssertionError("no final answer")
 
 
-async def whole(stream: Any) -> Any:
-    """The assistant message of a streamed answer, assembled as an agent would."""
+async def whole(stream: Any, eager: bool = False) -> Any:
+    """The assistant message of a streamed answer, assembled as an agent would; `eager`: up to
+    the finish_reason of a turn of tool calls, the rest of the stream left unread."""
     content, calls = "", {}
     async for chunk in stream:
         for choice in chunk.choices:
@@ -78,6 +82,9 @@ async def whole(stream: Any) -> Any:
                 call["id"] = part.id or call["id"]
                 call["name"] = part.function.name or call["name"]
                 call["arguments"] += part.function.arguments or ""
+        if eager and any(c.finish_reason == "tool_calls" for c in chunk.choices):
+            await stream.close()
+            break
     tool_calls = [{"id": c["id"], "type": "function",
                    "function": {"name": c["name"], "arguments": c["arguments"]}}
                   for c in calls.values()]
@@ -110,6 +117,39 @@ async def test_concurrent_clean_runs_each_join_model_and_http_calls_into_one_run
                 assert exits[step]["call_id"] == entries[step]["call_id"]
                 assert "joined_digest" in exits[step]
         assert [c.transport for c in s.desk.calls()] == ["http"] * 15
+
+
+async def test_an_agent_running_streamed_calls_before_the_stream_ends_is_joined_all_the_same(
+        stack: StartStack) -> None:
+    """The stream's terminator is held until the turn is checked; an agent that runs the calls
+    at the turn's finish_reason sends its HTTP call while the model's call is being checked."""
+    tickets = ["T-65", "T-66"]
+    async with stack() as s:
+        s.model.chunk_delay = 0.01
+        for ticket in tickets:
+            s.model.work_on(ticket)
+        answers = await asyncio.gather(*(agent(s, t, eager=True) for t in tickets))
+
+        assert answers == [{"done": True, "ticket_id": t} for t in tickets]
+        assert len(await s.runs()) == 2
+        for ticket in tickets:
+            run = await s.run_of(ticket)
+            assert_clean(run, await s.history(run.run_id))
+
+
+async def test_a_streamed_call_refused_after_the_agent_ran_it_early_never_reaches_the_tool(
+        stack: StartStack) -> None:
+    async with stack() as s:
+        s.model.chunk_delay = 0.01
+        s.model.work_on("T-67", SKIP_POLICY)
+        with pytest.raises(ToolFailed) as refused:
+            await agent(s, "T-67", eager=True)
+        run = await s.run_of("T-67")
+        assert_caught(run, await s.history(run.run_id), step="issue_refund", boundary="entry",
+                      check="order", drift="order")
+    # its execution waited for the model's call to be checked, then was refused in its run
+    assert (refused.value.status, refused.value.body["title"]) == (409, "Run halted")
+    assert [c.tool for c in s.desk.calls()] == ["get_ticket", "verify_identity"]
 
 
 # (drift, step, boundary, check, drift class). Tool-side drift is caught at the HTTP answer
