@@ -22,6 +22,7 @@ from refund_checks import assert_caught, assert_clean
 from refund_desk import (
     MODEL,
     NO_CLOSURE,
+    PARALLEL,
     SHAPE,
     SKIP_POLICY,
     STALE_IDENTITY,
@@ -40,8 +41,7 @@ def no_tracing_export() -> Any:
 
 @asynccontextmanager
 async def refund_agent(s: Stack) -> AsyncIterator[Agent[Any]]:
-    async with MCPServerStreamableHttp({"url": s.mcp_url}, name="desk",
-                                       cache_tools_list=True) as desk:
+    async with MCPServerStreamableHttp({"url": s.mcp_url}, name="desk") as desk:
         client = openai.AsyncOpenAI(base_url=s.model_url, api_key="sk-test")
         async with client:
             yield Agent(name="refunds", instructions="You resolve support tickets.",
@@ -49,8 +49,12 @@ async def refund_agent(s: Stack) -> AsyncIterator[Agent[Any]]:
                         mcp_servers=[desk])
 
 
-async def resolve(agent: Agent[Any], ticket: str) -> Any:
-    result = await Runner.run(agent, task(ticket))
+async def resolve(agent: Agent[Any], ticket: str, *, streamed: bool = False) -> Any:
+    if not streamed:
+        return json.loads((await Runner.run(agent, task(ticket))).final_output)
+    result = Runner.run_streamed(agent, task(ticket))
+    async for _ in result.stream_events():
+        pass
     return json.loads(result.final_output)
 
 
@@ -74,6 +78,27 @@ async def test_concurrent_clean_runs_of_one_agent_are_one_joined_run_each(
                 assert entries[step]["tool"] == step and "rpc_id" in exits[step]
                 assert exits[step]["call_id"] == entries[step]["call_id"]
         assert [c.transport for c in s.desk.calls()] == ["mcp"] * 15
+
+
+async def test_streamed_runs_with_parallel_tool_calls_are_joined_too(stack: StartStack) -> None:
+    """The model asks for verify_identity and lookup_policy in one turn, streamed; the SDK runs
+    both over MCP at once."""
+    tickets = ["T-97", "T-98"]
+    async with stack(mcp="stateless") as s, refund_agent(s) as agent:
+        for ticket in tickets:
+            s.model.work_on(ticket, PARALLEL)
+        answers = await asyncio.gather(*(resolve(agent, t, streamed=True) for t in tickets))
+
+        assert answers == [{"done": True, "ticket_id": t} for t in tickets]
+        for ticket in tickets:
+            run = await s.run_of(ticket)
+            history = await s.history(run.run_id)
+            assert_clean(run, history, in_order=False)
+            # both entries on the model's answer, before either call ran
+            assert [(e["step"], e["boundary"]) for e in history[2:4]] == [
+                ("verify_identity", "entry"), ("lookup_policy", "entry")]
+            assert len(s.model.requests_for(ticket)) == 5
+            assert all(r.get("stream") is True for r in s.model.requests_for(ticket))
 
 
 # (drift, step, boundary, check, drift class)
