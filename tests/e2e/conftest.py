@@ -69,9 +69,12 @@ class Stack:
         assert len(found) == 1, (ticket, [e.run_id for e in found])
         return found[0]
 
-    def refusals(self, reason: str) -> float:
-        return self.sg.metrics.registry.get_sample_value(
-            "stepguard_requests_refused_total", {"reason": reason}) or 0.0
+    def stepguard_headers(self) -> set[str]:
+        """Header names starting `x-stepguard` that reached the desk or the model: none, as
+        no agent sends one and stepguard adds none upstream."""
+        names = {h for call in self.desk.calls() for h in call.headers}
+        names |= {h for headers in self.model.request_headers for h in headers}
+        return {h for h in names if h.startswith("x-stepguard")}
 
 
 StartStack = Callable[..., AbstractAsyncContextManager[Stack]]

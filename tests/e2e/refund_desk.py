@@ -16,15 +16,17 @@ import contextlib
 import json
 import re
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from aiohttp import web
 from mcp.server import MCPServer
+from mcp.server.mcpserver import Context
 from mcp.types import CallToolResult, TextContent
 from starlette.applications import Starlette
+from starlette.requests import Request
 
 from stepguard.examples.order_confirmation import mcp_tools
 from stepguard.examples.order_confirmation.fake_model import FakeModel, Reply, ToolCalls, Turn
@@ -64,6 +66,7 @@ class Served:
     transport: str     # "mcp" | "http" | "local"
     tool: str
     arguments: dict[str, Any]
+    headers: frozenset[str] = frozenset()    # the request's header names, lower case
 
 
 @dataclass
@@ -80,10 +83,12 @@ class Desk:
             return [s for s in self.served if (tool is None or s.tool == tool)
                     and (ticket is None or s.arguments.get("ticket_id") == ticket)]
 
-    def answer(self, transport: str, tool: str, arguments: Mapping[str, Any]) -> dict[str, Any]:
+    def answer(self, transport: str, tool: str, arguments: Mapping[str, Any],
+               headers: Iterable[str] = ()) -> dict[str, Any]:
         """What the desk answers to `tool(arguments)`: the result, drifted for a drifting ticket."""
         with self._lock:
-            self.served.append(Served(transport, tool, dict(arguments)))
+            self.served.append(Served(transport, tool, dict(arguments),
+                                      frozenset(h.lower() for h in headers)))
         ticket = str(arguments.get("ticket_id", ""))
         n, drift, now = number(ticket), self.drifts.get(ticket, ""), datetime.now(UTC)
         if tool == "get_ticket":
@@ -124,29 +129,32 @@ def mcp_server(desk: Desk) -> MCPServer:
     with mcp_tools._root_logging_untouched():
         server: MCPServer = MCPServer("support-desk", version="1.0.0")
 
+    def answer(ctx: Context[Any, Any], tool: str, **arguments: Any) -> CallToolResult:
+        request = ctx.request_context.request
+        headers = request.headers.keys() if isinstance(request, Request) else ()
+        return _result(desk.answer("mcp", tool, arguments, headers))
+
     @server.tool(description="Read a support ticket.")
-    async def get_ticket(ticket_id: str) -> CallToolResult:
-        return _result(desk.answer("mcp", "get_ticket", {"ticket_id": ticket_id}))
+    async def get_ticket(ticket_id: str, ctx: Context[Any, Any]) -> CallToolResult:
+        return answer(ctx, "get_ticket", ticket_id=ticket_id)
 
     @server.tool(description="Verify the identity of the ticket's customer.")
-    async def verify_identity(ticket_id: str, customer_id: str) -> CallToolResult:
-        return _result(desk.answer("mcp", "verify_identity",
-                                   {"ticket_id": ticket_id, "customer_id": customer_id}))
+    async def verify_identity(ticket_id: str, customer_id: str,
+                              ctx: Context[Any, Any]) -> CallToolResult:
+        return answer(ctx, "verify_identity", ticket_id=ticket_id, customer_id=customer_id)
 
     @server.tool(description="Look up the refund policy in force for the ticket's order.")
-    async def lookup_policy(ticket_id: str, order_id: str) -> CallToolResult:
-        return _result(desk.answer("mcp", "lookup_policy",
-                                   {"ticket_id": ticket_id, "order_id": order_id}))
+    async def lookup_policy(ticket_id: str, order_id: str, ctx: Context[Any, Any]) -> CallToolResult:
+        return answer(ctx, "lookup_policy", ticket_id=ticket_id, order_id=order_id)
 
     @server.tool(description="Refund the ticket's amount to the customer.")
-    async def issue_refund(ticket_id: str, amount_cents: int) -> CallToolResult:
-        return _result(desk.answer("mcp", "issue_refund",
-                                   {"ticket_id": ticket_id, "amount_cents": amount_cents}))
+    async def issue_refund(ticket_id: str, amount_cents: int,
+                           ctx: Context[Any, Any]) -> CallToolResult:
+        return answer(ctx, "issue_refund", ticket_id=ticket_id, amount_cents=amount_cents)
 
     @server.tool(description="Close the ticket once refunded.")
-    async def close_ticket(ticket_id: str, refund_id: str) -> CallToolResult:
-        return _result(desk.answer("mcp", "close_ticket",
-                                   {"ticket_id": ticket_id, "refund_id": refund_id}))
+    async def close_ticket(ticket_id: str, refund_id: str, ctx: Context[Any, Any]) -> CallToolResult:
+        return answer(ctx, "close_ticket", ticket_id=ticket_id, refund_id=refund_id)
 
     return server
 
@@ -177,7 +185,7 @@ def http_app(desk: Desk) -> web.Application:
         if tool not in TOOLS:
             raise web.HTTPNotFound()
         arguments = await request.json()
-        return web.json_response(desk.answer("http", tool, arguments))
+        return web.json_response(desk.answer("http", tool, arguments, request.headers.keys()))
 
     app = web.Application()
     app.router.add_post(HTTP_BASE + "/{tool}", call)

@@ -78,6 +78,7 @@ async def test_concurrent_clean_runs_of_one_agent_are_one_joined_run_each(
                 assert entries[step]["tool"] == step and "rpc_id" in exits[step]
                 assert exits[step]["call_id"] == entries[step]["call_id"]
         assert [c.transport for c in s.desk.calls()] == ["mcp"] * 15
+        assert s.stepguard_headers() == set()
 
 
 async def test_streamed_runs_with_parallel_tool_calls_are_joined_too(stack: StartStack) -> None:

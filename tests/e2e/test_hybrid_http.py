@@ -117,6 +117,7 @@ async def test_concurrent_clean_runs_each_join_model_and_http_calls_into_one_run
                 assert exits[step]["call_id"] == entries[step]["call_id"]
                 assert "joined_digest" in exits[step]
         assert [c.transport for c in s.desk.calls()] == ["http"] * 15
+        assert s.stepguard_headers() == set()
 
 
 async def test_an_agent_running_streamed_calls_before_the_stream_ends_is_joined_all_the_same(

@@ -74,7 +74,8 @@ async def test_concurrent_clean_runs_of_one_client_are_one_completed_run_each(
             run = await s.run_of(ticket)
             assert_clean(run, await s.history(run.run_id))
         # the server saw every call once, as the client sent it: no stepguard header
-        assert len(s.desk.calls()) == 15
+        assert len(s.desk.calls()) == 15 and all(c.headers for c in s.desk.calls())
+        assert s.stepguard_headers() == set()
 
 
 # --- drift: each class caught at the first boundary that can see it ------------------------------

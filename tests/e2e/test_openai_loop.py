@@ -83,6 +83,7 @@ async def test_concurrent_clean_conversations_are_one_completed_run_each(
             assert_clean(run, history)
             assert [e["step"] for e in history][-1] == "final_answer"
             assert len(s.model.requests_for(ticket)) == 6     # every turn reached the model
+        assert s.stepguard_headers() == set()
 
 
 # (drift, step, boundary, check, drift class)
