@@ -9,12 +9,14 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import httpx2
 import openai
 import pytest
 import yaml
@@ -64,13 +66,17 @@ async def hybrid(tmp_path: Path, mcp_base: str, model: FakeModel,
             yield Hybrid(sg, f"{url}/openai/v1", f"{url}/mcp-tools{mcp_tools.MCP_PATH}")
 
 
-async def agent_loop(h: Hybrid, *, tamper: str | None = None) -> Any:
+async def agent_loop(h: Hybrid, *, tamper: str | None = None, mode: str = "auto",
+                     traced: bool = False) -> Any:
     """A plain openai-SDK agent loop whose tools run on the MCP server (through stepguard); with
     `tamper`, the agent hands the model another result than the tool gave for that tool.
-    Returns the final answer, or the error the model API answered."""
+    `mode`: the MCP client's ("legacy": the handshake, with a session when the server gives
+    one); `traced`: each tool call carries a traceparent of a trace of its own in `_meta`, as
+    tracing instrumentation with no enclosing span stamps it. Returns the final answer, or the
+    error the model API answered."""
     model = openai.AsyncOpenAI(base_url=h.model_url, api_key="sk-test", max_retries=0)
     messages: list[Any] = [{"role": "user", "content": "Please confirm order ord-1."}]
-    async with model, Client(streamable_http_client(h.mcp_url), mode="auto",
+    async with model, Client(streamable_http_client(h.mcp_url), mode=mode,  # type: ignore[arg-type]
                              read_timeout_seconds=10) as tools:
         while True:
             try:
@@ -83,8 +89,10 @@ async def agent_loop(h: Hybrid, *, tamper: str | None = None) -> Any:
                 return json.loads(message.content or "null")
             messages.append(message.model_dump(exclude_none=True))
             for call in message.tool_calls:
+                meta = {"traceparent": f"00-{uuid.uuid4().hex}-{uuid.uuid4().hex[:16]}-01"}
                 result = await tools.call_tool(call.function.name,
-                                               json.loads(call.function.arguments))
+                                               json.loads(call.function.arguments),
+                                               meta=meta if traced else None)
                 content = dict(result.structured_content or {})
                 if call.function.name == tamper:
                     content["approved"] = not content.get("approved")
@@ -388,3 +396,48 @@ async def test_a_call_executed_before_the_stream_that_refuses_it_has_ended_does_
     assert [(e["step"], e["boundary"], e["verdict"]) for e in history] == [
         ("lookup_order", "entry", "pass"), ("lookup_order", "exit", "pass"),
         ("reserve_slot", "entry", "violation")]
+
+
+DEFAULT_KEYS = {"key": ["header:x-stepguard-run", "traceparent", "mcp-session"]}
+
+
+@pytest.mark.parametrize("carries", ["session", "traceparent"])
+async def test_a_tool_call_carrying_a_session_or_trace_of_its_own_is_joined_all_the_same(
+        tmp_path: Path, carries: str) -> None:
+    """Under the default run keys, an MCP session or a traceparent names a run. Neither is the
+    model conversation the call was issued in: a session outlives runs (one per agent process),
+    a trace may be one per call. A call the model issued is joined to the model's run even so;
+    only a run header, an explicit choice, outranks the join."""
+    stateful = carries == "session"
+    with mcp_tools.serve(mcp_tools.create_app(stateless=not stateful, json_response=True)) as base:
+        async with hybrid(tmp_path, base, FakeModel(model_agent.script_for(1, None)),
+                          DEFAULT_KEYS) as h:
+            final = await agent_loop(h, mode="legacy" if stateful else "auto",
+                                     traced=not stateful)
+            assert final == {"done": True, "order_id": "ord-1"}
+            (run,) = await h.sg.store.runs()
+            history = await h.sg.store.history(run.run_id)
+
+    assert run.status == "completed"
+    assert [(e["step"], e["boundary"], "tool" in e, "rpc_id" in e) for e in history] == [
+        row for step in STEPS for row in ((step, "entry", True, False),
+                                          (step, "exit", False, True))] + [
+        ("final_answer", "exit", False, False)]
+
+
+async def test_a_tool_call_carrying_a_run_header_is_not_joined(tmp_path: Path,
+                                                                mcp_server: str) -> None:
+    async with hybrid(tmp_path, mcp_server, FakeModel(model_agent.script_for(1, None))) as h:
+        model = openai.AsyncOpenAI(base_url=h.model_url, api_key="sk-test", max_retries=0)
+        async with model:
+            reply = await model.chat.completions.create(
+                model="fake-model", messages=[{"role": "user", "content": "Confirm ord-1."}],
+                tools=model_agent.TOOLS)
+        (call,) = reply.choices[0].message.tool_calls or []
+        http = httpx2.AsyncClient(headers={"x-stepguard-run": "chosen"})
+        async with http, Client(streamable_http_client(h.mcp_url, http_client=http),
+                                mode="auto", read_timeout_seconds=10) as tools:
+            await tools.call_tool(call.function.name, json.loads(call.function.arguments))
+        runs = {r.run_id: r for r in await h.sg.store.runs()}
+    assert "chosen" in runs and len(runs) == 2
+    assert list(runs["chosen"].verified) == ["lookup_order"]
