@@ -17,7 +17,6 @@ import openai
 import pytest
 from agents import Agent, OpenAIChatCompletionsModel, Runner, set_tracing_disabled
 from agents.mcp import MCPServerStreamableHttp
-from conftest import Stack, StartStack
 from refund_checks import assert_caught, assert_clean
 from refund_desk import (
     MODEL,
@@ -30,6 +29,7 @@ from refund_desk import (
     TOOLS,
     task,
 )
+from refund_stack import Stack, StartStack
 
 
 @pytest.fixture(autouse=True)

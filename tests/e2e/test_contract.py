@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from conftest import CONTRACT
 from refund_desk import TOOLS
+from refund_stack import CONTRACT
 
 from stepguard.contracts.loader import load_contracts
 from stepguard.contracts.model import Match

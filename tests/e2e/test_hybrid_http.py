@@ -13,7 +13,6 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-from conftest import Stack, StartStack
 from refund_checks import assert_caught, assert_clean
 from refund_desk import (
     AGING_IDENTITY,
@@ -30,6 +29,7 @@ from refund_desk import (
     TOOLS,
     task,
 )
+from refund_stack import Stack, StartStack
 
 CACHED_RESULT = "cached_result"   # the agent hands the model another ticket's policy result
 

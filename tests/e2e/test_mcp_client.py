@@ -6,14 +6,10 @@ found by the ticket_id argument. Several runs share one client, as an agent proc
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
-from conftest import Stack, StartStack
 from mcp import Client, MCPError
-from mcp.client.streamable_http import streamable_http_client
 from refund_checks import assert_caught, assert_clean
 from refund_desk import (
     AGING_IDENTITY,
@@ -27,18 +23,12 @@ from refund_desk import (
     TOOLS,
     number,
 )
+from refund_stack import Stack, StartStack, mcp_client
 
 VIOLATION = -31000
 
-MODES = {"stateless": "auto", "session": "legacy"}
-modes = pytest.mark.parametrize("mode", list(MODES))
-
-
-@asynccontextmanager
-async def connect(s: Stack, mode: str) -> AsyncIterator[Client]:
-    async with Client(streamable_http_client(s.mcp_url), mode=MODES[mode],
-                      read_timeout_seconds=10) as client:
-        yield client
+MODES = ["stateless", "session"]
+modes = pytest.mark.parametrize("mode", MODES)
 
 
 async def call(client: Client, tool: str, **arguments: Any) -> dict[str, Any]:
@@ -64,7 +54,7 @@ async def refund(client: Client, ticket: str, drift: str | None = None) -> dict[
 async def test_concurrent_clean_runs_of_one_client_are_one_completed_run_each(
         stack: StartStack, mode: str) -> None:
     tickets = ["T-11", "T-12", "T-13"]
-    async with stack(mcp="sessions" if mode == "session" else "stateless") as s, connect(s, mode) as client:
+    async with stack(mcp=mode) as s, mcp_client(s, mode) as client:
         closed = await asyncio.gather(*(refund(client, t) for t in tickets))
 
         assert closed == [{"ticket_id": t, "done": True, "closed": True,
@@ -101,7 +91,7 @@ async def caught(s: Stack, mode: str, drift: str) -> None:
     step, boundary, check, drift_class = CAUGHT[drift]
     if drift not in AGENT_SIDE:
         s.desk.drift("T-22", drift)
-    async with connect(s, mode) as client:
+    async with mcp_client(s, mode) as client:
         drifting, clean = await asyncio.gather(refund(client, "T-22", drift),
                                                refund(client, "T-23"), return_exceptions=True)
     assert isinstance(clean, dict) and clean["closure_id"] == "CL-23"
@@ -131,19 +121,20 @@ async def test_a_stateless_client_is_stopped_at_the_first_boundary_that_sees_the
 @pytest.mark.parametrize("drift", SESSION_CASES)
 async def test_a_session_client_is_stopped_at_the_first_boundary_that_sees_the_drift(
         stack: StartStack, drift: str) -> None:
-    async with stack(mcp="sessions") as s:
+    async with stack(mcp="session") as s:
         await caught(s, "session", drift)
 
 
 async def test_the_identity_age_a_var_allows_is_set_at_start(stack: StartStack) -> None:
     """An identity checked 30 minutes ago is fresh under the contract's 1 h, stale under the
     10 min an operator sets with --var: the same contract, tightened at start."""
-    async with stack(mcp="stateless") as s, connect(s, "stateless") as client:
+    async with stack(mcp="stateless") as s, mcp_client(s, "stateless") as client:
         s.desk.drift("T-31", AGING_IDENTITY)
         await refund(client, "T-31")
         run = await s.run_of("T-31")
         assert_clean(run, await s.history(run.run_id))
-    async with stack(mcp="stateless", vars=("max_identity_age=10m",)) as s, connect(s, "stateless") as client:
+    async with stack(mcp="stateless", vars=("max_identity_age=10m",)) as s, \
+            mcp_client(s, "stateless") as client:
         s.desk.drift("T-31", AGING_IDENTITY)
         with pytest.raises(MCPError) as refused:
             await refund(client, "T-31")

@@ -12,7 +12,6 @@ from typing import Any
 
 import openai
 import pytest
-from conftest import Stack, StartStack
 from refund_checks import assert_caught, assert_clean
 from refund_desk import (
     CHAT_TOOLS,
@@ -29,6 +28,7 @@ from refund_desk import (
     Desk,
     task,
 )
+from refund_stack import Stack, StartStack
 
 streams = pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 
