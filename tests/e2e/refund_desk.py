@@ -29,7 +29,13 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 
 from stepguard.examples.order_confirmation import mcp_tools
-from stepguard.examples.order_confirmation.fake_model import FakeModel, Reply, ToolCalls, Turn
+from stepguard.examples.order_confirmation.fake_model import (
+    FakeModel,
+    Reply,
+    Script,
+    ToolCalls,
+    Turn,
+)
 
 TOOLS = ("get_ticket", "verify_identity", "lookup_policy", "issue_refund", "close_ticket")
 MCP_PATH = "/mcp"
@@ -245,7 +251,10 @@ class TicketModel(FakeModel):
         self._ticket: str | None = None
 
     def work_on(self, ticket: str, drift: str | None = None) -> None:
-        self.script(ticket, script_for(ticket, drift))
+        """The model's script for `ticket`, from its first turn (a conversation started over
+        starts it over)."""
+        with self._lock:
+            self._scripts[ticket] = Script(script_for(ticket, drift))
 
     def record(self, path: str, body: dict[str, Any], headers: Mapping[str, str],
                raw: bytes = b"") -> None:

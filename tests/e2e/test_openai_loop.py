@@ -136,3 +136,23 @@ async def test_a_drifting_conversation_is_stopped_where_the_drift_first_shows(
     else:
         # the model's call was refused before the agent could act on it: the tool never ran
         assert [c.arguments["ticket_id"] for c in s.desk.calls(step)] == ["T-53"]
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "an abandoned run keeps its arg: value while it is active, and nothing but completion (or "
+    "retention, 168 h) ends an active run: a new conversation's first call naming that ticket "
+    "is a run_key 'names another live run' violation (RunKeys._resolve, known run). Freeing "
+    "the value needs a decision: take it over at a first step of a run with no value of its "
+    "own (two live conversations on one ticket would then both run), an inactivity bound, or "
+    "an operator cancel; reported, not fixed"))
+async def test_a_ticket_started_over_after_the_agent_died_is_not_refused(
+        stack: StartStack) -> None:
+    async with stack() as s, client_of(s) as client:
+        s.model.work_on("T-57")
+        died = await ask(client, [{"role": "user", "content": task("T-57")}], stream=False)
+        assert died.tool_calls[0].function.name == "get_ticket"   # then the agent process died
+        s.model.work_on("T-57")          # the restarted agent starts the ticket over
+
+        answer = await agent(client, s.desk, "T-57", stream=False)
+
+        assert answer == {"done": True, "ticket_id": "T-57"}
