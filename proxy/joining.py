@@ -87,7 +87,13 @@ class PendingCalls:
         turns = [t for t in self._streaming.get(workflow, ()) if not t.is_set()]
         if not turns:
             return False
-        await asyncio.wait([asyncio.ensure_future(t.wait()) for t in turns], timeout=timeout_s)
+        waiting = [asyncio.ensure_future(t.wait()) for t in turns]
+        try:
+            await asyncio.wait(waiting, timeout=timeout_s)
+        finally:     # past the bound, or this call was cancelled (its client left)
+            for waiter in waiting:
+                waiter.cancel()
+            await asyncio.gather(*waiting, return_exceptions=True)
         return True
 
     def _forget(self, key: tuple[str, str, str], entries: int) -> None:

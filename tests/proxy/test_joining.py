@@ -441,3 +441,22 @@ async def test_a_tool_call_carrying_a_run_header_is_not_joined(tmp_path: Path,
         runs = {r.run_id: r for r in await h.sg.store.runs()}
     assert "chosen" in runs and len(runs) == 2
     assert list(runs["chosen"].verified) == ["lookup_order"]
+
+
+async def test_waiting_for_streamed_turns_is_bounded_and_leaves_no_waiter_behind() -> None:
+    import asyncio
+
+    from stepguard.proxy.joining import PendingCalls
+
+    pending = PendingCalls()
+    assert await pending.settled("wf") is False          # nothing streaming: no wait at all
+    checked, other = asyncio.Event(), asyncio.Event()
+    pending.streaming("wf", checked)
+    pending.streaming("other-wf", other)
+    assert await pending.settled("wf", timeout_s=0.01) is True    # gave up after the bound
+    assert [t for t in asyncio.all_tasks() if t is not asyncio.current_task()] == []
+    asyncio.get_running_loop().call_soon(checked.set)
+    assert await pending.settled("wf") is True                     # returns once checked
+    pending.streamed("wf", checked)
+    pending.streamed("other-wf", other)
+    assert pending._streaming == {}
