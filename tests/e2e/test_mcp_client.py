@@ -63,8 +63,10 @@ async def test_concurrent_clean_runs_of_one_client_are_one_completed_run_each(
         for ticket in tickets:
             run = await s.run_of(ticket)
             assert_clean(run, await s.history(run.run_id))
-        # the server saw every call once, as the client sent it: no stepguard header
-        assert len(s.desk.calls()) == 15 and all(c.headers for c in s.desk.calls())
+        # the server saw every call once, as the client sent it: one session for all three
+        # runs, or none at all (2026-07-28), and no stepguard header
+        assert len(s.desk.calls()) == 15
+        assert all(("mcp-session-id" in c.headers) == (mode == "session") for c in s.desk.calls())
         assert s.stepguard_headers() == set()
 
 
