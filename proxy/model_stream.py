@@ -122,6 +122,7 @@ class ModelStream:
             await self._relay_turn(ex, resp, ClientEnd(out), splitter, assembler, stored, shown)
         finally:   # the turn's calls are stored (or refused): requests waiting on them go on
             stored.set()
+            self.boundaries.pending.streamed(ex.contract.workflow, stored)
             self.shown.settled(shown)
 
     async def _relay_turn(self, ex: Exchange, resp: H1Response, client: ClientEnd,
@@ -147,6 +148,9 @@ class ModelStream:
                             parsed(ex, lambda: assembler.feed(event))  # noqa: B023
                             for call_id in assembler.call_ids():
                                 if self.shown.show(call_id, stored):
+                                    if not shown:   # its executions may come before its end
+                                        self.boundaries.pending.streaming(
+                                            ex.contract.workflow, stored)
                                     shown.append(call_id)
                         if first:       # the first byte leaves at once (time to first byte)
                             first = False
