@@ -16,7 +16,16 @@ import orjson
 
 from stepguard.contracts.conditions import Condition
 from stepguard.contracts.envelope import Envelope
-from stepguard.contracts.events import HALT, OBSERVE, RETRY, Decision, ToolResult, Violation
+from stepguard.contracts.events import (
+    ESCALATE,
+    HALT,
+    HOLD,
+    OBSERVE,
+    RETRY,
+    Decision,
+    ToolResult,
+    Violation,
+)
 from stepguard.contracts.model import Contract, Step
 
 FINAL = "final_answer"   # the pseudo-step of a model's final answer
@@ -98,7 +107,18 @@ def action_for(contract: Contract, step: Step | None, violation: Violation, atte
         return HALT
     if violation.check == "tool_error" and safe_to_retry and attempt <= step.on_failure.retry:
         return RETRY
+    if step.on_failure.action == HOLD:
+        # a call is held before it runs; at the exit the tool has run, and there is nothing
+        # left to hold back: the run stops and a human is called (escalate)
+        return HOLD if violation.boundary == "entry" else ESCALATE
     return step.on_failure.action
+
+
+def held_for_approval(contract: Contract, step: Step | None, boundary: str) -> bool:
+    """Whether a call that passed its entry checks waits for an operator all the same (the
+    step is listed in `approval`). Observe never blocks, so never holds."""
+    return (step is not None and boundary == "entry" and step.name in contract.approval
+            and contract.mode != "observe")
 
 
 def _order(step: Step, envelope: Envelope) -> Violation | None:

@@ -5,7 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from stepguard.contracts.events import ADVANCE, COMPLETE, ESCALATE, HALT
+from stepguard.contracts.events import (
+    ADVANCE,
+    APPROVE,
+    COMPLETE,
+    ESCALATE,
+    EXPIRE,
+    HALT,
+    HOLD,
+    REJECT,
+)
 
 Status = Literal["active", "halted", "escalated", "completed"]
 
@@ -27,6 +36,12 @@ class Envelope:
     # its exit was checked on], so the result the agent later hands the model can be compared
     # after a restart or on another replica too
     joined: dict[str, list[str]] = field(default_factory=dict)
+    # calls held at entry for an operator (contracts/holds.py): the hold's decision id -> step,
+    # digest of the call, deadline (unix s), hold_s, and the violation when one was held
+    holds: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # approvals not used yet: digest of the approved call -> the hold, step, operator, valid
+    # until (unix s). One lets one call with that digest through, once
+    approvals: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def apply(self, event: dict[str, Any]) -> Envelope:
         """The envelope after one history event (events carry seq, ts, action, ...)."""
@@ -70,19 +85,53 @@ class Envelope:
             for name in ("verified", "state", "pending", "joined"):
                 if name in restore:
                     changes[name] = restore[name]
+        if action == HOLD or event.get("hold") is not None or event.get("approval") is not None:
+            self._holds(event, changes)
         get = changes.get      # not dataclasses.replace: this runs twice per call, and is 4x faster
         return Envelope(self.run_id, self.workflow, self.contract_version,
                         get("status", self.status), event["seq"], get("verified", self.verified),
                         get("state", self.state), get("halt", self.halt),
                         get("pending", self.pending), get("created", self.created), event["ts"],
-                        get("joined", self.joined))
+                        get("joined", self.joined), get("holds", self.holds),
+                        get("approvals", self.approvals))
+
+    def _holds(self, event: dict[str, Any], changes: dict[str, Any]) -> None:
+        """A call held, a hold decided (approved, rejected, expired, or refused with its run
+        stopped), an approval used. A rejected or expired hold of a violation halts the run:
+        nobody overrode the violation, so it stands."""
+        action = event.get("action")
+        if action == HOLD:
+            entry = {"step": event["step"], "digest": event["digest"],
+                     "until": event["hold_until"], "hold_s": event["hold_s"], "seq": event["seq"]}
+            if event.get("violation"):
+                entry["violation"] = event["violation"]
+            changes["holds"] = {**self.holds, event["decision_id"]: entry}
+            return
+        hold = event.get("hold")
+        held = self.holds.get(hold) if hold is not None else None
+        if held is not None:
+            changes["holds"] = {k: v for k, v in self.holds.items() if k != hold}
+            if action == APPROVE:
+                changes["approvals"] = {**self.approvals, event["digest"]: {
+                    "hold": hold, "step": held["step"], "until": event["approval_until"],
+                    "operator": event.get("operator"), "seq": event["seq"]}}
+            elif action in (REJECT, EXPIRE) and held.get("violation") and (
+                    changes.get("status", self.status) == "active"):
+                changes["status"] = "halted"
+                changes["halt"] = {"seq": event["seq"], "step": held["step"], "boundary": "entry",
+                                   "violation": held["violation"], "decision_id": hold,
+                                   "action": action}
+        used = event.get("approval")
+        if used is not None and used in self.approvals:
+            changes["approvals"] = {k: v for k, v in self.approvals.items() if k != used}
 
     def to_dict(self) -> dict[str, Any]:
         return {"run_id": self.run_id, "workflow": self.workflow,
                 "contract_version": self.contract_version, "status": self.status,
                 "seq": self.seq, "verified": self.verified, "state": self.state,
                 "halt": self.halt, "pending": self.pending, "created": self.created,
-                "updated": self.updated, "joined": self.joined}
+                "updated": self.updated, "joined": self.joined, "holds": self.holds,
+                "approvals": self.approvals}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Envelope:

@@ -9,6 +9,9 @@ Boundary = Literal["entry", "exit"]
 # what happened at a boundary: the run advanced, a violation was acted on, or nothing changed
 ADVANCE, FORWARD, HALT, ESCALATE, RETRY, OBSERVE, REFUSE, REJECTED, COMPLETE = (
     "advance", "forward", "halt", "escalate", "retry", "observe", "refuse", "rejected", "complete")
+# a call held at its entry for an operator (contracts/holds.py), and how a hold ends: approved
+# or rejected by an operator, or expired
+HOLD, APPROVE, REJECT, EXPIRE = "hold", "approve", "reject", "expire"
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,6 +27,7 @@ from stepguard.contracts.conditions import (
 )
 from stepguard.contracts.errors import ContractError, ContractIssue
 from stepguard.contracts.model import (
+    DEFAULT_HOLD_S,
     Completion,
     Contract,
     Match,
@@ -311,6 +312,7 @@ class _Compiler:
                  for i, (name, spec) in enumerate(doc.get("steps", {}).items(), start=1)}
         self.check_graph(steps)
         self.check_duplicate_matches(steps)
+        approval = self.approval(doc.get("approval", ()), steps)
         escalation = doc.get("escalation", {})
         run = doc.get("run", {})
         return Contract(
@@ -330,6 +332,7 @@ class _Compiler:
             content_hash=content_hash,
             run_keys_declared="key" in run,
             vars=self.constants,
+            approval=approval,
         )
 
     def vars(self, specs: Mapping[str, Any]) -> dict[str, Var]:
@@ -546,6 +549,23 @@ class _Compiler:
                                               f"{upstreams[name].kind!r}: match its steps by "
                                               "tool name")
 
+    def approval(self, names: Iterable[str], steps: Mapping[str, Step]) -> frozenset[str]:
+        """The steps that always wait for an operator at entry. A step's `hold_s` is how long
+        its held calls wait, so it means something only for a step that can be held (`then:
+        hold`, or listed here): anywhere else it is a mistake, said so."""
+        approval = frozenset(names)
+        for i, name in enumerate(names):
+            if name not in steps:
+                self.issue(None, f"approval[{i}]", f"unknown step {name!r}")
+        for step in steps.values():
+            spec = self.doc["steps"][step.name].get("on_failure")
+            if isinstance(spec, dict) and "hold_s" in spec and step.on_failure.action != "hold" \
+                    and step.name not in approval:
+                self.issue(step.name, "on_failure.hold_s", "the step is never held (its `then` "
+                           "is not `hold` and it is not listed in `approval`), so a hold time "
+                           "means nothing here")
+        return approval
+
     def check_graph(self, steps: Mapping[str, Step]) -> None:
         for step in steps.values():
             for i, dep in enumerate(step.after):
@@ -705,7 +725,8 @@ def _on_failure(spec: Any) -> OnFailure:
     if isinstance(spec, str):
         return OnFailure(action=spec)  # type: ignore[arg-type]
     return OnFailure(action=spec.get("then", "halt"), retry=spec.get("retry", 0),
-                     backoff_s=spec.get("backoff_ms", 100) / 1000)
+                     backoff_s=spec.get("backoff_ms", 100) / 1000,
+                     hold_s=float(spec.get("hold_s", DEFAULT_HOLD_S)))
 
 
 def _find_cycle(graph: Mapping[str, list[str]]) -> list[str] | None:

@@ -13,7 +13,8 @@ from jsonschema_rs import ValidationErrorKind
 from stepguard.contracts.conditions import Condition, Var
 
 Mode = Literal["enforce", "observe"]
-Action = Literal["halt", "escalate"]
+Action = Literal["halt", "escalate", "hold"]
+DEFAULT_HOLD_S = 300.0       # how long a held call waits for an operator, unless the step says
 CHECKS = ("order", "precondition", "input_schema", "tool_error", "output_schema",
           "postcondition", "completion_proof")
 DRIFT_CLASSES = ("shape", "freshness", "order", "tool_error", "false_completion",
@@ -169,6 +170,7 @@ class OnFailure:
     action: Action = "halt"
     retry: int = 0
     backoff_s: float = 0.1
+    hold_s: float = DEFAULT_HOLD_S    # a held call of the step waits this long for an operator
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,6 +222,7 @@ class Contract:
     content_hash: str
     run_keys_declared: bool = False   # `run.key` written in the file, not the default
     vars: Mapping[str, Var] = field(default_factory=dict)
+    approval: frozenset[str] = frozenset()   # steps held at entry for an operator, checks or not
 
     def step_for(self, upstream: str, method: str, path: str) -> Step | None:
         # HEAD is GET without the body: servers (Starlette, Flask, Express) run the GET handler

@@ -32,7 +32,14 @@ from typing import Any
 import orjson
 
 from stepguard.contracts.conditions import Condition
-from stepguard.contracts.engine import FINAL, action_for, check_entry, check_exit, check_final
+from stepguard.contracts.engine import (
+    FINAL,
+    action_for,
+    check_entry,
+    check_exit,
+    check_final,
+    held_for_approval,
+)
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.events import (
     ADVANCE,
@@ -40,6 +47,7 @@ from stepguard.contracts.events import (
     ESCALATE,
     FORWARD,
     HALT,
+    HOLD,
     OBSERVE,
     REFUSE,
     REJECTED,
@@ -524,7 +532,10 @@ def action_of(contract: Contract, decision: Decision, attempt: int = 1,
         return REJECTED
     if decision.step == FINAL:
         return COMPLETE if decision.completed else FORWARD
-    return ADVANCE if decision.boundary == "exit" else FORWARD
+    if decision.boundary == "exit":
+        return ADVANCE
+    return HOLD if held_for_approval(contract, contract.steps.get(decision.step),
+                                     decision.boundary) else FORWARD
 
 
 def _same_claim(baseline: Contract | None, candidate: Contract) -> bool:

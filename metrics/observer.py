@@ -17,7 +17,7 @@ def truncate(text: str, limit: int) -> str:
     return text if len(text) <= limit else f"{text[:limit]}...[{len(text) - limit} more chars]"
 
 
-_ACTIONS = frozenset({"halt", "retry", "escalate", "observe", "refuse"})
+_ACTIONS = frozenset({"halt", "retry", "escalate", "observe", "refuse", "hold", "expire"})
 
 
 # the `reason` label of stepguard_requests_refused for refused calls (the router adds its own
@@ -151,7 +151,17 @@ class Observer:
         self.log.warning("operator_action", action=event["action"], run_id=run_id,
                          workflow=workflow, seq=event["seq"], operator=event.get("operator"),
                          reason=event.get("reason"), step=event.get("step"),
-                         supersedes=event.get("supersedes"))
+                         supersedes=event.get("supersedes"), hold=event.get("hold"),
+                         digest=event.get("digest"))
+
+    def hold_ended(self, contract: Contract, run_id: str, step: str, outcome: str,
+                   decision_id: str, digest: str, waited_s: float, operator: str | None) -> None:
+        """A held call's hold ended (the events that decided it are stored)."""
+        self._child(self.metrics.holds, contract.workflow, step, outcome).inc()
+        log = self.log.info if outcome == "approved" else self.log.warning
+        log("hold_ended", outcome=outcome, run_id=run_id, workflow=contract.workflow, step=step,
+            decision_id=decision_id, digest=digest, waited_s=round(waited_s, 3),
+            operator=operator)
 
     def operator_refused(self, path: str, why: str, client: str) -> None:
         """A state-changing admin request without a valid token."""
@@ -173,7 +183,11 @@ class Observer:
     def escalation(self, record: dict[str, Any], delivered: bool | None, detail: str = "") -> None:
         if delivered is False:
             self.metrics.webhook_failures.labels(record.get("workflow", "")).inc()
-        self.log.error("escalation", run_id=record.get("run_id"), workflow=record.get("workflow"),
+        held = ({"kind": "hold", "digest": record.get("digest"),
+                 "approve": (record.get("approve") or {}).get("url")}
+                if record.get("kind") == "hold" else {})
+        self.log.error("escalation", **held,
+                       run_id=record.get("run_id"), workflow=record.get("workflow"),
                        contract_version=record.get("contract_version"), step=record.get("step"),
                        detection_point=record.get("detection_point"),
                        decision_id=record.get("decision_id"), trace_seq=record.get("seq"),

@@ -74,10 +74,19 @@ class Metrics:
             ["workflow"], registry=r)
         self.operator_actions = Counter(
             "stepguard_operator_actions", "Operator actions on runs through the admin API or "
-            "the CLI (resume), by workflow and action.", ["workflow", "action"], registry=r)
+            "the CLI (resume, approve, reject), by workflow and action.", ["workflow", "action"], registry=r)
         self.operator_refusals = Counter(
             "stepguard_operator_refusals", "State-changing admin requests refused for a missing "
             "or wrong token.", registry=r)
+        self.held_calls = Gauge(
+            "stepguard_held_calls", "Calls held at their entry, waiting for an operator's "
+            "approval (this process).", ["workflow"], registry=r)
+        self.holds = Counter(
+            "stepguard_holds", "Held calls by how their hold ended: approved (the call went "
+            "through), rejected, expired, stopped (the run halted meanwhile), used (an "
+            "identical call used the approval first), left (approved after the client had "
+            "gone: the approval is kept for the call sent again), full (no room to hold it).",
+            ["workflow", "step", "outcome"], registry=r)
         self.store_errors = Counter(
             "stepguard_store_errors", "Store operations that failed.", ["operation"], registry=r)
         self.contract_loads = Counter(
@@ -98,6 +107,7 @@ class Metrics:
             self.contract_info.labels(workflow, version, sha).info({})
             self.contract_loads.labels("ok").inc()
             self.webhook_failures.labels(workflow)
+            self.held_calls.labels(workflow)
             for step in steps:
                 self.escalations.labels(workflow, step)
                 self.fail_open.labels(workflow, step)

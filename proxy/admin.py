@@ -3,6 +3,8 @@
     GET  /runs                       envelopes, newest first (?status=, ?limit=)
     GET  /runs/{id}                  envelope, history (superseded events marked), escalations
     POST /runs/{id}/resume           {"reason": "...", "from": "STEP"?}
+    POST /runs/{id}/approve          {"digest" or "decision_id": "...", "reason": "..."}
+    POST /runs/{id}/reject           {"digest" or "decision_id": "...", "reason": "..."}
 
 Reads are open, like /metrics (the admin listener binds loopback by default). Anything that
 changes state needs `Authorization: Bearer <token>`, a token from `STEPGUARD_ADMIN_TOKEN` or
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import getpass
 import hmac
+import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,10 +27,14 @@ from aiohttp import web
 
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.errors import StepguardError
+from stepguard.contracts.events import APPROVE, EXPIRE, REJECT
+from stepguard.contracts.holds import Expired, decision_event, expire_fields
 from stepguard.contracts.operations import OperationRefused, resume_event, superseded
 from stepguard.contracts.runs import RunBook
 from stepguard.metrics.observer import Observer
+from stepguard.proxy.boundaries import new_decision_id
 from stepguard.proxy.config import ConfigError
+from stepguard.proxy.holds import Holds
 
 TOKEN_MIN_LENGTH = 16
 STEPGUARD_ADMIN_TOKEN = "STEPGUARD_ADMIN_TOKEN"
@@ -109,9 +116,11 @@ class Operations:
     serving stepguard's observer; the CLI acting on the store has none: the event is the
     record)."""
 
-    def __init__(self, runs: RunBook, observer: Observer | None = None) -> None:
+    def __init__(self, runs: RunBook, observer: Observer | None = None,
+                 holds: Holds | None = None) -> None:
         self.runs = runs
         self.observer = observer
+        self.holds = holds      # the calls held in this process, woken by a decision
 
     async def resume(self, run_id: str, *, operator: str, reason: str,
                      from_step: str | None = None) -> tuple[Envelope, dict[str, Any]]:
@@ -123,6 +132,33 @@ class Operations:
             fields = resume_event(envelope, history, operator=operator, reason=reason,
                                   from_step=from_step)
             after, event = await self.runs.commit(envelope, fields)
+        if self.observer is not None:
+            self.observer.operator_action(envelope.workflow, run_id, event)
+        return after, event
+
+
+    async def decide(self, run_id: str, action: str, *, operator: str, reason: str,
+                     digest: str | None = None,
+                     hold_id: str | None = None) -> tuple[Envelope, dict[str, Any]]:
+        """Approve or reject an open hold of the run (named by its decision id, or the latest
+        of the call with `digest`). The decision is stored, then the run's held calls look
+        again. A hold whose deadline has passed is recorded as expired, and refused (409)."""
+        async with self.runs.locked(run_id):
+            envelope = await self.runs.store.load(run_id)
+            if envelope is None:
+                raise OperationRefused(404, f"no run {run_id!r}")
+            try:
+                fields = decision_event(envelope, action, operator=operator, reason=reason,
+                                        now=time.time(), digest=digest, hold_id=hold_id)
+            except Expired as exc:
+                await self.runs.commit(envelope, expire_fields(exc.hold_id, exc.held,
+                                                               new_decision_id()))
+                if self.holds is not None:
+                    self.holds.decided(run_id, exc.hold_id, EXPIRE)
+                raise
+            after, event = await self.runs.commit(envelope, fields)
+        if self.holds is not None:
+            self.holds.decided(run_id, event["hold"], action, operator, reason)
         if self.observer is not None:
             self.observer.operator_action(envelope.workflow, run_id, event)
         return after, event
@@ -147,8 +183,9 @@ def _error(status: int, message: str, **extra: Any) -> web.Response:
 Handler = Callable[[web.Request], Coroutine[Any, Any, web.StreamResponse]]
 
 
-def run_routes(runs: RunBook, observer: Observer, tokens: AdminTokens) -> list[web.RouteDef]:
-    operations = Operations(runs, observer)
+def run_routes(runs: RunBook, observer: Observer, tokens: AdminTokens,
+               holds: Holds | None = None) -> list[web.RouteDef]:
+    operations = Operations(runs, observer, holds)
     store = runs.store
 
     async def list_runs(request: web.Request) -> web.StreamResponse:
@@ -220,5 +257,23 @@ def run_routes(runs: RunBook, observer: Observer, tokens: AdminTokens) -> list[w
                                                reason=reason, from_step=from_step)
         return _json({"envelope": after.to_dict(), "event": event})
 
+    def deciding(action: str) -> Handler:
+        async def decide(request: web.Request, operator: str,
+                         body: dict[str, Any]) -> web.StreamResponse:
+            reason, digest, hold_id = body.get("reason"), body.get("digest"), body.get("decision_id")
+            if not isinstance(reason, str) or not reason.strip():
+                return _error(400, f"an {action} needs a reason: {{\"reason\": \"...\"}}")
+            if (digest is None) == (hold_id is None) or not all(
+                    isinstance(v, str) and v for v in (digest, hold_id) if v is not None):
+                return _error(400, f"name the held call to {action}: {{\"digest\": \"<sha256>\"}} "
+                              "or {\"decision_id\": \"<the hold's decision id>\"}, one of them")
+            after, event = await operations.decide(request.match_info["run_id"], action,
+                                                   operator=operator, reason=reason,
+                                                   digest=digest, hold_id=hold_id)
+            return _json({"envelope": after.to_dict(), "event": event})
+        return acting(decide)
+
     return [web.get("/runs", list_runs), web.get("/runs/{run_id}", show_run),
-            web.post("/runs/{run_id}/resume", acting(resume))]
+            web.post("/runs/{run_id}/resume", acting(resume)),
+            web.post("/runs/{run_id}/approve", deciding(APPROVE)),
+            web.post("/runs/{run_id}/reject", deciding(REJECT))]

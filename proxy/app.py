@@ -26,6 +26,7 @@ from stepguard.proxy.config import Settings
 from stepguard.proxy.dispatch import Adapter, Dispatcher
 from stepguard.proxy.escalation import Escalator
 from stepguard.proxy.forward import BodyBudget, Forwarder
+from stepguard.proxy.holds import Holds
 from stepguard.proxy.http_adapter import HttpToolAdapter
 from stepguard.proxy.listener import (
     ADMIN_CONNECTIONS,
@@ -123,6 +124,9 @@ class Stepguard:
         self.boundaries = Boundaries(self.runs, self.observer, self.escalator, self.contracts,
                                      self.settings.payload_history_bytes)
         self.boundaries.shadows = shadowed(self.contracts, self.shadows)
+        self.boundaries.holds = Holds(self.observer, self.settings.max_holds,
+                                      self.settings.admin_url or f"http://{self.settings.admin_host}"
+                                      f":{self.settings.admin_port}")
         http = HttpToolAdapter(self.runs, self.forwarder, self.settings, self.observer,
                                self.boundaries)
         adapters: dict[str, Adapter] = {"http": http}
@@ -155,6 +159,7 @@ class Stepguard:
 
     async def stop(self) -> None:
         self.ready = False
+        await self.boundaries.holds.close()
         await self.escalator.close()
         await self.forwarder.close()
         try:
@@ -201,7 +206,7 @@ def create_admin_app(sg: Stepguard) -> web.Application:
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)
-    app.router.add_routes(run_routes(sg.runs, sg.observer, sg.tokens))
+    app.router.add_routes(run_routes(sg.runs, sg.observer, sg.tokens, sg.boundaries.holds))
     return app
 
 

@@ -10,7 +10,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from stepguard.contracts.engine import FINAL, action_for, check_shadow
+import orjson
+
+from stepguard.contracts.engine import FINAL, action_for, check_shadow, held_for_approval
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.errors import ConflictError, StoreError
 from stepguard.contracts.events import (
@@ -18,10 +20,18 @@ from stepguard.contracts.events import (
     COMPLETE,
     ESCALATE,
     FORWARD,
+    HOLD,
     REFUSE,
     REJECTED,
     Decision,
     ToolResult,
+)
+from stepguard.contracts.holds import (
+    STOPPED,
+    approval_for,
+    call_digest,
+    expire_fields,
+    used_fields,
 )
 from stepguard.contracts.model import Contract, Step
 from stepguard.contracts.redact import Redactor
@@ -31,6 +41,7 @@ from stepguard.proxy.bodies import BodyError, history_payload, parse_json
 from stepguard.proxy.correlation import RunKeys
 from stepguard.proxy.escalation import Escalator
 from stepguard.proxy.forward import Timing
+from stepguard.proxy.holds import Held, HoldRefused, Holds, refused_for_room
 from stepguard.proxy.joining import PendingCalls
 from stepguard.proxy.routing import Route
 
@@ -81,6 +92,8 @@ class Settled:
     decision_id: str
     event: dict[str, Any]
     envelope: Envelope
+    held: Held | None = None              # action hold: the call now waits (proxy/waiting.py)
+    refused: HoldRefused | None = None    # a call to hold with no room left: refused
 
 
 class Boundaries:
@@ -93,6 +106,7 @@ class Boundaries:
         self.pending = PendingCalls()           # model-issued tool calls, for joining
         self.run_keys = RunKeys(runs.store, self.pending)   # shared by every adapter
         self.shadows: dict[str, Contract] = {}  # workflow -> candidate contract (--shadow)
+        self.holds = Holds(observer)            # calls held for an operator (app.py sets it up)
         self.use(contracts)
 
     def use(self, contracts: list[Contract]) -> None:
@@ -114,16 +128,118 @@ class Boundaries:
         if extra:
             fields.update(extra)
         escalation = None
-        if action == ESCALATE:
+        held = refused = None
+        if action == HOLD:
+            held, refused = self._hold(contract, run_id, decision, decision_id, evidence, fields)
+            action = fields["action"]
+            if held is not None:
+                escalation = self._hold_record(contract, run_id, decision, held, evidence,
+                                               envelope.seq + 1)
+        elif action == ESCALATE:
             escalation = self._escalation_record(contract, run_id, decision, decision_id,
                                                  evidence, envelope.seq + 1)
-        after, event = await self.runs.commit(envelope, fields, escalation, keys)
+        try:
+            after, event = await self.runs.commit(envelope, fields, escalation, keys)
+        except BaseException:
+            if held is not None:       # not held after all: its place is given back
+                self.holds.leave(None, contract.workflow)
+            raise
         self.observer.verdict(contract, run_id, event, timing.added_s(), traffic)
         if escalation is not None:
             self.escalator.submit(contract, escalation)
         if self.shadows:
             self._shadow(contract, run_id, envelope, decision, evidence, timing, traffic, event)
-        return Settled(action, decision_id, event, after)
+        self._stopped(after)
+        return Settled(action, decision_id, event, after, held, refused)
+
+    def _hold(self, contract: Contract, run_id: str, decision: Decision, decision_id: str,
+              evidence: Evidence, fields: dict[str, Any]) -> tuple[Held | None,
+                                                                   HoldRefused | None]:
+        """A call to hold: its place taken and the hold's fields added to its event, or, with
+        no room left, the event made a refusal (the call is not forwarded, the run unchanged)."""
+        step = contract.steps[decision.step]
+        if not self.holds.reserve(contract.workflow):
+            fields.update(action=REFUSE, refused="hold_limit")
+            return None, refused_for_room(contract, run_id, step.name, self.holds.limit)
+        hold_s = step.on_failure.hold_s
+        until = time.time() + hold_s
+        digest = call_digest(run_id, step.name, evidence.input)
+        violation = decision.violation.to_dict() if decision.violation else None
+        fields.update(digest=digest, hold_s=hold_s, hold_until=until,
+                      held_for="violation" if violation else "approval")
+        return Held(contract, run_id, step.name, digest, decision_id, until, hold_s,
+                    violation, evidence.input), None
+
+    def _hold_record(self, contract: Contract, run_id: str, decision: Decision, held: Held,
+                     evidence: Evidence, seq: int) -> dict[str, Any]:
+        """What the escalation webhook gets for a held call: the escalation record's fields,
+        the call's digest and deadline, and how to approve or reject it."""
+        violation = decision.violation
+        check = violation.check if violation is not None else "approval"
+        urls = self.holds.urls(run_id)
+        body = {"decision_id": held.decision_id, "reason": "..."}
+        return {
+            "kind": "hold", "run_id": run_id, "workflow": contract.workflow,
+            "contract_version": contract.version, "step": decision.step,
+            "detection_point": f"{decision.step}.entry.{check}",
+            "violation": violation.to_dict() if violation is not None else None,
+            "held_for": "violation" if violation is not None else "approval",
+            "decision_id": held.decision_id, "seq": seq, "ts": time.time(),
+            "input": self.redactor(contract)(evidence.input),
+            "digest": held.digest, "hold_s": held.hold_s, "hold_until": held.until,
+            "approve": {"method": "POST", "url": urls["approve"], "body": body},
+            "reject": {"method": "POST", "url": urls["reject"], "body": body},
+            "cli": f"stepguard runs approve {run_id} --decision {held.decision_id} "
+                   "--reason TEXT (or: runs reject)",
+        }
+
+    def _stopped(self, after: Envelope) -> None:
+        """A run halted or escalated: its held calls are refused (they look again)."""
+        if after.status in STOPPED and after.run_id in self.holds.waiting:
+            self.holds.decided(after.run_id)
+
+    async def approved_entry(self, contract: Contract, run_id: str, envelope: Envelope,
+                             step: str, input: Any, *, timing: Timing, traffic: str,
+                             extra: dict[str, Any] | None = None,
+                             keys: Sequence[str] = ()) -> Settled | None:
+        """A call an operator approved earlier (the same digest: its client gave up waiting
+        and sent it again) goes through on that approval, once, unchecked: the approval is
+        used up by this call's entry event. None when there is no such approval."""
+        if not envelope.approvals:
+            return None
+        digest = call_digest(run_id, step, input)
+        approval = approval_for(envelope, digest, time.time())
+        if approval is None:
+            return None
+        return await self.use_approval(contract, run_id, envelope, step, digest, approval,
+                                       input, timing=timing, traffic=traffic, extra=extra,
+                                       keys=keys)
+
+    async def use_approval(self, contract: Contract, run_id: str, envelope: Envelope,
+                           step: str, digest: str, approval: dict[str, Any], input: Any, *,
+                           timing: Timing, traffic: str, extra: dict[str, Any] | None = None,
+                           keys: Sequence[str] = ()) -> Settled:
+        """The entry event of a call let through by an approval, which it uses up."""
+        decision_id = new_decision_id()
+        stored = self.redactor(contract)(history_payload(
+            input, len(orjson.dumps(input)) if input is not None else 0, self.payload_limit))
+        fields = used_fields(step, digest, approval, decision_id, stored)
+        if extra:
+            fields.update(extra)
+        after, event = await self.runs.commit(envelope, fields, None, keys)
+        self.observer.verdict(contract, run_id, event, timing.added_s(), traffic)
+        return Settled(FORWARD, decision_id, event, after)
+
+    async def expire(self, contract: Contract, run_id: str, envelope: Envelope, hold_id: str,
+                     held: dict[str, Any], *, timing: Timing, traffic: str) -> Settled:
+        """A hold that ran out with no decision: recorded, the call refused (a held violation
+        then halts the run)."""
+        decision_id = new_decision_id()
+        after, event = await self.runs.commit(envelope, expire_fields(hold_id, held,
+                                                                      decision_id))
+        self.observer.verdict(contract, run_id, event, timing.added_s(), traffic)
+        self._stopped(after)
+        return Settled(event["action"], decision_id, event, after)
 
     def _shadow(self, contract: Contract, run_id: str, envelope: Envelope, decision: Decision,
                 evidence: Evidence, timing: Timing, traffic: str, event: dict[str, Any]) -> None:
@@ -194,7 +310,10 @@ class Boundaries:
             return REJECTED
         if decision.step == FINAL:
             return COMPLETE if decision.completed else FORWARD
-        return ADVANCE if decision.boundary == "exit" else FORWARD
+        if decision.boundary == "exit":
+            return ADVANCE
+        return HOLD if held_for_approval(contract, contract.steps.get(decision.step),
+                                         decision.boundary) else FORWARD
 
     def _event_fields(self, contract: Contract, decision: Decision, action: str,
                       decision_id: str, attempt: int, evidence: Evidence) -> dict[str, Any]:

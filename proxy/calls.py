@@ -25,7 +25,7 @@ from multidict import CIMultiDict
 from stepguard.contracts.engine import check_entry, check_exit
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.errors import RunOfAnotherWorkflow, StoreError
-from stepguard.contracts.events import OBSERVE, RETRY, Decision, ToolResult, Violation
+from stepguard.contracts.events import HOLD, OBSERVE, RETRY, Decision, ToolResult, Violation
 from stepguard.contracts.model import Contract, Step
 from stepguard.contracts.runs import RunBook
 from stepguard.metrics.observer import Observer
@@ -33,8 +33,10 @@ from stepguard.proxy.boundaries import Boundaries, Evidence, Settled, back_off, 
 from stepguard.proxy.config import Settings
 from stepguard.proxy.correlation import Keyed
 from stepguard.proxy.forward import Timing, UpstreamError
+from stepguard.proxy.holds import HoldRefused
 from stepguard.proxy.joining import joined_extra
 from stepguard.proxy.routing import Route
+from stepguard.proxy.waiting import client_present, waited
 
 STOPPED = ("halted", "escalated")    # a run in these states refuses its calls
 
@@ -137,6 +139,15 @@ class NotStored(Stopped):
         super().__init__(str(error))
 
 
+class HoldEnded(Stopped):
+    """A call held for an operator that does not go through (`refusal` says why: rejected,
+    expired, the run stopped meanwhile, no room to hold it)."""
+
+    def __init__(self, refusal: HoldRefused) -> None:
+        self.refusal = refusal
+        super().__init__(refusal.detail)
+
+
 class OtherWorkflow(Stopped):
     """The run id belongs to another workflow's run."""
 
@@ -181,6 +192,10 @@ class CallProtocol(Protocol[C_contra, A]):
         the response that ends this one, else None to check the answer now."""
         ...
 
+    async def keepalive(self, call: C_contra) -> None:
+        """The call is held for an operator: keep its client waiting (proxy/waiting.py)."""
+        ...
+
 
 class CallLoop(Generic[C, A]):
     """Entry, attempts, exit, retries and failures of a checked call, in one place."""
@@ -215,8 +230,23 @@ class CallLoop(Generic[C, A]):
             return await self.protocol.render(call, OtherWorkflow(exc))
 
     async def _checked(self, call: C) -> web.StreamResponse:
-        await retrying_conflicts(call.run_id, lambda: self._entry(call))
+        settled = await retrying_conflicts(call.run_id, lambda: self._entry(call))
+        if settled is not None and (settled.held is not None or settled.refused is not None):
+            await self._held(call, settled)
         return await self._attempts(call, 1, None)
+
+    async def _held(self, call: C, settled: Settled) -> None:
+        """The entry held the call for an operator: wait for the decision. Approved, the call
+        goes on to its attempts; otherwise it stops (`HoldEnded`)."""
+        if settled.held is None:
+            assert settled.refused is not None
+            raise HoldEnded(settled.refused)
+        try:
+            await waited(self.boundaries, settled.held, call.timing, self.traffic,
+                         lambda: self.protocol.keepalive(call),
+                         lambda: client_present(call.request), self.protocol.extra(call))
+        except HoldRefused as refused:
+            raise HoldEnded(refused) from None
 
     async def _attempts(self, call: C, attempt: int, answer: A | None) -> web.StreamResponse:
         """Send the call (unless `answer` came already), check each answer, retry what the
@@ -248,7 +278,7 @@ class CallLoop(Generic[C, A]):
 
     # -- boundaries ------------------------------------------------------------------------------
 
-    async def _entry(self, call: C) -> None:
+    async def _entry(self, call: C) -> Settled | None:
         async with self.runs.locked(call.run_id):
             envelope = await self.runs.envelope(call.contract, call.run_id)
             if envelope.status in STOPPED:
@@ -256,11 +286,16 @@ class CallLoop(Generic[C, A]):
             drift = call.key_drift
             if drift is not None and drift.joined is not None and drift.drift is None:
                 if drift.joined in envelope.pending and call.joinable:
-                    return   # the model's tool call was this call's entry, checked and stored
+                    return None   # the model's tool call was this call's entry, checked, stored
                 call.key_drift = replace(drift, joined=None)   # no longer pending: on its own
+            if await self.boundaries.approved_entry(
+                    call.contract, call.run_id, envelope, call.step.name, call.input,
+                    timing=call.timing, traffic=self.traffic, extra=self.protocol.extra(call)):
+                return None   # approved by an operator while held, and sent again: it goes on
             decision = self._entry_decision(call, envelope)
             settled = await self._settle(call, envelope, decision)
         self._stop_if(decision, settled, call.entry_status)
+        return settled
 
     @staticmethod
     def _entry_decision(call: C, envelope: Envelope) -> Decision:
@@ -310,7 +345,8 @@ class CallLoop(Generic[C, A]):
 
     @staticmethod
     def _stop_if(decision: Decision, settled: Settled, status: int | None) -> None:
-        if decision.violation is not None and settled.action not in (OBSERVE, RETRY):
+        if decision.violation is not None and settled.action not in (OBSERVE, RETRY, HOLD) \
+                and settled.refused is None:
             raise Violated(decision, settled, status)
 
     async def _refuse(self, call: C, envelope: Envelope, boundary: str) -> NoReturn:

@@ -102,6 +102,13 @@ def _parser() -> argparse.ArgumentParser:
                        help="operator tokens (NAME:SECRET per line) for the admin API's "
                             "state-changing endpoints (STEPGUARD_ADMIN_TOKEN_FILE; one token: "
                             "STEPGUARD_ADMIN_TOKEN); without any, those endpoints are off")
+    serve.add_argument("--admin-url", metavar="URL",
+                       help="the admin API's URL as operators reach it, named in a held call's "
+                            "escalation webhook (STEPGUARD_ADMIN_URL; default "
+                            "http://ADMIN_HOST:ADMIN_PORT)")
+    serve.add_argument("--max-holds", type=int,
+                       help="calls held for an operator at once; past it a call to hold gets "
+                            "503 (STEPGUARD_MAX_HOLDS, 100)")
     serve.add_argument("--log-format", type=str.lower, choices=LOG_FORMATS,
                        help="STEPGUARD_LOG_FORMAT, auto")
     serve.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS,
@@ -153,6 +160,16 @@ def _parser() -> argparse.ArgumentParser:
     runs_resume.add_argument("--from", dest="from_step", metavar="STEP",
                              help="resume at the boundary where STEP was last verified instead")
     runs_resume.set_defaults(func=_runs_resume)
+    for action, what in (("approve", "let a held call through, once: the call with that digest"),
+                         ("reject", "refuse a held call (a held violation then halts the run)")):
+        deciding = runs_sub.add_parser(action, parents=[acting], help=what)
+        deciding.add_argument("run_id", metavar="RUN")
+        named = deciding.add_mutually_exclusive_group(required=True)
+        named.add_argument("--digest", metavar="SHA256",
+                           help="the held call's digest (its latest open hold)")
+        named.add_argument("--decision", dest="decision_id", metavar="ID",
+                           help="the hold's decision id")
+        deciding.set_defaults(func=_runs_decide, action=action)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(metavar="BENCH")
@@ -351,6 +368,12 @@ def _runs_show(args: argparse.Namespace) -> int:
         return 0
     print(render_run(envelope, history, escalations))
     return 0
+
+
+def _runs_decide(args: argparse.Namespace) -> int:
+    from stepguard.proxy.operate import decide
+
+    return decide(args)
 
 
 def _runs_resume(args: argparse.Namespace) -> int:

@@ -197,6 +197,8 @@ _PARSERS: dict[str, _Parse] = {
     "log_level": _choice(LOG_LEVELS, str.lower),
     "admin_token": _optional(_text),
     "admin_token_file": _optional(_text),
+    "admin_url": _optional(_text),
+    "max_holds": _integer(0, what="a number of held calls", hint=" (0: no call can be held)"),
     "vars": _assignments("--var"),
     "upstreams": _assignments("--upstream"),
 }
@@ -265,6 +267,10 @@ class Settings:
     # operator tokens for the admin API's state-changing endpoints (proxy/admin.py)
     admin_token: str | None = field(default=None, repr=False)
     admin_token_file: str | None = None
+    # where operators reach the admin API, as the escalation webhook of a held call names it
+    # (default: http://ADMIN_HOST:ADMIN_PORT)
+    admin_url: str | None = None
+    max_holds: int = 100              # calls held for an operator at once (proxy/holds.py)
 
     def __post_init__(self) -> None:
         # values given in code are held to the same rules as flags and environment

@@ -28,6 +28,7 @@ from stepguard.proxy.calls import (
     Answer,
     Call,
     CallLoop,
+    HoldEnded,
     NotStored,
     OtherWorkflow,
     RunStopped,
@@ -187,6 +188,9 @@ class HttpToolAdapter:
                     attempt: int) -> web.StreamResponse | None:
         return None
 
+    async def keepalive(self, call: HttpCall) -> None:
+        """A plain HTTP client just waits for its answer: nothing is sent meanwhile."""
+
     async def unchecked(self, call: HttpCall) -> web.StreamResponse:
         return await self.forward_unchecked(call.request, call.route, call.headers, call.body,
                                             call.timing)
@@ -202,6 +206,10 @@ class HttpToolAdapter:
             envelope = why.envelope
             return halted_problem(run_id, contract.workflow, envelope.status,
                                   envelope.halt or {}, step, why.boundary, why.decision_id)
+        if isinstance(why, HoldEnded):
+            refusal = why.refusal
+            return problem(refusal.status, refusal.title, refusal.detail, retry=refusal.retry,
+                           **refusal.members)
         if isinstance(why, Unreached):
             return unreachable_problem(why.error, upstream=call.route.upstream.name, run=run_id,
                                        step=step, decision_id=why.decision_id)

@@ -30,11 +30,12 @@ from stepguard.proxy.boundaries import Boundaries
 from stepguard.proxy.calls import Answer, CallLoop, Stopped
 from stepguard.proxy.config import Settings
 from stepguard.proxy.correlation import NO_RUN_KEY, STORE
-from stepguard.proxy.forward import Forwarder, Timing, end_to_end
+from stepguard.proxy.forward import ClientEnd, Forwarder, Timing, end_to_end
 from stepguard.proxy.http_adapter import HttpToolAdapter
 from stepguard.proxy.mcp_resumption import McpResumption, Resumptions
 from stepguard.proxy.mcp_rpc import (
     REQUEST_CODE,
+    as_event,
     error_response,
     refusal_for,
     rpc_error,
@@ -134,9 +135,23 @@ class McpAdapter:
         return await self.http.forward_unchecked(call.request, call.route, call.headers,
                                                  call.body, call.timing)
 
+    async def keepalive(self, call: McpCall) -> None:
+        """A held call: a client that takes an event stream gets one now, kept alive with
+        comments while it waits (its answer, whatever it is, ends that stream); any other
+        client just waits for its JSON answer."""
+        if call.out is None:
+            if "text/event-stream" not in call.request.headers.get("accept", ""):
+                return
+            out = web.StreamResponse(status=200, headers={"content-type": "text/event-stream",
+                                                          "cache-control": "no-cache"})
+            call.out = await ClientEnd(out).start(call.request)
+        await call.out.write(b": stepguard: the call is held for an operator's approval\n\n")
+
     async def relay(self, call: McpCall, answer: Answer) -> web.StreamResponse:
         if call.out is not None:
-            return await self.resumption.final_event(call, answer.body)
+            event = answer.body if isinstance(answer, McpAnswer) and answer.event else \
+                _as_event(call, answer)
+            return await self.resumption.final_event(call, event)
         if answer.status is None:   # no answer at all, but the contract let it pass (observe)
             return error_response(call.rpc_id, REQUEST_CODE, f"stepguard: {answer.result.error}",
                                   {"check": "tool_error"}, status=502)
@@ -149,6 +164,21 @@ class McpAdapter:
         return web.Response(body=orjson.dumps(refusal.error(call.rpc_id)),
                             content_type="application/json",
                             headers={"x-should-retry": "true" if refusal.later else "false"})
+
+
+def _as_event(call: McpCall, answer: Answer) -> bytes:
+    """A JSON answer for a client whose event stream was opened before it came (the call was
+    held): the same message, as the event that ends that stream."""
+    if answer.status is not None and 200 <= answer.status < 300:
+        try:
+            message = orjson.loads(answer.body)
+        except orjson.JSONDecodeError:
+            message = None
+        if isinstance(message, dict):
+            return as_event(message)
+    what = answer.result.error or f"the MCP server answered {answer.status}"
+    return as_event(rpc_error(call.rpc_id, REQUEST_CODE, f"stepguard: {what}",
+                              {"check": "tool_error", "status": answer.status}))
 
 
 def _has_checked_tools(route: Route) -> bool:

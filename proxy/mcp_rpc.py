@@ -15,6 +15,7 @@ from stepguard.proxy.bodies import MAX_JSON_DEPTH, BodyError, charset_of, decode
 from stepguard.proxy.boundaries import UNREACHABLE
 from stepguard.proxy.calls import (
     Call,
+    HoldEnded,
     NotStored,
     OtherWorkflow,
     RunStopped,
@@ -26,6 +27,7 @@ from stepguard.proxy.calls import (
 VIOLATION_CODE = -31000      # outside JSON-RPC's and MCP's reserved ranges
 HALTED_CODE = -31001
 REQUEST_CODE = -31002        # the call itself cannot be checked (no run key, a batch of calls)
+HOLD_CODE = -31003           # the call was held for an operator and not let through
 
 
 class Refusal(Exception):
@@ -47,7 +49,8 @@ class Refusal(Exception):
         """A store that failed before the call was forwarded, or an upstream never reached, may
         work later; nothing else will."""
         check = self.data.get("check")
-        return (check == "store" and not self.data.get("forwarded")) or check == UNREACHABLE
+        return (check == "store" and not self.data.get("forwarded")) or check == UNREACHABLE \
+            or (check == "hold" and self.data.get("outcome") == "full")
 
 
 def rpc_error(rpc_id: Any, code: int, message: str, data: dict[str, Any]) -> dict[str, Any]:
@@ -109,6 +112,11 @@ def message_result(message: dict[str, Any]) -> ToolResult:
     return ToolResult(200, output)
 
 
+def as_event(message: dict[str, Any]) -> bytes:
+    """A JSON-RPC message as the SSE event that carries it."""
+    return b"event: message\r\ndata: " + orjson.dumps(message) + b"\r\n\r\n"
+
+
 def withheld(rpc_id: Any, event_id: str) -> bytes:
     """The error that replaces an answer replayed on a resumed stream stepguard did not hold."""
     error = rpc_error(rpc_id, REQUEST_CODE, "stepguard: an answer replayed on a resumed stream "
@@ -133,6 +141,10 @@ def refusal_for(call: Call, why: Stopped) -> Refusal:
                         "action": settled.action, "decision_id": settled.decision_id})
     if isinstance(why, RunStopped):
         return _halted(call, why.envelope, why.boundary, why.decision_id)
+    if isinstance(why, HoldEnded):
+        refusal = why.refusal
+        return Refusal(HOLD_CODE, f"stepguard: {refusal.title}: {refusal.detail}",
+                       {**refusal.members, "title": refusal.title})
     if isinstance(why, Unreached):
         return Refusal(REQUEST_CODE, f"stepguard: run {run_id!r}, step {step!r}: the MCP server "
                        f"could not be reached, the call was not sent ({why.error.detail}); "

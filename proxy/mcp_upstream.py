@@ -63,6 +63,7 @@ class McpAnswer(Answer):
     the held SSE event that answers the call."""
 
     resumable: bool = False         # the stream ended unanswered after events with ids
+    event: bool = False             # `body` is the SSE event that answers the call
 
 
 class McpUpstream:
@@ -145,10 +146,11 @@ class McpUpstream:
                         # JSON answer: never relayed unchecked, never handed to the store
                         return McpAnswer(ToolResult(resp.status, error=f"MCP server response: "
                                                     f"{exc}", error_kind="transport"),
-                                         resp.status, headers, raw)
+                                         resp.status, headers, raw, event=True)
                     if message.get("id") == call.rpc_id and ("result" in message
                                                              or "error" in message):
-                        return McpAnswer(message_result(message), resp.status, headers, raw)
+                        return McpAnswer(message_result(message), resp.status, headers, raw,
+                                         event=True)
                     out = await self._out(call, resp.status, headers)
                     await out.write(raw)
                     if event is not None and event.id:      # the client may resume from here

@@ -10,7 +10,7 @@ from multidict import CIMultiDict
 
 from stepguard.contracts.errors import StoreError
 from stepguard.proxy.bodies import BodyError, decode, parse_json
-from stepguard.proxy.boundaries import Boundaries, retrying_conflicts
+from stepguard.proxy.boundaries import Boundaries
 from stepguard.proxy.config import Settings
 from stepguard.proxy.forward import Forwarder, Upstreamed, UpstreamError
 from stepguard.proxy.model_entries import ModelEntries
@@ -66,7 +66,7 @@ class ModelAnswers:
                        f"(fail closed)", {"check": "upstream"})
         turn = parsed(ex, lambda: ex.dialect.turn(response))
         try:
-            await retrying_conflicts(ex.run_id, lambda: self.entries.check(ex, turn))
+            await self.entries.admitted(ex, turn)
         except StoreError as exc:
             self.entries.not_stored(ex, exc)   # raises unless fail-open
         out = web.Response(status=up.status, headers=up.headers, body=up.body)

@@ -5,22 +5,42 @@ checked against the completion proof (`engine.check_final`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import orjson
 
 from stepguard.contracts.engine import check_entry, check_final
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.errors import StoreError
-from stepguard.contracts.events import Decision, ToolResult, Violation
+from stepguard.contracts.events import HOLD, Decision, ToolResult, Violation
 from stepguard.contracts.runs import RunBook
 from stepguard.metrics.observer import Observer
 from stepguard.proxy.bodies import BodyError, _too_deep, check_depth
-from stepguard.proxy.boundaries import Boundaries, Evidence
+from stepguard.proxy.boundaries import Boundaries, Evidence, Settled, retrying_conflicts
 from stepguard.proxy.calls import STOPPED
 from stepguard.proxy.config import Settings
+from stepguard.proxy.holds import HoldRefused
 from stepguard.proxy.model_correlation import ShownCalls
 from stepguard.proxy.model_dialects import ToolCall, ToolOutput, Turn
 from stepguard.proxy.model_exchange import Exchange, Stop, raise_if_stopped, refuse_halted
 from stepguard.proxy.model_exits import ModelExits
+from stepguard.proxy.waiting import Keepalive, client_present, close, waited
+
+
+@dataclass(slots=True)
+class HeldCall:
+    """A tool call of a model's answer held at its entry for an operator: the answer waits."""
+
+    settled: Settled
+    call: ToolCall
+    step: str
+    arguments: Any
+    raw_size: int
+
+
+async def _quiet() -> None:
+    """Keepalive of a whole answer: its client just waits."""
 
 
 class ModelEntries:
@@ -119,23 +139,90 @@ class ModelEntries:
                 "run_key", "freshness", keyed.drift, "entry", field=keyed.field))
         else:
             decision = check_entry(step, envelope, arguments, now=ex.timing.arrived)
-        goes_ahead = decision.passed or contract.mode == "observe"
+        extra = {"call_id": call.call_id, "tool": call.name}
+        if error is None and keyed.drift is None:
+            approved = await self.boundaries.approved_entry(
+                contract, ex.run_id, envelope, step.name, arguments, timing=ex.timing,
+                traffic=self.traffic, extra={**extra, "pending": True},
+                keys=[f"call:{call.call_id}", *keys])
+            if approved is not None:   # approved while held, and issued again: it goes ahead
+                return await self._goes_ahead(ex, approved, call, step.name, arguments,
+                                              len(orjson.dumps(arguments)))
+        held = self.boundaries.action(contract, decision, 1, False) == HOLD
+        goes_ahead = (decision.passed or contract.mode == "observe") and not held
         raw = orjson.dumps(arguments)
         settled = await self.boundaries.settle(
             contract, ex.run_id, envelope, decision, Evidence(arguments, raw),
-            timing=ex.timing, traffic=self.traffic,
-            extra={"call_id": call.call_id, "tool": call.name, "pending": goes_ahead},
+            timing=ex.timing, traffic=self.traffic, extra={**extra, "pending": goes_ahead},
             keys=[f"call:{call.call_id}", *keys])
-        if goes_ahead and arguments is not None and settled.event.get("input") != arguments:
-            self.exits.arguments.keep(ex.run_id, call.call_id, arguments, len(raw))
+        if settled.held is not None or settled.refused is not None:
+            ex.held.append(HeldCall(settled, call, step.name, arguments, len(raw)))
+            return settled.envelope
         raise_if_stopped(ex, decision, settled)
-        if goes_ahead and not call.ran:   # the agent may execute it over MCP or HTTP: joined
-            self.boundaries.pending.issued(contract.workflow, step.name, arguments,
-                                           ex.run_id, call.call_id)
-        if call.ran and goes_ahead:   # the provider ran it: its outcome is the exit, at once
-            return await self.exits.exit(ex, settled.envelope, ToolOutput(call.call_id, call.result),
-                                         {"step": step.name, "input": call.arguments})
-        return settled.envelope
+        if not goes_ahead:
+            return settled.envelope
+        return await self._goes_ahead(ex, settled, call, step.name, arguments, len(raw))
+
+    async def _goes_ahead(self, ex: Exchange, settled: Settled, call: ToolCall, step: str,
+                          arguments: Any, raw_size: int) -> Envelope:
+        """A tool call whose entry let it through: the agent may act on it."""
+        if arguments is not None and settled.event.get("input") != arguments:
+            self.exits.arguments.keep(ex.run_id, call.call_id, arguments, raw_size)
+        if not call.ran:   # the agent may execute it over MCP or HTTP: joined
+            self.boundaries.pending.issued(ex.contract.workflow, step, arguments, ex.run_id,
+                                           call.call_id)
+            return settled.envelope
+        # the provider ran it: its outcome is the exit, at once
+        return await self.exits.exit(ex, settled.envelope, ToolOutput(call.call_id, call.result),
+                                     {"step": step, "input": call.arguments})
+
+    async def admitted(self, ex: Exchange, turn: Turn, keepalive: Keepalive = _quiet) -> None:
+        """The turn's entries checked (`check`), then its held tool calls decided by an
+        operator (`released`): returns when the answer may go to the agent."""
+        async def once() -> None:
+            try:
+                await self.check(ex, turn)
+            except Exception:
+                await self._drop_held(ex)
+                raise
+
+        await retrying_conflicts(ex.run_id, once)
+        await self.released(ex, keepalive)
+
+    async def _drop_held(self, ex: Exchange) -> None:
+        """The turn was refused after some of its calls were held: nobody waits for them."""
+        held, ex.held = ex.held, []
+        for one in held:
+            if one.settled.held is not None:
+                await close(self.boundaries, one.settled.held, ex.timing, self.traffic)
+
+    async def released(self, ex: Exchange, keepalive: Keepalive = _quiet) -> None:
+        """Wait for an operator's decision on every tool call of the answer that was held, in
+        turn (the answer goes to the agent whole, or not at all). All approved: each goes ahead
+        as if it had passed. One refused: the answer is refused (`Stop`) and the holds of the
+        turn nobody waited for are closed."""
+        held, ex.held = ex.held, []
+        waiting = list(held)
+        try:
+            while waiting:
+                one = waiting.pop(0)
+                if one.settled.refused is not None:
+                    raise _stop(one.settled.refused)
+                assert one.settled.held is not None
+                extra = {"call_id": one.call.call_id, "tool": one.call.name, "pending": True}
+                try:
+                    settled = await waited(self.boundaries, one.settled.held, ex.timing,
+                                           self.traffic, keepalive,
+                                           lambda: client_present(ex.request), extra)
+                except HoldRefused as refused:
+                    raise _stop(refused) from None
+                async with self.runs.locked(ex.run_id):
+                    await self._goes_ahead(ex, settled, one.call, one.step, one.arguments,
+                                           one.raw_size)
+        finally:
+            for other in waiting:
+                if other.settled.held is not None:
+                    await close(self.boundaries, other.settled.held, ex.timing, self.traffic)
 
     def not_stored(self, ex: Exchange, exc: StoreError) -> None:
         """The model answered, but its tool calls could not be stored. The model is never asked a
@@ -147,3 +234,9 @@ class ModelEntries:
             return
         raise Stop(503, f"stepguard: run {ex.run_id!r}: the model's answer could not be checked "
                    f"and stored ({exc}); it is withheld (fail closed)", {"check": "store"})
+
+
+def _stop(refused: HoldRefused) -> Stop:
+    """A held tool call not let through, as the provider-shaped refusal of the whole answer."""
+    return Stop(refused.status, f"stepguard: {refused.title}: {refused.detail}",
+                {**refused.members, "title": refused.title}, retry=refused.retry)

@@ -13,7 +13,7 @@ from aiohttp import web
 
 from stepguard.contracts.engine import FINAL
 from stepguard.contracts.envelope import Envelope
-from stepguard.contracts.events import OBSERVE, Decision
+from stepguard.contracts.events import HOLD, OBSERVE, Decision
 from stepguard.contracts.model import Contract
 from stepguard.proxy.boundaries import Boundaries, Settled
 from stepguard.proxy.forward import Timing, UpstreamError
@@ -51,6 +51,8 @@ class Exchange:
     new_run: bool = False
     keys: list[str] = field(default_factory=list)
     stored_response: bool = False   # a GET (or cancel) of a response created earlier
+    # tool calls of the answer held for an operator (ModelEntries.released), in answer order
+    held: list[Any] = field(default_factory=list)
 
     @property
     def contract(self) -> Contract:
@@ -76,8 +78,8 @@ def parsed(ex: Exchange, read: Callable[[], T]) -> T:
 def raise_if_stopped(ex: Exchange, decision: Decision, settled: Settled) -> None:
     """A violation whose action stops the exchange: a 422 naming it."""
     violation = decision.violation
-    if violation is None or settled.action == OBSERVE:
-        return
+    if violation is None or settled.action in (OBSERVE, HOLD) or settled.refused is not None:
+        return      # a held call waits for an operator (ModelEntries.released)
     step = decision.step
     details = {"run": ex.run_id, "workflow": ex.contract.workflow,
                "contract_version": ex.contract.version, "step": step, **violation.to_dict(),

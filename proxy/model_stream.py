@@ -15,7 +15,7 @@ from multidict import CIMultiDict
 from stepguard.contracts.errors import StoreError
 from stepguard.metrics.observer import Observer
 from stepguard.proxy.bodies import is_json_type
-from stepguard.proxy.boundaries import Boundaries, retrying_conflicts
+from stepguard.proxy.boundaries import Boundaries
 from stepguard.proxy.config import Settings
 from stepguard.proxy.forward import (
     HOP_BY_HOP,
@@ -40,6 +40,10 @@ from stepguard.proxy.model_exchange import (
     upstream_failed,
 )
 from stepguard.proxy.sse import EventTooLarge, SSESplitter, decode_event
+
+# while a tool call of the turn is held for an operator, the stream gets this comment now and
+# then (SDKs skip SSE comments; proxies and read timeouts see the stream alive)
+HELD_COMMENT = b": stepguard: a tool call is held for an operator's approval\n\n"
 
 
 class ModelStream:
@@ -194,7 +198,7 @@ class ModelStream:
             return
         try:
             turn = parsed(ex, assembler.turn)
-            await retrying_conflicts(ex.run_id, lambda: self.entries.check(ex, turn))
+            await self.entries.admitted(ex, turn, lambda: client.write(HELD_COMMENT))
         except Stop as stop:
             # the calls the stream showed whose entry was not stored (the turn was refused
             # before or without them) were never checked: a result for one is not taken

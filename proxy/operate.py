@@ -1,4 +1,4 @@
-"""`stepguard runs resume`: an operator action, taken through a running stepguard's admin API,
+"""`stepguard runs resume|approve|reject`: an operator action, taken through a running stepguard's admin API,
 or on the store directly when no stepguard holds it.
 
 Through the API (`--admin URL` or `STEPGUARD_ADMIN_URL`) the action is checked and committed by
@@ -44,7 +44,18 @@ def resume(args: argparse.Namespace) -> int:
         args.run_id, operator=local_operator(), reason=args.reason, from_step=args.from_step))
 
 
-def _act(args: argparse.Namespace, path: str, body: dict[str, Any], direct: Any) -> int:
+def decide(args: argparse.Namespace) -> int:
+    """`runs approve|reject RUN --digest D | --decision ID --reason TEXT`."""
+    named = {"digest": args.digest} if args.digest else {"decision_id": args.decision_id}
+    return _act(args, f"/runs/{args.run_id}/{args.action}", {"reason": args.reason, **named},
+                lambda ops: ops.decide(args.run_id, args.action, operator=local_operator(),
+                                       reason=args.reason, digest=args.digest,
+                                       hold_id=args.decision_id),
+                _decided)
+
+
+def _act(args: argparse.Namespace, path: str, body: dict[str, Any], direct: Any,
+         described: Any = None) -> int:
     try:
         admin = args.admin or os.environ.get(ADMIN_URL_ENV)
         if admin:
@@ -58,7 +69,7 @@ def _act(args: argparse.Namespace, path: str, body: dict[str, Any], direct: Any)
     if args.json:
         print(orjson.dumps(result).decode())
     else:
-        print(_described(result))
+        print((described or _described)(result))
     return 0
 
 
@@ -138,4 +149,18 @@ def _described(result: dict[str, Any]) -> str:
         lines.append(f"  events {first}..{last} are superseded (kept in the history)")
     lines.append(f"  verified: {', '.join(envelope['verified']) or '-'}")
     lines.append(f"  the next call is checked against this envelope (event {event['seq']})")
+    return "\n".join(lines)
+
+
+def _decided(result: dict[str, Any]) -> str:
+    envelope, event = result["envelope"], result["event"]
+    lines = [f"run {envelope['run_id']}: hold {event['hold']} of step {event['step']!r} "
+             f"{event['action']}d by {event['operator']} (event {event['seq']}): now "
+             f"{envelope['status']}",
+             f"  digest {event['digest']}"]
+    if event["action"] == "approve":
+        lines.append("  the held call goes through, once; if its client has gone, the identical "
+                     "call sent again does")
+    elif event.get("halts"):
+        lines.append("  the held violation stands: the run is halted")
     return "\n".join(lines)

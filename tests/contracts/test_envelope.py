@@ -158,4 +158,4 @@ def test_to_dict_and_from_dict_round_trip(upto):
 def test_to_dict_holds_every_field():
     assert set(fresh().to_dict()) == {"run_id", "workflow", "contract_version", "status", "seq",
                                       "verified", "state", "halt", "pending", "created", "updated",
-                                      "joined"}
+                                      "joined", "holds", "approvals"}

@@ -179,7 +179,7 @@ def test_step_for_finds_the_step_by_upstream_method_and_path(make_contract):
     pytest.param({"steps": {"first": {"on_failure": "retry"}}}, "first", "on_failure",
                  "'retry'", id="bad-on-failure-action"),
     pytest.param({"steps": {"first": {"on_failure": {"then": "explode"}}}}, "first",
-                 "on_failure.then", "'explode' is not one of ['halt', 'escalate']",
+                 "on_failure.then", "'explode' is not one of ['halt', 'escalate', 'hold']",
                  id="bad-on-failure-then"),
     pytest.param({"steps": {"first": {"on_failure": {"retry": 11}}}}, "first", "on_failure.retry",
                  "11 is greater than the maximum of 10", id="too-many-retries"),

@@ -1,0 +1,181 @@
+"""How a held call waits for its outcome (proxy/holds.py holds the registry; the events are
+contracts/holds.py).
+
+A held call waits in the process that holds its connection: not forwarded, bounded in time
+(the step's `hold_s`) and in number (`--max-holds`). An operator's approve or reject
+(proxy/admin.py) is stored first, then wakes the run's held calls (`Holds.decided`); each one
+reads the stored envelope again, under the run's lock, and finds its outcome there:
+
+- approved, and its client still there: the call uses the approval up (an `approved` entry
+  event) and goes on to its forward and exit check like any other;
+- approved, but its client has gone: the approval stays stored, unused, for the identical
+  call the client sends again (`Boundaries.approved_entry`);
+- rejected, or no decision before the deadline (`expire`): the call is refused in its
+  protocol. A held violation then halts the run (it stands); a held approval step leaves the
+  run as it was;
+- the run halted or escalated meanwhile (another call's violation): the call is refused.
+
+While it waits, the adapter's `keepalive` runs every `KEEPALIVE_S` seconds: nothing for a
+plain HTTP answer (the client just waits), an SSE comment on an event stream (MCP, model
+streams), so proxies and read timeouts on the way do not cut it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from stepguard.contracts.envelope import Envelope
+from stepguard.contracts.events import EXPIRE, REJECT
+from stepguard.contracts.holds import STOPPED, approval_for
+from stepguard.proxy.boundaries import Boundaries, Settled, retrying_conflicts
+from stepguard.proxy.forward import Timing
+from stepguard.proxy.holds import (
+    APPROVED,
+    EXPIRED,
+    LEFT,
+    REJECTED,
+    STOPPED_RUN,
+    USED,
+    Held,
+    HoldRefused,
+)
+
+KEEPALIVE_S = 2.0       # a held call's stream gets a comment this often
+
+Keepalive = Callable[[], Awaitable[None]]
+
+
+def client_present(request: web.Request) -> bool:
+    """Whether the client that sent `request` is still connected."""
+    transport = request.transport
+    return transport is not None and not transport.is_closing()
+
+
+async def waited(boundaries: Boundaries, held: Held, timing: Timing, traffic: str,
+                 keepalive: Keepalive, present: Callable[[], bool],
+                 extra: dict[str, Any] | None = None) -> Settled:
+    """Wait for the held call's outcome: the stored event that lets it through (its approval
+    used up), else `HoldRefused`. The waiting runs as a task of its own, so a handler
+    cancelled when its client hangs up (aiohttp's `handler_cancellation`) leaves the hold to
+    end as any other: decided, or recorded as expired. The place it took is given back
+    whatever happens."""
+    task = boundaries.holds.started(_waiting(boundaries, held, timing, traffic, keepalive,
+                                             present, extra))
+    return await asyncio.shield(task)
+
+
+async def _waiting(boundaries: Boundaries, held: Held, timing: Timing, traffic: str,
+                   keepalive: Keepalive, present: Callable[[], bool],
+                   extra: dict[str, Any] | None) -> Settled:
+    holds = boundaries.holds
+    holds.enter(held)
+    since = time.perf_counter()
+    try:
+        while True:
+            await _sleep(held, keepalive)
+            outcome = await retrying_conflicts(held.run_id, lambda: _resolve(
+                boundaries, held, timing, traffic, present, extra))
+            if outcome is not None:
+                return outcome
+    finally:
+        timing.upstream(since)      # waiting for a person is not stepguard's own time
+        holds.leave(held, held.contract.workflow)
+
+
+async def _sleep(held: Held, keepalive: Keepalive) -> None:
+    """Until the run's held calls are woken, or the deadline; keepalive meanwhile."""
+    while True:
+        remaining = held.until - time.time()
+        if remaining <= 0:
+            return
+        try:
+            await asyncio.wait_for(held.woken.wait(), min(remaining, KEEPALIVE_S))
+        except TimeoutError:
+            await keepalive()
+            continue
+        held.woken.clear()
+        return
+
+
+async def _resolve(boundaries: Boundaries, held: Held, timing: Timing, traffic: str,
+                   present: Callable[[], bool], extra: dict[str, Any] | None) -> Settled | None:
+    """Under the run's lock, against the stored envelope: the call let through (its event),
+    a refusal raised, or None to keep waiting."""
+    runs, contract = boundaries.runs, held.contract
+    async with runs.locked(held.run_id):
+        envelope = await runs.envelope(contract, held.run_id)
+        still = envelope.holds.get(held.decision_id)
+        if still is None and held.verdict == REJECT:
+            raise _ended(boundaries, held, REJECTED, 403, "Hold rejected",
+                         f"the held call was rejected by {held.operator}: {held.reason}")
+        if still is None and held.verdict == EXPIRE:     # recorded by a late decision
+            raise _ended(boundaries, held, EXPIRED, 403, "Hold expired",
+                         f"no operator approved the held call within {held.hold_s:g} s")
+        if envelope.status in STOPPED:
+            if still is not None:
+                await _close(boundaries, envelope, held, timing, traffic)
+            halt = envelope.halt or {}
+            raise _ended(boundaries, held, STOPPED_RUN, 409, "Run halted",
+                         f"the run was {envelope.status} while the call was held (step "
+                         f"{halt.get('step')!r}): the held call is refused",
+                         run_status=envelope.status, halted_by=halt)
+        approval = approval_for(envelope, held.digest, time.time())
+        if approval is not None:
+            if not present():
+                raise _ended(boundaries, held, LEFT, 403, "Hold approved after the client left",
+                             "the call was approved, but its client had gone: the approval "
+                             "is kept for the identical call sent again")
+            settled = await boundaries.use_approval(
+                contract, held.run_id, envelope, held.step, held.digest, approval, held.input,
+                timing=timing, traffic=traffic, extra=extra)
+            held.operator = approval.get("operator")
+            boundaries.holds.ended(held, APPROVED)
+            return settled
+        if still is not None:
+            if still["until"] > time.time():
+                return None
+            await boundaries.expire(contract, held.run_id, envelope, held.decision_id, still,
+                                    timing=timing, traffic=traffic)
+            raise _ended(boundaries, held, EXPIRED, 403, "Hold expired",
+                         f"no operator approved the held call within {held.hold_s:g} s")
+        # decided, yet no approval left: an identical call used it first
+        raise _ended(boundaries, held, USED, 409, "Approval used",
+                     "the approval of this call was used by an identical call first")
+
+
+async def close(boundaries: Boundaries, held: Held, timing: Timing, traffic: str) -> None:
+    """A hold nobody will wait for (another call of its model turn was refused): closed, its
+    call refused, its place given back."""
+    boundaries.holds.leave(None, held.contract.workflow)
+
+    async def closing() -> None:
+        async with boundaries.runs.locked(held.run_id):
+            envelope = await boundaries.runs.envelope(held.contract, held.run_id)
+            if held.decision_id in envelope.holds:
+                await _close(boundaries, envelope, held, timing, traffic)
+
+    await retrying_conflicts(held.run_id, closing)
+
+
+async def _close(boundaries: Boundaries, envelope: Envelope, held: Held, timing: Timing,
+                 traffic: str) -> None:
+    """The run stopped while the call was held: the hold closes with the call refused."""
+    await boundaries.refuse(held.contract, held.run_id, envelope, held.step, timing=timing,
+                            traffic=traffic, extra={"hold": held.decision_id,
+                                                    "digest": held.digest})
+
+
+def _ended(boundaries: Boundaries, held: Held, outcome: str, status: int, title: str, why: str,
+           **more: Any) -> HoldRefused:
+    """The hold ended without the call going through: counted, logged, and the refusal."""
+    boundaries.holds.ended(held, outcome)
+    what = "the violation stands, the run is halted" if (
+        held.violation and outcome in (REJECTED, EXPIRED)) else ""
+    detail = f"run {held.run_id!r}, step {held.step!r}: {why}" + (f"; {what}" if what else "")
+    return HoldRefused(outcome, status, title, detail,
+                       {**held.members(), "outcome": outcome, **more})
