@@ -85,7 +85,8 @@ class Metrics:
             "stepguard_holds", "Held calls by how their hold ended: approved (the call went "
             "through), rejected, expired, stopped (the run halted meanwhile), used (an "
             "identical call used the approval first), left (approved after the client had "
-            "gone: the approval is kept for the call sent again), full (no room to hold it).",
+            "gone: the approval is kept for the call sent again), full (no room to hold it), "
+            "shutdown (stepguard stopped while it was held).",
             ["workflow", "step", "outcome"], registry=r)
         self.store_errors = Counter(
             "stepguard_store_errors", "Store operations that failed.", ["operation"], registry=r)

@@ -319,6 +319,8 @@ async def serve(settings: Settings, contracts: list[Contract],
                  passthrough=settings.passthrough)
         await stop.wait()
         log.info("stopping")
+        # calls held for an operator are answered now (503, send again), not waited for
+        await sg.boundaries.holds.close()
     finally:
         await proxy_runner.cleanup()
         await admin_runner.cleanup()

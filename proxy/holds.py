@@ -19,8 +19,8 @@ DEFAULT_MAX_HOLDS = 100
 T = TypeVar("T")
 
 # how a hold ended, the `outcome` label of stepguard_holds_total
-APPROVED, REJECTED, EXPIRED, STOPPED_RUN, USED, LEFT, FULL = (
-    "approved", "rejected", "expired", "stopped", "used", "left", "full")
+APPROVED, REJECTED, EXPIRED, STOPPED_RUN, USED, LEFT, FULL, SHUTDOWN = (
+    "approved", "rejected", "expired", "stopped", "used", "left", "full", "shutdown")
 
 
 @dataclass(slots=True, eq=False)

@@ -39,6 +39,7 @@ from stepguard.proxy.holds import (
     EXPIRED,
     LEFT,
     REJECTED,
+    SHUTDOWN,
     STOPPED_RUN,
     USED,
     Held,
@@ -66,7 +67,18 @@ async def waited(boundaries: Boundaries, held: Held, timing: Timing, traffic: st
     whatever happens."""
     task = boundaries.holds.started(_waiting(boundaries, held, timing, traffic, keepalive,
                                              present, extra))
-    return await asyncio.shield(task)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if not task.cancelled() or (current is not None and current.cancelling()):
+            raise           # the handler itself is cancelled
+        # stepguard is stopping (Holds.close): the hold stays open in the store until its
+        # deadline, so a decision taken meanwhile serves the call sent again
+        raise HoldRefused(SHUTDOWN, 503, "Stepguard stopping",
+                          f"run {held.run_id!r}, step {held.step!r}: stepguard is stopping; the "
+                          "hold stays open until its deadline: send the call again",
+                          {**held.members(), "outcome": SHUTDOWN}, retry=True) from None
 
 
 async def _waiting(boundaries: Boundaries, held: Held, timing: Timing, traffic: str,
@@ -77,7 +89,11 @@ async def _waiting(boundaries: Boundaries, held: Held, timing: Timing, traffic: 
     since = time.perf_counter()
     try:
         while True:
-            await _sleep(held, keepalive)
+            try:
+                await _sleep(held, keepalive)
+            except asyncio.CancelledError:
+                holds.ended(held, SHUTDOWN)
+                raise
             outcome = await retrying_conflicts(held.run_id, lambda: _resolve(
                 boundaries, held, timing, traffic, present, extra))
             if outcome is not None:

@@ -407,3 +407,17 @@ async def _until(sg: Started, ok: Callable[[Any], Any], run: str = "r1") -> Any:
             return envelope
         await asyncio.sleep(0.01)
     raise AssertionError("the envelope never got there")
+
+
+async def test_a_call_held_when_stepguard_stops_is_told_to_send_it_again(start, tools):
+    sg = await start()
+    await sg.call("lookup", {"ticket": "T-1"})
+    reply = sg.calling("refund", REFUND)
+    (hold,) = await sg.held()
+    await sg.sg.boundaries.holds.close()
+    answered = await reply
+    assert answered.status == 503
+    assert answered.headers["x-should-retry"] == "true"
+    assert answered.json["outcome"] == "shutdown"
+    assert list((await sg.sg.store.load("r1")).holds) == [hold["decision_id"]]  # still open
+    assert tools.hits("/refund") == 0
