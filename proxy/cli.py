@@ -302,7 +302,26 @@ def _check(args: argparse.Namespace) -> int:
             print(f"  upstream {up.name} ({up.kind}) {up.mount} -> {up.shown_url} (from {up.url_source})")
         for var in c.vars.values():
             print(f"  var {var.name} = {_shown(var.value)} ({var.kind}, from {var.source})")
+        for line in _holds(c):
+            print(f"  {line}")
     return 0
+
+
+def _holds(contract: Any) -> list[str]:
+    """How the contract's holds behave, one line per step that can be held."""
+    lines = []
+    for step in contract.steps.values():
+        wait = f"up to {step.on_failure.hold_s:g} s"
+        if contract.mode == "observe" and (step.name in contract.approval
+                                           or step.on_failure.action == "hold"):
+            lines.append(f"hold {step.name}: never held (mode: observe never blocks)")
+        elif step.name in contract.approval:
+            lines.append(f"hold {step.name}: every call waits for an operator at its entry "
+                         f"({wait}), checks passed or not")
+        elif step.on_failure.action == "hold":
+            lines.append(f"hold {step.name}: an entry violation waits for an operator ({wait}); "
+                         "an exit violation escalates (the tool has run, nothing to hold back)")
+    return lines
 
 
 def _shown(value: Any) -> str:

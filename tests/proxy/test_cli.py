@@ -273,3 +273,18 @@ async def test_check_refuses_a_condition_naming_an_undeclared_var(tmp_path):
 
     assert ran.code == 1
     assert "unknown var 'max_age'" in ran.out
+
+
+async def test_check_says_how_each_held_step_is_held(tmp_path):
+    document = {**broken(refund={"match": match("/refund"), "on_failure": {"hold_s": 60}},
+                         close={"match": match("/close"), "on_failure": {"then": "hold"}},
+                         plain={"match": match("/plain")}),
+                "approval": ["refund"]}
+    ran = await stepguard("check", write(tmp_path / "c.yaml", document))
+
+    assert ran.code == 0, ran.out + ran.err
+    assert ("  hold refund: every call waits for an operator at its entry (up to 60 s), "
+            "checks passed or not") in ran.lines
+    assert ("  hold close: an entry violation waits for an operator (up to 300 s); an exit "
+            "violation escalates (the tool has run, nothing to hold back)") in ran.lines
+    assert not any("plain" in line for line in ran.lines)
