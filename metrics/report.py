@@ -22,7 +22,14 @@ def render_run(envelope: dict[str, Any], history: list[dict[str, Any]],
     lines = [f"run {envelope['run_id']}  workflow {envelope['workflow']} "
              f"v{envelope['contract_version']}  status {envelope['status'].upper()}",
              f"  verified: {', '.join(envelope['verified']) or '-'}",
-             f"  state:    {orjson.dumps(envelope['state']).decode()}", "", "  history:"]
+             f"  state:    {orjson.dumps(envelope['state']).decode()}"]
+    for hold_id, held in (envelope.get("holds") or {}).items():
+        lines.append(f"  held:     {held['step']} (decision {hold_id}, digest {held['digest']}) "
+                     f"until {timestamp(held['until'])}")
+    for digest, approval in (envelope.get("approvals") or {}).items():
+        lines.append(f"  approved, not used yet: {approval['step']} (digest {digest}) until "
+                     f"{timestamp(approval['until'])}, by {approval.get('operator')}")
+    lines += ["", "  history:"]
     gone = superseded(history)
     first_bad = next((e["seq"] for e in history
                       if e.get("verdict") == "violation" and e["seq"] not in gone), None)
@@ -30,9 +37,10 @@ def render_run(envelope: dict[str, Any], history: list[dict[str, Any]],
         violation = e.get("violation") or {}
         marker = ">>" if e["seq"] == first_bad else "~~" if e["seq"] in gone else "  "
         if e.get("kind") == OPERATOR:
+            what = (f"hold {e.get('hold')} of {e.get('step')}" if e.get("hold")
+                    else f"at seq {e.get('resumed_at')}")
             lines.append(f"{marker} {e['seq']:>4}  {timestamp(e['ts'])}  {e['action'].upper()} "
-                         f"by {e.get('operator')} at seq {e.get('resumed_at')}: "
-                         f"{e.get('reason')}")
+                         f"by {e.get('operator')} {what}: {e.get('reason')}")
             continue
         line = (f"{marker} {e['seq']:>4}  {timestamp(e['ts'])}  {e.get('step', '-'):<16} "
                 f"{e.get('boundary', '-'):<5} {e.get('verdict', '-'):<9} "
@@ -41,11 +49,14 @@ def render_run(envelope: dict[str, Any], history: list[dict[str, Any]],
             line += f" {violation['check']} ({violation['drift']}): {violation['detail']}"
         elif e.get("recorded"):
             line += f" recorded {orjson.dumps(e['recorded']).decode()}"
+        if e.get("action") == "hold":
+            line += f" held for an operator: decision {e['decision_id']}, digest {e['digest']}"
         lines.append(line.rstrip())
     if first_bad is not None:
         lines += ["", "  >> marks the first unsupported transition"]
     if gone:
         lines += ["  ~~ marks events superseded by a resume (kept, no longer in force)"]
     for esc in escalations:
-        lines.append(f"  escalation at {esc['detection_point']} (decision {esc['decision_id']})")
+        what = "hold" if esc.get("kind") == "hold" else "escalation"
+        lines.append(f"  {what} at {esc['detection_point']} (decision {esc['decision_id']})")
     return "\n".join(lines)

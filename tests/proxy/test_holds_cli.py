@@ -171,3 +171,21 @@ async def test_an_approval_given_on_the_store_while_stepguard_is_down_survives_a
     assert shown["envelope"]["approvals"] == {}
     assert [e["action"] for e in shown["history"]] == [
         "hold", "approve", "forward", "advance"]
+
+
+async def test_runs_show_names_the_holds_and_the_operators_decisions(tmp_path, tools):
+    async with serving(tmp_path, tools, hold_s=60) as running:
+        call = asyncio.ensure_future(running.call(REFUND))
+        (hold,) = await running.held()
+        done = await cli("runs", "reject", "r1", "--digest", hold["digest"], "--admin",
+                         running.admin, "--reason", "duplicate ticket")
+        assert done.returncode == 0, done.stderr
+        await call
+    shown = await cli("runs", "show", "r1", "--store", str(tmp_path / "s.db"))
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert any(f"held for an operator: decision {hold['decision_id']}, digest {hold['digest']}"
+               in line for line in lines)
+    assert any(f"REJECT by ops hold {hold['decision_id']} of refund: duplicate ticket" in line
+               for line in lines)
+    assert f"  hold at refund.entry.approval (decision {hold['decision_id']})" in lines
