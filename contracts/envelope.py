@@ -110,7 +110,11 @@ class Envelope:
         hold = event.get("hold")
         held = self.holds.get(hold) if hold is not None else None
         if held is not None:
-            changes["holds"] = {k: v for k, v in self.holds.items() if k != hold}
+            # an operator decides on the call (its digest): every open hold of that very call
+            # closes with it; an expiry or a refusal closes its own hold only
+            closed = ({k for k, v in self.holds.items() if v["digest"] == held["digest"]}
+                      if action in (APPROVE, REJECT) else {hold})
+            changes["holds"] = {k: v for k, v in self.holds.items() if k not in closed}
             if action == APPROVE:
                 changes["approvals"] = {**self.approvals, event["digest"]: {
                     "hold": hold, "step": held["step"], "until": event["approval_until"],

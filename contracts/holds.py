@@ -86,7 +86,9 @@ def _open(envelope: Envelope) -> str:
 
 def decision_event(envelope: Envelope, action: str, *, operator: str, reason: str, now: float,
                    digest: str | None = None, hold_id: str | None = None) -> dict[str, Any]:
-    """The fields of the operator's event approving or rejecting an open hold of the run.
+    """The fields of the operator's event approving or rejecting an open hold of the run: a
+    decision on the call its digest names, so every open hold of that very call is decided
+    with it (`Envelope.apply`).
 
     Raises OperationRefused when no such hold is open (404), the hold has expired (409: the
     expiry is what gets recorded, `expired`), or an approval is asked for a run that is halted

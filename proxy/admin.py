@@ -158,7 +158,7 @@ class Operations:
                 raise
             after, event = await self.runs.commit(envelope, fields)
         if self.holds is not None:
-            self.holds.decided(run_id, event["hold"], action, operator, reason)
+            self.holds.decided(run_id, event["hold"], action, operator, reason, event["digest"])
         if self.observer is not None:
             self.observer.operator_action(envelope.workflow, run_id, event)
         return after, event

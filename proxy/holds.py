@@ -120,11 +120,13 @@ class Holds:
             self.waiting.pop(held.run_id, None)
 
     def decided(self, run_id: str, hold_id: str | None = None, action: str | None = None,
-                operator: str | None = None, reason: str | None = None) -> None:
-        """An operator's decision (stored), or a change of the run's state: every held call
-        of the run looks at its envelope again."""
+                operator: str | None = None, reason: str | None = None,
+                digest: str | None = None) -> None:
+        """An operator's decision (stored) on a hold, and so on every held call with its
+        digest; or a change of the run's state: every held call of the run looks at its
+        envelope again."""
         for held in self.waiting.get(run_id, ()):
-            if held.decision_id == hold_id:
+            if held.decision_id == hold_id or (digest is not None and held.digest == digest):
                 held.verdict, held.operator, held.reason = action, operator, reason
             held.woken.set()
 

@@ -141,7 +141,7 @@ async def _resolve(boundaries: Boundaries, held: Held, timing: Timing, traffic: 
                          f"{halt.get('step')!r}): the held call is refused",
                          run_status=envelope.status, halted_by=halt)
         approval = approval_for(envelope, held.digest, time.time())
-        if approval is not None:
+        if approval is not None and (still is None or present()):
             if not present():
                 raise _ended(boundaries, held, LEFT, 403, "Hold approved after the client left",
                              "the call was approved, but its client had gone: the approval "

@@ -421,3 +421,18 @@ async def test_a_call_held_when_stepguard_stops_is_told_to_send_it_again(start, 
     assert answered.json["outcome"] == "shutdown"
     assert list((await sg.sg.store.load("r1")).holds) == [hold["decision_id"]]  # still open
     assert tools.hits("/refund") == 0
+
+
+async def test_an_approval_decides_every_held_copy_of_the_call_and_lets_one_through(start, tools):
+    sg = await start()
+    await sg.call("lookup", {"ticket": "T-1"})
+    one, two = sg.calling("refund", REFUND), sg.calling("refund", REFUND)
+    first, second = await sg.held(count=2)
+    assert first["digest"] == second["digest"]
+    await sg.decide("approve", {"decision_id": second["decision_id"], "reason": "once"})
+    statuses = sorted([(await one).status, (await two).status])
+    assert statuses == [200, 409]                 # the copy finds the approval used
+    assert tools.hits("/refund") == 1
+    envelope = await sg.sg.store.load("r1")
+    assert envelope.holds == {} and envelope.approvals == {}   # nothing left to expire later
+    assert envelope.status == "active"
