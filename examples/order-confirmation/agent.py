@@ -99,7 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     run = asyncio.run(_run_once(args.url, args.run, args.order, args.drift))
     for call in run.calls:
-        body = json.dumps(call.body) if not isinstance(call.body, str) else call.body
+        shown = call.body.get("detail", call.body) if isinstance(call.body, dict) and call.body.get(
+            "type", "").startswith("urn:stepguard:problem:") else call.body
+        body = shown if isinstance(shown, str) else json.dumps(shown)
         print(f"{call.step} -> {call.status if call.status is not None else 'transport error'} {body}")
     print(f"completed: {str(run.completed).lower()}")
     return 0 if run.stopped_at is None else 1

@@ -36,7 +36,7 @@ class McpCall:
 
 @dataclass
 class McpAgentRun:
-    run_id: str | None
+    run_id: str
     drift: str | None
     calls: list[McpCall] = field(default_factory=list)
     tool_errors: list[str] = field(default_factory=list)
@@ -47,12 +47,12 @@ class McpAgentRun:
         return next((c for c in self.calls if not c.ok), None)
 
 
-async def run_mcp_agent(url: str, run_id: str | None, order_num: int, drift: str | None = None,
-                        mode: str = "auto") -> McpAgentRun:
-    """One run; `run_id` None sends no run header (the run is then the MCP session's, or one an
-    argument names)."""
+async def run_mcp_agent(url: str, run_id: str, order_num: int, drift: str | None = None,
+                        mode: str = "auto", *, run_header: bool = True) -> McpAgentRun:
+    """One run. With `run_header` False the client sends no `x-stepguard-run` (`run_id` is then
+    only the agent's own label): a stateless client whose run stepguard finds by its arguments."""
     run = McpAgentRun(run_id, drift)
-    headers = {"x-stepguard-run": run_id} if run_id else {}
+    headers = {"x-stepguard-run": run_id} if run_header else {}
     if drift:
         headers[DRIFT_HEADER] = drift
     order_id = f"ord-{order_num}"
@@ -95,9 +95,7 @@ def _shown(call: McpCall) -> str:
     if call.ok:
         return json.dumps(call.result)
     assert call.error is not None
-    data = call.error.data if isinstance(call.error.data, dict) else {}
-    where = f" (run {data['run']})" if "run" in data else ""
-    return f"refused {call.error.code}: {call.error.message}{where}"
+    return f"refused {call.error.code}: {call.error.message}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="auto: the stateless 2026-07-28 protocol; legacy: the initialize "
                              "handshake (a session, when the server gives one)")
     args = parser.parse_args(argv)
-    run = asyncio.run(run_mcp_agent(args.url, args.run, args.order, args.drift, args.mode))
+    run = asyncio.run(run_mcp_agent(args.url, args.run or "-", args.order, args.drift, args.mode,
+                                    run_header=args.run is not None))
     for call in run.calls:
         print(f"{call.tool} -> {_shown(call)}")
     print(f"completed: {str(run.completed).lower()}")

@@ -45,13 +45,6 @@ from mcp.types import CallToolResult, TextContent
 from starlette.applications import Starlette
 from starlette.requests import Request
 
-from stepguard.examples.order_confirmation.serving import (
-    add_listen_options,
-    announce,
-    chosen_port,
-    listening_socket,
-    url_of,
-)
 from stepguard.examples.order_confirmation.tools import DRIFT_HEADER
 
 __all__ = ["DRIFT_HEADER", "MCP_PATH", "SERVER_NAME", "create_app", "create_server", "main", "serve"]
@@ -176,6 +169,14 @@ PORT_ENV, DEFAULT_PORT = "EXAMPLE_MCP_PORT", 9003   # the port contract.mcp.yaml
 
 
 def main(argv: list[str] | None = None) -> None:
+    from stepguard.examples.order_confirmation.serving import (
+        add_listen_options,
+        announce,
+        chosen_port,
+        listening_socket,
+        url_of,
+    )
+
     parser = argparse.ArgumentParser(description="fake order-confirmation tools over MCP (streamable HTTP)")
     add_listen_options(parser, PORT_ENV, DEFAULT_PORT)
     parser.add_argument("--stateful", action="store_true", help="give handshake-era clients a session")

@@ -3,7 +3,7 @@ configured by `OPENAI_BASE_URL` and `OPENAI_API_KEY`) decides the tool calls, an
 executes each one on an MCP server (through the `mcp` SDK `Client`). It sends no stepguard
 header anywhere: stepguard joins each MCP call to the model's run by its tool and arguments.
 
-`python -m stepguard.examples.order_confirmation.hybrid_agent MCP_URL` prints each call and its
+`python -m stepguard.examples.order_confirmation.hybrid MCP_URL` prints each call and its
 result, then the model's final answer, or stepguard's refusal. `--tamper TOOL` hands the model
 another result than the tool gave for TOOL (the agent rewrites it), which stepguard refuses.
 """
