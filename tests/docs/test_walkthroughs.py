@@ -117,10 +117,15 @@ def namespaces_work() -> bool:
         ["unshare", "--net", "true"], capture_output=True).returncode == 0
 
 
-def require_namespaces() -> None:
-    if namespaces_work():
+def require_what_the_walkthroughs_need() -> None:
+    """`unshare --net` and this checkout's `.venv` (the pages activate it); a skip saying which
+    is missing, a failure when CI is set."""
+    if not (ROOT / ".venv" / "bin" / "activate").exists():
+        reason = "the walkthroughs activate .venv: run `make install` first"
+    elif not namespaces_work():
+        reason = "running the walkthroughs needs `unshare --net` (util-linux, root or user namespaces)"
+    else:
         return
-    reason = "running the walkthroughs needs `unshare --net` (util-linux, root or user namespaces)"
     if os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no"):
         pytest.fail(f"{reason}; CI is set, so this test may not be skipped")
     pytest.skip(reason)
@@ -196,7 +201,7 @@ def test_the_pages_mark_their_walkthroughs() -> None:
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_the_walkthrough_runs_as_written_and_shows_what_the_page_says(page: Path, tmp_path: Path) -> None:
-    require_namespaces()
+    require_what_the_walkthroughs_need()
     for step, output in run(walkthrough(page), tmp_path):
         lost = missing(step.expected, output)
         assert lost == [], (f"{step.block.where()}: the output does not show {lost[0]!r}; "
