@@ -26,6 +26,9 @@ REFUSAL_REASONS = frozenset({
     "batch",            # a JSON-RPC batch holding a tools/call
     "other_workflow",   # a run key naming a run of another workflow
     "store",            # the store failed while the run key was looked up
+    "several_runs",     # a model conversation carrying tool calls of several runs
+    "unclassified",     # a model answer holding a tool call of a shape stepguard cannot read
+    "unchecked_result",  # a tool result for a call whose model turn failed before its check
 })
 
 

@@ -4,13 +4,19 @@ Each drift class is injected into 5 runs and 10 clean runs serve as controls, tw
 stepguard enforcing the contract, and through stepguard in pass-through (the rolling-context
 baseline, which only notices failures the agent itself sees). Every figure comes from what the
 proxy did: the responses the agent received and the history stepguard stored.
+
+Traffic kinds (`TRAFFIC`): `http` (plain JSON tools, run header), `model` (the real `openai` SDK,
+tools in-process), `mcp` (the real `mcp` SDK client, run header), `mcp-stateless` (the `mcp` SDK
+client in its default 2026-07-28 mode with no header at all: the run is named by the `order_id`
+argument) and `hybrid` (an `openai` agent whose tool calls run on an MCP server through
+stepguard, no header: each execution is joined to the model's run).
 """
 
 from __future__ import annotations
 
 import asyncio
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -32,6 +38,14 @@ CLASSES = (("shape", "shape"), ("freshness", "stale_input"), ("order", "reordere
            ("tool_error", "tool_error"), ("false_completion", "false_completion"))
 LABELS = {"shape": "Changed output shape", "freshness": "Stale input", "order": "Reordered step",
           "tool_error": "Tool error", "false_completion": "False completion"}
+TRAFFIC = ("http", "model", "mcp", "mcp-stateless", "hybrid")
+CONTRACTS = {"http": "contract.yaml", "model": "contract.model.yaml", "mcp": "contract.mcp.yaml",
+             "mcp-stateless": "contract.mcp-stateless.yaml", "hybrid": "contract.hybrid.yaml"}
+# Over stateless MCP the run is named by the order id itself, so an agent that sends the previous
+# order's id to step 2 makes a call of *that* order's run, indistinguishable on the wire from its
+# own agent's call (no header, session or trace says otherwise): stale input there is the article's
+# other form, a policy result for the previous order (`ord-16` inside a result for `ord-17`).
+INJECTORS = {"mcp-stateless": {"freshness": "stale_result"}}
 
 
 def example_contract_path(name: str = "contract.yaml") -> Path:
@@ -54,8 +68,14 @@ class Observed:
 Plan = list[tuple[str, str | None, int]]
 
 
-def _plan(runs: int, controls: int) -> Plan:
-    plan: Plan = [(cls, injector, i) for cls, injector in CLASSES for i in range(runs)]
+def injectors(traffic: str) -> dict[str, str]:
+    """The injector of each drift class for a traffic kind."""
+    return {cls: INJECTORS.get(traffic, {}).get(cls, injector) for cls, injector in CLASSES}
+
+
+def _plan(runs: int, controls: int, traffic: str = "http") -> Plan:
+    chosen = injectors(traffic)
+    plan: Plan = [(cls, chosen[cls], i) for cls, _ in CLASSES for i in range(runs)]
     return plan + [("control", None, i) for i in range(controls)]
 
 
@@ -67,13 +87,29 @@ async def _observe(sg: Any, run_id: str | None) -> tuple[list[dict[str, Any]], s
 
 
 async def _collect(sg: Any, finished: Sequence[Any], by_stepguard: Callable[[Any], bool],
-                   saw_failure: Callable[[Any], bool]) -> list[Observed]:
+                   saw_failure: Callable[[Any], bool],
+                   run_ids: Sequence[str | None] | None = None) -> list[Observed]:
+    """What each finished agent run left: its run is the agent's own id unless `run_ids` says
+    (an agent that sends no run id does not know the one stepguard gave it)."""
     observed = []
-    for run in finished:
-        history, status = await _observe(sg, run.run_id)
-        observed.append(Observed(run.run_id, by_stepguard(run), saw_failure(run), run.completed,
+    for n, run in enumerate(finished):
+        run_id = run.run_id if run_ids is None else run_ids[n]
+        history, status = await _observe(sg, run_id)
+        observed.append(Observed(run_id, by_stepguard(run), saw_failure(run), run.completed,
                                  history, status))
     return observed
+
+
+async def _runs_by_order(sg: Any, limit: int) -> dict[str, str]:
+    """The run stepguard stored for each order id, by the input of the run's first event (each
+    run of the plan is for an order of its own)."""
+    found: dict[str, str] = {}
+    for envelope in await sg.store.runs(limit=limit):
+        history = await sg.store.history(envelope.run_id)
+        first = history[0].get("input") if history else None
+        if isinstance(first, dict) and isinstance(first.get("order_id"), str):
+            found.setdefault(first["order_id"], envelope.run_id)
+    return found
 
 
 def _stopped_by_stepguard(run: Any) -> bool:
@@ -139,6 +175,56 @@ async def _drive_mcp(contract: Contract, passthrough: bool, plan: Plan,
                                   saw_failure=_saw_failure)
 
 
+async def _drive_mcp_stateless(contract: Contract, passthrough: bool, plan: Plan,
+                               store: Path) -> list[Observed]:
+    """The `mcp` SDK client in its default mode (2026-07-28: no session, no handshake) with no
+    run header: stepguard names each run by the order id its calls carry (`arg:order_id`)."""
+    from stepguard.examples.order_confirmation import mcp_agent, mcp_tools
+
+    with mcp_tools.serve(mcp_tools.create_app()) as tools_url:
+        contract = _repointed(contract, {"tools": tools_url})
+        sg = build(Settings(store=str(store), passthrough=passthrough), [contract])
+        mount = contract.upstreams["tools"].mount
+        async with running(create_app(sg)) as proxy_url:
+            url = f"{proxy_url}{mount}{mcp_tools.MCP_PATH}"
+            finished = await asyncio.gather(*(
+                mcp_agent.run_mcp_agent(url, f"{cls}-{i}", 100 + n, injector, run_header=False)
+                for n, (cls, injector, i) in enumerate(plan)))
+            runs = await _runs_by_order(sg, limit=2 * len(plan))
+            return await _collect(sg, finished, by_stepguard=_stopped_by_stepguard,
+                                  saw_failure=_saw_failure,
+                                  run_ids=[runs.get(f"ord-{100 + n}") for n in range(len(plan))])
+
+
+async def _drive_hybrid(contract: Contract, passthrough: bool, plan: Plan,
+                        store: Path) -> list[Observed]:
+    """An `openai` agent (against the scripted fake model) whose tool calls run on an MCP server
+    through the same stepguard, with no stepguard header on either: the model's run is found by
+    its conversation and each MCP call is joined to it."""
+    import openai
+
+    from stepguard.examples.order_confirmation import hybrid_agent, mcp_tools, model_agent
+
+    model = fake_model.FakeModel()
+    for n, (cls, injector, i) in enumerate(plan):
+        model.script(f"{cls}-{i}", model_agent.script_for(100 + n, injector))
+    with mcp_tools.serve(mcp_tools.create_app(slot_ids=hybrid_agent.slot_of)) as tools_url:
+        async with fake_model.serve(model) as model_url:
+            contract = _repointed(contract, {"model": model_url, "tools": tools_url})
+            sg = build(Settings(store=str(store), passthrough=passthrough), [contract])
+            model_mount = contract.upstreams["model"].mount
+            mcp_url = f"{contract.upstreams['tools'].mount}{mcp_tools.MCP_PATH}"
+            async with running(create_app(sg)) as proxy_url, openai.AsyncOpenAI(
+                    base_url=f"{proxy_url}{model_mount}/v1", api_key="bench",
+                    max_retries=0) as client:
+                finished = await asyncio.gather(*(
+                    hybrid_agent.run_hybrid_agent(client, proxy_url + mcp_url, f"{cls}-{i}",
+                                                  100 + n, injector)
+                    for n, (cls, injector, i) in enumerate(plan)))
+                return await _collect(sg, finished, by_stepguard=_stopped_by_stepguard,
+                                      saw_failure=_saw_failure)
+
+
 def _first_violation(obs: Observed) -> dict[str, Any] | None:
     return next((e for e in obs.history if e.get("verdict") == "violation"), None)
 
@@ -178,21 +264,34 @@ def summarize(contract: Contract, plan: Plan, enforced: list[Observed],
     controls = by_class.get("control", [])
     clean = [e for e, _ in controls if e.completed and e.status == "completed"
              and _first_violation(e) is None]
+    found = [o.run_id for o in enforced if o.run_id is not None and o.status is not None]
     return {"classes": classes,
             "control": {"runs": len(controls), "passed": len(clean),
-                        "baseline_passed": sum(b.completed for _, b in controls)}}
+                        "baseline_passed": sum(b.completed for _, b in controls)},
+            # whose name each stored run has: the agent's own (sent as a run header) or one
+            # stepguard gave it (no header: an argument key, the conversation, a joined call)
+            "runs": {"agents": len(plan), "stored": len(set(found)),
+                     "named_by_agent": sum(o.run_id == f"{cls}-{i}"
+                                           for (cls, _, i), o in zip(plan, enforced, strict=True))}}
 
 
 def _repointed(contract: Contract, urls: dict[str, str]) -> Contract:
     return contract_with_upstreams(contract.source, urls)
 
 
+Drive = Callable[[Contract, bool, Plan, Path], Awaitable[list[Observed]]]
+DRIVES: dict[str, Drive] = {"model": _drive_model, "mcp": _drive_mcp,
+                            "mcp-stateless": _drive_mcp_stateless, "hybrid": _drive_hybrid}
+
+
 async def run_bench(runs: int = 5, controls: int = 10, traffic: str = "http") -> dict[str, Any]:
-    plan = _plan(runs, controls)
+    if traffic not in TRAFFIC:
+        raise ValueError(f"unknown traffic {traffic!r}: one of {', '.join(TRAFFIC)}")
+    plan = _plan(runs, controls, traffic)
     with tempfile.TemporaryDirectory(prefix="stepguard-bench-") as tmp:
-        if traffic in ("model", "mcp"):
-            contract = load_contract(example_contract_path(f"contract.{traffic}.yaml"))
-            drive = _drive_model if traffic == "model" else _drive_mcp
+        if traffic in DRIVES:
+            contract = load_contract(example_contract_path(CONTRACTS[traffic]))
+            drive = DRIVES[traffic]
             enforced = await drive(contract, False, plan, Path(tmp) / "contract.db")
             baseline = await drive(contract, True, plan, Path(tmp) / "baseline.db")
         else:
@@ -202,6 +301,7 @@ async def run_bench(runs: int = 5, controls: int = 10, traffic: str = "http") ->
                 baseline = await _drive_http(contract, True, plan, Path(tmp) / "baseline.db")
     result = summarize(contract, plan, enforced, baseline)
     result["traffic"] = traffic
+    result["injectors"] = injectors(traffic)
     return result
 
 
@@ -225,4 +325,11 @@ def render_table(result: dict[str, Any]) -> str:
                   f"the contract missed {false_neg}.",
               f"No-drift controls: {control['passed']}/{control['runs']} clean through the "
               f"contract ({control['baseline_passed']}/{control['runs']} through pass-through)."]
+    runs = result["runs"]
+    lines.append(f"Runs: {runs['stored']} stored for {runs['agents']} agent runs; "
+                 + (f"{runs['named_by_agent']} named by the agent's run header." if
+                    runs["named_by_agent"] else "none named by the agent (no run header)."))
+    defaults = dict(CLASSES)
+    lines += [f"{LABELS[cls]} is injected as {injector} here (elsewhere {defaults[cls]})."
+              for cls, injector in result.get("injectors", {}).items() if injector != defaults[cls]]
     return "\n".join(lines)

@@ -127,10 +127,15 @@ def _parser() -> argparse.ArgumentParser:
     drift = bench_sub.add_parser("drift", help="the drift table of the source article")
     drift.add_argument("--runs", type=int, default=5, help="injected runs per drift class")
     drift.add_argument("--controls", type=int, default=10, help="clean control runs")
-    drift.add_argument("--traffic", choices=["http", "model", "mcp"], default="http",
+    drift.add_argument("--traffic", choices=["http", "model", "mcp", "mcp-stateless", "hybrid"],
+                       default="http",
                        help="http: the agent calls its tools over HTTP through stepguard; model: "
                             "tools run in-process and only model traffic crosses stepguard; mcp: "
-                            "the agent reaches its tools through an MCP server behind stepguard")
+                            "the agent reaches its tools through an MCP server behind stepguard; "
+                            "mcp-stateless: the same with the mcp SDK's stateless 2026-07-28 "
+                            "client and no stepguard header (runs named by the order_id "
+                            "argument); hybrid: a model agent whose tool calls run over MCP "
+                            "through stepguard, no header (each call joined to the model's run)")
     drift.add_argument("--json", action="store_true")
     drift.set_defaults(func=_bench_drift)
 

@@ -114,8 +114,10 @@ class Stop(Exception):
     the answer says `x-should-retry: true`."""
 
     def __init__(self, status: int, message: str, details: dict[str, Any],
-                 retry: bool = False) -> None:
+                 retry: bool = False, refused: str | None = None) -> None:
         self.status, self.message, self.details, self.retry = status, message, details, retry
+        # a refusal that no event records (`REFUSAL_REASONS`): logged and counted where caught
+        self.refused = refused
         super().__init__(message)
 
 
@@ -183,33 +185,16 @@ class ModelAdapter:
                                  self.settings.max_json_depth,
                                  charset_of(request.headers.get("content-type")))
         except BodyError as exc:
+            self.boundaries.call_refused(route, "unparseable", exc.detail, None, self.traffic)
             return self._error(dialect, exc.status, f"stepguard: {exc.detail}",
                                {"check": "request"})
         if not isinstance(payload, dict):
+            self.boundaries.call_refused(route, "unparseable", "the body is not a JSON object",
+                                         None, self.traffic)
             return self._error(dialect, 400, "request body must be a JSON object",
                                {"check": "request"})
         ex = Exchange(route, dialect, request, payload, body, timing)
-        ask_for_identity(headers)
-        try:
-            await self._correlate(ex)
-            await retrying_conflicts(ex.run_id, lambda: self._exits(ex))
-            if payload.get("stream") is True:
-                return await self._stream(ex, headers)
-            return await self._complete(ex, headers)
-        except Stop as stop:
-            return self._error(dialect, stop.status, stop.message, stop.details, retry=stop.retry)
-        except RunOfAnotherWorkflow as exc:
-            return self._error(dialect, 409, f"stepguard: {exc}", {"check": "correlation",
-                                                                  "run": ex.run_id})
-        except StoreError as exc:
-            self.observer.store_error("append", str(exc), run_id=ex.run_id,
-                                      workflow=ex.contract.workflow)
-            if not self.settings.fail_open:
-                return self._error(dialect, 503, f"stepguard: run {ex.run_id!r}: the event could "
-                                   f"not be stored ({exc}); the call was not forwarded",
-                                   {"check": "store"}, retry=True)
-            self.observer.fail_open(ex.contract, "", ex.run_id)
-            return await self.http.forward_unchecked(request, route, headers, body, timing)
+        return await self._serve(ex, headers, None, stream=payload.get("stream") is True)
 
     async def _stored_response(self, request: web.Request, route: Route, body: bytes,
                                timing: Timing, headers: CIMultiDict[str], api: str,
@@ -223,24 +208,40 @@ class ModelAdapter:
         dialect = dialect_for("openai", api)
         assert dialect is not None
         ex = Exchange(route, dialect, request, {}, body, timing, stored_response=True)
+        return await self._serve(ex, headers, [f"resp:{response_id}"],
+                                 stream=request.query.get("stream", "").lower() == "true")
+
+    async def _serve(self, ex: Exchange, headers: CIMultiDict[str], keys: list[str] | None,
+                     *, stream: bool) -> web.StreamResponse:
+        """One exchange through its boundaries: correlated to its run, the exits its request
+        carries checked, then forwarded and its answer's entries checked, whole or streamed.
+        `keys`: the run keys the request names (else read from its conversation)."""
+        dialect, route = ex.dialect, ex.route
         ask_for_identity(headers)
         try:
-            await self._correlate(ex, [f"resp:{response_id}"])
+            await self._correlate(ex, keys)
             await retrying_conflicts(ex.run_id, lambda: self._exits(ex))
-            if request.query.get("stream", "").lower() == "true":
+            if stream:
                 return await self._stream(ex, headers)
             return await self._complete(ex, headers)
         except Stop as stop:
+            self._log_refusal(ex, stop)
             return self._error(dialect, stop.status, stop.message, stop.details, retry=stop.retry)
         except RunOfAnotherWorkflow as exc:
+            self.boundaries.call_refused(route, "other_workflow", str(exc), None, self.traffic,
+                                         ex.run_id)
             return self._error(dialect, 409, f"stepguard: {exc}", {"check": "correlation",
                                                                   "run": ex.run_id})
         except StoreError as exc:
             self.observer.store_error("append", str(exc), run_id=ex.run_id,
                                       workflow=ex.contract.workflow)
-            return self._error(dialect, 503, f"stepguard: run {ex.run_id!r}: the event could "
-                               f"not be stored ({exc}); the call was not forwarded",
-                               {"check": "store"}, retry=True)
+            if not self.settings.fail_open:
+                return self._error(dialect, 503, f"stepguard: run {ex.run_id!r}: the event could "
+                                   f"not be stored ({exc}); the call was not forwarded",
+                                   {"check": "store"}, retry=True)
+            self.observer.fail_open(ex.contract, "", ex.run_id)
+            return await self.http.forward_unchecked(ex.request, route, headers, ex.raw,
+                                                     ex.timing)
 
     # -- correlation ---------------------------------------------------------------------------
 
@@ -262,7 +263,8 @@ class ModelAdapter:
             if len(found) > 1:
                 raise Stop(400, f"stepguard: the conversation carries tool calls of several runs "
                            f"({', '.join(sorted(found))}); send {RUN_HEADER} to choose one",
-                           {"check": "correlation", "runs": sorted(found)})
+                           {"check": "correlation", "runs": sorted(found)},
+                           refused="several_runs")
             run_id = found.pop() if found else implicit_run_id(ex.contract)
         if run_id is None:
             run_id, ex.new_run = f"run-{uuid.uuid4().hex[:20]}", True
@@ -319,7 +321,8 @@ class ModelAdapter:
             raise Stop(409, f"stepguard: tool call(s) {', '.join(unchecked)} came from a model "
                        f"turn that did not complete or was refused and were never checked; their "
                        f"results are not taken (retry the turn instead)",
-                       {"check": "upstream", "calls": unchecked, "run": ex.run_id})
+                       {"check": "upstream", "calls": unchecked, "run": ex.run_id},
+                       refused="unchecked_result")
 
     async def _exit(self, ex: Exchange, envelope: Envelope, output: ToolOutput,
                     pending: dict[str, Any]) -> Envelope:
@@ -501,6 +504,7 @@ class ModelAdapter:
         except Stop as stop:     # the upstream's events have a shape the dialect cannot read
             ex.timing.upstream(streaming_since)
             self._mark_failed(shown)
+            self._log_refusal(ex, stop)
             await client.write(ex.dialect.stream_error(stop.message, stop.details))
             await client.close()
             return
@@ -513,6 +517,7 @@ class ModelAdapter:
                 self._parsed(ex, lambda: assembler.feed(last))
             except Stop as stop:
                 self._mark_failed(shown)
+                self._log_refusal(ex, stop)
                 await client.write(ex.dialect.stream_error(stop.message, stop.details))
                 await client.close()
                 return
@@ -528,11 +533,13 @@ class ModelAdapter:
             # the calls the stream showed whose entry was not stored (the turn was refused
             # before or without them) were never checked: a result for one is not taken
             self._mark_failed(shown)
+            self._log_refusal(ex, stop)
             await client.write(ex.dialect.stream_error(stop.message, stop.details))
         except StoreError as exc:
             try:
                 self._entries_not_stored(ex, exc)
             except Stop as stop:
+                self._log_refusal(ex, stop)
                 await client.write(ex.dialect.stream_error(stop.message, stop.details))
             else:
                 for raw in held:
@@ -579,6 +586,13 @@ class ModelAdapter:
         raise Stop(503, f"stepguard: run {ex.run_id!r}: the model's answer could not be checked "
                    f"and stored ({exc}); it is withheld (fail closed)", {"check": "store"})
 
+    def _log_refusal(self, ex: Exchange, stop: Stop) -> None:
+        """A refusal no event records (`Stop.refused`): one `call_refused` line and its count."""
+        if stop.refused is not None:
+            self.boundaries.call_refused(ex.route, stop.refused, stop.message,
+                                         stop.details.get("step"), self.traffic,
+                                         ex.run_id or None)
+
     @staticmethod
     def _parsed(ex: Exchange, read: Callable[[], T]) -> T:
         """A dialect's reading of a body; a body of the right JSON but the wrong shape (a number
@@ -587,7 +601,8 @@ class ModelAdapter:
             return read()
         except (TypeError, AttributeError, ValueError, KeyError, IndexError) as exc:
             raise Stop(400, f"stepguard: {ex.dialect.name} body has an unexpected shape: "
-                       f"{type(exc).__name__}: {exc}", {"check": "request"}) from None
+                       f"{type(exc).__name__}: {exc}", {"check": "request"},
+                       refused="unparseable") from None
 
     def _upstream_seen(self, ex: Exchange, status: int | None, since: float) -> None:
         self.boundaries.upstream_seen(ex.route, ex.timing, since, status)
@@ -612,13 +627,14 @@ class ModelAdapter:
                            f"over as a tool call but stepguard cannot classify "
                            f"({'; '.join(unclassified[:5])}); it is refused (fail closed)",
                            {"check": "unclassified", "calls": unclassified[:20],
-                            "run": ex.run_id})
+                            "run": ex.run_id}, refused="unclassified")
             if ex.stored_response and ex.new_run and contract.unmatched == "refuse" \
                     and any(choice.calls for choice in turn.choices()):
                 raise Stop(403, f"stepguard: {turn.response_id!r} was not created through "
                            f"stepguard, so its tool calls belong to no run, and the contract "
                            f"refuses unmatched calls", {"check": "unmatched",
-                                                        "response": turn.response_id})
+                                                        "response": turn.response_id},
+                           refused="unmatched")
             before = envelope.seq
             for choice in turn.choices():    # n > 1: the agent may act on any choice
                 for call in choice.calls:

@@ -13,6 +13,7 @@ an `mcp.Client` sets it for a whole run through its `httpx2.AsyncClient(headers=
 through an httpx2 request hook.
 
 - `shape`: `lookup_order` names the customer `customer_name` instead of `customer`.
+- `stale_result`: `check_policy` answers for the previous order (`ord-16` for `ord-17`).
 - `tool_error`: `reserve_slot` answers `isError: true` (a tool error, not a JSON-RPC error).
 - `false_completion`: `confirm` claims `done` without a `confirmation_id`.
 
@@ -34,7 +35,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import uvicorn
@@ -45,7 +46,7 @@ from mcp.types import CallToolResult, TextContent
 from starlette.applications import Starlette
 from starlette.requests import Request
 
-from stepguard.examples.order_confirmation.tools import DRIFT_HEADER
+from stepguard.examples.order_confirmation.tools import DRIFT_HEADER, check_policy_result
 
 __all__ = ["DRIFT_HEADER", "MCP_PATH", "SERVER_NAME", "create_app", "create_server", "main", "serve"]
 
@@ -83,8 +84,9 @@ def _root_logging_untouched() -> Iterator[None]:
         root.setLevel(level)
 
 
-def create_server() -> MCPServer:
-    """The MCP server with the four order-confirmation tools (slot and confirmation ids count per server)."""
+def create_server(slot_ids: Callable[[str], str] | None = None) -> MCPServer:
+    """The MCP server with the four order-confirmation tools (slot and confirmation ids count per
+    server; `slot_ids`, when given, names the slot `reserve_slot` gives an order id instead)."""
     counter = itertools.count(1)
     with _root_logging_untouched():
         server: MCPServer = MCPServer(SERVER_NAME, version="0.1.0",
@@ -102,14 +104,15 @@ def create_server() -> MCPServer:
     @server.tool(description="Check the order against the current policy.")
     async def check_policy(order_id: str, ctx: Context[Any, Any]) -> CallToolResult:
         await _started(ctx, "check_policy")
-        return _result({"order_id": order_id, "policy_version": "p3", "approved": True})
+        return _result(check_policy_result(order_id, _drift(ctx)))
 
     @server.tool(description="Reserve a delivery slot for the order.")
     async def reserve_slot(order_id: str, ctx: Context[Any, Any]) -> CallToolResult:
         await _started(ctx, "reserve_slot")
         if _drift(ctx) == "tool_error":
             return _result({"error": "inventory service timed out"}, is_error=True)
-        return _result({"order_id": order_id, "slot_id": f"slot-{next(counter)}", "status": "reserved"})
+        slot_id = slot_ids(order_id) if slot_ids is not None else f"slot-{next(counter)}"
+        return _result({"order_id": order_id, "slot_id": slot_id, "status": "reserved"})
 
     @server.tool(description="Confirm the order with its reserved slot.")
     async def confirm(order_id: str, slot_id: str, ctx: Context[Any, Any]) -> CallToolResult:
@@ -123,16 +126,18 @@ def create_server() -> MCPServer:
 
 def create_app(*, stateless: bool = True, json_response: bool = False, path: str = MCP_PATH,
                host: str = "127.0.0.1",
-               session_idle_timeout: float | None = DEFAULT_SESSION_IDLE_TIMEOUT) -> Starlette:
+               session_idle_timeout: float | None = DEFAULT_SESSION_IDLE_TIMEOUT,
+               slot_ids: Callable[[str], str] | None = None) -> Starlette:
     """The streamable HTTP app, served at `path`; a fresh server and session manager on each call.
 
     `stateless` concerns handshake-era clients only (no `Mcp-Session-Id` when True); 2026-07-28
     requests are stateless whatever it says. `json_response` answers with `application/json`
     instead of `text/event-stream`. `host` is where it will listen: for a loopback name the SDK
     checks `Host` (and `Origin`, when sent) against loopback names, rejecting anything else with 421
-    (403 for Origin), so a proxy in front must keep a loopback `Host` towards it.
+    (403 for Origin), so a proxy in front must keep a loopback `Host` towards it. `slot_ids`: see
+    `create_server`.
     """
-    return create_server().streamable_http_app(
+    return create_server(slot_ids).streamable_http_app(
         streamable_http_path=path, json_response=json_response, stateless_http=stateless, host=host,
         session_idle_timeout=session_idle_timeout)
 

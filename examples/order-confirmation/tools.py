@@ -1,7 +1,9 @@
 """A fake tool service for the order-confirmation workflow, with drift injectors.
 
 The agent asks for a drift with the `x-fixture-drift` header; tool-side drifts are injected
-here, agent-side ones (stale input, reordered step) by the agent itself.
+here, agent-side ones (stale input, reordered step) by the agent itself. `stale_result` is the
+tool-side form of stale input: `check_policy` answers for the previous order (the article's
+`ord-16` inside a policy result for `ord-17`).
 """
 
 from __future__ import annotations
@@ -36,8 +38,15 @@ def lookup_order_result(order_id: str, drift: str = "") -> dict[str, Any]:
     return order
 
 
+def previous_order(order_id: str) -> str:
+    """`ord-16` for `ord-17`: the order before this one (the id itself when it has no number)."""
+    prefix, _, number = order_id.rpartition("-")
+    return f"{prefix}-{int(number) - 1}" if prefix and number.isdigit() else order_id
+
+
 def check_policy_result(order_id: str, drift: str = "") -> dict[str, Any]:
-    return {"order_id": order_id, "policy_version": "p3", "approved": True}
+    answered_for = previous_order(order_id) if drift == "stale_result" else order_id
+    return {"order_id": answered_for, "policy_version": "p3", "approved": True}
 
 
 def reserve_slot_result(order_id: str, drift: str = "", slot_id: str | None = None) -> dict[str, Any]:

@@ -267,6 +267,22 @@ async def test_a_run_wide_drift_header(servers: dict[tuple[bool, bool], str]) ->
     assert all(x.request_headers[DRIFT_HEADER] == "tool_error" for x in wire.exchanges)
 
 
+async def test_a_stale_result_answers_the_policy_check_for_the_previous_order(
+        servers: dict[tuple[bool, bool], str]) -> None:
+    async with connect(servers[True, True], Mode("modern", True, True), Wire()) as client:
+        with drift("stale_result"):
+            stale = payload(await client.call_tool("check_policy", {"order_id": "ord-17"}))
+        fresh = payload(await client.call_tool("check_policy", {"order_id": "ord-17"}))
+    assert (stale["order_id"], fresh["order_id"]) == ("ord-16", "ord-17")
+
+
+async def test_slot_ids_can_be_named_per_order_instead_of_counted() -> None:
+    async with Client(create_server(slot_ids=lambda order_id: f"slot-of-{order_id}")) as client:
+        for order_id in ("ord-8", "ord-9", "ord-8"):
+            slot = payload(await client.call_tool("reserve_slot", {"order_id": order_id}))
+            assert slot["slot_id"] == f"slot-of-{order_id}"
+
+
 async def test_ids_count_per_server_instance() -> None:
     # The in-process path of the SDK client (no HTTP): each server has its own counter.
     for _ in range(2):
