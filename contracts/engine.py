@@ -217,3 +217,27 @@ def _completion(contract: Contract, context: dict[str, Any], verified: set[str])
         return None
     return _condition_violation(completion.proof, outcome, "completion_proof", "exit",
                                 drift="false_completion")
+
+
+def check_shadow(candidate: Contract, enforced: Decision, envelope: Envelope, input: Any,
+                 result: ToolResult | None, *, now: float | None = None) -> Decision | None:
+    """The decision a candidate contract (`stepguard serve --shadow`) would have reached at the
+    boundary where the contract in force reached `enforced`, on the same envelope and evidence;
+    None where the candidate has no such step or the boundary is not one the engine decides
+    (a run key naming another run, a body that could not be read)."""
+    if enforced.violation is not None and enforced.violation.check == "run_key":
+        return None
+    if enforced.rejected and enforced.boundary == "entry":   # a request that could not be read
+        return None
+    if enforced.step == FINAL:
+        if result is None:
+            return None
+        return check_final(candidate, envelope, result.output, now=now)
+    step = candidate.steps.get(enforced.step)
+    if step is None:
+        return None
+    if enforced.boundary == "entry":
+        return check_entry(step, envelope, input, now=now)
+    if result is None:
+        return None
+    return check_exit(candidate, step, envelope, input, result, now=now)

@@ -63,7 +63,13 @@ class Envelope:
             changes["halt"] = {k: event[k] for k in ("seq", "step", "boundary", "violation",
                                                      "decision_id", "action") if k in event}
         elif action == "resume":
-            changes["status"], changes["halt"] = "active", None
+            # an operator put the run back at a verified boundary: the event carries the
+            # envelope folded up to it (contracts/operations.py), so the fold stays one pass
+            restore = event.get("restore") or {}
+            changes["status"], changes["halt"] = restore.get("status", "active"), None
+            for name in ("verified", "state", "pending", "joined"):
+                if name in restore:
+                    changes[name] = restore[name]
         get = changes.get      # not dataclasses.replace: this runs twice per call, and is 4x faster
         return Envelope(self.run_id, self.workflow, self.contract_version,
                         get("status", self.status), event["seq"], get("verified", self.verified),

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import jsonschema
+import jsonschema.validators
 import jsonschema_rs
 import yaml
 
@@ -36,7 +37,7 @@ from stepguard.contracts.model import (
     Upstream,
     normal_path,
 )
-from stepguard.metrics.redact import is_redacted, normal_key
+from stepguard.contracts.redact import is_redacted, normal_key
 
 # what an upstream URL may be, in the contract or set at start: a base path is kept, the
 # path after the mount is appended to it
@@ -242,9 +243,10 @@ def _json_duplicates(value: Any, path: tuple[str, ...]) -> Iterable[tuple[tuple[
 
 
 def _duplicate_issue(source: str, path: tuple[str, ...], where: str) -> ContractIssue:
+    key = path[-1]
     step = path[1] if len(path) > 2 and path[0] == "steps" else None
     field = ".".join(path[2:] if step else path)
-    return ContractIssue(source, step, field, f"duplicate key {path[-1]!r} ({where}): a mapping "
+    return ContractIssue(source, step, field, f"duplicate key {key!r} ({where}): a mapping "
                                               "key may appear only once, the later one would "
                                               "silently replace the earlier")
 

@@ -608,6 +608,27 @@ def _read_only(path: Path, timeout_s: float) -> sqlite3.Connection:
     return conn
 
 
+def open_read_only(path: str | Path, timeout_s: float = 5.0) -> sqlite3.Connection:
+    """A connection that only reads a stepguard store (`runs list`, `runs show`): it writes
+    nothing, not even the schema, so it is safe beside a serving stepguard and on a file that is
+    not a store at all (refused, never turned into one)."""
+    try:
+        conn = _read_only(Path(path), timeout_s)
+    except sqlite3.Error as exc:
+        raise StoreError(f"cannot open store {path}: {exc}") from None
+    try:
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    except sqlite3.Error as exc:
+        conn.close()
+        raise StoreError(f"cannot read store {path}: {exc} (the file is not a stepguard store, "
+                         "or it is corrupt)") from None
+    if not {"runs", "events", "escalations"} <= tables:
+        conn.close()
+        raise StoreError(f"{path} is not a stepguard store (it has no runs, events and "
+                         "escalations tables)")
+    return conn
+
+
 class _Replay(Exception):
     """An append of a batch failed after writing: the batch is redone with savepoints."""
 

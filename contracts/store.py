@@ -20,6 +20,7 @@ class Store(Protocol):
     def healthy(self) -> bool:
         """Whether the last write (or the store's own probe) succeeded: `/readyz` reports the
         store unready while appends fail."""
+        ...
 
     async def load(self, run_id: str) -> Envelope | None: ...
 
@@ -31,18 +32,22 @@ class Store(Protocol):
 
         Raises ConflictError when the stored run is not at seq - 1.
         """
+        ...
 
     async def add_keys(self, run_id: str, keys: Sequence[str]) -> None:
         """Store correlation keys that find the run `run_id` from now on, without an event (a
         turn that belongs to the run but was not itself a boundary, such as a Responses text
         turn whose id the next request continues from). A key already stored moves to this run,
         as with `append`."""
+        ...
 
     async def find_run(self, key: str) -> str | None:
         """The run a correlation key was stored with, if any."""
+        ...
 
     async def find_keys(self, prefix: str, limit: int = 8) -> list[str]:
         """Stored correlation keys starting with `prefix` (at most `limit`, in key order)."""
+        ...
 
     async def history(self, run_id: str) -> list[dict[str, Any]]: ...
 
@@ -52,3 +57,4 @@ class Store(Protocol):
 
     async def count_by_status(self) -> list[tuple[str, str, int]]:
         """(workflow, status, number of runs) for every pair present."""
+        ...

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs the binaries the tests run: `prometheus` and `promtool` (tests/deploy; Debian's
-# `prometheus` package ships both), and `wrk` and `nginx` (the proxy benchmark, tests/proxy;
+# `prometheus` package ships both), and `wrk` and `nginx` (the proxy benchmark, tests/bench;
 # packages `wrk` and `nginx-light`). Idempotent: it does nothing when all are on PATH.
 #
 # The packages' init scripts would start a Prometheus server on :9090 (stepguard's default

@@ -7,10 +7,15 @@ from typing import Any
 
 import orjson
 
+from stepguard.contracts.events import Decision
 from stepguard.contracts.model import Contract
 from stepguard.metrics.logs import get_logger
 from stepguard.metrics.prom import Metrics, status_class
-from stepguard.metrics.redact import truncate
+
+
+def truncate(text: str, limit: int) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}...[{len(text) - limit} more chars]"
+
 
 _ACTIONS = frozenset({"halt", "retry", "escalate", "observe", "refuse"})
 
@@ -105,6 +110,54 @@ class Observer:
         self.log.warning("call_refused", reason=reason, workflow=workflow, mount=mount, step=step,
                          run_id=run_id, traffic=traffic, detail=detail)
 
+    def shadow(self, candidate: Contract, run_id: str, event: dict[str, Any],
+               enforced: Decision, shadow: Decision, traffic: str) -> None:
+        """A shadow contract's verdict beside the one in force (stored as `event`): counted; a
+        verdict that differs is a warning line (mode="shadow"), an agreeing one a debug line."""
+        verdict = _verdict(shadow)
+        agrees = verdict == _verdict(enforced) and (
+            shadow.violation is None or enforced.violation is None
+            or (shadow.violation.check, shadow.violation.drift)
+            == (enforced.violation.check, enforced.violation.drift))
+        self._child(self.metrics.shadow_checks, candidate.workflow, candidate.version,
+                    shadow.step, shadow.boundary, verdict, "yes" if agrees else "no").inc()
+        violation = shadow.violation
+        if violation is not None:
+            self._child(self.metrics.shadow_violations, candidate.workflow, candidate.version,
+                        shadow.step, violation.check, violation.drift).inc()
+        fields = {"mode": "shadow", "run_id": run_id, "workflow": candidate.workflow,
+                  "contract_version": candidate.version, "step": shadow.step,
+                  "boundary": shadow.boundary, "verdict": verdict, "agrees": agrees,
+                  "enforced_verdict": event.get("verdict"), "seq": event.get("seq"),
+                  "decision_id": event.get("decision_id"), "traffic": traffic,
+                  "check": violation.check if violation else None,
+                  "drift": violation.drift if violation else None,
+                  "detail": violation.detail if violation else None}
+        if agrees:
+            self.log.debug("shadow", **fields)
+        else:
+            self.log.warning("shadow", **fields)
+
+    def shadow_failed(self, candidate: Contract, run_id: str, step: str, boundary: str,
+                      detail: str) -> None:
+        self._child(self.metrics.shadow_failures, candidate.workflow).inc()
+        self.log.warning("shadow_failed", mode="shadow", run_id=run_id,
+                         workflow=candidate.workflow, contract_version=candidate.version,
+                         step=step, boundary=boundary, detail=detail)
+
+    def operator_action(self, workflow: str, run_id: str, event: dict[str, Any]) -> None:
+        """An operator acted on a run (its event is stored): one line saying who, what, why."""
+        self.metrics.operator_actions.labels(workflow, event["action"]).inc()
+        self.log.warning("operator_action", action=event["action"], run_id=run_id,
+                         workflow=workflow, seq=event["seq"], operator=event.get("operator"),
+                         reason=event.get("reason"), step=event.get("step"),
+                         supersedes=event.get("supersedes"))
+
+    def operator_refused(self, path: str, why: str, client: str) -> None:
+        """A state-changing admin request without a valid token."""
+        self.metrics.operator_refusals.inc()
+        self.log.warning("operator_refused", path=path, why=why, client=client)
+
     def added(self, traffic: str, seconds: float) -> None:
         self._child(self.metrics.added, traffic).observe(seconds)
 
@@ -134,3 +187,7 @@ class Observer:
     def fail_open(self, contract: Contract, step: str, run_id: str) -> None:
         self.metrics.fail_open.labels(contract.workflow, step).inc()
         self.log.warning("fail_open", workflow=contract.workflow, step=step, run_id=run_id)
+
+
+def _verdict(decision: Decision) -> str:
+    return "violation" if decision.violation else "rejected" if decision.rejected else "pass"

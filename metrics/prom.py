@@ -61,6 +61,23 @@ class Metrics:
             "stepguard_requests_refused", "Requests refused before their upstream saw them: "
             "ambiguous paths and method-override headers, and calls refused for a reason in "
             "observer.REFUSAL_REASONS, by reason.", ["reason"], registry=r)
+        self.shadow_checks = Counter(
+            "stepguard_shadow_checks", "Boundary checks by a shadow contract (serve --shadow), "
+            "never acted on: its verdict, and whether it agrees with the contract in force.",
+            ["workflow", "contract_version", "step", "boundary", "verdict", "agrees"], registry=r)
+        self.shadow_violations = Counter(
+            "stepguard_shadow_violations", "Violations a shadow contract found, by check and "
+            "drift class (never acted on).",
+            ["workflow", "contract_version", "step", "check", "drift"], registry=r)
+        self.shadow_failures = Counter(
+            "stepguard_shadow_failures", "Boundaries a shadow contract could not evaluate.",
+            ["workflow"], registry=r)
+        self.operator_actions = Counter(
+            "stepguard_operator_actions", "Operator actions on runs through the admin API or "
+            "the CLI (resume), by workflow and action.", ["workflow", "action"], registry=r)
+        self.operator_refusals = Counter(
+            "stepguard_operator_refusals", "State-changing admin requests refused for a missing "
+            "or wrong token.", registry=r)
         self.store_errors = Counter(
             "stepguard_store_errors", "Store operations that failed.", ["operation"], registry=r)
         self.contract_loads = Counter(

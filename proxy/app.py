@@ -6,12 +6,12 @@ import asyncio
 import gc
 import signal
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
-from stepguard.contracts.errors import ContractError, StepguardError
+from stepguard.contracts.errors import ContractError, ContractIssue, StepguardError
 from stepguard.contracts.loader import load_contracts
 from stepguard.contracts.model import Contract
 from stepguard.contracts.runs import RunBook
@@ -20,6 +20,7 @@ from stepguard.contracts.store import Store
 from stepguard.metrics.logs import get_logger
 from stepguard.metrics.observer import Observer
 from stepguard.metrics.prom import Metrics
+from stepguard.proxy.admin import AdminTokens, run_routes
 from stepguard.proxy.boundaries import Boundaries
 from stepguard.proxy.config import Settings
 from stepguard.proxy.dispatch import Adapter, Dispatcher
@@ -79,6 +80,27 @@ def _retrieve(task: asyncio.Task[Any]) -> None:
         task.exception()
 
 
+def shadowed(contracts: list[Contract], shadows: list[Contract]) -> dict[str, Contract]:
+    """The shadow contracts by workflow; each must shadow a workflow in force, once."""
+    issues = []
+    workflows = {c.workflow for c in contracts}
+    found: dict[str, Contract] = {}
+    for candidate in shadows:
+        if candidate.workflow not in workflows:
+            issues.append(ContractIssue(candidate.source, None, "workflow",
+                                        f"shadow contract of workflow {candidate.workflow!r} "
+                                        f"shadows no contract in force (in force: "
+                                        f"{', '.join(sorted(workflows)) or 'none'})"))
+        elif candidate.workflow in found:
+            issues.append(ContractIssue(candidate.source, None, "workflow",
+                                        f"a second shadow contract of workflow "
+                                        f"{candidate.workflow!r}"))
+        found[candidate.workflow] = candidate
+    if issues:
+        raise ContractError(issues)
+    return found
+
+
 @dataclass
 class Stepguard:
     settings: Settings
@@ -86,6 +108,7 @@ class Stepguard:
     store: Store
     observer: Observer
     ready: bool = False
+    shadows: list[Contract] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.metrics = self.observer.metrics
@@ -94,10 +117,12 @@ class Stepguard:
         self.forwarder = Forwarder(self.settings.max_response_bytes,
                                    self.settings.connect_attempts, self.settings.connect_timeout_s)
         self.runs = RunBook(self.store)
+        self.tokens = AdminTokens.load(self.settings.admin_token, self.settings.admin_token_file)
         self.run_counts = RunCounts(self.store)
         self.escalator = Escalator(self.observer)
         self.boundaries = Boundaries(self.runs, self.observer, self.escalator, self.contracts,
                                      self.settings.payload_history_bytes)
+        self.boundaries.shadows = shadowed(self.contracts, self.shadows)
         http = HttpToolAdapter(self.runs, self.forwarder, self.settings, self.observer,
                                self.boundaries)
         adapters: dict[str, Adapter] = {"http": http}
@@ -112,9 +137,11 @@ class Stepguard:
                                      self.settings.body_timeout_s,
                                      self.settings.body_total_timeout_s)
 
-    def reload(self, contracts: list[Contract]) -> None:
-        """Swap in newly loaded contracts. Calls in flight finish under the contract they
-        started with; runs keep their history and envelope."""
+    def reload(self, contracts: list[Contract], shadows: list[Contract] | None = None) -> None:
+        """Swap in newly loaded contracts (and shadow contracts). Calls in flight finish under
+        the contract they started with; runs keep their history and envelope."""
+        self.boundaries.shadows = shadowed(contracts, shadows or [])
+        self.shadows = shadows or []
         self.contracts = contracts
         self.dispatcher.router = Router(contracts)
         self.boundaries.use(contracts)
@@ -140,7 +167,7 @@ STEPGUARD = web.AppKey("stepguard", Stepguard)
 
 
 def build(settings: Settings, contracts: list[Contract], store: Store | None = None,
-          metrics: Metrics | None = None) -> Stepguard:
+          metrics: Metrics | None = None, shadows: list[Contract] | None = None) -> Stepguard:
     """A Stepguard on the settings' SQLite store (or `store`), with a fresh metrics registry."""
     observer = Observer(metrics or Metrics(), settings.log_payloads, settings.payload_log_bytes,
                         settings.log_level)
@@ -148,7 +175,7 @@ def build(settings: Settings, contracts: list[Contract], store: Store | None = N
                                  retention_s=settings.retention_hours * 3600,
                                  timeout_s=settings.store_timeout,
                                  wal_limit_bytes=settings.wal_limit_bytes)
-    return Stepguard(settings, contracts, store, observer)
+    return Stepguard(settings, contracts, store, observer, shadows=shadows or [])
 
 
 def create_app(sg: Stepguard, manage: bool = True) -> web.Application:
@@ -174,6 +201,7 @@ def create_admin_app(sg: Stepguard) -> web.Application:
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)
+    app.router.add_routes(run_routes(sg.runs, sg.observer, sg.tokens))
     return app
 
 
@@ -213,25 +241,31 @@ async def reload_contracts(sg: Stepguard, paths: list[str]) -> bool:
         # STEPGUARD_UPSTREAM_*) apply to the new files too
         contracts = await asyncio.to_thread(load_contracts, paths, sg.settings.vars,
                                             sg.settings.upstreams)
+        shadows = await asyncio.to_thread(load_contracts, sg.settings.shadow, sg.settings.vars,
+                                          sg.settings.upstreams) if sg.settings.shadow else []
+        shadowed(contracts, shadows)
     except ContractError as exc:
         sg.metrics.contract_reload_failures.inc()
         sg.metrics.contract_loads.labels("error").inc()
         log.error("contract_reload_failed", errors=[str(i) for i in exc.issues],
                   kept=[f"{c.workflow} v{c.version}" for c in sg.contracts])
         return False
-    sg.reload(contracts)
+    sg.reload(contracts, shadows)
     log.info("contracts_reloaded", contracts=[
         {"workflow": c.workflow, "contract_version": c.version, "sha256": c.content_hash}
-        for c in contracts])
+        for c in contracts], shadow=[
+        {"workflow": c.workflow, "contract_version": c.version, "sha256": c.content_hash}
+        for c in shadows])
     return True
 
 
 GC_THRESHOLDS = (50_000, 20, 100)
 
 
-async def serve(settings: Settings, contracts: list[Contract]) -> None:
+async def serve(settings: Settings, contracts: list[Contract],
+                shadows: list[Contract] | None = None) -> None:
     log = get_logger("stepguard")
-    sg = build(settings, contracts)
+    sg = build(settings, contracts, shadows=shadows)
     await sg.start()
     gc.freeze()   # what start-up built lives as long as the process: keep it out of GC passes
     # Each checked call allocates a few thousand short-lived objects (a parsed 10 KB body alone
@@ -268,6 +302,7 @@ async def serve(settings: Settings, contracts: list[Contract]) -> None:
         log.info("started", proxy=f"{settings.host}:{settings.port}",
                  admin=f"{settings.admin_host}:{settings.admin_port}", store=settings.store,
                  workflows=[c.workflow for c in contracts],
+                 shadow=[f"{c.workflow} v{c.version}" for c in sg.shadows],
                  upstreams={f"{c.workflow}.{u.name}": {"url": u.shown_url, "mount": u.mount,
                                                        "source": u.url_source}
                             for c in contracts for u in c.upstreams.values()},
@@ -275,6 +310,7 @@ async def serve(settings: Settings, contracts: list[Contract]) -> None:
                                                   "value": str(v.value)}
                        for c in contracts for v in c.vars.values()},
                  max_connections=proxy_gate.max_connections,
+                 admin_actions=[name for name, _ in sg.tokens.tokens] or "off (no admin token)",
                  passthrough=settings.passthrough)
         await stop.wait()
         log.info("stopping")

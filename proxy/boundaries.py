@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from stepguard.contracts.engine import FINAL, action_for
+from stepguard.contracts.engine import FINAL, action_for, check_shadow
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.errors import ConflictError, StoreError
 from stepguard.contracts.events import (
@@ -24,9 +24,9 @@ from stepguard.contracts.events import (
     ToolResult,
 )
 from stepguard.contracts.model import Contract, Step
+from stepguard.contracts.redact import Redactor
 from stepguard.contracts.runs import RunBook
 from stepguard.metrics.observer import Observer
-from stepguard.metrics.redact import Redactor
 from stepguard.proxy.bodies import BodyError, history_payload, parse_json
 from stepguard.proxy.correlation import RunKeys
 from stepguard.proxy.escalation import Escalator
@@ -92,6 +92,7 @@ class Boundaries:
         self.payload_limit = payload_history_bytes
         self.pending = PendingCalls()           # model-issued tool calls, for joining
         self.run_keys = RunKeys(runs.store, self.pending)   # shared by every adapter
+        self.shadows: dict[str, Contract] = {}  # workflow -> candidate contract (--shadow)
         self.use(contracts)
 
     def use(self, contracts: list[Contract]) -> None:
@@ -120,7 +121,27 @@ class Boundaries:
         self.observer.verdict(contract, run_id, event, timing.added_s(), traffic)
         if escalation is not None:
             self.escalator.submit(contract, escalation)
+        if self.shadows:
+            self._shadow(contract, run_id, envelope, decision, evidence, timing, traffic, event)
         return Settled(action, decision_id, event, after)
+
+    def _shadow(self, contract: Contract, run_id: str, envelope: Envelope, decision: Decision,
+                evidence: Evidence, timing: Timing, traffic: str, event: dict[str, Any]) -> None:
+        """The candidate contract's verdict at this boundary, on the same envelope and evidence:
+        logged and counted, never acted on and never stored. A candidate that cannot be
+        evaluated is logged as such; it never fails the call."""
+        candidate = self.shadows.get(contract.workflow)
+        if candidate is None:
+            return
+        try:
+            shadow = check_shadow(candidate, decision, envelope, evidence.input,
+                                  evidence.result, now=timing.arrived)
+        except Exception as exc:     # whatever a candidate does, it never breaks enforcement
+            self.observer.shadow_failed(candidate, run_id, decision.step, decision.boundary,
+                                        f"{type(exc).__name__}: {exc}")
+            return
+        if shadow is not None:
+            self.observer.shadow(candidate, run_id, event, decision, shadow, traffic)
 
     def call_refused(self, route: Route, reason: str, detail: str, step: str | None,
                      traffic: str, run_id: str | None = None) -> None:

@@ -8,16 +8,22 @@ import os
 import sqlite3
 import sys
 from collections.abc import Sequence
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from stepguard.contracts.errors import ContractError, StepguardError
+from stepguard.contracts.errors import ContractError, StepguardError, StoreError
 from stepguard.contracts.loader import load_contracts
-from stepguard.contracts.sqlite_store import connect, read_escalations, read_history, read_runs
+from stepguard.contracts.sqlite_store import (
+    open_read_only,
+    read_escalations,
+    read_history,
+    read_runs,
+)
 from stepguard.metrics.logs import LOG_FORMATS, LOG_LEVELS
+from stepguard.metrics.report import render_run, timestamp
 from stepguard.proxy.config import ConfigError, Settings, assignments, env_setting
 
 
@@ -46,6 +52,10 @@ def _parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the proxy and its admin listener")
     serve.add_argument("--contract", action="append", dest="contracts", metavar="FILE",
                        help="contract file (repeatable; env STEPGUARD_CONTRACTS, comma-separated)")
+    serve.add_argument("--shadow", action="append", metavar="FILE",
+                       help="a candidate contract checked beside the one in force for its "
+                            "workflow, its verdicts logged and counted, never acted on "
+                            "(repeatable; env STEPGUARD_SHADOW, comma-separated)")
     serve.add_argument("--var", action="append", dest="vars", metavar="NAME=VALUE",
                        help="override a contract var (repeatable; env STEPGUARD_VAR_<NAME>)")
     serve.add_argument("--upstream", action="append", dest="upstreams", metavar="NAME=URL",
@@ -88,6 +98,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="forward unchecked when the store fails (counted; default: refuse)")
     serve.add_argument("--no-uvloop", dest="uvloop", action="store_false", default=None,
                        help="run on asyncio's own event loop instead of uvloop (STEPGUARD_UVLOOP)")
+    serve.add_argument("--admin-token-file", metavar="FILE",
+                       help="operator tokens (NAME:SECRET per line) for the admin API's "
+                            "state-changing endpoints (STEPGUARD_ADMIN_TOKEN_FILE; one token: "
+                            "STEPGUARD_ADMIN_TOKEN); without any, those endpoints are off")
     serve.add_argument("--log-format", type=str.lower, choices=LOG_FORMATS,
                        help="STEPGUARD_LOG_FORMAT, auto")
     serve.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS,
@@ -121,6 +135,24 @@ def _parser() -> argparse.ArgumentParser:
     runs_show.add_argument("run_id", metavar="RUN")
     runs_show.add_argument("--json", action="store_true")
     runs_show.set_defaults(func=_runs_show)
+    # an operator action: through a running stepguard's admin API (--admin URL or
+    # STEPGUARD_ADMIN_URL, token from STEPGUARD_ADMIN_TOKEN or --token-file), else on the
+    # store directly (refused while a stepguard holds it)
+    acting = argparse.ArgumentParser(add_help=False, parents=[store_after])
+    acting.add_argument("--admin", metavar="URL",
+                        help="a running stepguard's admin listener, e.g. http://127.0.0.1:9090 "
+                             "(STEPGUARD_ADMIN_URL); without it the store is changed directly")
+    acting.add_argument("--token-file", metavar="FILE",
+                        help="file holding the admin token (else STEPGUARD_ADMIN_TOKEN)")
+    acting.add_argument("--reason", required=True, help="why: stored in the run's history")
+    acting.add_argument("--json", action="store_true")
+    runs_resume = runs_sub.add_parser(
+        "resume", parents=[acting],
+        help="put a halted or escalated run back at its last verified boundary")
+    runs_resume.add_argument("run_id", metavar="RUN")
+    runs_resume.add_argument("--from", dest="from_step", metavar="STEP",
+                             help="resume at the boundary where STEP was last verified instead")
+    runs_resume.set_defaults(func=_runs_resume)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(metavar="BENCH")
@@ -136,6 +168,9 @@ def _parser() -> argparse.ArgumentParser:
                             "client and no stepguard header (runs named by the order_id "
                             "argument); hybrid: a model agent whose tool calls run over MCP "
                             "through stepguard, no header (each call joined to the model's run)")
+    drift.add_argument("--store", metavar="FILE", type=Path,
+                       help="keep the store of the enforced runs in FILE (a new file), for "
+                            "`stepguard replay` or `runs show`")
     drift.add_argument("--json", action="store_true")
     drift.set_defaults(func=_bench_drift)
 
@@ -180,12 +215,16 @@ def _parser() -> argparse.ArgumentParser:
                                        "drifting agent run")
     demo.add_argument("--store", default="stepguard-demo.db")
     demo.set_defaults(func=_demo)
+
+    from stepguard.proxy import replay_cli  # `stepguard replay`: its flags live beside it
+    replay_cli.add_parser(sub)
     return parser
 
 
 def _serve(args: argparse.Namespace) -> int:
     from stepguard.metrics.logs import configure
-    from stepguard.proxy.app import serve
+    from stepguard.proxy.admin import AdminTokens
+    from stepguard.proxy.app import serve, shadowed
 
     try:
         settings = Settings.from_env(**{k: v for k, v in vars(args).items()
@@ -194,12 +233,20 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"stepguard serve: {exc}", file=sys.stderr)
         return 2
     configure(settings.log_format, settings.log_level)
+    try:
+        AdminTokens.load(settings.admin_token, settings.admin_token_file)
+    except ConfigError as exc:
+        print(f"stepguard serve: {exc}", file=sys.stderr)
+        return 2
     if not settings.contracts:
         print("stepguard serve: no contract given (--contract FILE or STEPGUARD_CONTRACTS)",
               file=sys.stderr)
         return 2
     try:
         contracts = load_contracts(settings.contracts, settings.vars, settings.upstreams)
+        shadows = load_contracts(settings.shadow, settings.vars, settings.upstreams) \
+            if settings.shadow else []
+        shadowed(contracts, shadows)
     except ContractError as exc:
         print(f"stepguard serve: {len(exc.issues)} contract error(s):", file=sys.stderr)
         for issue in exc.issues:
@@ -209,9 +256,9 @@ def _serve(args: argparse.Namespace) -> int:
         if settings.uvloop:
             import uvloop
 
-            uvloop.run(serve(settings, contracts))
+            uvloop.run(serve(settings, contracts, shadows))
         else:
-            asyncio.run(serve(settings, contracts))
+            asyncio.run(serve(settings, contracts, shadows))
     except (OSError, StepguardError) as exc:    # a store that cannot be opened, a port taken
         print(f"stepguard serve: {exc}", file=sys.stderr)
         return 1
@@ -261,13 +308,11 @@ def _open_store(args: argparse.Namespace) -> sqlite3.Connection | None:
     if not Path(path).exists():
         print(f"stepguard runs: no store at {path}", file=sys.stderr)
         return None
-    return connect(path)
-
-
-def _time(ts: float | None) -> str:
-    if not ts:
-        return "-"
-    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")[:-4] + "Z"
+    try:
+        return open_read_only(path)
+    except StoreError as exc:
+        print(f"stepguard runs: {exc}", file=sys.stderr)
+        return None
 
 
 def _runs_list(args: argparse.Namespace) -> int:
@@ -285,7 +330,7 @@ def _runs_list(args: argparse.Namespace) -> int:
         reason = (f"{halt.get('step')} {halt.get('violation', {}).get('check')} "
                   f"({halt.get('violation', {}).get('drift')})") if halt else ""
         print(f"{r.run_id:<28} {r.workflow:<22} {r.contract_version:<4} {r.status:<10} "
-              f"{r.seq:>6}  {_time(r.updated):<23} {reason}")
+              f"{r.seq:>6}  {timestamp(r.updated):<23} {reason}")
     return 0
 
 
@@ -304,41 +349,26 @@ def _runs_show(args: argparse.Namespace) -> int:
         print(orjson.dumps({"envelope": envelope, "history": history,
                             "escalations": escalations}).decode())
         return 0
-    print(_render_run(envelope, history, escalations))
+    print(render_run(envelope, history, escalations))
     return 0
 
 
-def _render_run(envelope: dict[str, Any], history: list[dict[str, Any]],
-                escalations: list[dict[str, Any]]) -> str:
-    lines = [f"run {envelope['run_id']}  workflow {envelope['workflow']} "
-             f"v{envelope['contract_version']}  status {envelope['status'].upper()}",
-             f"  verified: {', '.join(envelope['verified']) or '-'}",
-             f"  state:    {orjson.dumps(envelope['state']).decode()}", "", "  history:"]
-    first_bad = next((e["seq"] for e in history if e.get("verdict") == "violation"), None)
-    for e in history:
-        violation = e.get("violation") or {}
-        marker = ">>" if e["seq"] == first_bad else "  "
-        line = (f"{marker} {e['seq']:>4}  {_time(e['ts'])}  {e.get('step', '-'):<16} "
-                f"{e.get('boundary', '-'):<5} {e.get('verdict', '-'):<9} "
-                f"{e.get('action', '-'):<8}")
-        if violation:
-            line += f" {violation['check']} ({violation['drift']}): {violation['detail']}"
-        elif e.get("recorded"):
-            line += f" recorded {orjson.dumps(e['recorded']).decode()}"
-        lines.append(line.rstrip())
-    if first_bad is not None:
-        lines += ["", "  >> marks the first unsupported transition"]
-    for esc in escalations:
-        lines.append(f"  escalation at {esc['detection_point']} (decision {esc['decision_id']})")
-    return "\n".join(lines)
+def _runs_resume(args: argparse.Namespace) -> int:
+    from stepguard.proxy.operate import resume
+
+    return resume(args)
 
 
 def _bench_drift(args: argparse.Namespace) -> int:
+    from stepguard.bench.drift import render_table, run_bench
     from stepguard.metrics.logs import configure
-    from stepguard.proxy.bench_drift import render_table, run_bench
 
+    if args.store is not None and args.store.exists():
+        print(f"stepguard bench drift: {args.store} exists: --store takes a new file",
+              file=sys.stderr)
+        return 2
     configure("json", "critical")
-    result = asyncio.run(run_bench(args.runs, args.controls, args.traffic))
+    result = asyncio.run(run_bench(args.runs, args.controls, args.traffic, args.store))
     print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode() if args.json
           else render_table(result))
     return 0
@@ -353,7 +383,7 @@ def _tail(args: argparse.Namespace) -> int:
 
 
 def _bench_proxy(args: argparse.Namespace) -> int:
-    from stepguard.proxy.bench_proxy import BenchOptions, render, run
+    from stepguard.bench.proxy import BenchOptions, render, run
 
     options = BenchOptions(concurrency=args.concurrency, duration_s=args.duration,
                            rate=args.rate, rate_duration_s=args.rate_duration,
@@ -369,8 +399,8 @@ def _bench_proxy(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    from stepguard.examples.order_confirmation.demo import fresh_store, run_demo
     from stepguard.metrics.logs import configure
-    from stepguard.proxy.demo import fresh_store, run_demo
 
     configure("auto", "warning")
     fresh_store(Path(args.store))

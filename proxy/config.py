@@ -27,7 +27,7 @@ TRUE_WORDS = ("true", "1", "yes", "on")
 FALSE_WORDS = ("false", "0", "no", "off")
 # flags whose name is not `--` + the field name with dashes
 _FLAGS = {"contracts": "--contract", "uvloop": "--no-uvloop", "vars": "--var",
-          "upstreams": "--upstream"}
+          "upstreams": "--upstream", "shadow": "--shadow"}
 # settings that are a set of NAME=VALUE assignments: a repeatable flag, and one environment
 # variable per name (STEPGUARD_VAR_<NAME>), a flag winning over the variable of its name
 ASSIGNMENT_PREFIXES = {"vars": "STEPGUARD_VAR_", "upstreams": "STEPGUARD_UPSTREAM_"}
@@ -155,9 +155,17 @@ def _choice(options: tuple[str, ...], normalize: Callable[[str], str]) -> _Parse
     return parse
 
 
+def _optional(parse: _Parse) -> _Parse:
+    def parse_optional(value: object) -> Any:
+        return None if value is None else parse(value)
+
+    return parse_optional
+
+
 _PORT = _integer(0, 65535, "a TCP port")
 _PARSERS: dict[str, _Parse] = {
     "contracts": _paths,
+    "shadow": _paths,
     "host": _text,
     "port": _PORT,
     "admin_host": _text,
@@ -187,6 +195,8 @@ _PARSERS: dict[str, _Parse] = {
     "payload_log_bytes": _bytes(0),
     "log_format": _choice(LOG_FORMATS, str.lower),
     "log_level": _choice(LOG_LEVELS, str.lower),
+    "admin_token": _optional(_text),
+    "admin_token_file": _optional(_text),
     "vars": _assignments("--var"),
     "upstreams": _assignments("--upstream"),
 }
@@ -220,6 +230,8 @@ def env_setting(name: str) -> Any:
 @dataclass(slots=True)
 class Settings:
     contracts: list[str] = field(default_factory=list)
+    # candidate contracts checked beside those in force, never acted on (serve --shadow)
+    shadow: list[str] = field(default_factory=list)
     host: str = "127.0.0.1"
     port: int = 8080
     admin_host: str = "127.0.0.1"
@@ -250,6 +262,9 @@ class Settings:
     log_level: str = "info"
     vars: dict[str, Override] = field(default_factory=dict)
     upstreams: dict[str, Override] = field(default_factory=dict)
+    # operator tokens for the admin API's state-changing endpoints (proxy/admin.py)
+    admin_token: str | None = field(default=None, repr=False)
+    admin_token_file: str | None = None
 
     def __post_init__(self) -> None:
         # values given in code are held to the same rules as flags and environment

@@ -81,7 +81,7 @@ class Dispatcher:
             except BodyStalled as exc:
                 response = adapter.error(route, 408, "Request body stalled", str(exc))
                 await self._close_after(request, response, timing)
-            except aiohttp.web.HTTPException:
+            except web.HTTPException:
                 raise
             except (aiohttp.ClientPayloadError, aiohttp.http_exceptions.HttpProcessingError,
                     asyncio.IncompleteReadError, ValueError) as exc:

@@ -85,7 +85,7 @@ class UpstreamError(Exception):
 
     def __init__(self, kind: Literal["transport", "timeout", "cap", "unreachable"], detail: str,
                  own: bool = False) -> None:
-        self.kind = kind
+        self.kind: Literal["transport", "timeout", "cap", "unreachable"] = kind
         self.detail = detail
         self.own = own
         super().__init__(detail)

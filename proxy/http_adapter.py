@@ -189,13 +189,12 @@ class HttpToolAdapter:
                 up = await self.forwarder.fetch(call.request.method, url, call.headers, call.body,
                                                 timeout)
             except UpstreamError as exc:
+                self.boundaries.upstream_seen(call.route, call.timing, upstream_started, None)
                 if exc.kind == "unreachable":
-                    self.boundaries.upstream_seen(call.route, call.timing, upstream_started, None)
                     return await self._unreachable(call, exc, attempt)
                 result = ToolResult(None, error=exc.detail, error_kind=exc.kind)
-            self.boundaries.upstream_seen(call.route, call.timing, upstream_started,
-                                          up.status if up else None)
-            if up is not None:
+            else:
+                self.boundaries.upstream_seen(call.route, call.timing, upstream_started, up.status)
                 result = tool_result(up, self.settings.max_response_bytes,
                                      self.settings.max_json_depth)
             call.answer = up

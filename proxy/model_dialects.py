@@ -81,6 +81,7 @@ class Assembler(Protocol):
 
     def call_ids(self) -> list[str]:
         """The tool-call ids the events fed so far have shown the client."""
+        ...
 
     def is_terminal(self, event: ServerSentEvent) -> bool: ...
 
@@ -98,12 +99,14 @@ class Dialect(Protocol):
 
     def known_ids(self, body: dict[str, Any]) -> list[str]:
         """Correlation keys the request carries: `call:<tool call id>`, `resp:<response id>`."""
+        ...
 
     def turn(self, body: dict[str, Any]) -> Turn: ...
 
     def echoed_calls(self, body: dict[str, Any]) -> dict[str, Any]:
         """The tool calls the conversation repeats back (call id -> arguments): the exit check
         reads a call's input here, unredacted, rather than from the stored history copy."""
+        ...
 
     def assembler(self) -> Assembler: ...
 

@@ -11,8 +11,8 @@ from collections.abc import Callable
 import pytest
 from prometheus_client.metrics import MetricWrapperBase
 
+from stepguard.bench import harness
 from stepguard.metrics.prom import Metrics
-from stepguard.proxy import harness
 
 INSTALL_HINT = "run deploy/install-test-deps.sh (Debian package `prometheus`)"
 # labels Prometheus adds to every scraped series

@@ -17,11 +17,11 @@ import aiohttp
 import pytest
 import yaml
 
+from stepguard.bench.harness import contract_with_upstreams, running
 from stepguard.examples.order_confirmation import agent as agent_mod
 from stepguard.examples.order_confirmation import tools as tools_mod
 from stepguard.proxy.app import build, create_admin_app, create_app
 from stepguard.proxy.config import Settings
-from stepguard.proxy.harness import contract_with_upstreams, running
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"

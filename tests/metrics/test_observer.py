@@ -12,10 +12,9 @@ from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
 from stepguard.contracts.loader import parse_contract
-from stepguard.examples.order_confirmation import agent, tools
+from stepguard.examples.order_confirmation import agent, contract_path, tools
 from stepguard.metrics.prom import Metrics
 from stepguard.proxy.app import build, create_admin_app, create_app
-from stepguard.proxy.bench_drift import example_contract_path
 from stepguard.proxy.config import Settings
 from stepguard.proxy.forward import OVERHEAD_HEADER
 
@@ -23,7 +22,7 @@ WORKFLOW = "order-confirmation"
 
 
 def example(tools_url: str, **changes: Any) -> Any:
-    doc = yaml.safe_load(example_contract_path().read_text())
+    doc = yaml.safe_load(contract_path().read_text())
     doc["upstreams"]["tools"]["url"] = tools_url
     doc.update(changes)
     return parse_contract(yaml.safe_dump(doc).encode(), "contract.yaml")
@@ -224,7 +223,7 @@ async def test_sensitive_fields_are_redacted_in_stored_history_and_escalations(
         tmp_path, aiohttp_client, tools_url):
     # a redacted field cannot also be recorded (the loader refuses it): lookup_order records
     # only the order id here
-    steps = yaml.safe_load(example_contract_path().read_text())["steps"]
+    steps = yaml.safe_load(contract_path().read_text())["steps"]
     steps["lookup_order"]["record"] = {"order_id": "output.order_id"}
     sg = build(Settings(store=str(tmp_path / "r.db")),
                [example(tools_url, redact=["customer"], steps=steps)],

@@ -11,21 +11,21 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
+from stepguard.bench.harness import contract_with_upstreams
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.events import ADVANCE, HALT
 from stepguard.contracts.sqlite_store import SQLiteStore
+from stepguard.examples.order_confirmation import contract_path
 from stepguard.metrics.prom import Metrics
 from stepguard.proxy.app import RUN_COUNTS_MAX_AGE_S, Stepguard, build, create_admin_app, create_app
-from stepguard.proxy.bench_drift import example_contract_path
 from stepguard.proxy.config import Settings
-from stepguard.proxy.harness import contract_with_upstreams
 
 WORKFLOW = "order-confirmation"
 
 
 @pytest.fixture
 async def sg(tmp_path: Path, aiohttp_client: Any) -> Stepguard:
-    contract = contract_with_upstreams(example_contract_path(), {"tools": "http://127.0.0.1:9"})
+    contract = contract_with_upstreams(contract_path(), {"tools": "http://127.0.0.1:9"})
     sg = build(Settings(store=str(tmp_path / "s.db")), [contract], metrics=Metrics(CollectorRegistry()))
     await aiohttp_client(create_app(sg))      # starts (and at the end stops) the store
     return sg

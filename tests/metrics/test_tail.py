@@ -508,10 +508,10 @@ SCRIPT = """
 from stepguard.contracts.loader import load_contract
 from stepguard.metrics.logs import configure
 from stepguard.metrics.observer import Observer
-from stepguard.proxy.bench_drift import example_contract_path
+from stepguard.examples.order_confirmation import contract_path
 
 configure("json", "info")
-contract, observer = load_contract(example_contract_path()), Observer()
+contract, observer = load_contract(contract_path()), Observer()
 observer.log.info("started", proxy="127.0.0.1:8080", store="stepguard.db")
 observer.verdict(contract, "run-a", {"step": "lookup_order", "boundary": "entry", "seq": 1,
                  "verdict": "pass", "action": "forward", "decision_id": "d1", "attempt": 1}, 0.0004)

@@ -32,6 +32,7 @@ import openai
 import yaml
 from sgtest import relaxed
 
+from stepguard.bench.harness import contract_with_upstreams, running
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.loader import parse_contract
 from stepguard.contracts.model import Contract
@@ -39,7 +40,6 @@ from stepguard.examples.order_confirmation import fake_model, model_agent
 from stepguard.examples.order_confirmation.fake_model import CONVERSATION_HEADER, FakeModel
 from stepguard.proxy.app import Stepguard, build, create_app
 from stepguard.proxy.config import Settings
-from stepguard.proxy.harness import contract_with_upstreams, running
 
 CONTRACT = (Path(__file__).resolve().parents[2] / "examples" / "order-confirmation"
             / "contract.model.yaml")

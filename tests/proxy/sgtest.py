@@ -21,15 +21,15 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from multidict import CIMultiDictProxy
 
+from stepguard.bench import harness
+from stepguard.bench.harness import contract_with_upstreams
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.errors import StoreError
 from stepguard.contracts.loader import parse_contract
 from stepguard.contracts.model import Contract
 from stepguard.contracts.sqlite_store import SQLiteStore
 from stepguard.examples.order_confirmation import tools as tools_mod
-from stepguard.proxy import harness
 from stepguard.proxy.app import Stepguard
-from stepguard.proxy.harness import contract_with_upstreams
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "order-confirmation" / "contract.yaml"
 RUN_HEADER = "x-stepguard-run"

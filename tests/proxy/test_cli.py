@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import sqlite3
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -187,6 +188,32 @@ async def test_runs_show_of_an_unknown_run_fails(halted_store):
 
     assert ran.code == 1
     assert "no-such-run" in ran.err
+
+
+@pytest.mark.parametrize("action", ["list", "show run-1"])
+async def test_runs_refuses_a_file_that_is_not_a_store_and_leaves_it_as_it_was(tmp_path, action):
+    other = tmp_path / "other.db"
+    conn = sqlite3.connect(other)
+    conn.execute("CREATE TABLE notes (body TEXT)")
+    conn.commit()
+    conn.close()
+    before = other.read_bytes()
+    ran = await stepguard("runs", *action.split(), "--store", other)
+    assert ran.code == 1
+    assert "is not a stepguard store" in ran.err
+    assert other.read_bytes() == before
+
+
+async def test_runs_show_reads_a_store_while_a_writer_holds_its_lock(halted_store):
+    writer = sqlite3.connect(halted_store, isolation_level=None)
+    writer.execute("BEGIN IMMEDIATE")        # as a serving stepguard mid-commit
+    try:
+        ran = await stepguard("runs", "show", "stale-cli", "--store", halted_store)
+    finally:
+        writer.execute("ROLLBACK")
+        writer.close()
+    assert ran.code == 0, ran.err
+    assert "run stale-cli" in ran.out
 
 
 # --- bench ------------------------------------------------------------------------------------

@@ -20,9 +20,9 @@ import yaml
 from aiohttp import web
 from sgtest import contract_doc, started, wait_ready
 
-from stepguard.proxy.bench_proxy import RUN_HEADER, bench_contract
-from stepguard.proxy.bench_upstream import order_request
-from stepguard.proxy.harness import free_port
+from stepguard.bench.harness import free_port
+from stepguard.bench.proxy import RUN_HEADER, bench_contract
+from stepguard.bench.upstream import order_request
 
 HEAD_S, BODY_S, IDLE_S = 1.0, 1.0, 2.0
 MAX_CONNECTIONS = 24
@@ -58,7 +58,7 @@ async def sidecar(tmp_path: Path) -> AsyncIterator[Sidecar]:
     upstream_port, port, admin = free_port(), free_port(), free_port()
     contract = tmp_path / "bench.yaml"
     contract.write_text(yaml.safe_dump(bench_contract(f"http://127.0.0.1:{upstream_port}")))
-    upstream = await started("stepguard.proxy.bench_upstream", "--port", str(upstream_port))
+    upstream = await started("stepguard.bench.upstream", "--port", str(upstream_port))
     proxy = await started(
         "stepguard.proxy.cli", "serve", "--contract", str(contract), "--port", str(port),
         "--admin-port", str(admin), "--store", str(tmp_path / "sg.db"), "--log-level", "error",
@@ -172,7 +172,7 @@ async def test_a_flood_of_large_bodies_to_a_slow_upstream_keeps_rss_bounded(tmp_
     upstream_port, port, admin = free_port(), free_port(), free_port()
     contract = tmp_path / "bench.yaml"
     contract.write_text(yaml.safe_dump(bench_contract(f"http://127.0.0.1:{upstream_port}")))
-    upstream = await started("stepguard.proxy.bench_upstream", "--port", str(upstream_port),
+    upstream = await started("stepguard.bench.upstream", "--port", str(upstream_port),
                              "--delay-ms", "1000")
     proxy = await started(
         "stepguard.proxy.cli", "serve", "--contract", str(contract), "--port", str(port),

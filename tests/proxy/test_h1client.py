@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import pytest
 from multidict import CIMultiDict
 
+from stepguard.bench.harness import free_port
 from stepguard.proxy import h1client
 from stepguard.proxy.h1client import (
     BodyCapExceeded,
@@ -22,7 +23,6 @@ from stepguard.proxy.h1client import (
     UpstreamProtocolError,
     split_url,
 )
-from stepguard.proxy.harness import free_port
 
 # --- the raw server -----------------------------------------------------------------------------
 

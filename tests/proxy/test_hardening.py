@@ -25,13 +25,13 @@ from multidict import CIMultiDict
 from sgtest import ExitsNotStored, Guard, Reply, problem, trail
 from structlog.testing import capture_logs
 
+from stepguard.bench.harness import running
 from stepguard.contracts.loader import parse_contract
 from stepguard.contracts.model import Contract
-from stepguard.metrics.redact import REDACTED
+from stepguard.contracts.redact import REDACTED
 from stepguard.proxy.app import Stepguard, build, create_app
 from stepguard.proxy.config import Settings
 from stepguard.proxy.forward import Forwarder, UpstreamError
-from stepguard.proxy.harness import running
 from stepguard.proxy.sse import SSESplitter
 
 RUN_HEADER = "x-stepguard-run"

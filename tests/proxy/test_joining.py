@@ -21,12 +21,12 @@ import yaml
 from mcp import Client, MCPError
 from mcp.client.streamable_http import streamable_http_client
 
+from stepguard.bench.harness import running
 from stepguard.contracts.loader import parse_contract
 from stepguard.examples.order_confirmation import fake_model, mcp_tools, model_agent, tools
 from stepguard.examples.order_confirmation.fake_model import FakeModel
 from stepguard.proxy.app import Stepguard, build, create_app
 from stepguard.proxy.config import Settings
-from stepguard.proxy.harness import running
 
 CONTRACT = (Path(__file__).resolve().parents[2] / "examples" / "order-confirmation"
             / "contract.model.yaml")

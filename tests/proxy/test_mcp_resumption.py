@@ -21,12 +21,12 @@ from mcp.server.mcpserver import Context
 from mcp.server.streamable_http import EventCallback, EventId, EventMessage, EventStore, StreamId
 from mcp.types import CallToolResult, JSONRPCMessage, TextContent
 
+from stepguard.bench.harness import contract_with_upstreams, running
 from stepguard.examples.order_confirmation import mcp_tools
 from stepguard.examples.order_confirmation.mcp_tools import MCP_PATH, serve
 from stepguard.proxy.app import Stepguard, build
 from stepguard.proxy.app import create_app as create_proxy_app
 from stepguard.proxy.config import Settings
-from stepguard.proxy.harness import contract_with_upstreams, running
 from stepguard.proxy.mcp_adapter import Cut, Resumptions
 
 CONTRACT = Path(mcp_tools.__file__).parent / "contract.mcp.yaml"

@@ -34,12 +34,12 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.types import CallToolResult, TextContent
 from structlog.testing import capture_logs
 
+from stepguard.bench.harness import contract_with_upstreams, running
 from stepguard.examples.order_confirmation import mcp_tools
 from stepguard.examples.order_confirmation.mcp_tools import DRIFT_HEADER, MCP_PATH, create_app, serve
 from stepguard.proxy.app import Stepguard, build
 from stepguard.proxy.app import create_app as create_proxy_app
 from stepguard.proxy.config import Settings
-from stepguard.proxy.harness import contract_with_upstreams, running
 
 CONTRACT = Path(mcp_tools.__file__).parent / "contract.mcp.yaml"
 MOUNT = "/mcp-tools"

@@ -14,10 +14,10 @@ import pytest
 import yaml
 from sgtest import started, wait_ready
 
+from stepguard.bench.proxy import bench_contract, free_port
+from stepguard.bench.upstream import order_request
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.sqlite_store import connect
-from stepguard.proxy.bench_proxy import bench_contract, free_port
-from stepguard.proxy.bench_upstream import order_request
 
 STORED_RUNS = 100_000
 DRIVEN_RUNS = 12_000       # more than the run book's cache of 10,000 envelopes
@@ -58,7 +58,7 @@ async def test_peak_rss_stays_under_budget_with_100k_completed_runs_in_the_store
     upstream_port, port, admin = free_port(), free_port(), free_port()
     contract = tmp_path / "bench.yaml"
     contract.write_text(yaml.safe_dump(bench_contract(f"http://127.0.0.1:{upstream_port}")))
-    upstream = await started("stepguard.proxy.bench_upstream", "--port", str(upstream_port))
+    upstream = await started("stepguard.bench.upstream", "--port", str(upstream_port))
     sidecar = await started("stepguard.proxy.cli", "serve", "--contract", str(contract),
                             "--port", str(port), "--admin-port", str(admin), "--store", str(store),
                             "--log-level", "warning", "--log-format", "json")

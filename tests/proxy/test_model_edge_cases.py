@@ -24,7 +24,7 @@ from sgtest import ExitsNotStored, Guard, free_port, trail
 
 from stepguard.contracts.loader import parse_contract
 from stepguard.contracts.model import Contract
-from stepguard.metrics.redact import REDACTED
+from stepguard.contracts.redact import REDACTED
 from stepguard.proxy.model_adapter import PendingArguments
 
 RUN_HEADER = "x-stepguard-run"

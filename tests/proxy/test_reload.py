@@ -16,17 +16,16 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
+from stepguard.bench.harness import free_port
 from stepguard.contracts.loader import load_contract
-from stepguard.examples.order_confirmation import tools
+from stepguard.examples.order_confirmation import contract_path, tools
 from stepguard.metrics.prom import Metrics
 from stepguard.proxy.app import build, create_app, reload_contracts
-from stepguard.proxy.bench_drift import example_contract_path
 from stepguard.proxy.config import Settings
-from stepguard.proxy.harness import free_port
 
 
 def write_contract(path: Path, tools_url: str, **changes: Any) -> str:
-    doc = yaml.safe_load(example_contract_path().read_text())
+    doc = yaml.safe_load(contract_path().read_text())
     doc["upstreams"]["tools"]["url"] = tools_url
     doc.update(changes)
     path.write_text(yaml.safe_dump(doc))

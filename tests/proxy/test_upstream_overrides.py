@@ -19,12 +19,12 @@ from sgtest import contract_doc
 from test_cli import stepguard
 from test_reload import _ready
 
+from stepguard.bench.harness import free_port
 from stepguard.contracts.errors import ContractError
 from stepguard.contracts.loader import load_contracts
 from stepguard.contracts.model import Override
 from stepguard.proxy.app import build, create_app, reload_contracts
 from stepguard.proxy.config import Settings
-from stepguard.proxy.harness import free_port
 
 NOWHERE = "http://127.0.0.1:9"
 

@@ -1,4 +1,4 @@
-"""Running aiohttp applications on free loopback ports, for the demo and the benchmarks."""
+"""Running aiohttp applications on free loopback ports, for the benchmarks and the tests."""
 
 from __future__ import annotations
 

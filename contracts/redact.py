@@ -66,7 +66,3 @@ def _redacted(value: Any, keys: frozenset[str]) -> Any:
                     items[i] = new
         return value if items is None else items
     return value
-
-
-def truncate(text: str, limit: int) -> str:
-    return text if len(text) <= limit else f"{text[:limit]}...[{len(text) - limit} more chars]"

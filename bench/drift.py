@@ -18,20 +18,20 @@ import asyncio
 import tempfile
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
+from stepguard.bench.harness import contract_with_upstreams, running
 from stepguard.contracts.loader import load_contract
 from stepguard.contracts.model import Contract
 from stepguard.examples.order_confirmation import agent as agent_mod
+from stepguard.examples.order_confirmation import contract_path as example_contract_path
 from stepguard.examples.order_confirmation import fake_model
 from stepguard.examples.order_confirmation import tools as tools_mod
 from stepguard.proxy.app import build, create_app
 from stepguard.proxy.config import Settings
-from stepguard.proxy.harness import contract_with_upstreams, running
 
 # (drift class as stepguard names it, the injector that causes it)
 CLASSES = (("shape", "shape"), ("freshness", "stale_input"), ("order", "reordered"),
@@ -46,11 +46,6 @@ CONTRACTS = {"http": "contract.yaml", "model": "contract.model.yaml", "mcp": "co
 # own agent's call (no header, session or trace says otherwise): stale input there is the article's
 # other form, a policy result for the previous order (`ord-16` inside a result for `ord-17`).
 INJECTORS = {"mcp-stateless": {"freshness": "stale_result"}}
-
-
-def example_contract_path(name: str = "contract.yaml") -> Path:
-    ref = resources.files("stepguard.examples.order_confirmation").joinpath(name)
-    return Path(str(ref))
 
 
 @dataclass
@@ -284,20 +279,23 @@ DRIVES: dict[str, Drive] = {"model": _drive_model, "mcp": _drive_mcp,
                             "mcp-stateless": _drive_mcp_stateless, "hybrid": _drive_hybrid}
 
 
-async def run_bench(runs: int = 5, controls: int = 10, traffic: str = "http") -> dict[str, Any]:
+async def run_bench(runs: int = 5, controls: int = 10, traffic: str = "http",
+                    store: Path | None = None) -> dict[str, Any]:
+    """`store`: where the enforced runs' store is kept (by default a temporary file)."""
     if traffic not in TRAFFIC:
         raise ValueError(f"unknown traffic {traffic!r}: one of {', '.join(TRAFFIC)}")
     plan = _plan(runs, controls, traffic)
     with tempfile.TemporaryDirectory(prefix="stepguard-bench-") as tmp:
+        kept = store or Path(tmp) / "contract.db"
         if traffic in DRIVES:
             contract = load_contract(example_contract_path(CONTRACTS[traffic]))
             drive = DRIVES[traffic]
-            enforced = await drive(contract, False, plan, Path(tmp) / "contract.db")
+            enforced = await drive(contract, False, plan, kept)
             baseline = await drive(contract, True, plan, Path(tmp) / "baseline.db")
         else:
             async with running(tools_mod.create_app()) as tools_url:
                 contract = contract_with_upstreams(example_contract_path(), {"tools": tools_url})
-                enforced = await _drive_http(contract, False, plan, Path(tmp) / "contract.db")
+                enforced = await _drive_http(contract, False, plan, kept)
                 baseline = await _drive_http(contract, True, plan, Path(tmp) / "baseline.db")
     result = summarize(contract, plan, enforced, baseline)
     result["traffic"] = traffic
@@ -308,7 +306,7 @@ async def run_bench(runs: int = 5, controls: int = 10, traffic: str = "http") ->
 def render_table(result: dict[str, Any]) -> str:
     head = ("Drift class", "Rolling detection", "Contract detection", "First contract stop",
             "Runtime action")
-    rows = [head]
+    rows: list[tuple[str, ...]] = [head]
     for cls, row in result["classes"].items():
         rows.append((LABELS[cls], f"{row['baseline_detected']}/{row['runs']}",
                      f"{row['contract_detected']}/{row['runs']}",

@@ -23,8 +23,8 @@ import orjson
 import pytest
 from aiohttp import web
 
-from stepguard.proxy import bench_upstream
-from stepguard.proxy.bench_proxy import (
+from stepguard.bench import upstream as bench_upstream
+from stepguard.bench.proxy import (
     ROWS,
     BenchError,
     BenchOptions,
@@ -59,8 +59,8 @@ needs_tools = pytest.mark.skipif(not (Path("/usr/bin/wrk").exists() and Path("/u
 
 @contextlib.contextmanager
 def upstream(*args: str) -> Iterator[int]:
-    """`python -m stepguard.proxy.bench_upstream --port 0 ARGS`, yielding its port."""
-    proc = subprocess.Popen([sys.executable, "-m", "stepguard.proxy.bench_upstream", "--port", "0",
+    """`python -m stepguard.bench.upstream --port 0 ARGS`, yielding its port."""
+    proc = subprocess.Popen([sys.executable, "-m", "stepguard.bench.upstream", "--port", "0",
                              *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         assert proc.stdout is not None
@@ -180,7 +180,7 @@ def test_loadgen_process_sends_rate_times_duration_against_a_slow_upstream(tmp_p
     body.write_bytes(bench_upstream.order_request())
     with upstream("--delay-ms", "200") as port:
         done = subprocess.run(
-            [sys.executable, "-m", "stepguard.proxy.bench_proxy", "--loadgen", "--url",
+            [sys.executable, "-m", "stepguard.bench.proxy", "--loadgen", "--url",
              f"http://127.0.0.1:{port}/lookup_order", "--rate", "50", "--duration", "1",
              "--body-file", str(body), "--run-prefix", "lg"],
             capture_output=True, timeout=120, check=True)
@@ -303,7 +303,7 @@ def test_no_temp_dirs_or_processes_left_behind_by_a_failed_row(tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """A row whose hop never comes up is reported as failed; the run goes on and cleans up."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    monkeypatch.setattr("stepguard.proxy.bench_proxy.model_contract",
+    monkeypatch.setattr("stepguard.bench.proxy.model_contract",
                         lambda url: {"workflow": "broken"})      # stepguard refuses to start
     options = BenchOptions(concurrency=2, duration_s=0.5, rate=20, rate_duration_s=0.5,
                            rows=["model"], wrk="/nonexistent/wrk", micro_n=0)

@@ -1,6 +1,6 @@
 """`stepguard bench proxy`: what a stepguard hop costs, beside a direct connection and nginx.
 
-One run, one machine, one set of local upstreams (`stepguard.proxy.bench_upstream`, a bare
+One run, one machine, one set of local upstreams (`stepguard.bench.upstream`, a bare
 asyncio server answering a ~10 KB order and a fixed OpenAI tool-call turn), one row per hop:
 
 - `direct`: the client straight to the upstream (the floor);
@@ -16,7 +16,7 @@ asyncio server answering a ~10 KB order and a fixed OpenAI tool-call turn), one 
 Each row has three phases. Throughput: wrk (one thread, `--concurrency` connections, `--duration`
 seconds, after a short warm-up) gives `rps`; the hop process's CPU time (/proc/PID/stat,
 nginx master and workers summed) over that phase gives `cpu_s_per_1k`. Latency: an open-loop
-client in a process of its own (`python -m stepguard.proxy.bench_proxy --loadgen`) sends at
+client in a process of its own (`python -m stepguard.bench.proxy --loadgen`) sends at
 `--rate` per second for `--rate-duration` seconds on a fixed schedule, whatever the answers
 do, and records every request's latency from its own clock (never the proxy's timers):
 `p50_ms`/`p90_ms`/`p99_ms`, and for streams the time to the first body byte. `added_*` is a row
@@ -65,17 +65,17 @@ import aiohttp
 import orjson
 import yaml
 
+from stepguard.bench import upstream as bench_upstream
+from stepguard.bench.harness import free_port
 from stepguard.contracts.engine import check_entry, check_exit
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.events import ToolResult
 from stepguard.contracts.loader import parse_contract
+from stepguard.contracts.redact import Redactor
 from stepguard.contracts.runs import RunBook
 from stepguard.contracts.sqlite_store import SQLiteStore
-from stepguard.metrics.redact import Redactor
-from stepguard.proxy import bench_upstream
 from stepguard.proxy.bodies import history_payload
 from stepguard.proxy.config import Settings
-from stepguard.proxy.harness import free_port
 
 ROWS = ("direct", "nginx", "passthrough", "contract", "model", "model_stream")
 REFERENCE = {"nginx": "direct", "passthrough": "direct", "contract": "direct",
@@ -378,7 +378,7 @@ async def loadgen(url: str, rate: float, duration_s: float, body: bytes,
 
 
 def _loadgen_main(argv: Sequence[str] | None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m stepguard.proxy.bench_proxy --loadgen",
+    parser = argparse.ArgumentParser(prog="python -m stepguard.bench.proxy --loadgen",
                                      description="open-loop HTTP load at a fixed rate; JSON out")
     parser.add_argument("--loadgen", action="store_true", required=True)
     parser.add_argument("--url", required=True)
@@ -608,7 +608,7 @@ class _Bench:
     # the upstream, nginx, stepguard -----------------------------------------------------------
 
     def start_upstream(self) -> str:
-        proc = self.spawn("upstream", [sys.executable, "-m", "stepguard.proxy.bench_upstream",
+        proc = self.spawn("upstream", [sys.executable, "-m", "stepguard.bench.upstream",
                                        "--port", "0"], stdout=subprocess.PIPE)
         assert proc.popen.stdout is not None
         line = _readline(proc.popen.stdout, _READY_TIMEOUT_S)
@@ -693,7 +693,7 @@ class _Bench:
         body_file = self.dir / "loadgen-body.json"
         body_file.write_bytes(body)
         o = self.options
-        argv = [sys.executable, "-m", "stepguard.proxy.bench_proxy", "--loadgen", "--url", url,
+        argv = [sys.executable, "-m", "stepguard.bench.proxy", "--loadgen", "--url", url,
                 "--rate", f"{o.rate:g}", "--duration", f"{o.rate_duration_s:g}", "--body-file",
                 str(body_file), "--warmup", f"{min(_WARMUP_S, o.rate_duration_s):g}"]
         if run_prefix:
@@ -1233,12 +1233,9 @@ def render(result: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if "--loadgen" in args:
-        return _loadgen_main(args)
-    from stepguard.proxy.cli import main as cli_main
-
-    return cli_main(["bench", "proxy", *args])
+    """`python -m stepguard.bench.proxy --loadgen ...`: the open-loop client a run starts in a
+    process of its own. The benchmark itself is `stepguard bench proxy` (cli.py)."""
+    return _loadgen_main(argv)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from stepguard.proxy.harness import _ephemeral_range, free_port
+from stepguard.bench.harness import _ephemeral_range, free_port
 
 
 def test_a_free_port_lies_below_the_range_the_kernel_gives_outgoing_connections():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from stepguard.metrics.redact import REDACTED, Redactor
+from stepguard.contracts.redact import REDACTED, Redactor
 
 
 @pytest.mark.parametrize("key", ["token", "Token", "private_key", "Private-Key", "x_api_key",

@@ -3,19 +3,35 @@ store, and a scripted agent: one clean run, then one whose policy check is fed a
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import aiohttp
 import orjson
+from aiohttp import web
 
+from stepguard.contracts.loader import load_contract
+from stepguard.contracts.model import Override
 from stepguard.contracts.sqlite_store import connect, read_history
 from stepguard.examples.order_confirmation import agent as agent_mod
+from stepguard.examples.order_confirmation import contract_path
 from stepguard.examples.order_confirmation import tools as tools_mod
+from stepguard.metrics.report import render_run
 from stepguard.proxy.app import build, create_app
-from stepguard.proxy.bench_drift import example_contract_path
-from stepguard.proxy.cli import _render_run
 from stepguard.proxy.config import Settings
-from stepguard.proxy.harness import contract_with_upstreams, running
+
+
+@asynccontextmanager
+async def running(app: web.Application) -> AsyncIterator[str]:
+    """`app` served on a free loopback port, as its base URL."""
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
 
 
 def _print_run(run: agent_mod.AgentRun) -> None:
@@ -37,7 +53,7 @@ def fresh_store(store: Path) -> None:
 
 async def run_demo(store: Path) -> int:
     async with running(tools_mod.create_app()) as tools_url:
-        contract = contract_with_upstreams(example_contract_path(), {"tools": tools_url})
+        contract = load_contract(contract_path(), upstreams={"tools": Override(tools_url, "demo")})
         sg = build(Settings(store=str(store)), [contract])
         async with running(create_app(sg)) as proxy_url, aiohttp.ClientSession() as session:
             base = proxy_url + contract.upstreams["tools"].mount
@@ -50,6 +66,6 @@ async def run_demo(store: Path) -> int:
     for run_id in ("demo-clean", "demo-stale"):
         row = conn.execute("SELECT envelope FROM runs WHERE run_id = ?", (run_id,)).fetchone()
         print()
-        print(_render_run(orjson.loads(row[0]), read_history(conn, run_id), []))
+        print(render_run(orjson.loads(row[0]), read_history(conn, run_id), []))
     print(f"\ninspect again with: stepguard runs --store {store} show demo-stale")
     return 0

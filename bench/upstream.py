@@ -1,6 +1,6 @@
 """The upstream of `stepguard bench proxy`: one fast, endless HTTP/1.1 server for every row.
 
-`python -m stepguard.proxy.bench_upstream --port P [--delay-ms D]` prints `listening <port>` on
+`python -m stepguard.bench.upstream --port P [--delay-ms D]` prints `listening <port>` on
 stdout once it accepts connections (`--port 0` picks a free port), then answers:
 
 - `POST .../v1/chat/completions`: a fixed OpenAI Chat Completions turn that calls
@@ -269,8 +269,8 @@ async def serve(host: str, port: int, delay_s: float = 0.0) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m stepguard.proxy.bench_upstream",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m stepguard.bench.upstream",
+                                     description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0: any free port (printed)")
     parser.add_argument("--delay-ms", type=float, default=0.0, help="hold every answer this long")

@@ -1,0 +1,1 @@
+"""Tooling: `stepguard bench proxy` and `stepguard bench drift`, their upstreams and harness."""

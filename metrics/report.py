@@ -1,0 +1,51 @@
+"""A stored run as an operator reads it: `stepguard runs list/show` and the demo print these.
+They read what the store returns (envelope and history as dicts) and decide nothing."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+
+from stepguard.contracts.operations import OPERATOR, superseded
+
+
+def timestamp(ts: float | None) -> str:
+    if not ts:
+        return "-"
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")[:-4] + "Z"
+
+
+def render_run(envelope: dict[str, Any], history: list[dict[str, Any]],
+               escalations: list[dict[str, Any]]) -> str:
+    lines = [f"run {envelope['run_id']}  workflow {envelope['workflow']} "
+             f"v{envelope['contract_version']}  status {envelope['status'].upper()}",
+             f"  verified: {', '.join(envelope['verified']) or '-'}",
+             f"  state:    {orjson.dumps(envelope['state']).decode()}", "", "  history:"]
+    gone = superseded(history)
+    first_bad = next((e["seq"] for e in history
+                      if e.get("verdict") == "violation" and e["seq"] not in gone), None)
+    for e in history:
+        violation = e.get("violation") or {}
+        marker = ">>" if e["seq"] == first_bad else "~~" if e["seq"] in gone else "  "
+        if e.get("kind") == OPERATOR:
+            lines.append(f"{marker} {e['seq']:>4}  {timestamp(e['ts'])}  {e['action'].upper()} "
+                         f"by {e.get('operator')} at seq {e.get('resumed_at')}: "
+                         f"{e.get('reason')}")
+            continue
+        line = (f"{marker} {e['seq']:>4}  {timestamp(e['ts'])}  {e.get('step', '-'):<16} "
+                f"{e.get('boundary', '-'):<5} {e.get('verdict', '-'):<9} "
+                f"{e.get('action', '-'):<8}")
+        if violation:
+            line += f" {violation['check']} ({violation['drift']}): {violation['detail']}"
+        elif e.get("recorded"):
+            line += f" recorded {orjson.dumps(e['recorded']).decode()}"
+        lines.append(line.rstrip())
+    if first_bad is not None:
+        lines += ["", "  >> marks the first unsupported transition"]
+    if gone:
+        lines += ["  ~~ marks events superseded by a resume (kept, no longer in force)"]
+    for esc in escalations:
+        lines.append(f"  escalation at {esc['detection_point']} (decision {esc['decision_id']})")
+    return "\n".join(lines)

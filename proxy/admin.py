@@ -1,0 +1,224 @@
+"""The runs API of the admin listener: read runs, and act on them as an operator.
+
+    GET  /runs                       envelopes, newest first (?status=, ?limit=)
+    GET  /runs/{id}                  envelope, history (superseded events marked), escalations
+    POST /runs/{id}/resume           {"reason": "...", "from": "STEP"?}
+
+Reads are open, like /metrics (the admin listener binds loopback by default). Anything that
+changes state needs `Authorization: Bearer <token>`, a token from `STEPGUARD_ADMIN_TOKEN` or
+the file `--admin-token-file`; with no token configured those endpoints are off and say so.
+Every action is an event of the run: who (the token's name), what, when and why (`reason`).
+"""
+
+from __future__ import annotations
+
+import getpass
+import hmac
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from stepguard.contracts.envelope import Envelope
+from stepguard.contracts.errors import StepguardError
+from stepguard.contracts.operations import OperationRefused, resume_event, superseded
+from stepguard.contracts.runs import RunBook
+from stepguard.metrics.observer import Observer
+from stepguard.proxy.config import ConfigError
+
+TOKEN_MIN_LENGTH = 16
+STEPGUARD_ADMIN_TOKEN = "STEPGUARD_ADMIN_TOKEN"
+DEFAULT_TOKEN_NAME = "admin"
+LIST_LIMIT_MAX = 1000
+
+
+class TokenError(ConfigError):
+    """An admin token setting stepguard cannot use; the message never shows a token."""
+
+
+@dataclass(frozen=True, slots=True)
+class AdminTokens:
+    """Operator tokens by name. A token is `NAME:SECRET`, or a bare secret named `admin`."""
+
+    tokens: tuple[tuple[str, bytes], ...] = ()
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tokens)
+
+    @classmethod
+    def load(cls, token: str | None, token_file: str | None) -> AdminTokens:
+        """From `STEPGUARD_ADMIN_TOKEN` (one token) and a file of one token per line (`#`
+        comments and blank lines skipped). Each secret is at least 16 characters."""
+        entries: list[tuple[str, str]] = []
+        if token:
+            entries.append((STEPGUARD_ADMIN_TOKEN, token))
+        if token_file:
+            try:
+                text = Path(token_file).read_text()
+            except OSError as exc:
+                raise TokenError(f"--admin-token-file {token_file}: cannot be read "
+                                 f"({exc.strerror or exc})") from None
+            for number, line in enumerate(text.splitlines(), 1):
+                line = line.strip()
+                if line and not line.startswith("#"):
+                    entries.append((f"--admin-token-file {token_file} line {number}", line))
+        tokens: list[tuple[str, bytes]] = []
+        for source, entry in entries:
+            name, sep, secret = entry.partition(":")
+            if not sep:
+                name, secret = DEFAULT_TOKEN_NAME, entry
+            name = name.strip()
+            if not name or len(secret) < TOKEN_MIN_LENGTH:
+                raise TokenError(f"{source}: expected NAME:SECRET or a bare secret, the secret "
+                                 f"at least {TOKEN_MIN_LENGTH} characters (the value is not "
+                                 "shown)")
+            tokens.append((name, secret.encode()))
+        return cls(tuple(tokens))
+
+    def name_of(self, authorization: str | None) -> str | None:
+        """The name of the token an `Authorization: Bearer` header carries, else None. Every
+        token is compared, in constant time, whichever matches."""
+        if not authorization:
+            return None
+        scheme, _, given = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not given.strip():
+            return None
+        offered = given.strip().encode()
+        found = None
+        for name, secret in self.tokens:
+            if hmac.compare_digest(offered, secret) and found is None:
+                found = name
+        return found
+
+
+def local_operator() -> str:
+    """Who acts on the store directly, with no token: the local user."""
+    try:
+        return f"local:{getpass.getuser()}"
+    except (KeyError, OSError):
+        return "local:unknown"
+
+
+class Operations:
+    """Operator actions on runs, through the run book: under the run's lock, against the stored
+    envelope, committed as the run's next event (compare-and-set), logged and counted (by a
+    serving stepguard's observer; the CLI acting on the store has none: the event is the
+    record)."""
+
+    def __init__(self, runs: RunBook, observer: Observer | None = None) -> None:
+        self.runs = runs
+        self.observer = observer
+
+    async def resume(self, run_id: str, *, operator: str, reason: str,
+                     from_step: str | None = None) -> tuple[Envelope, dict[str, Any]]:
+        async with self.runs.locked(run_id):
+            envelope = await self.runs.store.load(run_id)
+            if envelope is None:
+                raise OperationRefused(404, f"no run {run_id!r}")
+            history = await self.runs.store.history(run_id)
+            fields = resume_event(envelope, history, operator=operator, reason=reason,
+                                  from_step=from_step)
+            after, event = await self.runs.commit(envelope, fields)
+        if self.observer is not None:
+            self.observer.operator_action(envelope.workflow, run_id, event)
+        return after, event
+
+
+def marked(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The history with `superseded: true` on every event a resume superseded."""
+    gone = superseded(history)
+    return [{**e, "superseded": True} if e["seq"] in gone else e for e in history]
+
+
+def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json",
+                        headers=headers)
+
+
+def _error(status: int, message: str, **extra: Any) -> web.Response:
+    headers = {"WWW-Authenticate": 'Bearer realm="stepguard"'} if status == 401 else None
+    return _json({"error": message, **extra}, status, headers)
+
+
+Handler = Callable[[web.Request], Coroutine[Any, Any, web.StreamResponse]]
+
+
+def run_routes(runs: RunBook, observer: Observer, tokens: AdminTokens) -> list[web.RouteDef]:
+    operations = Operations(runs, observer)
+    store = runs.store
+
+    async def list_runs(request: web.Request) -> web.StreamResponse:
+        status = request.query.get("status")
+        if status is not None and status not in ("active", "halted", "escalated", "completed"):
+            return _error(400, f"status {status!r} is not one of active, halted, escalated, "
+                          "completed")
+        try:
+            limit = int(request.query.get("limit", "100"))
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= LIST_LIMIT_MAX:
+            return _error(400, f"limit must be a whole number from 1 to {LIST_LIMIT_MAX}")
+        try:
+            found = await store.runs(status, limit)
+        except StepguardError as exc:
+            return _error(503, f"the store could not be read: {exc}")
+        return _json({"runs": [r.to_dict() for r in found]})
+
+    async def show_run(request: web.Request) -> web.StreamResponse:
+        run_id = request.match_info["run_id"]
+        try:
+            envelope = await store.load(run_id)
+            if envelope is None:
+                return _error(404, f"no run {run_id!r}")
+            history = await store.history(run_id)
+            escalations = await store.escalations(run_id)
+        except StepguardError as exc:
+            return _error(503, f"run {run_id!r}: the store could not be read: {exc}")
+        return _json({"envelope": envelope.to_dict(), "history": marked(history),
+                      "escalations": escalations})
+
+    def acting(action: Callable[[web.Request, str, dict[str, Any]],
+                                Coroutine[Any, Any, web.StreamResponse]]) -> Handler:
+        """A state-changing endpoint: its token checked, its JSON body read."""
+        async def handle(request: web.Request) -> web.StreamResponse:
+            if not tokens.enabled:
+                return _error(403, "state-changing admin endpoints are off: no admin token is "
+                              "configured (set STEPGUARD_ADMIN_TOKEN or --admin-token-file)")
+            operator = tokens.name_of(request.headers.get("Authorization"))
+            if operator is None:
+                why = ("a wrong admin token" if request.headers.get("Authorization")
+                       else "no admin token")
+                observer.operator_refused(request.path, why, request.remote or "-")
+                return _error(401, f"{why}: send Authorization: Bearer <token>")
+            raw = await request.read()
+            try:
+                body = orjson.loads(raw) if raw.strip() else {}
+            except orjson.JSONDecodeError as exc:
+                return _error(400, f"the request body is not JSON: {exc}")
+            if not isinstance(body, dict):
+                return _error(400, "the request body must be a JSON object")
+            try:
+                return await action(request, operator, body)
+            except OperationRefused as exc:
+                return _error(exc.status, str(exc))
+            except StepguardError as exc:
+                return _error(503, f"the store could not be written: {exc}; nothing changed, "
+                              "try again", retry=True)
+        return handle
+
+    async def resume(request: web.Request, operator: str, body: dict[str, Any]) -> web.StreamResponse:
+        reason, from_step = body.get("reason"), body.get("from")
+        if not isinstance(reason, str) or not reason.strip():
+            return _error(400, "a resume needs a reason: {\"reason\": \"...\"}")
+        if from_step is not None and not isinstance(from_step, str):
+            return _error(400, "\"from\" must be a step name")
+        after, event = await operations.resume(request.match_info["run_id"], operator=operator,
+                                               reason=reason, from_step=from_step)
+        return _json({"envelope": after.to_dict(), "event": event})
+
+    return [web.get("/runs", list_runs), web.get("/runs/{run_id}", show_run),
+            web.post("/runs/{run_id}/resume", acting(resume))]

@@ -1,0 +1,318 @@
+"""`stepguard replay`, run as a real process over stores real traffic recorded: the drift
+benchmark's store (`bench drift --store`), and one recorded by an in-process stepguard with
+redaction and truncation. It names exactly the runs a candidate changes, never writes the store,
+and exits 0 (no change), 1 (changes) or 2 (bad flags, contract or store)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import yaml
+from sgtest import EXAMPLE, Upstream, send
+
+from stepguard.contracts.engine import FINAL
+from stepguard.contracts.events import Decision, Violation
+from stepguard.contracts.loader import load_contract, parse_contract
+from stepguard.contracts.recorded import RecordedStore
+from stepguard.contracts.replay import action_of
+from stepguard.proxy.boundaries import Boundaries
+
+CONTROLS_FROM_130 = [f"control-{i}" for i in range(5, 10)]   # orders ord-130 .. ord-134
+FALSE_COMPLETIONS = [f"false_completion-{i}" for i in range(5)]
+
+
+@dataclass(frozen=True)
+class Ran:
+    code: int
+    out: str
+    err: str
+
+    @property
+    def report(self) -> Any:
+        return orjson.loads(self.out)
+
+
+async def replay(*args: str | Path) -> Ran:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "stepguard.proxy.cli", "replay", *map(str, args),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 50)
+    assert proc.returncode is not None
+    return Ran(proc.returncode, out.decode(), err.decode())
+
+
+def variant(path: Path, change: Callable[[dict[str, Any]], Any] | None = None) -> Path:
+    """The example contract (version 2), changed by `change`, written to `path`."""
+    doc = yaml.safe_load(EXAMPLE.read_bytes())
+    doc["contract_version"] = 2
+    if change is not None:
+        change(doc)
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def tighter_lookup(doc: dict[str, Any]) -> None:
+    doc["steps"]["lookup_order"]["postcondition"] = [
+        {"expr": "output.order_id < 'ord-130'", "message": "orders from 130 on are not served"}]
+
+
+def without_proof(doc: dict[str, Any]) -> None:
+    del doc["completion"]["proof"]
+
+
+def names(runs: list[dict[str, Any]]) -> list[str]:
+    return sorted(r["run"] for r in runs)
+
+
+@pytest.fixture(scope="module")
+def drift_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The store of `stepguard bench drift` (35 runs over HTTP: 5 per drift class, 10 controls)."""
+    store = tmp_path_factory.mktemp("bench") / "drift.db"
+    subprocess.run([sys.executable, "-m", "stepguard.proxy.cli", "bench", "drift", "--store",
+                    str(store)], check=True, capture_output=True, timeout=50)
+    return store
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# --- the drift benchmark's store ----------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+async def test_the_contract_the_store_was_recorded_under_changes_nothing_and_exits_0(drift_store):
+    ran = await replay("--contract", EXAMPLE, "--store", drift_store, "--json")
+
+    assert ran.code == 0, ran.err
+    assert ran.report["counts"] == {"halts": 0, "passes": 0, "differs": 0, "unjudgeable": 0,
+                                    "unchanged": 35}
+
+
+async def test_a_tighter_postcondition_names_exactly_the_runs_it_would_halt_and_exits_1(
+        drift_store, tmp_path):
+    ran = await replay("--contract", variant(tmp_path / "c.yaml", tighter_lookup),
+                       "--store", drift_store, "--json")
+
+    assert ran.code == 1, ran.err
+    report = ran.report
+    assert names(report["halts"]) == CONTROLS_FROM_130
+    assert report["counts"] == {"halts": 5, "passes": 0, "differs": 0, "unjudgeable": 0,
+                                "unchanged": 30}
+    for run in report["halts"]:
+        assert (run["at"]["step"], run["at"]["boundary"]) == ("lookup_order", "exit")
+        assert run["candidate"]["action"] == "halt"
+        assert run["candidate"]["violation"]["check"] == "postcondition"
+        assert run["candidate"]["violation"]["detail"] == "orders from 130 on are not served"
+        assert run["recorded"] == {"verdict": "pass", "action": "advance"}
+
+
+async def test_a_dropped_check_names_exactly_the_halted_runs_that_would_now_pass(
+        drift_store, tmp_path):
+    ran = await replay("--contract", variant(tmp_path / "c.yaml", without_proof),
+                       "--store", drift_store, "--json")
+
+    assert ran.code == 1, ran.err
+    assert names(ran.report["passes"]) == FALSE_COMPLETIONS
+    assert ran.report["counts"]["unchanged"] == 30
+    for run in ran.report["passes"]:
+        assert run["recorded_status"] == "halted"
+        assert run["recorded"]["violation"]["check"] == "completion_proof"
+        assert run["then"] == "completes the run"
+
+
+async def test_the_human_report_lists_each_changed_run_where_and_why(drift_store, tmp_path):
+    ran = await replay("--contract", variant(tmp_path / "c.yaml", tighter_lookup),
+                       "--store", drift_store)
+
+    assert ran.code == 1, ran.err
+    lines = ran.out.splitlines()
+    assert "Would now halt or escalate (5):" in lines
+    assert ("  control-5 at #2 lookup_order exit: halt, postcondition (postcondition): orders "
+            "from 130 on are not served; recorded: pass (advance)") in lines
+    assert lines[-1] == ("Unchanged: 30. Verdicts change in 5 of 35 run(s) (5 halt, 0 go on, "
+                         "0 differ); 0 cannot be judged.")
+
+
+async def test_run_filters_replay_only_the_named_runs(drift_store, tmp_path):
+    ran = await replay("--contract", variant(tmp_path / "c.yaml", tighter_lookup),
+                       "--store", drift_store, "--run", "control-5", "--run", "shape-0", "--json")
+
+    assert ran.code == 1, ran.err
+    assert ran.report["replayed"] == 2
+    assert names(ran.report["halts"]) == ["control-5"]
+    assert ran.report["unchanged"] == ["shape-0"]
+
+
+@pytest.mark.parametrize(("since", "replayed"), [("1h", 35), ("2999-01-01T00:00:00Z", 0)])
+async def test_since_keeps_the_runs_started_in_the_window(drift_store, since, replayed):
+    ran = await replay("--contract", EXAMPLE, "--store", drift_store, "--since", since, "--json")
+
+    assert ran.code == 0, ran.err
+    assert ran.report["replayed"] == replayed
+
+
+async def test_vars_come_from_the_candidate_and_its_var_overrides(drift_store, tmp_path):
+    def blocking(doc: dict[str, Any]) -> None:
+        doc["vars"] = {"blocked": "none"}
+        doc["steps"]["lookup_order"]["precondition"] = ["input.order_id != vars.blocked"]
+
+    candidate = variant(tmp_path / "c.yaml", blocking)
+
+    unchanged = await replay("--contract", candidate, "--store", drift_store, "--json")
+    blocked = await replay("--contract", candidate, "--store", drift_store, "--json",
+                           "--var", "blocked=ord-125")
+
+    assert unchanged.code == 0, unchanged.err
+    assert blocked.code == 1, blocked.err
+    assert names(blocked.report["halts"]) == ["control-0"]     # the run of ord-125
+
+
+async def test_replay_never_writes_the_store(drift_store, tmp_path):
+    before = digest(drift_store)
+
+    await replay("--contract", variant(tmp_path / "c.yaml", tighter_lookup), "--store",
+                 drift_store)
+
+    assert digest(drift_store) == before
+
+
+# --- model traffic ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The store of `stepguard bench drift --traffic model` (the real openai SDK, a fake model)."""
+    store = tmp_path_factory.mktemp("bench") / "model.db"
+    subprocess.run([sys.executable, "-m", "stepguard.proxy.cli", "bench", "drift", "--traffic",
+                    "model", "--store", str(store)], check=True, capture_output=True, timeout=50)
+    return store
+
+
+MODEL_EXAMPLE = EXAMPLE.with_name("contract.model.yaml")
+
+
+@pytest.mark.timeout(120)
+async def test_model_runs_are_vouched_for_only_with_the_baseline_they_were_recorded_under(
+        model_store):
+    alone = await replay("--contract", MODEL_EXAMPLE, "--store", model_store, "--json")
+    with_baseline = await replay("--contract", MODEL_EXAMPLE, "--baseline", MODEL_EXAMPLE,
+                                 "--store", model_store, "--json")
+
+    assert alone.code == with_baseline.code == 0
+    assert {r["reason"] for r in alone.report["unjudgeable"]} == {"final_answers"}
+    assert alone.report["counts"]["unjudgeable"] == 35
+    assert with_baseline.report["counts"]["unchanged"] == 35
+
+
+async def test_over_model_traffic_a_tighter_postcondition_names_exactly_the_runs_it_halts(
+        model_store, tmp_path):
+    doc = yaml.safe_load(MODEL_EXAMPLE.read_bytes())
+    doc["steps"]["lookup_order"]["postcondition"] = ["output.order_id < 'ord-130'"]
+    candidate = tmp_path / "c.yaml"
+    candidate.write_text(yaml.safe_dump(doc))
+    with RecordedStore(model_store) as store:
+        late = sorted(run.run_id for run in store.runs(store.run_ids("order-confirmation"))
+                      if run.history[0]["input"]["order_id"] >= "ord-130")
+
+    ran = await replay("--contract", candidate, "--baseline", MODEL_EXAMPLE, "--store",
+                       model_store, "--json")
+
+    assert ran.code == 1, ran.err
+    assert len(late) == 5
+    assert names(ran.report["halts"]) == late
+    assert ran.report["counts"]["unchanged"] == 30
+
+
+# --- replay picks actions as the proxy does -----------------------------------------------------
+
+
+def _decisions() -> list[tuple[Decision, int, bool]]:
+    error = Violation("tool_error", "tool_error", "upstream answered 503", "exit")
+    late = Violation("precondition", "freshness", "stale", "entry")
+    return [(Decision("lookup_order", "entry"), 1, False),
+            (Decision("lookup_order", "exit"), 1, False),
+            (Decision("lookup_order", "exit", rejected=True), 1, False),
+            (Decision("check_policy", "entry", late), 1, False),
+            (Decision("reserve_slot", "exit", error), 1, True),
+            (Decision("reserve_slot", "exit", error), 1, False),
+            (Decision("reserve_slot", "exit", error), 2, True),
+            (Decision(FINAL, "exit", completed=True), 1, False),
+            (Decision(FINAL, "exit"), 1, False),
+            (Decision(FINAL, "exit", Violation("completion_proof", "false_completion", "no",
+                                               "exit")), 1, False)]
+
+
+@pytest.mark.parametrize("mode", ["enforce", "observe"])
+@pytest.mark.parametrize(("decision", "attempt", "safe"), _decisions())
+def test_replay_picks_the_action_the_proxy_settles_a_decision_with(mode, decision, attempt, safe):
+    doc = yaml.safe_load(EXAMPLE.read_bytes())
+    doc["mode"] = mode
+    contract = parse_contract(yaml.safe_dump(doc).encode(), "c.yaml")
+
+    assert action_of(contract, decision, attempt, safe) == Boundaries.action(
+        contract, decision, attempt, safe)
+
+
+# --- usage errors -------------------------------------------------------------------------------
+
+
+async def test_a_broken_candidate_exits_2_with_the_errors_check_names(drift_store, tmp_path):
+    def broken(doc: dict[str, Any]) -> None:
+        doc["steps"]["confirm"]["after"] = ["ghost"]
+
+    ran = await replay("--contract", variant(tmp_path / "c.yaml", broken), "--store", drift_store)
+
+    assert ran.code == 2
+    assert ran.out == ""
+    assert "steps.confirm.after[0]: unknown step 'ghost'" in ran.err
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--store", "missing.db"], "no store at missing.db"),
+    (["--run", "nobody"], "no run 'nobody'"),
+    (["--since", "yesterday"], "--since 'yesterday'"),
+])
+async def test_a_bad_flag_exits_2_saying_what_is_wrong(drift_store, flags, message):
+    store = [] if "--store" in flags else ["--store", drift_store]
+
+    ran = await replay("--contract", EXAMPLE, *store, *flags)
+
+    assert ran.code == 2
+    assert message in ran.err
+
+
+# --- a store with redacted and truncated payloads -----------------------------------------------
+
+
+async def test_runs_whose_stored_payloads_were_redacted_or_truncated_cannot_be_judged(
+        tools: Upstream, proxy: Any, store_path: Path, tmp_path: Path):
+    def recorded_under(doc: dict[str, Any]) -> None:
+        doc["contract_version"] = 1
+        doc["upstreams"]["tools"]["url"] = tools.url
+        doc["redact"] = ["note"]
+
+    contract = variant(tmp_path / "contract.yaml", recorded_under)
+    px = await proxy(load_contract(contract), payload_history_bytes=256)
+    for run, extra in (("clean", {}), ("noted", {"note": "call after 5"}),
+                       ("padded", {"padding": "x" * 300})):
+        reply = await send(px.client.request, "/tools/lookup_order",
+                           {"order_id": "ord-1", **extra}, run=run)
+        assert reply.status == 200, reply.body
+
+    # the stepguard that recorded them still holds the store
+    ran = await replay("--contract", contract, "--store", store_path, "--json")
+
+    assert ran.code == 0, ran.err
+    assert ran.report["unchanged"] == ["clean"]
+    reasons = {r["run"]: (r["reason"], r["at"]["seq"]) for r in ran.report["unjudgeable"]}
+    assert reasons == {"noted": ("redacted", 1), "padded": ("truncated", 1)}
