@@ -42,6 +42,7 @@ from typing import Any, Literal, NamedTuple, TypeAlias
 
 from aiohttp import web
 
+from stepguard.examples.order_confirmation import playbook
 from stepguard.examples.order_confirmation.serving import add_listen_options, chosen_port, run_aiohttp
 
 CONVERSATION_HEADER = "x-fake-conversation"
@@ -692,14 +693,20 @@ class ThreadedServer:
         self.stop()
 
 
+def play_order_confirmation(api: Api, body: JSONObject, headers: Mapping[str, str]) -> Turn:
+    """A planner: the order-confirmation workflow as `playbook` reads it off the conversation."""
+    step = playbook.next_turn(api, body, headers)
+    if isinstance(step, playbook.Call):
+        return ToolCalls.of((None, step.name, step.arguments))
+    return Reply.of_json(step.value)
+
+
 PORT_ENV, DEFAULT_PORT = "EXAMPLE_MODEL_PORT", 9001   # the port contract.model.yaml names
 
 
 def main(argv: list[str] | None = None) -> None:
     """`python -m stepguard.examples.order_confirmation.fake_model`: the fake model, playing the
     order-confirmation workflow for any agent that asks it (see `playbook`)."""
-    # the importable module, not `__main__`: the playbook's turns are that module's classes
-    from stepguard.examples.order_confirmation import fake_model, playbook
 
     parser = argparse.ArgumentParser(
         description="a fake model (OpenAI Chat Completions and Responses, Anthropic Messages) that "
@@ -707,7 +714,7 @@ def main(argv: list[str] | None = None) -> None:
                     "reserve_slot and confirm in turn, then answers {\"done\": true}")
     add_listen_options(parser, PORT_ENV, DEFAULT_PORT)
     args = parser.parse_args(argv)
-    run_aiohttp(fake_model.create_app(fake_model.FakeModel(planner=playbook.next_turn)), args.host,
+    run_aiohttp(create_app(FakeModel(planner=play_order_confirmation)), args.host,
                 chosen_port(args.port, PORT_ENV, DEFAULT_PORT), "fake model")
 
 

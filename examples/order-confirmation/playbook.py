@@ -21,12 +21,27 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from stepguard.examples.order_confirmation.fake_model import Api, JSONObject, Reply, ToolCalls, Turn
 from stepguard.examples.order_confirmation.tools import DRIFT_HEADER
 
 WORKFLOW = ("lookup_order", "check_policy", "reserve_slot", "confirm")
+JSONObject = dict[str, Any]
 DEFAULT_ORDER = 17
 _ORDER = re.compile(r"\bord-(\d+)\b")
+
+
+@dataclass(frozen=True)
+class Call:
+    """The model's next turn calls one tool."""
+
+    name: str
+    arguments: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Answer:
+    """The model's final answer: `value` as JSON text."""
+
+    value: dict[str, Any]
 
 
 @dataclass
@@ -53,7 +68,7 @@ def _result(content: Any) -> Any:
         return {"text": text}
 
 
-def read_conversation(api: Api, body: JSONObject) -> Conversation:
+def read_conversation(api: str, body: JSONObject) -> Conversation:
     """The user's text and the tool results so far, named after the calls they answer."""
     seen = Conversation()
     names: dict[str, str] = {}
@@ -99,16 +114,17 @@ def read_conversation(api: Api, body: JSONObject) -> Conversation:
     return seen
 
 
-def next_turn(api: Api, body: JSONObject, headers: Mapping[str, str]) -> Turn:
-    """The model's next turn in the order-confirmation workflow (a `FakeModel` planner)."""
+def next_turn(api: str, body: JSONObject, headers: Mapping[str, str]) -> Call | Answer:
+    """The model's next turn in the order-confirmation workflow, for a request to `api`
+    (`chat`, `responses` or `messages`) with this body and these (lower-cased) headers."""
     seen = read_conversation(api, body)
     found = _ORDER.search(" ".join(seen.user_text))
     number = int(found.group(1)) if found else DEFAULT_ORDER
     order_id = f"ord-{number}"
     for tool, result in seen.results:
         if isinstance(result, dict) and "error" in result:
-            return Reply.of_json({"done": False, "order_id": order_id,
-                                  "error": f"{tool} failed: {result['error']}"})
+            return Answer({"done": False, "order_id": order_id,
+                           "error": f"{tool} failed: {result['error']}"})
     drift = headers.get(DRIFT_HEADER, "")
     plan: list[tuple[str, dict[str, Any]]] = [
         ("lookup_order", {"order_id": order_id}),
@@ -119,9 +135,9 @@ def next_turn(api: Api, body: JSONObject, headers: Mapping[str, str]) -> Turn:
         plan[1], plan[2] = plan[2], plan[1]
     step = len(seen.results)
     if step >= len(plan):
-        return Reply.of_json({"done": True, "order_id": order_id})
+        return Answer({"done": True, "order_id": order_id})
     name, arguments = plan[step]
     if name == "confirm":
         slot = next((r for t, r in seen.results if t == "reserve_slot" and isinstance(r, dict)), {})
         arguments["slot_id"] = str(slot.get("slot_id", ""))
-    return ToolCalls.of((None, name, arguments))
+    return Call(name, arguments)

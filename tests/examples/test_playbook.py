@@ -19,7 +19,7 @@ WORKFLOW = ["lookup_order", "check_policy", "reserve_slot", "confirm"]
 
 @pytest.fixture
 async def model_url() -> AsyncIterator[str]:
-    async with fake_model.serve(FakeModel(planner=playbook.next_turn)) as url:
+    async with fake_model.serve(FakeModel(planner=fake_model.play_order_confirmation)) as url:
         yield url
 
 
@@ -77,9 +77,7 @@ def test_agent_side_drifts_are_asked_for_by_header(drift: str, second: tuple[str
         {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
                                               "function": {"name": "lookup_order", "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "{}"}]}
-    turn = playbook.next_turn("chat", body, {"x-fixture-drift": drift})
-    assert isinstance(turn, fake_model.ToolCalls)
-    assert [(c.name, dict(c.arguments)) for c in turn.calls] == [second]
+    assert playbook.next_turn("chat", body, {"x-fixture-drift": drift}) == playbook.Call(*second)
 
 
 def test_a_tool_result_carrying_an_error_ends_the_conversation_not_done() -> None:
@@ -89,6 +87,5 @@ def test_a_tool_result_carrying_an_error_ends_the_conversation_not_done() -> Non
                                            "input": {}}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
                                       "content": [{"type": "text", "text": '{"error": "down"}'}]}]}]}
-    turn = playbook.next_turn("messages", body, {})
-    assert isinstance(turn, fake_model.Reply)
-    assert json.loads(turn.text) == {"done": False, "order_id": "ord-2", "error": "lookup_order failed: down"}
+    assert playbook.next_turn("messages", body, {}) == playbook.Answer(
+        {"done": False, "order_id": "ord-2", "error": "lookup_order failed: down"})
