@@ -36,7 +36,7 @@ from stepguard.proxy.forward import Timing, UpstreamError
 from stepguard.proxy.joining import joined_extra
 from stepguard.proxy.routing import Route
 
-STOPPED = ("halted", "escalated")    # a run in these states refuses its calls
+STOPPED = ("halted", "escalated", "cancelled")    # a run in these states refuses its calls
 
 
 @dataclass(slots=True)

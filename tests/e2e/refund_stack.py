@@ -18,12 +18,12 @@ from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from refund_desk import Desk, TicketModel, http_app, serving_mcp
 
+from stepguard.bench.harness import running
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.loader import load_contracts
 from stepguard.examples.order_confirmation import fake_model
 from stepguard.proxy.app import Stepguard, build, create_app
 from stepguard.proxy.config import Settings
-from stepguard.bench.harness import running
 from stepguard.proxy.listener import Gate, GuardedRunner
 
 CONTRACT = Path(__file__).parent / "refund.contract.yaml"
