@@ -34,6 +34,15 @@ def run_id_for(contract: Contract, headers: Mapping[str, str], implicit: bool = 
     """The run a call belongs to, by the contract's key sources in order: `header:NAME`,
     `traceparent` (the trace id; `traceparent` given here, e.g. from MCP `params._meta`, before the
     header), `mcp-session` (the `Mcp-Session-Id` header)."""
+    found = keyed_by(contract, headers, traceparent)
+    if found is not None:
+        return found[0]
+    return implicit_run_id(contract) if implicit else None
+
+
+def keyed_by(contract: Contract, headers: Mapping[str, str],
+             traceparent: object = None) -> tuple[str, str] | None:
+    """(run id, the key source that named it) by `run_id_for`'s rules, or None."""
     for source in contract.run_keys:
         if source.startswith("arg:"):
             continue    # read from the call's arguments by `RunKeys.resolve`
@@ -47,8 +56,14 @@ def run_id_for(contract: Contract, headers: Mapping[str, str], implicit: bool = 
             if found and not _RUN_ID.match(found):
                 found = None
         if found:
-            return found
-    return implicit_run_id(contract) if implicit else None
+            return found, source
+    return None
+
+
+# key sources a call carries whatever run it belongs to: an MCP session outlives the runs of
+# its agent, and tracing may start a trace per call. A call a model issued is joined to the
+# model's run over them; a header is the agent's explicit choice and is never overruled.
+_TRANSPORT_KEYS = ("traceparent", "mcp-session")
 
 
 def implicit_run_id(contract: Contract) -> str | None:
@@ -129,11 +144,16 @@ class RunKeys:
                       arguments: Any, traceparent: object = None, call_input: Any = None) -> Keyed:
         """The call's run. `arguments` are read for `arg:` keys; `call_input` (default
         `arguments`) is matched against the tool calls model responses issued (joining)."""
-        known = run_id_for(contract, headers, implicit=False, traceparent=traceparent)
+        named = keyed_by(contract, headers, traceparent)
+        known = named[0] if named is not None else None
         joined = None
-        if known is None:   # no key of its own: is it a call a model response issued?
-            issued = self.pending.take(contract.workflow, step.name,
-                                       arguments if call_input is None else call_input)
+        if named is None or named[1] in _TRANSPORT_KEYS:   # is it a call a model issued?
+            call = arguments if call_input is None else call_input
+            issued = self.pending.take(contract.workflow, step.name, call)
+            if issued is None and await self.pending.settled(contract.workflow):
+                # a streamed turn was still being checked: the agent may be executing one of
+                # its calls already, before the stream's end
+                issued = self.pending.take(contract.workflow, step.name, call)
             if issued is not None:
                 known, joined = issued.run_id, issued.call_id
         values = [(n, v) for n in arg_names(contract) if (v := arg_value(arguments, n)) is not None]
@@ -204,7 +224,7 @@ class RunKeys:
         envelope = await self.store.load(owner)
         if envelope is None:    # claimed by a first call not stored yet, or purged
             return owner if claimed else None
-        return None if envelope.status == "completed" else owner
+        return None if envelope.status in ("completed", "cancelled") else owner
 
     async def _register(self, contract: Contract, run_id: str, values: list[tuple[str, str]],
                         owners: list[str | None]) -> None:

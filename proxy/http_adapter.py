@@ -7,17 +7,13 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import ChainMap
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 from multidict import CIMultiDict
 
-from stepguard.contracts.engine import check_entry, check_exit
-from stepguard.contracts.envelope import Envelope
-from stepguard.contracts.errors import RunOfAnotherWorkflow, StoreError
-from stepguard.contracts.events import OBSERVE, RETRY, Decision, ToolResult, Violation
-from stepguard.contracts.model import Contract, Step
+from stepguard.contracts.events import ToolResult
 from stepguard.contracts.runs import RunBook
 from stepguard.metrics.observer import Observer
 from stepguard.proxy.bodies import (
@@ -27,11 +23,28 @@ from stepguard.proxy.bodies import (
     request_input,
     response_output,
 )
-from stepguard.proxy.boundaries import Boundaries, Evidence, Settled, back_off, retrying_conflicts
+from stepguard.proxy.boundaries import Boundaries
+from stepguard.proxy.calls import (
+    Answer,
+    Call,
+    CallLoop,
+    NotStored,
+    OtherWorkflow,
+    RunStopped,
+    Stopped,
+    Unreached,
+    Violated,
+)
 from stepguard.proxy.config import Settings
-from stepguard.proxy.correlation import NO_RUN_KEY, STORE, Keyed
-from stepguard.proxy.forward import SAME_AS_TIMEOUT, Forwarder, Timing, Upstreamed, UpstreamError, end_to_end
-from stepguard.proxy.joining import joined_extra
+from stepguard.proxy.correlation import NO_RUN_KEY, STORE
+from stepguard.proxy.forward import (
+    SAME_AS_TIMEOUT,
+    Forwarder,
+    Timing,
+    Upstreamed,
+    UpstreamError,
+    end_to_end,
+)
 from stepguard.proxy.problems import halted_problem, problem, violation_problem
 from stepguard.proxy.routing import Route
 
@@ -39,28 +52,28 @@ TRAFFIC = "http"
 
 
 @dataclass(slots=True)
-class Call:
-    """One checked call of a step, as it moves through its boundaries."""
+class HttpCall(Call):
+    """A checked HTTP tool call: its input is the JSON body (else the query)."""
 
-    route: Route
-    step: Step
-    run_id: str
-    request: web.Request
-    headers: CIMultiDict[str]
-    body: bytes
-    timing: Timing
-    input: Any = None
-    safe_to_retry: bool = False
-    forwarded: bool = False               # the upstream has been called: never call it again
-    answer: Upstreamed | None = None      # ... and what it answered last
-    key_drift: Keyed | None = None        # the run key's resolution (`drift`: a stale argument)
+    parse_error: BodyError | None = None    # the body could not be read: a shape violation
 
     @property
-    def contract(self) -> Contract:
-        return self.route.contract
+    def input_fault(self) -> str | None:
+        return self.parse_error.detail if self.parse_error is not None else None
+
+    @property
+    def joinable(self) -> bool:
+        return self.parse_error is None
+
+    @property
+    def entry_status(self) -> int | None:
+        return self.parse_error.status if self.parse_error is not None else None
 
 
 class HttpToolAdapter:
+    """Plain HTTP tool calls, checked on the shared call loop (`calls`), for which this is the
+    protocol: the upstream's answer relayed as it came, stops answered as problem+json."""
+
     traffic = TRAFFIC
 
     def __init__(self, runs: RunBook, forwarder: Forwarder, settings: Settings,
@@ -70,6 +83,7 @@ class HttpToolAdapter:
         self.settings = settings
         self.observer = observer
         self.boundaries = boundaries
+        self.calls = CallLoop(self, runs, boundaries, observer, settings)
 
     def error(self, route: Route, status: int, title: str, detail: str) -> web.Response:
         return problem(status, title, detail, upstream=route.upstream.name)
@@ -106,18 +120,14 @@ class HttpToolAdapter:
             return problem(400 if reason == NO_RUN_KEY else 409,
                            "No run key" if reason == NO_RUN_KEY else "No live run", keyed.detail,
                            workflow=route.contract.workflow, step=step.name)
-        run_id = keyed.run_id
-        call = Call(route, step, run_id, request, headers, body, timing, input=arguments,
-                    key_drift=keyed)
-        try:
-            return await self._checked(call, parse_error)
-        except StoreError as exc:
-            return await self._store_failed(call, exc)
-        except RunOfAnotherWorkflow as exc:
-            self.boundaries.call_refused(route, "other_workflow", str(exc), step.name, TRAFFIC,
-                                         run_id)
-            return problem(409, "Run of another workflow", str(exc), run=run_id,
-                           workflow=route.contract.workflow, step=step.name, owner=exc.owner)
+        call = HttpCall(route, step, keyed.run_id, request, headers, body, timing,
+                        input=arguments, key_drift=keyed, parse_error=parse_error)
+        call.safe_to_retry = bool(step.idempotent or step.idempotency_key
+                                  or "idempotency-key" in headers)
+        if step.idempotency_key and "idempotency-key" not in headers:
+            digest = hashlib.sha256(f"{call.run_id}\0{step.name}".encode()).hexdigest()[:32]
+            headers["Idempotency-Key"] = f"sg-{digest}"
+        return await self.calls.checked(call)
 
     async def _unmatched(self, request: web.Request, route: Route, headers: CIMultiDict[str],
                          body: bytes, timing: Timing) -> web.StreamResponse:
@@ -142,178 +152,74 @@ class HttpToolAdapter:
             return problem(504 if exc.kind == "timeout" else 502, "Upstream failed", exc.detail,
                            upstream=route.upstream.name)
 
-    async def _checked(self, call: Call, parse_error: BodyError | None) -> web.StreamResponse:
-        step = call.step
-        call.safe_to_retry = (step.idempotent or step.idempotency_key
-                              or "idempotency-key" in call.headers)
-        if step.idempotency_key and "idempotency-key" not in call.headers:
-            digest = hashlib.sha256(f"{call.run_id}\0{step.name}".encode()).hexdigest()[:32]
-            call.headers["Idempotency-Key"] = f"sg-{digest}"
-        response = await retrying_conflicts(call.run_id, lambda: self._entry(call, parse_error))
-        if response is not None:
-            return response
-        return await self._forward_and_exit(call)
+    # -- the call loop's protocol -----------------------------------------------------------------
 
-    async def _entry(self, call: Call, parse_error: BodyError | None) -> web.StreamResponse | None:
-        async with self.runs.locked(call.run_id):
-            envelope = await self.runs.envelope(call.contract, call.run_id)
-            if envelope.status in ("halted", "escalated"):
-                return await self._refuse(call, envelope)
-            drift = call.key_drift
-            if drift is not None and drift.joined is not None and drift.drift is None:
-                if drift.joined in envelope.pending and parse_error is None:
-                    return None   # the model's tool call was this call's entry, checked and stored
-                call.key_drift = replace(drift, joined=None)   # no longer pending: on its own
-            if drift is not None and drift.drift is not None:
-                decision = Decision(call.step.name, "entry", Violation(
-                    "run_key", "freshness", drift.drift, "entry", field=drift.field))
-            elif parse_error is not None:
-                violation = Violation("input_schema", "shape", parse_error.detail, "entry",
-                                      field="input")
-                decision = Decision(call.step.name, "entry", violation)
-            else:
-                decision = check_entry(call.step, envelope, call.input, now=call.timing.arrived)
-            settled = await self._settle(call, envelope, decision)
-        return self._render(call, decision, settled, parse_error.status if parse_error else None)
+    async def send(self, call: HttpCall) -> Answer:
+        timeout = call.step.timeout_s or call.route.upstream.timeout_s
+        started = time.perf_counter()
+        try:
+            up = await self.forwarder.fetch(call.request.method,
+                                            upstream_url(call.route, call.request), call.headers,
+                                            call.body, timeout)
+        except UpstreamError as exc:
+            self.boundaries.upstream_seen(call.route, call.timing, started, None)
+            if exc.kind == "unreachable":
+                return Answer(ToolResult(None, error=exc.detail, error_kind="transport"),
+                              unreachable=exc)
+            return Answer(ToolResult(None, error=exc.detail, error_kind=exc.kind))
+        self.boundaries.upstream_seen(call.route, call.timing, started, up.status)
+        return Answer(tool_result(up, self.settings.max_response_bytes,
+                                  self.settings.max_json_depth), up.status, up.headers, up.body)
 
-    async def _forward_and_exit(self, call: Call) -> web.StreamResponse:
-        step, contract = call.step, call.contract
-        url = upstream_url(call.route, call.request)
-        timeout = step.timeout_s or call.route.upstream.timeout_s
-        attempt = 1
-        while True:
-            upstream_started = time.perf_counter()
-            up: Upstreamed | None = None
-            call.forwarded = True
-            try:
-                up = await self.forwarder.fetch(call.request.method, url, call.headers, call.body,
-                                                timeout)
-            except UpstreamError as exc:
-                self.boundaries.upstream_seen(call.route, call.timing, upstream_started, None)
-                if exc.kind == "unreachable":
-                    return await self._unreachable(call, exc, attempt)
-                result = ToolResult(None, error=exc.detail, error_kind=exc.kind)
-            else:
-                self.boundaries.upstream_seen(call.route, call.timing, upstream_started, up.status)
-                result = tool_result(up, self.settings.max_response_bytes,
-                                     self.settings.max_json_depth)
-            call.answer = up
-            exit_ = await retrying_conflicts(
-                call.run_id, lambda: self._exit(call, attempt, result, up))  # noqa: B023
-            if isinstance(exit_, web.Response):
-                return exit_
-            decision, settled = exit_
-            if settled.action == RETRY:
-                await back_off(step, attempt, call.timing)
-                refused = await retrying_conflicts(call.run_id, lambda: self._stopped_meanwhile(call))
-                if refused is not None:
-                    return refused
-                attempt += 1
-                continue
-            if attempt > 1:
-                self.observer.retry_outcome(contract, step.name, recovered=decision.passed)
-            status = 504 if result.error_kind == "timeout" else None
-            response = self._render(call, decision, settled, status)
-            if response is not None:
-                return response
-            assert up is not None
-            return web.Response(status=up.status, headers=up.headers, body=up.body)
+    async def relay(self, call: HttpCall, answer: Answer) -> web.StreamResponse:
+        if answer.status is None:   # no answer at all, but the contract let it pass (observe)
+            result = answer.result
+            return problem(504 if result.error_kind == "timeout" else 502, "Upstream failed",
+                           f"run {call.run_id!r}, step {call.step.name!r}: {result.error}",
+                           upstream=call.route.upstream.name, run=call.run_id,
+                           step=call.step.name)
+        return web.Response(status=answer.status, headers=answer.headers, body=answer.body)
 
-    async def _unreachable(self, call: Call, exc: UpstreamError, attempt: int) -> web.Response:
-        """The call never reached the upstream: recorded as such, the run left where it was
-        (no tool error, no halt), and the agent told to try again."""
-        if attempt == 1:
-            call.forwarded = False          # provably not sent: a store failure may say so
-
-        async def record() -> Settled:
-            async with self.runs.locked(call.run_id):
-                envelope = await self.runs.envelope(call.contract, call.run_id)
-                return await self.boundaries.unreachable(
-                    call.contract, call.run_id, envelope, call.step.name, exc.detail,
-                    timing=call.timing, traffic=TRAFFIC, attempt=attempt)
-
-        settled = await retrying_conflicts(call.run_id, record)
-        return unreachable_problem(exc, upstream=call.route.upstream.name, run=call.run_id,
-                                   step=call.step.name, decision_id=settled.decision_id)
-
-    async def _stopped_meanwhile(self, call: Call) -> web.Response | None:
-        """Before a retry is sent: a run halted or escalated during the back-off (by another
-        call of the run) refuses it, so the tool is not called again for a stopped run."""
-        async with self.runs.locked(call.run_id):
-            envelope = await self.runs.envelope(call.contract, call.run_id)
-            if envelope.status in ("halted", "escalated"):
-                return await self._refuse(call, envelope)
+    def extra(self, call: HttpCall) -> dict[str, Any] | None:
         return None
 
-    async def _exit(self, call: Call, attempt: int, result: ToolResult,
-                    up: Upstreamed | None) -> tuple[Decision, Settled] | web.Response:
-        """The exit boundary, under the run's lock: the envelope may have moved while the call
-        was at the upstream (a run halted meanwhile refuses the answer)."""
-        async with self.runs.locked(call.run_id):
-            envelope = await self.runs.envelope(call.contract, call.run_id)
-            if envelope.status in ("halted", "escalated"):
-                return await self._refuse(call, envelope, "exit")
-            decision = check_exit(call.contract, call.step, envelope, call.input, result,
-                                  now=call.timing.arrived)
-            settled = await self._settle(call, envelope, decision, attempt, result, up)
-        return decision, settled
+    async def pause(self, call: HttpCall, answer: Answer,
+                    attempt: int) -> web.StreamResponse | None:
+        return None
 
-    async def _settle(self, call: Call, envelope: Envelope, decision: Decision, attempt: int = 1,
-                      result: ToolResult | None = None, up: Upstreamed | None = None) -> Settled:
-        evidence = Evidence(call.input, call.body, result, up.body if up else None)
-        joined = call.key_drift.joined if call.key_drift is not None else None
-        return await self.boundaries.settle(
-            call.contract, call.run_id, envelope, decision, evidence, timing=call.timing,
-            traffic=TRAFFIC, attempt=attempt, safe_to_retry=call.safe_to_retry,
-            extra=joined_extra(joined, result.output if result is not None else None))
-
-    @staticmethod
-    def _render(call: Call, decision: Decision, settled: Settled,
-                status: int | None) -> web.Response | None:
-        """The response that ends the call, or None to go on."""
-        violation = decision.violation
-        if violation is None or settled.action in (OBSERVE, RETRY):
-            return None
-        contract = call.contract
-        return violation_problem(violation, run_id=call.run_id, workflow=contract.workflow,
-                                 version=contract.version, step=call.step.name,
-                                 action=settled.action, decision_id=settled.decision_id,
-                                 status=status)
-
-    async def _refuse(self, call: Call, envelope: Envelope, boundary: str = "entry") -> web.Response:
-        settled = await self.boundaries.refuse(call.contract, call.run_id, envelope, call.step.name,
-                                               timing=call.timing, traffic=TRAFFIC, boundary=boundary)
-        return halted_problem(call.run_id, call.contract.workflow, envelope.status,
-                              envelope.halt or {}, call.step.name, boundary, settled.decision_id)
-
-    async def _store_failed(self, call: Call, exc: StoreError) -> web.StreamResponse:
-        self.observer.store_error("append", str(exc), run_id=call.run_id,
-                                  workflow=call.contract.workflow, step=call.step.name)
-        if call.forwarded:
-            return self._exit_not_stored(call, exc)
-        if not self.settings.fail_open:
-            return problem(503, "Store unavailable",
-                           f"run {call.run_id!r}, step {call.step.name!r}: the event could not "
-                           f"be stored ({exc}); the call was not forwarded (fail closed)",
-                           retry=True, run=call.run_id, step=call.step.name)
-        self.observer.fail_open(call.contract, call.step.name, call.run_id)
+    async def unchecked(self, call: HttpCall) -> web.StreamResponse:
         return await self.forward_unchecked(call.request, call.route, call.headers, call.body,
                                             call.timing)
 
-
-    def _exit_not_stored(self, call: Call, exc: StoreError) -> web.StreamResponse:
-        """The tool ran but its exit could not be stored. It is never called a second time:
-        fail-open hands back the answer it gave (counted); fail-closed withholds it and says so,
-        and tells the client not to retry blindly (the side effect may have happened)."""
-        if self.settings.fail_open and call.answer is not None:
-            self.observer.fail_open(call.contract, call.step.name, call.run_id)
-            up = call.answer
-            return web.Response(status=up.status, headers=up.headers, body=up.body)
-        return problem(502, "Exit not recorded",
-                       f"run {call.run_id!r}, step {call.step.name!r}: the tool was called, but "
-                       f"its exit could not be stored ({exc}); its answer is withheld (fail "
-                       "closed). The side effect may have happened: check before retrying.",
-                       run=call.run_id, step=call.step.name, boundary="exit")
+    async def render(self, call: HttpCall, why: Stopped) -> web.StreamResponse:
+        contract, run_id, step = call.contract, call.run_id, call.step.name
+        if isinstance(why, Violated):
+            return violation_problem(why.violation, run_id=run_id, workflow=contract.workflow,
+                                     version=contract.version, step=step,
+                                     action=why.settled.action,
+                                     decision_id=why.settled.decision_id, status=why.status)
+        if isinstance(why, RunStopped):
+            envelope = why.envelope
+            return halted_problem(run_id, contract.workflow, envelope.status,
+                                  envelope.halt or {}, step, why.boundary, why.decision_id)
+        if isinstance(why, Unreached):
+            return unreachable_problem(why.error, upstream=call.route.upstream.name, run=run_id,
+                                       step=step, decision_id=why.decision_id)
+        if isinstance(why, NotStored) and why.forwarded:
+            # the tool ran: not to be retried blindly (the side effect may have happened)
+            return problem(502, "Exit not recorded",
+                           f"run {run_id!r}, step {step!r}: the tool was called, but its exit "
+                           f"could not be stored ({why.error}); its answer is withheld (fail "
+                           "closed). The side effect may have happened: check before retrying.",
+                           run=run_id, step=step, boundary="exit")
+        if isinstance(why, NotStored):
+            return problem(503, "Store unavailable",
+                           f"run {run_id!r}, step {step!r}: the event could not be stored "
+                           f"({why.error}); the call was not forwarded (fail closed)",
+                           retry=True, run=run_id, step=step)
+        assert isinstance(why, OtherWorkflow)
+        return problem(409, "Run of another workflow", str(why.error), run=run_id,
+                       workflow=contract.workflow, step=step, owner=why.error.owner)
 
 
 def tool_result(up: Upstreamed, limit: int, max_depth: int = MAX_JSON_DEPTH) -> ToolResult:

@@ -9,10 +9,17 @@ call already stored, and its exit is checked at the tool's answer and stored wit
 call id (which ends the call's pending state). What the agent then hands the model as the
 call's result must agree with what was checked (`agrees`). Everything is in memory and bounded:
 an entry not taken within `ttl_s`, or pushed out past `limit`, is forgotten (the tool-side call
-is then correlated as any other)."""
+is then correlated as any other).
+
+An agent may execute a streamed tool call before the stream has ended: stepguard relays the
+call as it arrives and holds only the terminator until the turn is checked, so the execution
+can arrive before the call is issued here. A streamed turn that has shown tool calls is
+registered as `streaming` until it is checked; a tool-side call that matches nothing issued
+waits for the turns of its workflow in that state (`settled`, bounded) and looks again."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import time
 from collections import OrderedDict
@@ -47,12 +54,47 @@ class Issued:
     expires: float
 
 
+# how long a tool-side call waits for the streamed turns that may be issuing it (as a model
+# request waits for the stored entry of a streamed call it answers)
+STREAMING_WAIT_S = 30.0
+
+
 class PendingCalls:
     def __init__(self, limit: int = 10_000, ttl_s: float = 600.0) -> None:
         self.limit, self.ttl_s = limit, ttl_s
         self._issued: OrderedDict[tuple[str, str, str], list[Issued]] = OrderedDict()
         # entries per (workflow, step): a call of a step no model issued costs no digest
         self._steps: dict[tuple[str, str], int] = {}
+        # per workflow: the streamed turns showing tool calls that are not checked yet, each
+        # by the event set once its calls are issued (or refused)
+        self._streaming: dict[str, set[asyncio.Event]] = {}
+
+    def streaming(self, workflow: str, checked: asyncio.Event) -> None:
+        """A streamed turn of `workflow` has shown tool calls; `checked` is set once they are
+        issued or refused (the caller then calls `streamed`)."""
+        self._streaming.setdefault(workflow, set()).add(checked)
+
+    def streamed(self, workflow: str, checked: asyncio.Event) -> None:
+        turns = self._streaming.get(workflow)
+        if turns is not None:
+            turns.discard(checked)
+            if not turns:
+                del self._streaming[workflow]
+
+    async def settled(self, workflow: str, timeout_s: float = STREAMING_WAIT_S) -> bool:
+        """Wait (at most `timeout_s`) until the streamed turns of `workflow` showing tool calls
+        now are checked. False at once when there are none."""
+        turns = [t for t in self._streaming.get(workflow, ()) if not t.is_set()]
+        if not turns:
+            return False
+        waiting = [asyncio.ensure_future(t.wait()) for t in turns]
+        try:
+            await asyncio.wait(waiting, timeout=timeout_s)
+        finally:     # past the bound, or this call was cancelled (its client left)
+            for waiter in waiting:
+                waiter.cancel()
+            await asyncio.gather(*waiting, return_exceptions=True)
+        return True
 
     def _forget(self, key: tuple[str, str, str], entries: int) -> None:
         step = key[:2]

@@ -9,176 +9,60 @@ based, and the stateless 2026-07-28 protocol).
 A violation is a JSON-RPC error answering the call's id (code -31000, details in `data`), so
 MCP clients raise `MCPError`. SSE responses are relayed event by event (progress notifications
 flow at once); only the event that answers the call is held until the exit check.
+
+The call is checked on the shared call loop (`calls.py`); its pieces live beside this module:
+the JSON-RPC vocabulary (`mcp_rpc.py`), one attempt at the server with its event stream relayed
+(`mcp_upstream.py`), and resumable streams (`mcp_resumption.py`).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
-from collections import OrderedDict
-from dataclasses import dataclass, field, replace
 from typing import Any
 
 import orjson
 from aiohttp import web
-from multidict import CIMultiDict
 
-from stepguard.contracts.engine import check_entry, check_exit
-from stepguard.contracts.envelope import Envelope
-from stepguard.contracts.errors import RunOfAnotherWorkflow, StoreError
-from stepguard.contracts.events import OBSERVE, RETRY, Decision, ToolResult, Violation
-from stepguard.contracts.model import Contract, Step
 from stepguard.contracts.runs import RunBook
 from stepguard.metrics.observer import Observer
-from stepguard.proxy.bodies import MAX_JSON_DEPTH, BodyError, charset_of, decode, parse_json
-from stepguard.proxy.boundaries import (
-    UNREACHABLE,
-    Boundaries,
-    Evidence,
-    Settled,
-    back_off,
-    retrying_conflicts,
-)
+from stepguard.proxy.bodies import BodyError
+from stepguard.proxy.boundaries import Boundaries
+from stepguard.proxy.calls import Answer, CallLoop, Stopped
 from stepguard.proxy.config import Settings
-from stepguard.proxy.correlation import NO_RUN_KEY, STORE, Keyed, run_id_for
-from stepguard.proxy.forward import (
-    HOP_BY_HOP,
-    ClientEnd,
-    Forwarder,
-    Timing,
-    UpstreamError,
-    ask_for_identity,
-    end_to_end,
-    read_chunks,
+from stepguard.proxy.correlation import NO_RUN_KEY, STORE
+from stepguard.proxy.forward import Forwarder, Timing, end_to_end
+from stepguard.proxy.http_adapter import HttpToolAdapter
+from stepguard.proxy.mcp_resumption import McpResumption, Resumptions
+from stepguard.proxy.mcp_rpc import (
+    REQUEST_CODE,
+    error_response,
+    refusal_for,
+    rpc_error,
+    tools_call,
 )
-from stepguard.proxy.h1client import H1Response, UpstreamConnectionError
-from stepguard.proxy.http_adapter import HttpToolAdapter, upstream_url
-from stepguard.proxy.joining import joined_extra
+from stepguard.proxy.mcp_upstream import McpAnswer, McpCall, McpUpstream
 from stepguard.proxy.routing import Route
-from stepguard.proxy.sse import (
-    EventTooDeep,
-    EventTooLarge,
-    SSESplitter,
-    event_json,
-    events_to_end,
-)
 
 TRAFFIC = "mcp"
-VIOLATION_CODE = -31000      # outside JSON-RPC's and MCP's reserved ranges
-HALTED_CODE = -31001
-REQUEST_CODE = -31002        # the call itself cannot be checked (no run key, a batch of calls)
-KEEPALIVE_S = 0.5            # a resumed stream waiting for a call's outcome: comment this often
-
-
-class Refusal(Exception):
-    def __init__(self, code: int, message: str, data: dict[str, Any]) -> None:
-        self.code, self.message, self.data = code, message, data
-        super().__init__(message)
-
-
-@dataclass(slots=True)
-class ToolCall:
-    route: Route
-    step: Step
-    run_id: str
-    request: web.Request
-    headers: CIMultiDict[str]
-    body: bytes
-    rpc_id: Any
-    arguments: Any
-    timing: Timing
-    out: ClientEnd | None = None     # the client's stream, once an SSE answer starts flowing
-    forwarded: bool = False          # the MCP server has been called: never call it again
-    answer: Answer | None = None     # ... and what it answered last
-    cut: Cut | None = None           # once an event with an id was relayed: resumable
-    key_drift: Keyed | None = None   # the run key's resolution (`drift`: a stale argument key)
-
-    @property
-    def contract(self) -> Contract:
-        return self.route.contract
-
-
-@dataclass(slots=True)
-class Answer:
-    """What the upstream said to one attempt of a tools/call."""
-
-    result: ToolResult
-    status: int | None = None
-    headers: CIMultiDict[str] | None = None
-    body: bytes = b""               # the JSON answer, or the held SSE event that answers the call
-    sse: bool = False
-    resumable: bool = False         # the stream ended unanswered after events with ids
-    unreachable: UpstreamError | None = None   # no connection could be made: never sent
-
-
-@dataclass(slots=True, eq=False)
-class Cut:
-    """A checked call whose event stream a client may resume (GET with Last-Event-ID): what
-    the resuming client gets is `outcome`: the final event stepguard decided (the checked
-    answer, or the refusal), or None when the server ended its stream before answering (SSE
-    polling), so the resumption goes on upstream and the answer is checked there."""
-
-    call: ToolCall
-    attempt: int = 1
-    ids: list[tuple[str, str, str]] = field(default_factory=list)
-    outcome: asyncio.Future[bytes | None] = field(
-        default_factory=lambda: asyncio.get_running_loop().create_future())
-
-
-def stream_scope(route: Route, request: web.Request) -> tuple[str, str]:
-    """Event ids are unique only within a session's streams: they are kept per upstream and
-    Mcp-Session-Id."""
-    return route.upstream.name, request.headers.get("mcp-session-id", "")
-
-
-class Resumptions:
-    """The cut streams of checked calls, by every event id relayed on them (a client resumes
-    from the last one it received), per upstream and session. In memory and bounded: a
-    resumption this process does not know (a restart, another replica, long evicted) is
-    refused, never passed through."""
-
-    def __init__(self, limit: int = 4096) -> None:
-        self.limit = limit
-        self._by_id: OrderedDict[tuple[str, str, str], Cut] = OrderedDict()
-
-    def relayed(self, cut: Cut, scope: tuple[str, str], event_id: str) -> None:
-        key = (*scope, event_id)
-        cut.ids.append(key)
-        self._by_id[key] = cut
-        while len(self._by_id) > self.limit:
-            self._by_id.popitem(last=False)
-
-    def find(self, scope: tuple[str, str], event_id: str) -> Cut | None:
-        return self._by_id.get((*scope, event_id))
-
-    def forget(self, cut: Cut) -> None:
-        for key in cut.ids:
-            if self._by_id.get(key) is cut:     # an id another stream reused is not this one's
-                del self._by_id[key]
-        cut.ids = []
-
-    def __len__(self) -> int:
-        return len(self._by_id)
-
-
-def rpc_error(rpc_id: Any, code: int, message: str, data: dict[str, Any]) -> dict[str, Any]:
-    return {"jsonrpc": "2.0", "id": rpc_id, "error": {"code": code, "message": message,
-                                                        "data": data}}
 
 
 class McpAdapter:
+    """Routes MCP traffic (checked tools/call, resumptions, the rest passed through) and is the
+    call loop's protocol for a tools/call: answers relayed as JSON or as the event that ends
+    the call's stream, stops answered as JSON-RPC errors for the call's id."""
+
     traffic = TRAFFIC
 
     def __init__(self, runs: RunBook, forwarder: Forwarder, settings: Settings,
                  observer: Observer, boundaries: Boundaries, http: HttpToolAdapter) -> None:
-        self.runs = runs
-        self.forwarder = forwarder
         self.settings = settings
-        self.observer = observer
         self.boundaries = boundaries
         self.http = http
         self.resumptions = Resumptions()
+        self.upstream = McpUpstream(forwarder, settings, boundaries, self.resumptions)
+        self.calls = CallLoop(self, runs, boundaries, observer, settings)
+        self.resumption = McpResumption(forwarder, settings, self.resumptions, self.upstream,
+                                        self.calls)
 
     def error(self, route: Route, status: int, title: str, detail: str) -> web.Response:
         body = rpc_error(None, REQUEST_CODE, f"stepguard: {title}: {detail}", {"title": title})
@@ -188,24 +72,24 @@ class McpAdapter:
                      timing: Timing) -> web.StreamResponse:
         headers = end_to_end(request.headers)
         try:
-            message = self._message(request, body, self.settings.max_request_bytes,
-                                    self.settings.max_json_depth)
+            message = tools_call(request, body, self.settings.max_request_bytes,
+                                 self.settings.max_json_depth)
         except BodyError as exc:
             self.boundaries.call_refused(route, "unparseable", exc.detail, None, TRAFFIC)
-            return self._json(None, REQUEST_CODE, f"stepguard: the request body cannot be read "
-                              f"to be checked: {exc.detail}", {"check": "request"})
+            return error_response(None, REQUEST_CODE, f"stepguard: the request body cannot be "
+                                  f"read to be checked: {exc.detail}", {"check": "request"})
         if (request.method == "GET" and "last-event-id" in request.headers
                 and not self.settings.passthrough and _has_checked_tools(route)):
-            return await self._resume(request, route, headers, timing)
+            return await self.resumption.resume(request, route, headers, timing)
         if message is None or self.settings.passthrough:
             return await self.http.forward_unchecked(request, route, headers, body, timing,
                                                      read_timeout_s=None)
         if isinstance(message, list):
             self.boundaries.call_refused(route, "batch", "a JSON-RPC batch holds a tools/call",
                                          None, TRAFFIC)
-            return self._json(None, REQUEST_CODE, "stepguard: a JSON-RPC batch containing "
-                              "tools/call cannot be checked; send each call on its own",
-                              {"check": "request"})
+            return error_response(None, REQUEST_CODE, "stepguard: a JSON-RPC batch containing "
+                                  "tools/call cannot be checked; send each call on its own",
+                                  {"check": "request"})
         params: dict[str, Any] = message["params"] if isinstance(message.get("params"), dict) else {}
         step = route.contract.step_for_tool(route.upstream.name, str(params.get("name", "")))
         rpc_id = message.get("id")
@@ -214,8 +98,8 @@ class McpAdapter:
                 detail = (f"tool {str(params.get('name'))[:200]!r} matches no step of workflow "
                           f"{route.contract.workflow!r}, and the contract refuses unmatched calls")
                 self.boundaries.call_refused(route, "unmatched", detail, None, TRAFFIC)
-                return self._json(rpc_id, REQUEST_CODE, f"stepguard: {detail}",
-                                  {"check": "unmatched"})
+                return error_response(rpc_id, REQUEST_CODE, f"stepguard: {detail}",
+                                      {"check": "unmatched"})
             return await self.http.forward_unchecked(request, route, headers, body, timing)
         meta: dict[str, Any] = params["_meta"] if isinstance(params.get("_meta"), dict) else {}
         keyed = await self.boundaries.run_keys.resolve(
@@ -224,537 +108,48 @@ class McpAdapter:
         if keyed.run_id is None:
             reason = keyed.reason or NO_RUN_KEY
             self.boundaries.call_refused(route, reason, keyed.detail, step.name, TRAFFIC)
-            return self._json(rpc_id, REQUEST_CODE, f"stepguard: {keyed.detail}",
-                              {"check": "correlation", "step": step.name},
-                              retry=reason == STORE)
-        run_id = keyed.run_id
-        call = ToolCall(route, step, run_id, request, headers, body, rpc_id,
-                        params.get("arguments"), timing, key_drift=keyed)
-        try:
-            return await self._checked(call)
-        except Refusal as refusal:
-            return await self._refuse(call, refusal)
-        except RunOfAnotherWorkflow as exc:
-            self.boundaries.call_refused(route, "other_workflow", str(exc), step.name, TRAFFIC,
-                                         run_id)
-            return await self._refuse(call, Refusal(REQUEST_CODE, f"stepguard: {exc}",
-                                                    {"check": "correlation", "run": run_id}))
-        except StoreError as exc:
-            self.observer.store_error("append", str(exc), run_id=run_id,
-                                      workflow=route.contract.workflow, step=step.name)
-            return await self._store_failed(call, exc)
+            return error_response(rpc_id, REQUEST_CODE, f"stepguard: {keyed.detail}",
+                                  {"check": "correlation", "step": step.name},
+                                  retry=reason == STORE)
+        call = McpCall(route, step, keyed.run_id, request, headers, body, timing,
+                       input=params.get("arguments"), key_drift=keyed, rpc_id=rpc_id,
+                       safe_to_retry=step.idempotent)   # MCP calls carry no idempotency key
+        return await self.calls.checked(call)
 
-    async def _store_failed(self, call: ToolCall, exc: StoreError) -> web.StreamResponse:
-        """Fail closed, or (counted) fail open. Once the tool has been called it is never called
-        again: fail-open hands back the answer it gave, fail-closed withholds it."""
-        answer = call.answer
-        if self.settings.fail_open and not call.forwarded:
-            self.observer.fail_open(call.contract, call.step.name, call.run_id)
-            return await self.http.forward_unchecked(call.request, call.route, call.headers,
-                                                     call.body, call.timing)
-        if self.settings.fail_open and answer is not None and answer.status is not None:
-            self.observer.fail_open(call.contract, call.step.name, call.run_id)
-            return await self._relay(call, answer)
-        what = ("the tool was called, but its exit could not be stored; its answer is withheld "
-                "(the side effect may have happened)") if call.forwarded else (
-                "the event could not be stored; the call was not forwarded")
-        return await self._refuse(call, Refusal(
-            REQUEST_CODE, f"stepguard: run {call.run_id!r}, step {call.step.name!r}: {what} "
-            f"({exc})", {"check": "store", "forwarded": call.forwarded}))
+    # -- the call loop's protocol -----------------------------------------------------------------
 
-    async def _resume(self, request: web.Request, route: Route, headers: CIMultiDict[str],
-                      timing: Timing) -> web.StreamResponse:
-        """A GET resuming a cut stream (Last-Event-ID). The stream of a checked call goes on
-        through its checks: the final event stepguard decides (the checked answer or the
-        refusal) is handed over, waiting for it if the call is still at the server, or, if the
-        server cut its stream before answering, the resumption goes on upstream and the answer
-        is checked as it arrives. Any other stream resumes with its answers withheld
-        (`_resume_unheld`)."""
-        scope = stream_scope(route, request)
-        cut = self.resumptions.find(scope, request.headers["last-event-id"])
-        if cut is None:
-            return await self._resume_unheld(request, route, headers, timing)
-        # the same session (part of the key), or without one the same run, resumes: never
-        # another client's call
-        if not scope[1] and run_id_for(route.contract, request.headers) != cut.call.run_id:
-            return self._resumption_refused(route)
-        call = cut.call
-        end = None
-        if not cut.outcome.done():      # the call is still at the server: wait, keeping alive
-            end = await self._event_stream(request)
-            if not await self._outcome_of(cut, end):
-                await end.close()        # gave up, or the client left: it may resume again
-                return end.out
-        outcome = cut.outcome.result()
-        if outcome is not None:
-            end = end or await self._event_stream(request)
-            await end.write(outcome)
-            await end.close()
-            if not end.gone:
-                self.resumptions.forget(cut)
-            return end.out
-        # the server ended its stream before answering (SSE polling): this GET carries the
-        # call on, upstream, and its answer is checked here
-        self.resumptions.forget(cut)
-        call.request, call.timing, call.out = request, timing, end
-        cut.outcome = asyncio.get_running_loop().create_future()
-        try:
-            answer = await self._attempt(call, time.perf_counter(), "GET", headers)
-            return await self._attempts(call, cut.attempt, answer)
-        except Refusal as refusal:
-            return await self._refuse(call, refusal)
-        except StoreError as exc:
-            self.observer.store_error("append", str(exc), run_id=call.run_id,
-                                      workflow=call.contract.workflow, step=call.step.name)
-            return await self._store_failed(call, exc)
+    async def send(self, call: McpCall) -> McpAnswer:
+        return await self.upstream.attempt(call, time.perf_counter())
 
-    async def _outcome_of(self, cut: Cut, end: ClientEnd) -> bool:
-        """Wait for the call's outcome within its timeout, with an SSE comment every
-        `KEEPALIVE_S` so the waiting client's read timeout does not cut it; False if it did not
-        come or the client left."""
-        call = cut.call
-        deadline = time.monotonic() + (call.step.timeout_s or call.route.upstream.timeout_s)
-        while not cut.outcome.done():
-            try:
-                await asyncio.wait_for(asyncio.shield(cut.outcome), KEEPALIVE_S)
-            except TimeoutError:
-                if end.gone or time.monotonic() > deadline:
-                    return False
-                await end.write(b": stepguard: the call is being checked\n\n")
-        return True
+    def extra(self, call: McpCall) -> dict[str, Any] | None:
+        return {"rpc_id": call.rpc_id}
 
-    @staticmethod
-    async def _event_stream(request: web.Request) -> ClientEnd:
-        return await ClientEnd(web.StreamResponse(status=200, headers={
-            "content-type": "text/event-stream", "cache-control": "no-cache"})).start(request)
-
-    async def _resume_unheld(self, request: web.Request, route: Route, headers: CIMultiDict[str],
-                             timing: Timing) -> web.StreamResponse:
-        """A stream stepguard holds no checked call of (the session's GET stream, or one held
-        by a process that has restarted since) resumes upstream, but every answer replayed on
-        it (a JSON-RPC response) is replaced by an error for its id: it may be a checked call's,
-        and no exit check sees it here. Notifications and server requests pass as they are."""
-        timeout_s = route.upstream.timeout_s
-        ask_for_identity(headers)
-        try:
-            resp = await self.forwarder.open("GET", upstream_url(route, request), headers, b"",
-                                             timeout_s)
-        except UpstreamError as exc:
-            return web.Response(status=504 if exc.kind == "timeout" else 502, text=exc.detail)
-        async with resp:
-            if resp.status != 200 or "text/event-stream" not in resp.headers.get("content-type", ""):
-                try:
-                    body = await self.forwarder.read_capped(resp)
-                except UpstreamError as exc:
-                    return web.Response(status=502, text=exc.detail)
-                return web.Response(status=resp.status, headers=end_to_end(resp.headers), body=body)
-            out = web.StreamResponse(status=200, headers=end_to_end(
-                resp.headers, HOP_BY_HOP | {"content-length"}))
-            timing.stamp(out)
-            end = await ClientEnd(out).start(request)
-            if end.gone:
-                return out
-            splitter = SSESplitter(self.settings.max_response_bytes)
-            try:
-                chunks = read_chunks(resp, request, None)
-                async with contextlib.aclosing(events_to_end(chunks, splitter)) as events:
-                    async for raw, event in events:
-                        try:
-                            message = (event_json(event.data, self.settings.max_json_depth)
-                                       if event is not None else {})
-                        except EventTooDeep:     # unreadable: it may be an answer, withheld
-                            message = {"id": None, "error": None}
-                        if "method" not in message and "id" in message and (
-                                "result" in message or "error" in message):
-                            raw = _withheld(message["id"], event.id if event else "")
-                        await end.write(raw)
-                        if end.gone:
-                            break
-            except (UpstreamConnectionError, TimeoutError, EventTooLarge):
-                pass
-            await end.close()
-            return out
-
-    @staticmethod
-    def _resumption_refused(route: Route) -> web.Response:
-        return web.Response(
-            status=405, headers={"Allow": "POST, DELETE", "x-should-retry": "false"},
-            content_type="application/json", body=orjson.dumps({
-                "error": "this stream resumption is not offered through stepguard",
-                "detail": f"upstream {route.upstream.name!r} has checked tools, and the event id "
-                          "is not one of a checked call's cut stream that this stepguard "
-                          "holds: answers replayed there would bypass their exit checks"}))
-
-    @staticmethod
-    def _message(request: web.Request, body: bytes, limit: int,
-                 max_depth: int = MAX_JSON_DEPTH) -> Any:
-        r"""The JSON-RPC tools/call this POST carries (a list: a batch with one), else None.
-        Every POST body is parsed (a byte search for "tools/call" would miss `tools\/call`);
-        one that does not decode or is not strict JSON raises BodyError."""
-        if request.method != "POST" or not body:
-            return None
-        raw = decode(body, request.headers.get("content-encoding"), limit)
-        # a body that is not strict JSON may still be a call a lenient server runs (NaN, 1e999,
-        # \u-escaped names): it is refused (BodyError) rather than let through unchecked
-        message = parse_json(raw, "request body", max_depth,
-                             charset_of(request.headers.get("content-type")), unique_keys=True)
-        if isinstance(message, list):
-            calls = [m for m in message if isinstance(m, dict) and m.get("method") == "tools/call"]
-            return message if calls else None
-        if isinstance(message, dict) and message.get("method") == "tools/call":
-            return message
+    async def pause(self, call: McpCall, answer: McpAnswer,
+                    attempt: int) -> web.StreamResponse | None:
+        if answer.resumable and call.cut is not None:
+            return await self.resumption.left_open(call, attempt)
         return None
 
-    # -- boundaries -----------------------------------------------------------------------------
+    async def unchecked(self, call: McpCall) -> web.StreamResponse:
+        return await self.http.forward_unchecked(call.request, call.route, call.headers,
+                                                 call.body, call.timing)
 
-    async def _checked(self, call: ToolCall) -> web.StreamResponse:
-        await retrying_conflicts(call.run_id, lambda: self._entry(call))
-        return await self._attempts(call, 1, None)
-
-    async def _attempts(self, call: ToolCall, attempt: int,
-                        answer: Answer | None) -> web.StreamResponse:
-        """Send the call (unless `answer` came on a resumed stream), check each answer, retry
-        what the contract says to, and hand the last answer on."""
-        step, contract = call.step, call.contract
-        safe = step.idempotent   # MCP calls carry no idempotency key stepguard could add
-        while True:
-            if answer is None:
-                call.forwarded = True
-                answer = await self._attempt(call, time.perf_counter())
-                if answer.unreachable is not None:
-                    await self._unreachable(call, answer.unreachable, attempt)
-            call.answer = got = answer
-            if got.resumable and call.cut is not None:
-                return await self._await_resumption(call, attempt)
-            decision, settled = await retrying_conflicts(
-                call.run_id, lambda: self._exit(call, got, attempt, safe))  # noqa: B023
-            if settled.action == RETRY:
-                await back_off(step, attempt, call.timing)
-                await retrying_conflicts(call.run_id, lambda: self._stopped_meanwhile(call))
-                attempt += 1
-                answer = None
-                continue
-            if attempt > 1:
-                self.observer.retry_outcome(contract, step.name, recovered=decision.passed)
-            self._raise_if_stopped(call, decision, settled)
-            return await self._relay(call, got)
-
-    async def _await_resumption(self, call: ToolCall, attempt: int) -> web.StreamResponse:
-        """The server ended the stream before answering, after events with ids (SSE polling,
-        or a cut connection): the client's stream ends the same way and the call stays open
-        for the client's resumption, which goes on upstream (`_resume`). Nothing is recorded
-        yet: the answer, when it comes, is checked like any other."""
-        cut, end = call.cut, call.out
-        assert cut is not None and end is not None
-        cut.attempt = attempt
-        if not cut.outcome.done():
-            cut.outcome.set_result(None)    # a resuming GET may take the call over from here
-        await end.close()
-        return end.out
-
-    async def _exit(self, call: ToolCall, answer: Answer, attempt: int,
-                    safe: bool) -> tuple[Decision, Settled]:
-        async with self.runs.locked(call.run_id):
-            envelope = await self.runs.envelope(call.contract, call.run_id)
-            if envelope.status in ("halted", "escalated"):   # halted while this call ran
-                await self._refuse_stopped(call, envelope, "exit")
-            decision = check_exit(call.contract, call.step, envelope, call.arguments, answer.result,
-                                  now=call.timing.arrived)
-            settled = await self._settle(call, envelope, decision, answer, attempt, safe)
-        return decision, settled
-
-    async def _unreachable(self, call: ToolCall, exc: UpstreamError, attempt: int) -> None:
-        """The call never reached the MCP server: recorded as such, the run left where it was
-        (no tool error, no halt), and the client told to try again (a Refusal)."""
-        if attempt == 1:
-            call.forwarded = False
-
-        async def record() -> Settled:
-            async with self.runs.locked(call.run_id):
-                envelope = await self.runs.envelope(call.contract, call.run_id)
-                return await self.boundaries.unreachable(
-                    call.contract, call.run_id, envelope, call.step.name, exc.detail,
-                    timing=call.timing, traffic=TRAFFIC, attempt=attempt,
-                    extra={"rpc_id": call.rpc_id})
-
-        settled = await retrying_conflicts(call.run_id, record)
-        raise Refusal(REQUEST_CODE, f"stepguard: run {call.run_id!r}, step {call.step.name!r}: "
-                      f"the MCP server could not be reached, the call was not sent "
-                      f"({exc.detail}); try again",
-                      {"check": UNREACHABLE, "run": call.run_id, "step": call.step.name,
-                       "own": exc.own, "decision_id": settled.decision_id})
-
-    async def _stopped_meanwhile(self, call: ToolCall) -> None:
-        """Before a retry is sent: a run halted or escalated during the back-off (by another
-        call of the run) refuses it, so the tool is not called again for a stopped run."""
-        async with self.runs.locked(call.run_id):
-            envelope = await self.runs.envelope(call.contract, call.run_id)
-            if envelope.status in ("halted", "escalated"):
-                await self._refuse_stopped(call, envelope, "entry")
-
-    async def _entry(self, call: ToolCall) -> None:
-        async with self.runs.locked(call.run_id):
-            envelope = await self.runs.envelope(call.contract, call.run_id)
-            if envelope.status in ("halted", "escalated"):
-                await self._refuse_stopped(call, envelope, "entry")
-            drift = call.key_drift
-            if drift is not None and drift.joined is not None and drift.drift is None:
-                if drift.joined in envelope.pending:
-                    return   # the model's tool call was this call's entry, checked and stored
-                call.key_drift = replace(drift, joined=None)   # no longer pending: on its own
-            if drift is not None and drift.drift is not None:
-                decision = Decision(call.step.name, "entry", Violation(
-                    "run_key", "freshness", drift.drift, "entry", field=drift.field))
-            elif isinstance(call.arguments, dict) or call.arguments is None:
-                decision = check_entry(call.step, envelope, call.arguments or {},
-                                       now=call.timing.arrived)
-            else:
-                decision = Decision(call.step.name, "entry", Violation(
-                    "input_schema", "shape", "tools/call arguments are not a JSON object",
-                    "entry", field="input"))
-            settled = await self.boundaries.settle(
-                call.contract, call.run_id, envelope, decision, Evidence(call.arguments, call.body),
-                timing=call.timing, traffic=TRAFFIC, extra={"rpc_id": call.rpc_id})
-        self._raise_if_stopped(call, decision, settled)
-
-    async def _refuse_stopped(self, call: ToolCall, envelope: Envelope, boundary: str) -> None:
-        settled = await self.boundaries.refuse(call.contract, call.run_id, envelope,
-                                               call.step.name, timing=call.timing, traffic=TRAFFIC,
-                                               boundary=boundary, extra={"rpc_id": call.rpc_id})
-        raise _halted(call, envelope, boundary, settled.decision_id)
-
-    async def _settle(self, call: ToolCall, envelope: Envelope, decision: Decision, answer: Answer,
-                      attempt: int, safe: bool) -> Settled:
-        return await self.boundaries.settle(
-            call.contract, call.run_id, envelope, decision,
-            Evidence(call.arguments, call.body, answer.result, answer.body),
-            timing=call.timing, traffic=TRAFFIC, attempt=attempt, safe_to_retry=safe,
-            extra={"rpc_id": call.rpc_id, **(joined_extra(
-                call.key_drift.joined if call.key_drift is not None else None,
-                answer.result.output) or {})})
-
-    def _raise_if_stopped(self, call: ToolCall, decision: Decision, settled: Settled) -> None:
-        violation = decision.violation
-        if violation is None or settled.action == OBSERVE:
-            return
-        data = {"run": call.run_id, "workflow": call.contract.workflow,
-                "contract_version": call.contract.version, "step": call.step.name,
-                **violation.to_dict(),
-                "detection_point": f"{call.step.name}.{violation.boundary}.{violation.check}",
-                "action": settled.action, "decision_id": settled.decision_id}
-        raise Refusal(VIOLATION_CODE, f"stepguard: run {call.run_id!r}, step {call.step.name!r}, "
-                      f"{violation.boundary} {violation.check} ({violation.drift}): "
-                      f"{violation.detail}", data)
-
-    # -- the upstream -----------------------------------------------------------------------------
-
-    async def _attempt(self, call: ToolCall, since: float, method: str = "POST",
-                       headers: CIMultiDict[str] | None = None) -> Answer:
-        """One exchange: the call POSTed, or (`GET` with the client's `headers`) its cut
-        stream resumed upstream. The upstream is reached (else `unreachable`, whatever the
-        timeouts: a call never sent is not the tool's timeout) and answers within the call's
-        timeout; its whole answer comes within that timeout of the start."""
-        timeout_s = call.step.timeout_s or call.route.upstream.timeout_s
-        try:
-            return await self._exchange(call, since, method, headers)
-        except UpstreamError as exc:
-            self._seen(call, None, since)
-            if exc.kind == "unreachable":
-                return Answer(ToolResult(None, error=f"MCP server unreachable: {exc.detail}",
-                                         error_kind="transport"), unreachable=exc)
-            if exc.kind == "timeout":
-                return Answer(ToolResult(None, error=f"MCP server did not answer within "
-                                         f"{timeout_s:g} s", error_kind="timeout"))
-            return Answer(ToolResult(None, error=f"MCP server unreachable: {exc.detail}",
-                                     error_kind="transport"))
-        except TimeoutError:
-            self._seen(call, None, since)
-            return Answer(ToolResult(None, error=f"MCP server did not answer within {timeout_s:g} s",
-                                     error_kind="timeout"))
-        except UpstreamConnectionError as exc:
-            self._seen(call, None, since)
-            return Answer(ToolResult(None, error=f"MCP server unreachable: {exc}",
-                                     error_kind="transport"))
-
-    async def _exchange(self, call: ToolCall, since: float, method: str,
-                        headers: CIMultiDict[str] | None) -> Answer:
-        timeout_s = call.step.timeout_s or call.route.upstream.timeout_s
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        sent = call.headers if headers is None else headers
-        ask_for_identity(sent)
-        # `open` bounds reaching the upstream and its head itself; the deadline covers the rest
-        resp = await self.forwarder.open(method, upstream_url(call.route, call.request), sent,
-                                         call.body if method == "POST" else b"", timeout_s)
-        async with resp, asyncio.timeout_at(deadline):
-            self._seen(call, resp.status, since)
-            headers = end_to_end(resp.headers, HOP_BY_HOP | {"content-length"})
-            encoding = resp.headers.get("content-encoding", "identity").strip().lower()
-            if "text/event-stream" in resp.headers.get("content-type", ""):
-                if encoding != "identity":
-                    return Answer(ToolResult(None, error=f"MCP server compressed its event "
-                                             f"stream ({encoding}) though asked for identity: "
-                                             "it cannot be checked", error_kind="transport"),
-                                  resp.status)
-                return await self._relay_events(call, resp, headers)
-            try:
-                body = await self.forwarder.read_capped(resp)
-            except UpstreamError as exc:     # mid-body: "cap" or "transport"
-                return Answer(ToolResult(None, error=exc.detail, error_kind="cap"
-                                         if exc.kind == "cap" else "transport"), resp.status)
-            return Answer(self._result(call, body, resp.status, encoding), resp.status, headers,
-                          body)
-
-    async def _relay_events(self, call: ToolCall, resp: H1Response,
-                            headers: CIMultiDict[str]) -> Answer:
-        splitter = SSESplitter(self.settings.max_response_bytes)
-        try:
-            async with contextlib.aclosing(events_to_end(resp.iter_any(), splitter)) as events:
-                async for raw, event in events:
-                    try:
-                        message = (event_json(event.data, self.settings.max_json_depth)
-                                   if event is not None else {})
-                    except EventTooDeep as exc:
-                        # unreadable, so taken as the call's answer, failed like an over-deep
-                        # JSON answer: never relayed unchecked, never handed to the store
-                        return Answer(ToolResult(resp.status, error=f"MCP server response: "
-                                                 f"{exc}", error_kind="transport"),
-                                      resp.status, headers, raw, sse=True)
-                    if message.get("id") == call.rpc_id and ("result" in message
-                                                             or "error" in message):
-                        return Answer(self._message_result(message), resp.status, headers, raw,
-                                      sse=True)
-                    out = await self._out(call, resp.status, headers)
-                    await out.write(raw)
-                    if event is not None and event.id:      # the client may resume from here
-                        if call.cut is None:
-                            call.cut = Cut(call)
-                        self.resumptions.relayed(call.cut, stream_scope(call.route, call.request),
-                                                 event.id)
-        except EventTooLarge as exc:
-            return Answer(ToolResult(None, error=str(exc), error_kind="cap"), resp.status)
-        return Answer(ToolResult(None, error="MCP server ended the event stream without answering "
-                                 "the call", error_kind="transport"), resp.status, headers,
-                      resumable=call.cut is not None and bool(call.cut.ids))
-
-    async def _out(self, call: ToolCall, status: int, headers: CIMultiDict[str]) -> ClientEnd:
-        if call.out is None:
-            out = web.StreamResponse(status=status, headers=headers)
-            call.timing.stamp(out)
-            call.out = ClientEnd(out)
-            await call.out.start(call.request)   # gone: the call is still checked and recorded
-        return call.out
-
-    def _seen(self, call: ToolCall, status: int | None, since: float) -> None:
-        self.boundaries.upstream_seen(call.route, call.timing, since, status)
-
-    def _result(self, call: ToolCall, body: bytes, status: int,
-                encoding: str = "identity") -> ToolResult:
-        if status >= 500:
-            return ToolResult(status, error=f"MCP server answered {status}", error_kind="transport")
-        if 400 <= status < 500:     # refused at the HTTP level (auth, an expired session): the
-            return ToolResult(status)   # answer goes back as it came, the step unverified
-        try:
-            message = parse_json(decode(body, encoding, self.settings.max_response_bytes),
-                                 "MCP server response", self.settings.max_json_depth)
-        except BodyError as exc:
-            return ToolResult(status, error=exc.detail, error_kind="transport")
-        if not isinstance(message, dict):
-            return ToolResult(status, error="MCP server response is not a JSON-RPC object",
-                              error_kind="transport")
-        return self._message_result(message)
-
-    @staticmethod
-    def _message_result(message: dict[str, Any]) -> ToolResult:
-        if "error" in message:
-            error: dict[str, Any] = message["error"] if isinstance(message["error"], dict) else {}
-            return ToolResult(None, error=f"JSON-RPC error {error.get('code')}: "
-                              f"{error.get('message')}", error_kind="tool")
-        result: dict[str, Any] = message["result"] if isinstance(message.get("result"), dict) else {}
-        output = result.get("structuredContent")
-        parse_error = None
-        if output is None:
-            text = "".join(c.get("text", "") for c in result.get("content") or []
-                           if isinstance(c, dict) and c.get("type") == "text")
-            try:     # bounded like every parse (the default depth: no settings here)
-                output = parse_json(text.encode(), "tool result text")
-            except BodyError as exc:
-                output = {"text": text}
-                parse_error = ("tool result has neither structuredContent nor JSON text"
-                               f" ({exc.detail})")
-        if result.get("isError") is True:
-            return ToolResult(None, output, error="tool reported isError: "
-                              f"{orjson.dumps(output).decode()[:500]}", error_kind="tool")
-        if parse_error:
-            return ToolResult(200, None, error=parse_error, error_kind="parse")
-        return ToolResult(200, output)
-
-    # -- answers ----------------------------------------------------------------------------------
-
-    async def _relay(self, call: ToolCall, answer: Answer) -> web.StreamResponse:
+    async def relay(self, call: McpCall, answer: Answer) -> web.StreamResponse:
         if call.out is not None:
-            return await self._final_event(call, answer.body)
+            return await self.resumption.final_event(call, answer.body)
         if answer.status is None:   # no answer at all, but the contract let it pass (observe)
-            return self._json(call.rpc_id, REQUEST_CODE, f"stepguard: {answer.result.error}",
-                              {"check": "tool_error"}, status=502)
+            return error_response(call.rpc_id, REQUEST_CODE, f"stepguard: {answer.result.error}",
+                                  {"check": "tool_error"}, status=502)
         return web.Response(status=answer.status, headers=answer.headers, body=answer.body)
 
-    async def _refuse(self, call: ToolCall, refusal: Refusal) -> web.StreamResponse:
-        body = orjson.dumps(rpc_error(call.rpc_id, refusal.code, refusal.message, refusal.data))
+    async def render(self, call: McpCall, why: Stopped) -> web.StreamResponse:
+        refusal = refusal_for(call, why)
         if call.out is not None:
-            return await self._final_event(call, b"event: message\r\ndata: " + body + b"\r\n\r\n")
-        # a store that failed before the call was forwarded, or an upstream never reached, may
-        # work later; nothing else will
-        later = ((refusal.data.get("check") == "store" and not refusal.data.get("forwarded"))
-                 or refusal.data.get("check") == UNREACHABLE)
-        return web.Response(body=body, content_type="application/json",
-                            headers={"x-should-retry": "true" if later else "false"})
-
-    async def _final_event(self, call: ToolCall, event: bytes) -> web.StreamResponse:
-        """The event that ends a checked call's stream. A client that has left may resume the
-        stream to get it (`_resume`); one that got it has nothing left to resume."""
-        assert call.out is not None
-        await call.out.write(event)
-        await call.out.close()
-        cut = call.cut
-        if cut is not None:
-            if not cut.outcome.done():
-                cut.outcome.set_result(event)
-            if not call.out.gone:
-                self.resumptions.forget(cut)
-        return call.out.out
-
-    def _json(self, rpc_id: Any, code: int, message: str, data: dict[str, Any],
-              status: int = 200, retry: bool = False) -> web.Response:
-        return web.Response(status=status, body=orjson.dumps(rpc_error(rpc_id, code, message, data)),
+            return await self.resumption.final_event(call, refusal.event(call.rpc_id))
+        return web.Response(body=orjson.dumps(refusal.error(call.rpc_id)),
                             content_type="application/json",
-                            headers={"x-should-retry": "true" if retry else "false"})
-
-
-def _withheld(rpc_id: Any, event_id: str) -> bytes:
-    """The error that replaces an answer replayed on a resumed stream stepguard did not hold."""
-    error = rpc_error(rpc_id, REQUEST_CODE, "stepguard: an answer replayed on a resumed stream "
-                      "cannot be checked there; send the request again",
-                      {"check": "resumption"})
-    head = f"id: {event_id}\r\n".encode() if event_id else b""
-    return head + b"event: message\r\ndata: " + orjson.dumps(error) + b"\r\n\r\n"
+                            headers={"x-should-retry": "true" if refusal.later else "false"})
 
 
 def _has_checked_tools(route: Route) -> bool:
     return route.contract.checks_tools_on(route.upstream.name)
-
-
-def _halted(call: ToolCall, envelope: Envelope, boundary: str, decision_id: str) -> Refusal:
-    halt = envelope.halt or {}
-    violation = halt.get("violation") or {}
-    return Refusal(HALTED_CODE, f"stepguard: run {call.run_id!r} is {envelope.status}: step "
-                   f"{halt.get('step')!r} failed {violation.get('check')} "
-                   f"({violation.get('drift')}): {violation.get('detail')}; call of step "
-                   f"{call.step.name!r} refused",
-                   {"run": call.run_id, "workflow": call.contract.workflow,
-                    "run_status": envelope.status, "halted_by": halt, "step": halt.get("step"),
-                    "check": violation.get("check"), "drift": violation.get("drift"),
-                    "refused_step": call.step.name, "boundary": boundary, "action": "refuse",
-                    "detection_point": f"{call.step.name}.{boundary}.run_status",
-                    "decision_id": decision_id})
-
-

@@ -117,7 +117,7 @@ class Dialect(Protocol):
 
 def _arguments(call_id: str, name: str, raw: Any) -> ToolCall:
     """A call's arguments read, bounded at the most --max-json-depth may be (the adapter holds
-    them to the configured limit: `ModelAdapter._entry`)."""
+    them to the configured limit: `ModelEntries._entry`)."""
     if isinstance(raw, dict):
         try:    # a streamed block's input arrives parsed with its event
             check_depth(raw, "arguments", JSON_DEPTH_CEILING)

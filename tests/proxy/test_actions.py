@@ -405,6 +405,26 @@ async def test_observe_mode_relays_an_answer_failing_its_output_schema_unchanged
     assert "confirm" not in envelope.verified
 
 
+async def test_observe_mode_answers_a_tool_that_never_answered_504_and_records_the_tool_error(
+        proxy, make_upstream):
+    tool, release = await stalled_upstream(make_upstream)
+    px = await proxy(make_contract(tool.url, {"slow": {"timeout_s": 0.2}}, mode="observe"))
+    try:
+        reply = await px.call("/tools/slow", {}, run="obs-3")
+    finally:
+        release.set()
+
+    body = problem(reply, 504)
+    assert body["title"] == "Upstream failed"
+    assert "0.2 s" in body["detail"]
+    assert (body["run"], body["step"]) == ("obs-3", "slow")
+    history = await px.history("obs-3")
+    assert trail(history) == [("slow", "entry", "pass", "forward"),
+                              ("slow", "exit", "violation", "observe")]
+    assert history[1]["violation"]["check"] == "tool_error"
+    assert await px.status("obs-3") == "active"
+
+
 # --- timeouts ---------------------------------------------------------------------------------
 
 

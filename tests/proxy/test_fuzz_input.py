@@ -26,7 +26,7 @@ from yarl import URL
 from stepguard.contracts.loader import parse_contract
 from stepguard.contracts.model import normal_path
 from stepguard.proxy.bodies import BodyError, parse_json
-from stepguard.proxy.mcp_adapter import McpAdapter
+from stepguard.proxy.mcp_rpc import tools_call
 from stepguard.proxy.routing import Router, UnsafePath
 
 pytestmark = pytest.mark.fuzz
@@ -94,7 +94,7 @@ def test_an_ambiguous_form_after_the_mount_is_always_refused(before, token, afte
 
 def read(body: bytes, max_depth: int = 64) -> Any:
     request = make_mocked_request("POST", "/mcp", headers={"content-type": "application/json"})
-    return McpAdapter._message(request, body, 1 << 20, max_depth)
+    return tools_call(request, body, 1 << 20, max_depth)
 
 
 def calls_anywhere(body: bytes) -> bool:

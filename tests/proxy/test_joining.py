@@ -9,12 +9,14 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import httpx2
 import openai
 import pytest
 import yaml
@@ -64,13 +66,17 @@ async def hybrid(tmp_path: Path, mcp_base: str, model: FakeModel,
             yield Hybrid(sg, f"{url}/openai/v1", f"{url}/mcp-tools{mcp_tools.MCP_PATH}")
 
 
-async def agent_loop(h: Hybrid, *, tamper: str | None = None) -> Any:
+async def agent_loop(h: Hybrid, *, tamper: str | None = None, mode: str = "auto",
+                     traced: bool = False) -> Any:
     """A plain openai-SDK agent loop whose tools run on the MCP server (through stepguard); with
     `tamper`, the agent hands the model another result than the tool gave for that tool.
-    Returns the final answer, or the error the model API answered."""
+    `mode`: the MCP client's ("legacy": the handshake, with a session when the server gives
+    one); `traced`: each tool call carries a traceparent of a trace of its own in `_meta`, as
+    tracing instrumentation with no enclosing span stamps it. Returns the final answer, or the
+    error the model API answered."""
     model = openai.AsyncOpenAI(base_url=h.model_url, api_key="sk-test", max_retries=0)
     messages: list[Any] = [{"role": "user", "content": "Please confirm order ord-1."}]
-    async with model, Client(streamable_http_client(h.mcp_url), mode="auto",
+    async with model, Client(streamable_http_client(h.mcp_url), mode=mode,  # type: ignore[arg-type]
                              read_timeout_seconds=10) as tools:
         while True:
             try:
@@ -83,8 +89,10 @@ async def agent_loop(h: Hybrid, *, tamper: str | None = None) -> Any:
                 return json.loads(message.content or "null")
             messages.append(message.model_dump(exclude_none=True))
             for call in message.tool_calls:
+                meta = {"traceparent": f"00-{uuid.uuid4().hex}-{uuid.uuid4().hex[:16]}-01"}
                 result = await tools.call_tool(call.function.name,
-                                               json.loads(call.function.arguments))
+                                               json.loads(call.function.arguments),
+                                               meta=meta if traced else None)
                 content = dict(result.structured_content or {})
                 if call.function.name == tamper:
                     content["approved"] = not content.get("approved")
@@ -308,3 +316,147 @@ async def test_a_result_differing_from_the_checked_one_is_caught_after_a_restart
     assert run.status == "halted"
     assert (last["step"], last["boundary"], last["violation"]["check"]) == (
         "check_policy", "exit", "output_mismatch")
+
+
+async def eager_http_agent(model_url: str, tools_url: str) -> Any:
+    """A streaming agent that runs the tool calls of a turn as soon as the model says the turn
+    is finished (finish_reason "tool_calls"), not waiting for the stream's terminator, which
+    stepguard holds until the turn is checked: its HTTP call reaches stepguard while the model's
+    call is still being checked. Returns the final answer, or the status and body of the HTTP
+    call stepguard refused."""
+    messages: list[Any] = [{"role": "user", "content": "Please confirm order ord-1."}]
+    async with openai.AsyncOpenAI(base_url=model_url, api_key="sk-test", max_retries=0) as model, \
+            aiohttp.ClientSession() as http:
+        while True:
+            stream = await model.chat.completions.create(
+                model="fake-model", messages=messages, tools=model_agent.TOOLS, stream=True)
+            text, calls = "", {}
+            async for chunk in stream:
+                choice = chunk.choices[0]
+                text += choice.delta.content or ""
+                for part in choice.delta.tool_calls or ():
+                    call = calls.setdefault(part.index, {"id": "", "name": "", "arguments": ""})
+                    call["id"] = part.id or call["id"]
+                    call["name"] = part.function.name or call["name"]
+                    call["arguments"] += part.function.arguments or ""
+                if choice.finish_reason == "tool_calls":
+                    break       # acts on the calls at once
+            await stream.close()
+            if not calls:
+                return json.loads(text)
+            messages.append({"role": "assistant", "content": None, "tool_calls": [
+                {"id": c["id"], "type": "function",
+                 "function": {"name": c["name"], "arguments": c["arguments"]}}
+                for c in calls.values()]})
+            for c in calls.values():
+                async with http.post(f"{tools_url}/{c['name']}", data=c["arguments"],
+                                     headers={"content-type": "application/json"}) as resp:
+                    if resp.status != 200:
+                        return resp.status, await resp.json(content_type=None)
+                    content = await resp.json()
+                messages.append({"role": "tool", "tool_call_id": c["id"],
+                                 "content": json.dumps(content)})
+
+
+async def test_a_tool_call_executed_before_its_stream_has_ended_is_joined_not_split(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tools, "_counter", itertools.count(1))
+    # each event of the model's stream comes 20 ms after the one before: the agent's HTTP call
+    # arrives before the held terminator, while the model's tool call is still being checked
+    async with http_hybrid(tmp_path, FakeModel(model_agent.script_for(1, None),
+                                               chunk_delay=0.02)) as (sg, model_url, tools_url):
+        final = await eager_http_agent(model_url, tools_url)
+        assert final == {"done": True, "order_id": "ord-1"}
+        (run,) = await sg.store.runs()
+        history = await sg.store.history(run.run_id)
+
+    assert run.status == "completed"
+    assert [(e["step"], e["boundary"], e["verdict"]) for e in history] == [
+        row for step in STEPS for row in ((step, "entry", "pass"), (step, "exit", "pass"))] + [
+        ("final_answer", "exit", "pass")]
+
+
+async def test_a_call_executed_before_the_stream_that_refuses_it_has_ended_does_not_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    reserved: list[str] = []
+    monkeypatch.setattr(tools, "reserve_slot_result",
+                        lambda order_id, *_: reserved.append(order_id) or {})
+    async with http_hybrid(tmp_path, FakeModel(model_agent.script_for(1, "reordered"),
+                                               chunk_delay=0.02)) as (sg, model_url, tools_url):
+        status, body = await eager_http_agent(model_url, tools_url)
+        (run,) = await sg.store.runs()
+        history = await sg.store.history(run.run_id)
+
+    # the model's reserve_slot came before check_policy: refused in its run. The agent's eager
+    # execution of it waited for that verdict: not issued, it is a call of its own, with no
+    # run key of its own, so it is refused too and never reaches the tool
+    assert (status, body["title"]) == (400, "No run key")
+    assert reserved == []
+    assert run.status == "escalated"     # the contract escalates a reserve_slot failure
+    assert [(e["step"], e["boundary"], e["verdict"]) for e in history] == [
+        ("lookup_order", "entry", "pass"), ("lookup_order", "exit", "pass"),
+        ("reserve_slot", "entry", "violation")]
+
+
+DEFAULT_KEYS = {"key": ["header:x-stepguard-run", "traceparent", "mcp-session"]}
+
+
+@pytest.mark.parametrize("carries", ["session", "traceparent"])
+async def test_a_tool_call_carrying_a_session_or_trace_of_its_own_is_joined_all_the_same(
+        tmp_path: Path, carries: str) -> None:
+    """Under the default run keys, an MCP session or a traceparent names a run. Neither is the
+    model conversation the call was issued in: a session outlives runs (one per agent process),
+    a trace may be one per call. A call the model issued is joined to the model's run even so;
+    only a run header, an explicit choice, outranks the join."""
+    stateful = carries == "session"
+    with mcp_tools.serve(mcp_tools.create_app(stateless=not stateful, json_response=True)) as base:
+        async with hybrid(tmp_path, base, FakeModel(model_agent.script_for(1, None)),
+                          DEFAULT_KEYS) as h:
+            final = await agent_loop(h, mode="legacy" if stateful else "auto",
+                                     traced=not stateful)
+            assert final == {"done": True, "order_id": "ord-1"}
+            (run,) = await h.sg.store.runs()
+            history = await h.sg.store.history(run.run_id)
+
+    assert run.status == "completed"
+    assert [(e["step"], e["boundary"], "tool" in e, "rpc_id" in e) for e in history] == [
+        row for step in STEPS for row in ((step, "entry", True, False),
+                                          (step, "exit", False, True))] + [
+        ("final_answer", "exit", False, False)]
+
+
+async def test_a_tool_call_carrying_a_run_header_is_not_joined(tmp_path: Path,
+                                                                mcp_server: str) -> None:
+    async with hybrid(tmp_path, mcp_server, FakeModel(model_agent.script_for(1, None))) as h:
+        model = openai.AsyncOpenAI(base_url=h.model_url, api_key="sk-test", max_retries=0)
+        async with model:
+            reply = await model.chat.completions.create(
+                model="fake-model", messages=[{"role": "user", "content": "Confirm ord-1."}],
+                tools=model_agent.TOOLS)
+        (call,) = reply.choices[0].message.tool_calls or []
+        http = httpx2.AsyncClient(headers={"x-stepguard-run": "chosen"})
+        async with http, Client(streamable_http_client(h.mcp_url, http_client=http),
+                                mode="auto", read_timeout_seconds=10) as tools:
+            await tools.call_tool(call.function.name, json.loads(call.function.arguments))
+        runs = {r.run_id: r for r in await h.sg.store.runs()}
+    assert "chosen" in runs and len(runs) == 2
+    assert list(runs["chosen"].verified) == ["lookup_order"]
+
+
+async def test_waiting_for_streamed_turns_is_bounded_and_leaves_no_waiter_behind() -> None:
+    import asyncio
+
+    from stepguard.proxy.joining import PendingCalls
+
+    pending = PendingCalls()
+    assert await pending.settled("wf") is False          # nothing streaming: no wait at all
+    checked, other = asyncio.Event(), asyncio.Event()
+    pending.streaming("wf", checked)
+    pending.streaming("other-wf", other)
+    assert await pending.settled("wf", timeout_s=0.01) is True    # gave up after the bound
+    assert [t for t in asyncio.all_tasks() if t is not asyncio.current_task()] == []
+    asyncio.get_running_loop().call_soon(checked.set)
+    assert await pending.settled("wf") is True                     # returns once checked
+    pending.streamed("wf", checked)
+    pending.streamed("other-wf", other)
+    assert pending._streaming == {}

@@ -27,7 +27,7 @@ from stepguard.examples.order_confirmation.mcp_tools import MCP_PATH, serve
 from stepguard.proxy.app import Stepguard, build
 from stepguard.proxy.app import create_app as create_proxy_app
 from stepguard.proxy.config import Settings
-from stepguard.proxy.mcp_adapter import Cut, Resumptions
+from stepguard.proxy.mcp_resumption import Cut, Resumptions
 
 CONTRACT = Path(mcp_tools.__file__).parent / "contract.mcp.yaml"
 MOUNT = "/mcp-tools"

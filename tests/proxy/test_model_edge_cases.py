@@ -25,7 +25,7 @@ from sgtest import ExitsNotStored, Guard, free_port, trail
 from stepguard.contracts.loader import parse_contract
 from stepguard.contracts.model import Contract
 from stepguard.contracts.redact import REDACTED
-from stepguard.proxy.model_adapter import PendingArguments
+from stepguard.proxy.model_exits import PendingArguments
 
 RUN_HEADER = "x-stepguard-run"
 CHAT, RESPONSES, MESSAGES = "/o/v1/chat/completions", "/o/v1/responses", "/o/v1/messages"

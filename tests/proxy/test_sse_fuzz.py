@@ -29,8 +29,8 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.chat import ChatCompletionChunk
 from openai.types.responses import ResponseStreamEvent
 
-from stepguard.proxy.model_adapter import ModelAdapter, Stop
 from stepguard.proxy.model_dialects import ChatCompletions, Dialect, Messages, Responses, Turn
+from stepguard.proxy.model_exchange import Stop, parsed
 from stepguard.proxy.sse import EventTooLarge, SSESplitter
 
 pytestmark = pytest.mark.fuzz
@@ -40,8 +40,8 @@ BOUNDED = settings(max_examples=200, deadline=None, derandomize=True, database=N
 
 
 def relay(dialect: Dialect, chunks: list[bytes], limit: int = 1 << 20) -> Turn | None:
-    """What `ModelAdapter._relay_turn` does with a stream's bytes, without the sockets: events
-    cut by the splitter, fed (through `_parsed`, as the relay does), the terminator and what
+    """What `ModelStream._relay_turn` does with a stream's bytes, without the sockets: events
+    cut by the splitter, fed (through `parsed`, as the relay does), the terminator and what
     follows it included, the call ids shown collected in a set, the turn assembled. None: no
     terminator."""
     ex: Any = SimpleNamespace(dialect=dialect)
@@ -53,12 +53,12 @@ def relay(dialect: Dialect, chunks: list[bytes], limit: int = 1 << 20) -> Turn |
             if event is not None and assembler.is_terminal(event):
                 held = True
             if event is not None:     # held or not, every event is read
-                ModelAdapter._parsed(ex, lambda e=event: assembler.feed(e))
+                parsed(ex, lambda e=event: assembler.feed(e))
                 shown = set(assembler.call_ids())     # the relay keys a dict by them
                 assert all(isinstance(i, str) for i in shown)
     if not held:
         return None
-    return ModelAdapter._parsed(ex, assembler.turn)
+    return parsed(ex, assembler.turn)
 
 
 def cut(data: bytes, cuts: list[int]) -> list[bytes]:

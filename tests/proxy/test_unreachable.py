@@ -24,7 +24,7 @@ from structlog.testing import capture_logs
 
 from stepguard.contracts.sqlite_store import connect, read_history
 from stepguard.proxy.forward import Forwarder, UpstreamError
-from stepguard.proxy.model_adapter import _upstream_failed
+from stepguard.proxy.model_exchange import upstream_failed
 
 RPC_UNCHECKABLE = -31002
 
@@ -321,7 +321,7 @@ async def test_an_unreachable_upstream_is_logged_as_a_warning_naming_run_and_ste
 ], ids=["own-exhaustion", "refused", "timeout", "cap"])
 def test_a_model_call_that_failed_before_an_answer_is_answered_by_whose_failure_it_was(
         error, status, retry):
-    stop = _upstream_failed(error)
+    stop = upstream_failed(error)
 
     assert (stop.status, stop.retry) == (status, retry)
 

@@ -1,0 +1,107 @@
+"""Which run a model conversation belongs to, and the tool calls a stream showed its client
+before they were stored (in flight) or whose turn then failed (never checked)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+from stepguard.contracts.runs import RunBook
+from stepguard.proxy.correlation import implicit_run_id, run_id_for
+from stepguard.proxy.model_dialects import ToolOutput
+from stepguard.proxy.model_exchange import RUN_HEADER, Exchange, Stop, parsed
+
+INFLIGHT_WAIT_S = 30.0
+FAILED_CALLS_KEPT = 10_000
+
+
+class ShownCalls:
+    """Tool calls a stream has shown its client. In flight until the turn's entries are
+    stored: a request that carries one waits for that store before it is correlated, so an
+    agent acting before the terminator cannot split its conversation into two runs. Failed
+    when the turn broke off or was refused: never checked, so a result for one is refused
+    rather than taken as the exit of an unchecked call. In memory, bounded."""
+
+    def __init__(self, failed_kept: int = FAILED_CALLS_KEPT) -> None:
+        self.failed_kept = failed_kept
+        self._inflight: dict[str, asyncio.Event] = {}
+        self._failed: OrderedDict[str, None] = OrderedDict()
+
+    def show(self, call_id: str, stored: asyncio.Event) -> bool:
+        """The stream showed `call_id`; `stored` is set once its turn is stored (or refused).
+        False when it was shown already."""
+        if call_id in self._inflight:
+            return False
+        self._inflight[call_id] = stored
+        return True
+
+    def settled(self, shown: list[str]) -> None:
+        for call_id in shown:
+            self._inflight.pop(call_id, None)
+
+    async def wait(self, keys: list[str]) -> None:
+        """An agent may act on a streamed tool call before the stream has ended and the call
+        has been stored; its next request then waits for that store (bounded)."""
+        waiting = [e for key in keys if (e := self._inflight.get(key.removeprefix("call:")))]
+        if waiting:
+            await asyncio.wait([asyncio.ensure_future(e.wait()) for e in waiting],
+                               timeout=INFLIGHT_WAIT_S)
+
+    def failed(self, shown: list[str]) -> None:
+        """Tool calls a stream showed its client before the turn broke off: never checked."""
+        for call_id in shown:
+            self._failed[call_id] = None
+        while len(self._failed) > self.failed_kept:
+            self._failed.popitem(last=False)
+
+    def reissued(self, call_id: str) -> None:
+        """A retried turn issued the call again: its entry is checked now."""
+        self._failed.pop(call_id, None)
+
+    def refuse_unchecked(self, ex: Exchange, outputs: list[ToolOutput],
+                         pending: Mapping[str, Any]) -> None:
+        """A tool result for a call that only a failed or refused turn showed (an agent that
+        acted on a streamed call before the stream broke off, or before the turn's refusal
+        replaced its terminator): its entry was never checked, so its result is refused rather
+        than passed on unchecked. Nothing is stored and the run goes on."""
+        unchecked = sorted({o.call_id for o in outputs
+                            if o.call_id in self._failed and o.call_id not in pending})
+        if unchecked:
+            raise Stop(409, f"stepguard: tool call(s) {', '.join(unchecked)} came from a model "
+                       f"turn that did not complete or was refused and were never checked; their "
+                       f"results are not taken (retry the turn instead)",
+                       {"check": "upstream", "calls": unchecked, "run": ex.run_id},
+                       refused="unchecked_result")
+
+
+async def correlate(runs: RunBook, shown: ShownCalls, ex: Exchange,
+                    keys: list[str] | None = None) -> None:
+    """Set the exchange's run: an explicitly configured run key, else the run stored with the
+    tool-call ids (and `resp:` ids) the conversation carries (`keys`, else read from the
+    request), else the implicit run, else a new run."""
+    # A header or traceparent the contract names explicitly outranks the conversation's own
+    # tool-call ids. By default only the run header does: OpenTelemetry instrumentation puts
+    # a traceparent on every model call, one trace per call or one per orchestrator, and
+    # neither is a conversation.
+    contract = ex.contract
+    if not contract.run_keys_declared:
+        contract = replace(contract, run_keys=("header:x-stepguard-run",))
+    run_id = run_id_for(contract, ex.request.headers, implicit=False)
+    if run_id is None:
+        if keys is None:
+            keys = parsed(ex, lambda: ex.dialect.known_ids(ex.body))
+        await shown.wait(keys)
+        found = {r for key in keys if (r := await runs.store.find_run(key)) is not None}
+        if len(found) > 1:
+            raise Stop(400, f"stepguard: the conversation carries tool calls of several runs "
+                       f"({', '.join(sorted(found))}); send {RUN_HEADER} to choose one",
+                       {"check": "correlation", "runs": sorted(found)},
+                       refused="several_runs")
+        run_id = found.pop() if found else implicit_run_id(ex.contract)
+    if run_id is None:
+        run_id, ex.new_run = f"run-{uuid.uuid4().hex[:20]}", True
+    ex.run_id = run_id

@@ -1,0 +1,149 @@
+"""Entry boundaries read off a model's answer: each tool call of each choice is checked
+(`engine.check_entry`) and stored with its call id (and the response id) as correlation keys
+and marked pending, before the agent gets the answer; a final answer that claims completion is
+checked against the completion proof (`engine.check_final`)."""
+
+from __future__ import annotations
+
+import orjson
+
+from stepguard.contracts.engine import check_entry, check_final
+from stepguard.contracts.envelope import Envelope
+from stepguard.contracts.errors import StoreError
+from stepguard.contracts.events import Decision, ToolResult, Violation
+from stepguard.contracts.runs import RunBook
+from stepguard.metrics.observer import Observer
+from stepguard.proxy.bodies import BodyError, _too_deep, check_depth
+from stepguard.proxy.boundaries import Boundaries, Evidence
+from stepguard.proxy.calls import STOPPED
+from stepguard.proxy.config import Settings
+from stepguard.proxy.model_correlation import ShownCalls
+from stepguard.proxy.model_dialects import ToolCall, ToolOutput, Turn
+from stepguard.proxy.model_exchange import Exchange, Stop, raise_if_stopped, refuse_halted
+from stepguard.proxy.model_exits import ModelExits
+
+
+class ModelEntries:
+    """Checks the tool calls and final answers of a model's turn."""
+
+    def __init__(self, traffic: str, runs: RunBook, settings: Settings, observer: Observer,
+                 boundaries: Boundaries, shown: ShownCalls, exits: ModelExits) -> None:
+        self.traffic = traffic
+        self.runs = runs
+        self.settings = settings
+        self.observer = observer
+        self.boundaries = boundaries
+        self.shown = shown
+        self.exits = exits
+
+    async def check(self, ex: Exchange, turn: Turn) -> None:
+        """Every entry of the turn, under the run's lock; a violation raises `Stop`."""
+        contract = ex.contract
+        async with self.runs.locked(ex.run_id):
+            envelope = await self.runs.envelope(contract, ex.run_id)
+            if envelope.status in STOPPED:
+                await refuse_halted(self.boundaries, ex, envelope, self.traffic)
+            keys = [f"resp:{turn.response_id}"] if turn.response_id else []
+            unclassified = [what for choice in turn.choices() for what in choice.unclassified]
+            if unclassified:
+                raise Stop(502, f"stepguard: the model's answer carries what an SDK would hand "
+                           f"over as a tool call but stepguard cannot classify "
+                           f"({'; '.join(unclassified[:5])}); it is refused (fail closed)",
+                           {"check": "unclassified", "calls": unclassified[:20],
+                            "run": ex.run_id}, refused="unclassified")
+            if ex.stored_response and ex.new_run and contract.unmatched == "refuse" \
+                    and any(choice.calls for choice in turn.choices()):
+                raise Stop(403, f"stepguard: {turn.response_id!r} was not created through "
+                           f"stepguard, so its tool calls belong to no run, and the contract "
+                           f"refuses unmatched calls", {"check": "unmatched",
+                                                        "response": turn.response_id},
+                           refused="unmatched")
+            before = envelope.seq
+            for choice in turn.choices():    # n > 1: the agent may act on any choice
+                for call in choice.calls:
+                    if ex.stored_response and await self.runs.store.find_run(
+                            f"call:{call.call_id}") is not None:
+                        continue    # a response read again: this call's entry was checked
+                    self.shown.reissued(call.call_id)   # a retry issued it again
+                    envelope = await self._entry(ex, envelope, call, keys)
+                final = choice.final
+                if final is None:
+                    continue
+                decision = check_final(contract, envelope, final, now=ex.timing.arrived)
+                if decision.violation is not None or decision.completed:
+                    settled = await self.boundaries.settle(
+                        contract, ex.run_id, envelope, decision, Evidence(None, b"",
+                        ToolResult(200, final)), timing=ex.timing, traffic=self.traffic,
+                        keys=keys)
+                    raise_if_stopped(ex, decision, settled)
+                    envelope = settled.envelope
+            if keys and ex.dialect.chained and envelope.seq == before and (
+                    envelope.seq > 0 or ex.body.get("background") is True):
+                # a turn of a stored run that was no boundary (plain text, unmatched calls):
+                # the next request may continue from it by previous_response_id alone, so its
+                # id must find the run too, or the conversation would split into a new run.
+                # (Every event above was stored with the keys; a run with no event yet has
+                # nothing to continue, unless the response runs in the background: its tool
+                # calls come later, when the agent retrieves it, and must find this run.)
+                await self.runs.store.add_keys(ex.run_id, keys)
+
+    async def _entry(self, ex: Exchange, envelope: Envelope, call: ToolCall,
+                     keys: list[str]) -> Envelope:
+        contract = ex.contract
+        step = contract.step_for_tool(ex.route.upstream.name, call.name)
+        if step is None:
+            if contract.unmatched == "refuse":
+                self.boundaries.call_refused(ex.route, "unmatched", f"tool {call.name[:200]!r} "
+                                             "matches no step", None, self.traffic, ex.run_id)
+                raise Stop(403, f"stepguard: tool {call.name!r} matches no step of workflow "
+                           f"{contract.workflow!r}, and the contract refuses unmatched calls",
+                           {"check": "unmatched", "tool": call.name, "run": ex.run_id})
+            return envelope
+        # arguments are read at the most --max-json-depth may be; held here to its setting
+        error, arguments = call.error, call.arguments
+        try:
+            if call.too_deep:
+                raise _too_deep(f"arguments of tool call {call.call_id}",
+                                self.settings.max_json_depth)
+            check_depth(arguments, f"arguments of tool call {call.call_id}",
+                        self.settings.max_json_depth)
+        except BodyError as exc:
+            error, arguments = exc.detail, None
+        keyed = await self.boundaries.run_keys.bind(contract, step, ex.run_id, arguments)
+        if error is not None:
+            decision = Decision(step.name, "entry",
+                                Violation("input_schema", "shape", error, "entry",
+                                          field="input"))
+        elif keyed.drift is not None:   # an `arg:` run key naming another value than the run's
+            decision = Decision(step.name, "entry", Violation(
+                "run_key", "freshness", keyed.drift, "entry", field=keyed.field))
+        else:
+            decision = check_entry(step, envelope, arguments, now=ex.timing.arrived)
+        goes_ahead = decision.passed or contract.mode == "observe"
+        raw = orjson.dumps(arguments)
+        settled = await self.boundaries.settle(
+            contract, ex.run_id, envelope, decision, Evidence(arguments, raw),
+            timing=ex.timing, traffic=self.traffic,
+            extra={"call_id": call.call_id, "tool": call.name, "pending": goes_ahead},
+            keys=[f"call:{call.call_id}", *keys])
+        if goes_ahead and arguments is not None and settled.event.get("input") != arguments:
+            self.exits.arguments.keep(ex.run_id, call.call_id, arguments, len(raw))
+        raise_if_stopped(ex, decision, settled)
+        if goes_ahead and not call.ran:   # the agent may execute it over MCP or HTTP: joined
+            self.boundaries.pending.issued(contract.workflow, step.name, arguments,
+                                           ex.run_id, call.call_id)
+        if call.ran and goes_ahead:   # the provider ran it: its outcome is the exit, at once
+            return await self.exits.exit(ex, settled.envelope, ToolOutput(call.call_id, call.result),
+                                         {"step": step.name, "input": call.arguments})
+        return settled.envelope
+
+    def not_stored(self, ex: Exchange, exc: StoreError) -> None:
+        """The model answered, but its tool calls could not be stored. The model is never asked a
+        second time: fail-open hands its answer on unchecked (counted); fail-closed raises."""
+        self.observer.store_error("append", str(exc), run_id=ex.run_id,
+                                  workflow=ex.contract.workflow)
+        if self.settings.fail_open:
+            self.observer.fail_open(ex.contract, "", ex.run_id)
+            return
+        raise Stop(503, f"stepguard: run {ex.run_id!r}: the model's answer could not be checked "
+                   f"and stored ({exc}); it is withheld (fail closed)", {"check": "store"})

@@ -1,0 +1,125 @@
+"""Exit boundaries read off a model request: each tool result it carries whose call is pending
+in the run's envelope is checked (`engine.check_exit`) against the call's arguments, before the
+model sees the request."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import orjson
+
+from stepguard.contracts.engine import check_exit
+from stepguard.contracts.envelope import Envelope
+from stepguard.contracts.events import Decision, ToolResult
+from stepguard.contracts.runs import RunBook
+from stepguard.proxy.boundaries import Boundaries, Evidence
+from stepguard.proxy.calls import STOPPED
+from stepguard.proxy.joined import joined_result
+from stepguard.proxy.model_correlation import ShownCalls
+from stepguard.proxy.model_dialects import ToolOutput
+from stepguard.proxy.model_exchange import Exchange, parsed, raise_if_stopped, refuse_halted
+
+ARGUMENTS_BUDGET = 16 * 1024 * 1024
+
+
+class PendingArguments:
+    """The unredacted arguments of pending tool calls whose stored copy differs from them
+    (redacted or truncated), for exit checks of requests that do not repeat the call (Responses
+    continued by previous_response_id). In memory, per process, bounded by bytes (oldest
+    first out): after a restart, on another replica, or past the budget, the exit reads the
+    stored copy."""
+
+    def __init__(self, budget: int = ARGUMENTS_BUDGET) -> None:
+        self.budget = budget
+        self.size = 0
+        self._calls: OrderedDict[tuple[str, str], tuple[Any, int]] = OrderedDict()
+
+    def keep(self, run_id: str, call_id: str, arguments: Any, size: int) -> None:
+        if size > self.budget:
+            return
+        self.drop(run_id, call_id)
+        self._calls[(run_id, call_id)] = (arguments, size)
+        self.size += size
+        while self.size > self.budget:
+            _, (_, dropped) = self._calls.popitem(last=False)
+            self.size -= dropped
+
+    def get(self, run_id: str, call_id: str) -> Any:
+        kept = self._calls.get((run_id, call_id))
+        return kept[0] if kept is not None else None
+
+    def drop(self, run_id: str, call_id: str) -> None:
+        kept = self._calls.pop((run_id, call_id), None)
+        if kept is not None:
+            self.size -= kept[1]
+
+
+class ModelExits:
+    """Checks the tool results a model request hands the model."""
+
+    def __init__(self, traffic: str, runs: RunBook, boundaries: Boundaries,
+                 shown: ShownCalls) -> None:
+        self.traffic = traffic
+        self.runs = runs
+        self.boundaries = boundaries
+        self.shown = shown
+        self.arguments = PendingArguments()
+
+    async def check(self, ex: Exchange) -> None:
+        """Every exit the request carries, under the run's lock; a violation raises `Stop`."""
+        outputs = parsed(ex, lambda: ex.dialect.tool_outputs(ex.body))
+        echoed = parsed(ex, lambda: ex.dialect.echoed_calls(ex.body)) if outputs else {}
+        if ex.new_run:
+            self.shown.refuse_unchecked(ex, outputs, {})
+            return
+        async with self.runs.locked(ex.run_id):
+            envelope = await self.runs.envelope(ex.contract, ex.run_id)
+            if envelope.status in STOPPED:
+                await refuse_halted(self.boundaries, ex, envelope, self.traffic)
+            self.shown.refuse_unchecked(ex, outputs, envelope.pending)
+            for output in outputs:
+                pending = envelope.pending.get(output.call_id)
+                if pending is None:   # answered before (at the tool, if joined), or unmatched
+                    mismatch = await joined_result(self.boundaries, ex.contract, ex.run_id,
+                                                   envelope, output, ex.timing, self.traffic)
+                    if mismatch is not None:
+                        envelope = mismatch[1].envelope
+                        raise_if_stopped(ex, *mismatch)
+                    continue
+                # the call's arguments as the model gave them: repeated by the conversation,
+                # else kept in memory since its entry, else the stored (redacted) copy
+                arguments = echoed.get(output.call_id)
+                if arguments is None:
+                    arguments = self.arguments.get(ex.run_id, output.call_id)
+                if arguments is not None:
+                    pending = {**pending, "input": arguments}
+                envelope = await self.exit(ex, envelope, output, pending)
+
+    async def exit(self, ex: Exchange, envelope: Envelope, output: ToolOutput,
+                   pending: dict[str, Any]) -> Envelope:
+        """One tool result checked against its pending call (`step`, `input`); the run's lock
+        is held by the caller."""
+        step = ex.contract.steps.get(pending["step"])
+        if step is None:    # the step went away in a contract reload: the call is forgotten
+            settled = await self.boundaries.settle(
+                ex.contract, ex.run_id, envelope,
+                Decision(pending["step"], "exit", rejected=True), Evidence(pending.get("input")),
+                timing=ex.timing, traffic=self.traffic, extra={"call_id": output.call_id})
+            return settled.envelope
+        if output.is_error:
+            result = ToolResult(None, output.content, error=f"tool {step.name} reported an error: "
+                                f"{orjson.dumps(output.content).decode()[:500]}", error_kind="tool")
+        elif output.error:
+            result = ToolResult(200, None, error=output.error, error_kind="parse")
+        else:
+            result = ToolResult(200, output.content)
+        decision = check_exit(ex.contract, step, envelope, pending.get("input"), result,
+                              now=ex.timing.arrived)
+        settled = await self.boundaries.settle(
+            ex.contract, ex.run_id, envelope, decision,
+            Evidence(pending.get("input"), b"", result, orjson.dumps(output.content)),
+            timing=ex.timing, traffic=self.traffic, extra={"call_id": output.call_id})
+        self.arguments.drop(ex.run_id, output.call_id)
+        raise_if_stopped(ex, decision, settled)
+        return settled.envelope

@@ -1,0 +1,236 @@
+"""Streamed model answers: the SSE byte stream cut into whole events, each fed to the dialect's
+`Assembler` and relayed at once (events that arrived in one read leave in one write, the
+stream's first at once), the terminator and everything after it held until the assembled turn's
+entries are checked, then written, or replaced by the provider's stream error."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from aiohttp import web
+from multidict import CIMultiDict
+
+from stepguard.contracts.errors import StoreError
+from stepguard.metrics.observer import Observer
+from stepguard.proxy.bodies import is_json_type
+from stepguard.proxy.boundaries import Boundaries, retrying_conflicts
+from stepguard.proxy.config import Settings
+from stepguard.proxy.forward import (
+    HOP_BY_HOP,
+    ClientEnd,
+    Forwarder,
+    Upstreamed,
+    UpstreamError,
+    end_to_end,
+    read_chunks,
+)
+from stepguard.proxy.h1client import H1Response, UpstreamConnectionError
+from stepguard.proxy.model_answers import ModelAnswers
+from stepguard.proxy.model_correlation import ShownCalls
+from stepguard.proxy.model_entries import ModelEntries
+from stepguard.proxy.model_exchange import (
+    RUN_HEADER,
+    Exchange,
+    Stop,
+    log_refusal,
+    no_redirect,
+    parsed,
+    upstream_failed,
+)
+from stepguard.proxy.sse import EventTooLarge, SSESplitter, decode_event
+
+
+class ModelStream:
+    """Forwards a streamed model request and relays its answer, checking the turn before the
+    terminator leaves. An agent that hangs up early (it has its tool call) does not stop the
+    check: the turn is still read to its end, checked and recorded."""
+
+    def __init__(self, traffic: str, forwarder: Forwarder, settings: Settings,
+                 observer: Observer, boundaries: Boundaries, shown: ShownCalls,
+                 entries: ModelEntries, answers: ModelAnswers) -> None:
+        self.traffic = traffic
+        self.forwarder = forwarder
+        self.settings = settings
+        self.observer = observer
+        self.boundaries = boundaries
+        self.shown = shown
+        self.entries = entries
+        self.answers = answers
+
+    async def stream(self, ex: Exchange, headers: CIMultiDict[str]) -> web.StreamResponse:
+        timeout_s = ex.route.upstream.timeout_s
+        since = time.perf_counter()
+        try:
+            resp = await self.forwarder.open(ex.request.method, ex.url, headers, ex.raw,
+                                             timeout_s)
+        except UpstreamError as exc:
+            self.boundaries.upstream_seen(ex.route, ex.timing, since, None)
+            raise upstream_failed(exc) from None
+        self.boundaries.upstream_seen(ex.route, ex.timing, since, resp.status)
+        async with resp:
+            no_redirect(resp.status)
+            answered = 200 <= resp.status < 300
+            if answered and is_json_type(resp.headers.get("content-type", "")):
+                # a server that ignored "stream": one JSON answer, checked like any other
+                try:
+                    async with asyncio.timeout(timeout_s):
+                        body = await self.forwarder.read_capped(resp)
+                except UpstreamError as exc:
+                    raise Stop(502, f"stepguard: {exc.detail}", {"check": "upstream"},
+                               retry=exc.kind != "cap") from None
+                except TimeoutError:
+                    raise Stop(504, f"stepguard: upstream stalled mid-body for {timeout_s:g} s",
+                               {"check": "upstream"}, retry=True) from None
+                return await self.answers.checked(ex, Upstreamed(
+                    resp.status, end_to_end(resp.headers), body))
+            encoding = (resp.headers.get("content-encoding") or "identity").strip().lower()
+            # every other 2xx answer is read as events whatever its Content-Type says: an SDK
+            # reads the body of a streamed request as SSE (a 4xx/5xx it raises on, unread)
+            if answered and encoding != "identity":
+                # stepguard asked for identity; a compressed stream would pass unread: refuse
+                raise Stop(502, f"stepguard: the model's event stream came with content-encoding "
+                           f"{encoding!r} although identity was asked for; it cannot be checked",
+                           {"check": "upstream"})
+            out = web.StreamResponse(status=resp.status, reason=resp.reason,
+                                     headers=end_to_end(resp.headers, HOP_BY_HOP | {"content-length"}))
+            out.headers[RUN_HEADER] = ex.run_id
+            ex.timing.stamp(out)
+            await out.prepare(ex.request)
+            if not answered:
+                try:
+                    async for chunk in read_chunks(resp, ex.request, timeout_s):
+                        await out.write(chunk)
+                except (UpstreamConnectionError, TimeoutError):
+                    if ex.request.transport is not None:
+                        ex.request.transport.close()
+                    return out
+                await out.write_eof()
+                return out
+            await self._relay_events(ex, resp, out)
+            return out
+
+    async def _relay_events(self, ex: Exchange, resp: H1Response,
+                            out: web.StreamResponse) -> None:
+        """Relay each event as it completes, hold the terminator, check the assembled turn."""
+        splitter = SSESplitter(self.settings.max_response_bytes)
+        assembler = ex.dialect.assembler()
+        stored = asyncio.Event()
+        shown: list[str] = []
+        try:
+            await self._relay_turn(ex, resp, ClientEnd(out), splitter, assembler, stored, shown)
+        finally:   # the turn's calls are stored (or refused): requests waiting on them go on
+            stored.set()
+            self.boundaries.pending.streamed(ex.contract.workflow, stored)
+            self.shown.settled(shown)
+
+    async def _relay_turn(self, ex: Exchange, resp: H1Response, client: ClientEnd,
+                          splitter: SSESplitter, assembler: Any, stored: asyncio.Event,
+                          shown: list[str]) -> None:
+        held: list[bytes] = []
+        streaming_since = time.perf_counter()
+        first = True
+        try:
+            async for chunk in read_chunks(resp, ex.request, ex.route.upstream.timeout_s):
+                relayed: list[bytes] = []    # the events that arrived together leave together
+                try:
+                    for raw, event in splitter.events(chunk):
+                        if held or (event is not None and assembler.is_terminal(event)):
+                            # held, and read: the terminator (a Responses final output) and
+                            # whatever follows it (an SDK reads on to the stream's end) are
+                            # part of the turn the agent gets
+                            held.append(raw)
+                            if event is not None:
+                                parsed(ex, lambda: assembler.feed(event))  # noqa: B023
+                            continue
+                        if event is not None:
+                            parsed(ex, lambda: assembler.feed(event))  # noqa: B023
+                            for call_id in assembler.call_ids():
+                                if self.shown.show(call_id, stored):
+                                    if not shown:   # its executions may come before its end
+                                        self.boundaries.pending.streaming(
+                                            ex.contract.workflow, stored)
+                                    shown.append(call_id)
+                        if first:       # the first byte leaves at once (time to first byte)
+                            first = False
+                            await client.write(raw)
+                        else:
+                            relayed.append(raw)
+                finally:        # events before one that failed are still relayed, in order
+                    if relayed:
+                        await client.write(b"".join(relayed))
+        except (UpstreamConnectionError, TimeoutError, EventTooLarge) as exc:
+            ex.timing.upstream(streaming_since)
+            why = (f"no event for {ex.route.upstream.timeout_s:g} s"
+                   if isinstance(exc, TimeoutError) else str(exc))
+            self.shown.failed(shown)
+            await client.write(ex.dialect.stream_error(f"stepguard: upstream stream failed: {why}",
+                                                       {"check": "upstream"}))
+            await client.close()
+            return
+        except Stop as stop:     # the upstream's events have a shape the dialect cannot read
+            ex.timing.upstream(streaming_since)
+            self.shown.failed(shown)
+            await self._stopped(ex, client, stop)
+            await client.close()
+            return
+        ex.timing.upstream(streaming_since)
+        rest = splitter.rest()
+        last = decode_event(rest) if rest else None
+        if last is not None and (held or assembler.is_terminal(last)):
+            held.append(rest)      # an event the upstream did not end with a blank line
+            try:
+                parsed(ex, lambda: assembler.feed(last))
+            except Stop as stop:
+                self.shown.failed(shown)
+                await self._stopped(ex, client, stop)
+                await client.close()
+                return
+        elif rest and held:
+            held.append(rest)
+        if not held or assembler.failure is not None:
+            await self._turn_failed(ex, client, assembler.failure, shown)
+            return
+        try:
+            turn = parsed(ex, assembler.turn)
+            await retrying_conflicts(ex.run_id, lambda: self.entries.check(ex, turn))
+        except Stop as stop:
+            # the calls the stream showed whose entry was not stored (the turn was refused
+            # before or without them) were never checked: a result for one is not taken
+            self.shown.failed(shown)
+            await self._stopped(ex, client, stop)
+        except StoreError as exc:
+            try:
+                self.entries.not_stored(ex, exc)
+            except Stop as stop:
+                await self._stopped(ex, client, stop)
+            else:
+                for raw in held:
+                    await client.write(raw)
+        else:
+            for raw in held:
+                await client.write(raw)
+        await client.close()
+
+    async def _stopped(self, ex: Exchange, client: ClientEnd, stop: Stop) -> None:
+        log_refusal(self.boundaries, ex, stop, self.traffic)
+        await client.write(ex.dialect.stream_error(stop.message, stop.details))
+
+    async def _turn_failed(self, ex: Exchange, client: ClientEnd, failure: str | None,
+                           shown: list[str]) -> None:
+        """The stream ended without its terminating event (the upstream closed early), or it
+        carried the upstream's own error event. The turn is a failure at the upstream, not what
+        the model said: its half-received tool calls are neither checked nor stored, the run
+        is not halted, and the agent's retry goes ahead as if this turn never happened.
+        The client always gets stepguard's stream error event, also after an upstream error
+        event it was already relayed: SDKs raise at the first error event they read, so in that
+        case ours is never read, and one rule covers an upstream that simply stopped."""
+        why = (f"the upstream reported an error: {failure}" if failure is not None
+               else "the upstream closed it before its terminating event")
+        self.observer.turn_failed(ex.route.upstream.name, ex.contract.workflow, ex.run_id, why)
+        self.shown.failed(shown)
+        await client.write(ex.dialect.stream_error(
+            f"stepguard: the model's turn did not complete ({why}); nothing in it was checked "
+            f"or recorded, and the request may be retried", {"check": "upstream"}))
+        await client.close()
