@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from stepguard.contracts.events import (
     ADVANCE,
@@ -16,7 +16,8 @@ from stepguard.contracts.events import (
     REJECT,
 )
 
-Status = Literal["active", "halted", "escalated", "completed"]
+Status = Literal["active", "halted", "escalated", "completed", "cancelled"]
+STATUSES: tuple[Status, ...] = get_args(Status)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +58,8 @@ class Envelope:
             changes["pending"] = {k: v for k, v in self.pending.items() if k != call_id}
         if call_id and event.get("joined_digest"):
             changes["joined"] = {**self.joined, call_id: [event["step"], event["joined_digest"]]}
-        stopped = self.status in ("halted", "escalated")   # nothing advances a stopped run
+        # nothing advances a stopped run, nor one an operator cancelled
+        stopped = self.status in ("halted", "escalated", "cancelled")
         if action == COMPLETE and not stopped:
             changes["status"] = "completed"
         elif action == ADVANCE and event.get("boundary") == "exit" and not stopped:
@@ -77,6 +79,11 @@ class Envelope:
             changes["status"] = "halted" if action == HALT else "escalated"
             changes["halt"] = {k: event[k] for k in ("seq", "step", "boundary", "violation",
                                                      "decision_id", "action") if k in event}
+        elif action == "cancel" and event.get("kind") == "operator":
+            # an operator ended the run: its calls are refused, its argument keys are free
+            changes["status"], changes["pending"] = "cancelled", {}
+            changes["halt"] = {k: event[k] for k in ("seq", "action", "operator", "reason")
+                               if k in event}
         elif action == "resume":
             # an operator put the run back at a verified boundary: the event carries the
             # envelope folded up to it (contracts/operations.py), so the fold stays one pass

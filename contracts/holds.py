@@ -21,7 +21,7 @@ from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.events import APPROVE, EXPIRE, FORWARD, REJECT
 from stepguard.contracts.operations import OPERATOR, OperationRefused
 
-STOPPED = ("halted", "escalated")
+STOPPED = ("halted", "escalated", "cancelled")   # a run in these states lets no call through
 
 
 def call_digest(run_id: str, step: str, arguments: Any) -> str:

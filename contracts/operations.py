@@ -21,6 +21,7 @@ from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.events import ADVANCE
 
 RESUME = "resume"
+CANCEL = "cancel"
 OPERATOR = "operator"       # the `kind` of an operator action's event
 STOPPED = ("halted", "escalated")
 
@@ -87,3 +88,17 @@ def resume_event(envelope: Envelope, history: list[dict[str, Any]], *, operator:
     if envelope.seq > at:
         fields["supersedes"] = [at + 1, envelope.seq]
     return fields
+
+
+def cancel_event(envelope: Envelope, *, operator: str, reason: str) -> dict[str, Any]:
+    """The fields of the event that cancels `envelope`'s run: it ends (status `cancelled`), its
+    later calls are refused and its argument key values are free for a new run (an agent that
+    died mid-task and starts the task over). A completed or cancelled run is over already."""
+    run = envelope.run_id
+    if envelope.status in ("completed", "cancelled"):
+        raise OperationRefused(409, f"run {run!r} is {envelope.status}: there is nothing to "
+                               "cancel")
+    if not reason.strip():
+        raise OperationRefused(400, f"run {run!r}: a cancel needs a reason (--reason)")
+    return {"kind": OPERATOR, "action": CANCEL, "operator": operator, "reason": reason,
+            "was": envelope.status}

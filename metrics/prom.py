@@ -11,10 +11,12 @@ from collections.abc import Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.exposition import choose_encoder
 
+from stepguard.contracts.envelope import STATUSES
+
 # stepguard's own work is sub-millisecond; the tail is what alerts care about
 ADDED_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 UPSTREAM_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-RUN_STATUSES = ("active", "halted", "escalated", "completed")
+RUN_STATUSES = STATUSES
 
 
 def status_class(status: int | None) -> str:

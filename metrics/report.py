@@ -37,10 +37,10 @@ def render_run(envelope: dict[str, Any], history: list[dict[str, Any]],
         violation = e.get("violation") or {}
         marker = ">>" if e["seq"] == first_bad else "~~" if e["seq"] in gone else "  "
         if e.get("kind") == OPERATOR:
-            what = (f"hold {e.get('hold')} of {e.get('step')}" if e.get("hold")
-                    else f"at seq {e.get('resumed_at')}")
+            where = (f" hold {e.get('hold')} of {e.get('step')}" if e.get("hold")
+                     else f" at seq {e['resumed_at']}" if "resumed_at" in e else "")
             lines.append(f"{marker} {e['seq']:>4}  {timestamp(e['ts'])}  {e['action'].upper()} "
-                         f"by {e.get('operator')} {what}: {e.get('reason')}")
+                         f"by {e.get('operator')}{where}: {e.get('reason')}")
             continue
         line = (f"{marker} {e['seq']:>4}  {timestamp(e['ts'])}  {e.get('step', '-'):<16} "
                 f"{e.get('boundary', '-'):<5} {e.get('verdict', '-'):<9} "

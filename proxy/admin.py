@@ -3,6 +3,7 @@
     GET  /runs                       envelopes, newest first (?status=, ?limit=)
     GET  /runs/{id}                  envelope, history (superseded events marked), escalations
     POST /runs/{id}/resume           {"reason": "...", "from": "STEP"?}
+    POST /runs/{id}/cancel           {"reason": "..."}
     POST /runs/{id}/approve          {"digest" or "decision_id": "...", "reason": "..."}
     POST /runs/{id}/reject           {"digest" or "decision_id": "...", "reason": "..."}
 
@@ -25,11 +26,17 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from stepguard.contracts.envelope import STATUSES as RUN_STATUSES
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.errors import StepguardError
 from stepguard.contracts.events import APPROVE, EXPIRE, REJECT
 from stepguard.contracts.holds import Expired, decision_event, expire_fields
-from stepguard.contracts.operations import OperationRefused, resume_event, superseded
+from stepguard.contracts.operations import (
+    OperationRefused,
+    cancel_event,
+    resume_event,
+    superseded,
+)
 from stepguard.contracts.runs import RunBook
 from stepguard.metrics.observer import Observer
 from stepguard.proxy.boundaries import new_decision_id
@@ -124,18 +131,29 @@ class Operations:
 
     async def resume(self, run_id: str, *, operator: str, reason: str,
                      from_step: str | None = None) -> tuple[Envelope, dict[str, Any]]:
+        return await self._act(run_id, lambda envelope, history: resume_event(
+            envelope, history, operator=operator, reason=reason, from_step=from_step))
+
+    async def cancel(self, run_id: str, *, operator: str,
+                     reason: str) -> tuple[Envelope, dict[str, Any]]:
+        return await self._act(run_id, lambda envelope, _: cancel_event(
+            envelope, operator=operator, reason=reason))
+
+    async def _act(self, run_id: str, fields_of: Callable[[Envelope, list[dict[str, Any]]],
+                                                          dict[str, Any]]
+                   ) -> tuple[Envelope, dict[str, Any]]:
         async with self.runs.locked(run_id):
             envelope = await self.runs.store.load(run_id)
             if envelope is None:
                 raise OperationRefused(404, f"no run {run_id!r}")
             history = await self.runs.store.history(run_id)
-            fields = resume_event(envelope, history, operator=operator, reason=reason,
-                                  from_step=from_step)
+            fields = fields_of(envelope, history)
             after, event = await self.runs.commit(envelope, fields)
+        if self.holds is not None:      # a run cancelled: its held calls are refused
+            self.holds.decided(run_id)
         if self.observer is not None:
             self.observer.operator_action(envelope.workflow, run_id, event)
         return after, event
-
 
     async def decide(self, run_id: str, action: str, *, operator: str, reason: str,
                      digest: str | None = None,
@@ -190,9 +208,8 @@ def run_routes(runs: RunBook, observer: Observer, tokens: AdminTokens,
 
     async def list_runs(request: web.Request) -> web.StreamResponse:
         status = request.query.get("status")
-        if status is not None and status not in ("active", "halted", "escalated", "completed"):
-            return _error(400, f"status {status!r} is not one of active, halted, escalated, "
-                          "completed")
+        if status is not None and status not in RUN_STATUSES:
+            return _error(400, f"status {status!r} is not one of {', '.join(RUN_STATUSES)}")
         try:
             limit = int(request.query.get("limit", "100"))
         except ValueError:
@@ -257,6 +274,14 @@ def run_routes(runs: RunBook, observer: Observer, tokens: AdminTokens,
                                                reason=reason, from_step=from_step)
         return _json({"envelope": after.to_dict(), "event": event})
 
+    async def cancel(request: web.Request, operator: str, body: dict[str, Any]) -> web.StreamResponse:
+        reason = body.get("reason")
+        if not isinstance(reason, str) or not reason.strip():
+            return _error(400, "a cancel needs a reason: {\"reason\": \"...\"}")
+        after, event = await operations.cancel(request.match_info["run_id"], operator=operator,
+                                               reason=reason)
+        return _json({"envelope": after.to_dict(), "event": event})
+
     def deciding(action: str) -> Handler:
         async def decide(request: web.Request, operator: str,
                          body: dict[str, Any]) -> web.StreamResponse:
@@ -275,5 +300,6 @@ def run_routes(runs: RunBook, observer: Observer, tokens: AdminTokens,
 
     return [web.get("/runs", list_runs), web.get("/runs/{run_id}", show_run),
             web.post("/runs/{run_id}/resume", acting(resume)),
+            web.post("/runs/{run_id}/cancel", acting(cancel)),
             web.post("/runs/{run_id}/approve", deciding(APPROVE)),
             web.post("/runs/{run_id}/reject", deciding(REJECT))]

@@ -38,7 +38,7 @@ from stepguard.proxy.joining import joined_extra
 from stepguard.proxy.routing import Route
 from stepguard.proxy.waiting import client_present, waited
 
-STOPPED = ("halted", "escalated")    # a run in these states refuses its calls
+STOPPED = ("halted", "escalated", "cancelled")    # a run in these states refuses its calls
 
 
 @dataclass(slots=True)

@@ -14,6 +14,7 @@ from typing import Any
 
 import orjson
 
+from stepguard.contracts.envelope import STATUSES as RUN_STATUSES
 from stepguard.contracts.errors import ContractError, StepguardError, StoreError
 from stepguard.contracts.loader import load_contracts
 from stepguard.contracts.sqlite_store import (
@@ -133,7 +134,7 @@ def _parser() -> argparse.ArgumentParser:
                              help="SQLite file (STEPGUARD_STORE)")
     runs_sub = runs.add_subparsers(metavar="ACTION")
     runs_list = runs_sub.add_parser("list", help="list runs, newest first", parents=[store_after])
-    runs_list.add_argument("--status", choices=["active", "halted", "escalated", "completed"])
+    runs_list.add_argument("--status", choices=list(RUN_STATUSES))
     runs_list.add_argument("--limit", type=int, default=50)
     runs_list.add_argument("--json", action="store_true")
     runs_list.set_defaults(func=_runs_list)
@@ -160,6 +161,11 @@ def _parser() -> argparse.ArgumentParser:
     runs_resume.add_argument("--from", dest="from_step", metavar="STEP",
                              help="resume at the boundary where STEP was last verified instead")
     runs_resume.set_defaults(func=_runs_resume)
+    runs_cancel = runs_sub.add_parser(
+        "cancel", parents=[acting],
+        help="end a run for good: its calls are refused, its argument key values freed")
+    runs_cancel.add_argument("run_id", metavar="RUN")
+    runs_cancel.set_defaults(func=_runs_cancel)
     for action, what in (("approve", "let a held call through, once: the call with that digest"),
                          ("reject", "refuse a held call (a held violation then halts the run)")):
         deciding = runs_sub.add_parser(action, parents=[acting], help=what)
@@ -399,6 +405,12 @@ def _runs_resume(args: argparse.Namespace) -> int:
     from stepguard.proxy.operate import resume
 
     return resume(args)
+
+
+def _runs_cancel(args: argparse.Namespace) -> int:
+    from stepguard.proxy.operate import cancel
+
+    return cancel(args)
 
 
 def _bench_drift(args: argparse.Namespace) -> int:

@@ -224,7 +224,7 @@ class RunKeys:
         envelope = await self.store.load(owner)
         if envelope is None:    # claimed by a first call not stored yet, or purged
             return owner if claimed else None
-        return None if envelope.status == "completed" else owner
+        return None if envelope.status in ("completed", "cancelled") else owner
 
     async def _register(self, contract: Contract, run_id: str, values: list[tuple[str, str]],
                         owners: list[str | None]) -> None:

@@ -23,6 +23,7 @@ from stepguard.proxy.calls import (
     Unreached,
     Violated,
 )
+from stepguard.proxy.problems import why_stopped
 
 VIOLATION_CODE = -31000      # outside JSON-RPC's and MCP's reserved ranges
 HALTED_CODE = -31001
@@ -165,10 +166,8 @@ def refusal_for(call: Call, why: Stopped) -> Refusal:
 def _halted(call: Call, envelope: Envelope, boundary: str, decision_id: str) -> Refusal:
     halt = envelope.halt or {}
     violation = halt.get("violation") or {}
-    return Refusal(HALTED_CODE, f"stepguard: run {call.run_id!r} is {envelope.status}: step "
-                   f"{halt.get('step')!r} failed {violation.get('check')} "
-                   f"({violation.get('drift')}): {violation.get('detail')}; call of step "
-                   f"{call.step.name!r} refused",
+    return Refusal(HALTED_CODE, f"stepguard: {why_stopped(call.run_id, envelope.status, halt)}; "
+                   f"call of step {call.step.name!r} refused",
                    {"run": call.run_id, "workflow": call.contract.workflow,
                     "run_status": envelope.status, "halted_by": halt, "step": halt.get("step"),
                     "check": violation.get("check"), "drift": violation.get("drift"),

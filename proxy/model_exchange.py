@@ -18,6 +18,7 @@ from stepguard.contracts.model import Contract
 from stepguard.proxy.boundaries import Boundaries, Settled
 from stepguard.proxy.forward import Timing, UpstreamError
 from stepguard.proxy.model_dialects import Dialect
+from stepguard.proxy.problems import why_stopped
 from stepguard.proxy.routing import Route
 
 RUN_HEADER = "x-stepguard-run"
@@ -94,12 +95,9 @@ async def refuse_halted(boundaries: Boundaries, ex: Exchange, envelope: Envelope
                         traffic: str) -> None:
     """An exchange of a stopped run: the refusal recorded, then raised (409)."""
     halt = envelope.halt or {}
-    violation = halt.get("violation") or {}
     await boundaries.refuse(ex.contract, ex.run_id, envelope, halt.get("step", ""),
                             timing=ex.timing, traffic=traffic)
-    raise Stop(409, f"stepguard: run {ex.run_id!r} is {envelope.status}: step "
-               f"{halt.get('step')!r} failed {violation.get('check')} "
-               f"({violation.get('drift')}): {violation.get('detail')}",
+    raise Stop(409, f"stepguard: {why_stopped(ex.run_id, envelope.status, halt)}",
                {"run": ex.run_id, "run_status": envelope.status, "halted_by": halt})
 
 

@@ -44,6 +44,12 @@ def resume(args: argparse.Namespace) -> int:
         args.run_id, operator=local_operator(), reason=args.reason, from_step=args.from_step))
 
 
+def cancel(args: argparse.Namespace) -> int:
+    return _act(args, f"/runs/{args.run_id}/cancel", {"reason": args.reason},
+                lambda ops: ops.cancel(args.run_id, operator=local_operator(),
+                                       reason=args.reason))
+
+
 def decide(args: argparse.Namespace) -> int:
     """`runs approve|reject RUN --digest D | --decision ID --reason TEXT`."""
     named = {"digest": args.digest} if args.digest else {"decision_id": args.decision_id}
@@ -140,6 +146,9 @@ async def _on_store(path: str, direct: Any) -> dict[str, Any]:
 
 def _described(result: dict[str, Any]) -> str:
     envelope, event = result["envelope"], result["event"]
+    if event["action"] == "cancel":
+        return (f"run {envelope['run_id']} cancelled by {event['operator']} (was {event['was']}): "
+                f"its calls are refused from now on, its argument keys are free for a new run")
     where = (f"the boundary where {event['step']!r} was verified (seq {event['resumed_at']})"
              if event.get("step") else "its start (nothing was verified)")
     lines = [f"run {envelope['run_id']} resumed at {where} by {event['operator']}: "

@@ -42,16 +42,25 @@ def violation_problem(violation: Violation, *, run_id: str, workflow: str, versi
         schema_path=violation.schema_path, action=action, decision_id=decision_id)
 
 
+def why_stopped(run_id: str, status: str, halt: dict[str, Any]) -> str:
+    """Why a run refuses its calls: the violation that halted or escalated it, or the operator
+    who cancelled it."""
+    if halt.get("action") == "cancel":
+        return (f"run {run_id!r} is cancelled: {halt.get('operator')} ended it "
+                f"({halt.get('reason')})")
+    violation = halt.get("violation") or {}
+    return (f"run {run_id!r} is {status}: step {halt.get('step')!r} failed "
+            f"{violation.get('check')} ({violation.get('drift')}): {violation.get('detail')}")
+
+
 def halted_problem(run_id: str, workflow: str, status: str, halt: dict[str, Any], step: str,
                    boundary: str, decision_id: str) -> web.Response:
     """A call of a stopped run, refused with the reason that stopped it (`halted_by`, and the
     original step, check and drift at the top level)."""
     violation = halt.get("violation") or {}
     return problem(
-        409, "Run halted",
-        f"run {run_id!r} is {status}: step {halt.get('step')!r} failed "
-        f"{violation.get('check')} ({violation.get('drift')}): {violation.get('detail')}; "
-        f"call of step {step!r} refused",
+        409, "Run cancelled" if status == "cancelled" else "Run halted",
+        f"{why_stopped(run_id, status, halt)}; call of step {step!r} refused",
         run=run_id, workflow=workflow, run_status=status, halted_by=halt,
         step=halt.get("step"), check=violation.get("check"), drift=violation.get("drift"),
         refused_step=step, boundary=boundary, action="refuse",

@@ -8,7 +8,12 @@ import pytest
 
 from stepguard.contracts.envelope import Envelope, rebuild
 from stepguard.contracts.events import ADVANCE, FORWARD, HALT, REFUSE
-from stepguard.contracts.operations import OperationRefused, resume_event, superseded
+from stepguard.contracts.operations import (
+    OperationRefused,
+    cancel_event,
+    resume_event,
+    superseded,
+)
 
 VIOLATION = {"check": "postcondition", "drift": "freshness", "detail": "x", "boundary": "exit"}
 
@@ -125,3 +130,40 @@ def test_an_escalated_run_resumes_like_a_halted_one():
     history = [*HALTED[:5], event(6, "escalate", "reserve", violation=VIOLATION)]
     after, _ = resumed(history)
     assert (after.status, set(after.verified)) == ("active", {"lookup", "policy"})
+
+
+def cancelled(history: list[dict[str, Any]]) -> tuple[Envelope, dict[str, Any]]:
+    envelope = folded(history)
+    fields = cancel_event(envelope, operator="alice", reason="agent died")
+    stored = {"seq": envelope.seq + 1, "ts": 2000.0, **fields}
+    return envelope.apply(stored), stored
+
+
+@pytest.mark.parametrize("history", [HALTED[:2], HALTED], ids=["active", "halted"])
+def test_a_cancel_ends_the_run_saying_who_and_why(history):
+    after, stored = cancelled(history)
+    assert (after.status, after.pending) == ("cancelled", {})
+    assert after.halt == {"seq": stored["seq"], "action": "cancel", "operator": "alice",
+                          "reason": "agent died"}
+    assert stored["was"] == folded(history).status
+
+
+def test_nothing_after_a_cancel_moves_the_run():
+    after, _ = cancelled(HALTED[:2])
+    later = after.apply(event(after.seq + 1, ADVANCE, "policy", recorded={"approved": True}))
+    assert (later.status, later.verified, later.state) == ("cancelled", after.verified,
+                                                           after.state)
+
+
+@pytest.mark.parametrize("status", ["completed", "cancelled"])
+def test_a_run_that_is_over_cannot_be_cancelled(status: str):
+    with pytest.raises(OperationRefused) as refused:
+        cancel_event(Envelope("r1", "w", "1", status=status), operator="alice", reason="why")
+    assert refused.value.status == 409
+
+
+def test_a_cancelled_run_cannot_be_resumed():
+    after, _ = cancelled(HALTED)
+    with pytest.raises(OperationRefused) as refused:
+        resume_event(after, HALTED, operator="alice", reason="oops")
+    assert refused.value.status == 409

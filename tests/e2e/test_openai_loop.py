@@ -10,6 +10,7 @@ import asyncio
 import json
 from typing import Any
 
+import aiohttp
 import openai
 import pytest
 from refund_checks import assert_caught, assert_clean
@@ -29,6 +30,9 @@ from refund_desk import (
     task,
 )
 from refund_stack import Stack, StartStack
+
+from stepguard.bench.harness import running
+from stepguard.proxy.app import create_admin_app
 
 streams = pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 
@@ -138,21 +142,42 @@ async def test_a_drifting_conversation_is_stopped_where_the_drift_first_shows(
         assert [c.arguments["ticket_id"] for c in s.desk.calls(step)] == ["T-53"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "an abandoned run keeps its arg: value while it is active, and nothing but completion (or "
-    "retention, 168 h) ends an active run: a new conversation's first call naming that ticket "
-    "is a run_key 'names another live run' violation (RunKeys._resolve, known run). Freeing "
-    "the value needs a decision: take it over at a first step of a run with no value of its "
-    "own (two live conversations on one ticket would then both run), an inactivity bound, or "
-    "an operator cancel; reported, not fixed"))
-async def test_a_ticket_started_over_after_the_agent_died_is_not_refused(
+OPERATOR = "ops:a-token-of-twenty-chars"
+
+
+async def test_a_ticket_started_over_while_its_abandoned_run_is_live_is_refused(
         stack: StartStack) -> None:
+    # an abandoned run keeps its arg: value while it is active: a new conversation naming the
+    # ticket may be a stale duplicate, so it is refused (freshness), never merged or taken over
     async with stack() as s, client_of(s) as client:
         s.model.work_on("T-57")
         died = await ask(client, [{"role": "user", "content": task("T-57")}], stream=False)
         assert died.tool_calls[0].function.name == "get_ticket"   # then the agent process died
         s.model.work_on("T-57")          # the restarted agent starts the ticket over
 
+        with pytest.raises(openai.APIStatusError) as refused:
+            await agent(client, s.desk, "T-57", stream=False)
+
+        assert refused.value.status_code == 422
+        assert "run_key" in str(refused.value) and "T-57" in str(refused.value)
+
+
+async def test_a_ticket_started_over_after_an_operator_cancelled_its_abandoned_run_completes(
+        stack: StartStack) -> None:
+    async with stack(admin_token=OPERATOR) as s, client_of(s) as client:
+        s.model.work_on("T-57")
+        died = await ask(client, [{"role": "user", "content": task("T-57")}], stream=False)
+        assert died.tool_calls[0].function.name == "get_ticket"   # then the agent process died
+        (abandoned,) = await s.runs()
+        token = {"Authorization": f"Bearer {OPERATOR.partition(':')[2]}"}
+        async with running(create_admin_app(s.sg)) as admin, aiohttp.ClientSession() as session, \
+                session.post(f"{admin}/runs/{abandoned.run_id}/cancel", headers=token,
+                             json={"reason": "agent died"}) as reply:   # the operator's way back
+            assert reply.status == 200, await reply.text()
+        s.model.work_on("T-57")          # the restarted agent starts the ticket over
+
         answer = await agent(client, s.desk, "T-57", stream=False)
 
         assert answer == {"done": True, "ticket_id": "T-57"}
+        statuses = sorted(e.status for e in await s.runs())
+        assert statuses == ["cancelled", "completed"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
 import pytest
 from aiohttp import web
 from sgtest import Upstream, make_contract, send
@@ -215,3 +216,28 @@ async def test_a_body_that_is_not_json_is_a_clear_400(start, outage):
                              headers={"Authorization": f"Bearer {SECRET}"})
     assert reply.status == 400
     assert "not JSON" in (await reply.json())["error"]
+
+
+async def test_a_cancelled_run_refuses_its_calls_naming_the_operator(start, outage):
+    proxy, admin, _ = await start(admin_token=TOKEN)
+    assert (await send(proxy.request, "/tools/first", {}, run="r1")).status == 200
+    reply = await admin.post("/runs/r1/cancel", json={"reason": "agent died"},
+                             headers={"Authorization": f"Bearer {SECRET}"})
+    assert reply.status == 200, await reply.read()
+    assert (await reply.json())["envelope"]["status"] == "cancelled"
+    refused = await send(proxy.request, "/tools/second", {}, run="r1")
+    assert refused.status == 409
+    body = orjson.loads(refused.body)
+    assert body["title"] == "Run cancelled"
+    assert "alice ended it (agent died)" in body["detail"]
+    assert outage.calls == 1
+
+
+async def test_a_cancel_needs_the_token_and_a_reason(start):
+    proxy, admin, sg = await start(admin_token=TOKEN)
+    assert (await send(proxy.request, "/tools/first", {}, run="r1")).status == 200
+    assert (await admin.post("/runs/r1/cancel", json={"reason": "x"})).status == 401
+    no_reason = await admin.post("/runs/r1/cancel", json={},
+                                 headers={"Authorization": f"Bearer {SECRET}"})
+    assert no_reason.status == 400
+    assert (await sg.store.load("r1")).status == "active"
