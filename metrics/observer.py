@@ -186,13 +186,12 @@ class Observer:
         held = ({"kind": "hold", "digest": record.get("digest"),
                  "approve": (record.get("approve") or {}).get("url")}
                 if record.get("kind") == "hold" else {})
-        self.log.error("escalation", **held,
-                       run_id=record.get("run_id"), workflow=record.get("workflow"),
-                       contract_version=record.get("contract_version"), step=record.get("step"),
-                       detection_point=record.get("detection_point"),
-                       decision_id=record.get("decision_id"), trace_seq=record.get("seq"),
-                       trace=f"stepguard runs show {record.get('run_id')}",
-                       webhook_delivered=delivered, webhook_error=detail or None)
+        log = self.log.warning if held else self.log.error   # a hold waits; nothing failed
+        log("escalation", **held, run_id=record.get("run_id"), workflow=record.get("workflow"),
+            contract_version=record.get("contract_version"), step=record.get("step"),
+            detection_point=record.get("detection_point"), decision_id=record.get("decision_id"),
+            trace_seq=record.get("seq"), trace=f"stepguard runs show {record.get('run_id')}",
+            webhook_delivered=delivered, webhook_error=detail or None)
 
     def store_error(self, operation: str, detail: str, **context: Any) -> None:
         self.metrics.store_errors.labels(operation).inc()

@@ -30,7 +30,7 @@ from typing import Any
 from aiohttp import web
 
 from stepguard.contracts.envelope import Envelope
-from stepguard.contracts.events import EXPIRE, REJECT
+from stepguard.contracts.events import APPROVE, EXPIRE, REJECT
 from stepguard.contracts.holds import STOPPED, approval_for
 from stepguard.proxy.boundaries import Boundaries, Settled, retrying_conflicts
 from stepguard.proxy.forward import Timing
@@ -159,9 +159,13 @@ async def _resolve(boundaries: Boundaries, held: Held, timing: Timing, traffic: 
                                     timing=timing, traffic=traffic)
             raise _ended(boundaries, held, EXPIRED, 403, "Hold expired",
                          f"no operator approved the held call within {held.hold_s:g} s")
-        # decided, yet no approval left: an identical call used it first
-        raise _ended(boundaries, held, USED, 409, "Approval used",
-                     "the approval of this call was used by an identical call first")
+        if held.verdict == APPROVE:     # decided, yet no approval left: a copy used it
+            raise _ended(boundaries, held, USED, 409, "Approval used",
+                         "the approval of this call was used by an identical call first")
+        # decided where this process did not hear of it (another replica's admin API), and
+        # no approval is left for the call
+        raise _ended(boundaries, held, REJECTED, 403, "Hold rejected",
+                     "the hold was decided, and no approval is left for this call")
 
 
 async def close(boundaries: Boundaries, held: Held, timing: Timing, traffic: str) -> None:
