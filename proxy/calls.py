@@ -29,6 +29,7 @@ from stepguard.contracts.events import OBSERVE, RETRY, Decision, ToolResult, Vio
 from stepguard.contracts.model import Contract, Step
 from stepguard.contracts.runs import RunBook
 from stepguard.metrics.observer import Observer
+from stepguard.proxy.bodies import BodyError
 from stepguard.proxy.boundaries import Boundaries, Evidence, Settled, back_off, retrying_conflicts
 from stepguard.proxy.config import Settings
 from stepguard.proxy.correlation import Keyed
@@ -85,14 +86,15 @@ class Call:
         return None
 
     @property
+    def unreadable(self) -> BodyError | None:
+        """Why the request could not be read at all (no or a wrong content type, not JSON, over
+        the size cap): the call is rejected with the error's 4xx, the run left as it was."""
+        return None
+
+    @property
     def joinable(self) -> bool:
         """Whether the call may be the model's tool call it was joined to."""
         return True
-
-    @property
-    def entry_status(self) -> int | None:
-        """The status an entry violation answers with, when the protocol has one to say."""
-        return None
 
 
 # -- why a call stops: the adapter renders each in its protocol --------------------------------
@@ -112,13 +114,22 @@ class RunStopped(Stopped):
 
 class Violated(Stopped):
     """A boundary's violation whose action stops the call. `status`: a hint for protocols
-    that answer with one (the body's parse error, an upstream timeout)."""
+    that answer with one (an upstream timeout)."""
 
     def __init__(self, decision: Decision, settled: Settled, status: int | None = None) -> None:
         assert decision.violation is not None
         self.decision, self.settled, self.status = decision, settled, status
         self.violation: Violation = decision.violation
         super().__init__(self.violation.detail)
+
+
+class Rejected(Stopped):
+    """The request could not be read: rejected (an event records it), the run not halted, so
+    the agent's corrected call goes on."""
+
+    def __init__(self, error: BodyError, decision_id: str) -> None:
+        self.error, self.decision_id = error, decision_id
+        super().__init__(error.detail)
 
 
 class Unreached(Stopped):
@@ -253,6 +264,8 @@ class CallLoop(Generic[C, A]):
             envelope = await self.runs.envelope(call.contract, call.run_id)
             if envelope.status in STOPPED:
                 await self._refuse(call, envelope, "entry")
+            if call.unreadable is not None:
+                await self._reject(call, call.unreadable, envelope)
             drift = call.key_drift
             if drift is not None and drift.joined is not None and drift.drift is None:
                 if drift.joined in envelope.pending and call.joinable:
@@ -260,7 +273,7 @@ class CallLoop(Generic[C, A]):
                 call.key_drift = replace(drift, joined=None)   # no longer pending: on its own
             decision = self._entry_decision(call, envelope)
             settled = await self._settle(call, envelope, decision)
-        self._stop_if(decision, settled, call.entry_status)
+        self._stop_if(decision, settled, None)
 
     @staticmethod
     def _entry_decision(call: C, envelope: Envelope) -> Decision:
@@ -295,9 +308,11 @@ class CallLoop(Generic[C, A]):
                 await self._refuse(call, envelope, "entry")
 
     async def _settle(self, call: C, envelope: Envelope, decision: Decision, attempt: int = 1,
-                      answer: A | None = None) -> Settled:
+                      answer: A | None = None, more: dict[str, Any] | None = None) -> Settled:
         result = answer.result if answer is not None else None
         extra = self.protocol.extra(call)
+        if more:
+            extra = {**(extra or {}), **more}
         joined = joined_extra(call.key_drift.joined if call.key_drift is not None else None,
                               result.output if result is not None else None)
         if joined:
@@ -318,6 +333,18 @@ class CallLoop(Generic[C, A]):
             call.contract, call.run_id, envelope, call.step.name, timing=call.timing,
             traffic=self.traffic, boundary=boundary, extra=self.protocol.extra(call))
         raise RunStopped(envelope, boundary, settled.decision_id)
+
+    async def _reject(self, call: C, error: BodyError, envelope: Envelope) -> NoReturn:
+        """A request that could not be read: a client error, not step drift. Stored as a
+        `rejected` entry naming why (nothing was checked, the run neither advances nor halts),
+        counted and logged as a refusal, and answered with the error's 4xx."""
+        settled = await self._settle(call, envelope, Decision(call.step.name, "entry",
+                                                              rejected=True),
+                                     more={"detail": error.detail, "http_status": error.status,
+                                           "input": {"unparsed": True, "bytes": len(call.body)}})
+        self.boundaries.call_refused(call.route, "unparseable", error.detail, call.step.name,
+                                     self.traffic, call.run_id)
+        raise Rejected(error, settled.decision_id)
 
     async def _unreachable(self, call: C, error: UpstreamError, attempt: int) -> NoReturn:
         """The call never reached the upstream: recorded as such, the run left where it was

@@ -30,6 +30,7 @@ from stepguard.proxy.calls import (
     CallLoop,
     NotStored,
     OtherWorkflow,
+    Rejected,
     RunStopped,
     Stopped,
     Unreached,
@@ -49,25 +50,23 @@ from stepguard.proxy.problems import halted_problem, problem, violation_problem
 from stepguard.proxy.routing import Route
 
 TRAFFIC = "http"
+# the titles of a request that could not be read, by the status its parse error names
+_UNREADABLE = {413: "Request too large", 415: "Unsupported request body"}
 
 
 @dataclass(slots=True)
 class HttpCall(Call):
     """A checked HTTP tool call: its input is the JSON body (else the query)."""
 
-    parse_error: BodyError | None = None    # the body could not be read: a shape violation
+    parse_error: BodyError | None = None    # the body could not be read: rejected with a 4xx
 
     @property
-    def input_fault(self) -> str | None:
-        return self.parse_error.detail if self.parse_error is not None else None
+    def unreadable(self) -> BodyError | None:
+        return self.parse_error
 
     @property
     def joinable(self) -> bool:
         return self.parse_error is None
-
-    @property
-    def entry_status(self) -> int | None:
-        return self.parse_error.status if self.parse_error is not None else None
 
 
 class HttpToolAdapter:
@@ -198,6 +197,12 @@ class HttpToolAdapter:
                                      version=contract.version, step=step,
                                      action=why.settled.action,
                                      decision_id=why.settled.decision_id, status=why.status)
+        if isinstance(why, Rejected):
+            return problem(why.error.status, _UNREADABLE.get(why.error.status, "Unreadable request body"),
+                           f"run {run_id!r}, step {step!r}: {why.error.detail}; nothing was "
+                           "checked or forwarded, and the run goes on: send the call again, "
+                           "readable", run=run_id, workflow=contract.workflow, step=step,
+                           boundary="entry", action="rejected", decision_id=why.decision_id)
         if isinstance(why, RunStopped):
             envelope = why.envelope
             return halted_problem(run_id, contract.workflow, envelope.status,
