@@ -15,10 +15,12 @@ reason), and the protocol's fields of every event (`extra`).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Awaitable
 from dataclasses import dataclass, replace
 from typing import Any, Generic, NoReturn, Protocol, TypeVar
 
+import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
@@ -34,6 +36,7 @@ from stepguard.proxy.boundaries import Boundaries, Evidence, Settled, back_off, 
 from stepguard.proxy.config import Settings
 from stepguard.proxy.correlation import Keyed
 from stepguard.proxy.forward import Timing, UpstreamError
+from stepguard.proxy.joining import digest as joining_digest
 from stepguard.proxy.joining import joined_extra
 from stepguard.proxy.routing import Route
 
@@ -51,6 +54,16 @@ class Answer:
     headers: CIMultiDict[str] | None = None
     body: bytes = b""
     unreachable: UpstreamError | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Replayed:
+    """A repeat of a verified `replay: recorded` call: the answer stored with the exit at `seq`
+    (as the protocol's `recording` gave it), and the decision of the `replayed` event."""
+
+    answer: dict[str, Any]
+    seq: int
+    decision_id: str
 
 
 @dataclass(slots=True)
@@ -95,6 +108,13 @@ class Call:
     def joinable(self) -> bool:
         """Whether the call may be the model's tool call it was joined to."""
         return True
+
+    @property
+    def replay_key(self) -> bytes:
+        """What, besides its arguments, makes two calls of the step the same call (for a
+        `replay: recorded` step): method, path and query as sent."""
+        rel = self.request.rel_url
+        return f"{self.request.method} {self.route.raw_path}?{rel.raw_query_string}".encode()
 
 
 # -- why a call stops: the adapter renders each in its protocol --------------------------------
@@ -192,6 +212,15 @@ class CallProtocol(Protocol[C_contra, A]):
         the response that ends this one, else None to check the answer now."""
         ...
 
+    def recording(self, call: C_contra, answer: A) -> dict[str, Any] | None:
+        """A passing answer of a `replay: recorded` step as it is stored, whole, to answer the
+        call's repeats (JSON; None: the answer cannot be given again)."""
+        ...
+
+    async def replay(self, call: C_contra, replayed: Replayed) -> web.StreamResponse:
+        """Answer a repeat of a verified call with its recorded answer."""
+        ...
+
 
 class CallLoop(Generic[C, A]):
     """Entry, attempts, exit, retries and failures of a checked call, in one place."""
@@ -226,7 +255,9 @@ class CallLoop(Generic[C, A]):
             return await self.protocol.render(call, OtherWorkflow(exc))
 
     async def _checked(self, call: C) -> web.StreamResponse:
-        await retrying_conflicts(call.run_id, lambda: self._entry(call))
+        replayed = await retrying_conflicts(call.run_id, lambda: self._entry(call))
+        if replayed is not None:
+            return await self.protocol.replay(call, replayed)
         return await self._attempts(call, 1, None)
 
     async def _attempts(self, call: C, attempt: int, answer: A | None) -> web.StreamResponse:
@@ -259,21 +290,25 @@ class CallLoop(Generic[C, A]):
 
     # -- boundaries ------------------------------------------------------------------------------
 
-    async def _entry(self, call: C) -> None:
+    async def _entry(self, call: C) -> Replayed | None:
         async with self.runs.locked(call.run_id):
             envelope = await self.runs.envelope(call.contract, call.run_id)
             if envelope.status in STOPPED:
                 await self._refuse(call, envelope, "entry")
             if call.unreadable is not None:
                 await self._reject(call, call.unreadable, envelope)
+            replayed = await self._replayed(call, envelope)
+            if replayed is not None:
+                return replayed
             drift = call.key_drift
             if drift is not None and drift.joined is not None and drift.drift is None:
                 if drift.joined in envelope.pending and call.joinable:
-                    return   # the model's tool call was this call's entry, checked and stored
+                    return None   # the model's tool call was this call's entry, checked and stored
                 call.key_drift = replace(drift, joined=None)   # no longer pending: on its own
             decision = self._entry_decision(call, envelope)
             settled = await self._settle(call, envelope, decision)
         self._stop_if(decision, settled, None)
+        return None
 
     @staticmethod
     def _entry_decision(call: C, envelope: Envelope) -> Decision:
@@ -296,8 +331,50 @@ class CallLoop(Generic[C, A]):
                 await self._refuse(call, envelope, "exit")
             decision = check_exit(call.contract, call.step, envelope, call.input, answer.result,
                                   now=call.timing.arrived)
-            settled = await self._settle(call, envelope, decision, attempt, answer)
+            settled = await self._settle(call, envelope, decision, attempt, answer,
+                                         self._recording(call, decision, answer))
         return decision, settled
+
+    # -- recorded answers (`replay: recorded`) ------------------------------------------------
+
+    def _recording(self, call: C, decision: Decision, answer: A) -> dict[str, Any] | None:
+        """The whole answer a passing exit of a `replay: recorded` step stores, whatever
+        `payload_history_bytes` says: what its identical repeats are answered with."""
+        if call.step.replay != "recorded" or not decision.passed or decision.rejected:
+            return None
+        kept = self.protocol.recording(call, answer)
+        digest = call_digest(call)
+        if kept is None or digest is None:
+            return None
+        kept = {"digest": digest, **kept}
+        output = answer.result.output
+        if output is not None:     # what a model's call this one executes is compared with
+            kept["output_digest"] = joining_digest(output)
+        return {"answer": kept}
+
+    async def _replayed(self, call: C, envelope: Envelope) -> Replayed | None:
+        """A call of a verified `replay: recorded` step whose digest is the one its stored
+        answer was given to (same arguments; for HTTP also method, path, query): answered from
+        that record, the tool not called again. Anything else is checked and sent as usual."""
+        step, drift = call.step, call.key_drift
+        kept = envelope.answers.get(step.name) if step.replay == "recorded" else None
+        if (kept is None or step.name not in envelope.verified
+                or (drift is not None and drift.drift is not None)
+                or call_digest(call) != kept[0]):
+            return None
+        stored = await self.runs.store.event(call.run_id, int(kept[1]))
+        answer = (stored or {}).get("answer")
+        if not isinstance(answer, dict):
+            return None
+        extra = {**(self.protocol.extra(call) or {}), "replayed_from": int(kept[1])}
+        if drift is not None and drift.joined is not None and drift.joined in envelope.pending:
+            extra["call_id"] = drift.joined       # the model's call this one executes ends here
+            if answer.get("output_digest"):
+                extra["joined_digest"] = answer["output_digest"]
+        settled = await self.boundaries.replayed(
+            call.contract, call.run_id, envelope, step.name, Evidence(call.input, call.body),
+            timing=call.timing, traffic=self.traffic, extra=extra)
+        return Replayed(answer, int(kept[1]), settled.decision_id)
 
     async def _stopped_meanwhile(self, call: C) -> None:
         """Before a retry is sent: a run halted or escalated during the back-off (by another
@@ -377,3 +454,13 @@ class CallLoop(Generic[C, A]):
                 self.observer.fail_open(call.contract, call.step.name, call.run_id)
                 return await self.protocol.relay(call, call.answer)
         return await self.protocol.render(call, NotStored(exc, call.forwarded))
+
+
+def call_digest(call: Call) -> str | None:
+    """The call's identity for `replay: recorded`: sha-256 over its replay key and its
+    canonical (sorted-keys) arguments; None for arguments JSON cannot write."""
+    try:
+        arguments = orjson.dumps(call.entry_input, option=orjson.OPT_SORT_KEYS)
+    except (TypeError, orjson.JSONEncodeError):
+        return None
+    return hashlib.sha256(call.replay_key + b"\0" + arguments).hexdigest()

@@ -4,6 +4,7 @@ understands."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import time
 from collections import ChainMap
@@ -31,6 +32,7 @@ from stepguard.proxy.calls import (
     NotStored,
     OtherWorkflow,
     Rejected,
+    Replayed,
     RunStopped,
     Stopped,
     Unreached,
@@ -50,6 +52,11 @@ from stepguard.proxy.problems import halted_problem, problem, violation_problem
 from stepguard.proxy.routing import Route
 
 TRAFFIC = "http"
+# the headers of a recorded answer given again (`replay: recorded`), beside its status and body
+REPLAYED_HEADERS = frozenset({"content-type", "content-encoding", "content-language",
+                              "content-disposition", "content-location", "location", "etag",
+                              "last-modified", "link"})
+REPLAYED_FROM = "x-stepguard-replayed"    # the seq of the exit whose answer was given again
 # the titles of a request that could not be read, by the status its parse error names
 _UNREADABLE = {413: "Request too large", 415: "Unsupported request body"}
 
@@ -181,6 +188,21 @@ class HttpToolAdapter:
 
     def extra(self, call: HttpCall) -> dict[str, Any] | None:
         return None
+
+    def recording(self, call: HttpCall, answer: Answer) -> dict[str, Any] | None:
+        if answer.status is None:
+            return None
+        headers = [[k.lower(), v] for k, v in (answer.headers or {}).items()
+                   if k.lower() in REPLAYED_HEADERS]
+        return {"status": answer.status, "headers": headers,
+                "body_b64": base64.b64encode(answer.body).decode()}
+
+    async def replay(self, call: HttpCall, replayed: Replayed) -> web.StreamResponse:
+        answer = replayed.answer
+        headers = CIMultiDict[str]((str(k), str(v)) for k, v in answer.get("headers") or ())
+        headers[REPLAYED_FROM] = str(replayed.seq)
+        return web.Response(status=int(answer["status"]), headers=headers,
+                            body=base64.b64decode(answer.get("body_b64") or ""))
 
     async def pause(self, call: HttpCall, answer: Answer,
                     attempt: int) -> web.StreamResponse | None:

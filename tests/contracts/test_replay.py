@@ -434,6 +434,26 @@ def test_a_request_that_could_not_be_read_is_passed_over_whatever_the_candidate_
     assert report.change is not None and report.change.at.seq == 2
 
 
+def answered_from_the_record() -> RecordedRun:
+    """reserve_slot sent twice alike (an agent retrying after a lost connection): the second
+    call answered from the record of the first one's exit (seq 6)."""
+    return History().clean(*ALL[:3]).add(
+        "reserve_slot", "exit", "pass", "replayed", replayed_from=6,
+        input={"order_id": "ord-1"}).clean("confirm").run(status="completed")
+
+
+def test_a_call_answered_from_the_record_changes_nothing_where_the_candidate_records_too():
+    recording = candidate(lambda d: step(d, "reserve_slot").update(replay="recorded"))
+    assert one(recording, answered_from_the_record()).kind == UNCHANGED
+
+
+def test_a_call_answered_from_the_record_cannot_be_judged_where_the_candidate_would_send_it():
+    report = one(candidate(), answered_from_the_record())
+    assert (report.kind, report.reason) == (UNJUDGEABLE, "not_checkable")
+    assert report.at is not None and report.at.seq == 7
+    assert "would have reached the tool" in str(report.detail)
+
+
 def test_an_unparseable_answer_is_replayed_as_a_parse_error_so_a_new_output_schema_catches_it():
     run = History().clean(*ALL[:3]).entry("confirm", {"order_id": "ord-1", "slot_id": "slot-1"}) \
         .exit("confirm", None, tool_error="response body is not valid JSON").run()
