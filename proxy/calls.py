@@ -26,7 +26,7 @@ from multidict import CIMultiDict
 
 from stepguard.contracts.engine import check_entry, check_exit
 from stepguard.contracts.envelope import Envelope
-from stepguard.contracts.errors import RunOfAnotherWorkflow, StoreError
+from stepguard.contracts.errors import ConflictError, RunOfAnotherWorkflow, StoreError
 from stepguard.contracts.events import OBSERVE, RETRY, Decision, ToolResult, Violation
 from stepguard.contracts.model import Contract, Step
 from stepguard.contracts.runs import RunBook
@@ -362,18 +362,25 @@ class CallLoop(Generic[C, A]):
                 or (drift is not None and drift.drift is not None)
                 or call_digest(call) != kept[0]):
             return None
-        stored = await self.runs.store.event(call.run_id, int(kept[1]))
-        answer = (stored or {}).get("answer")
-        if not isinstance(answer, dict):
-            return None
-        extra = {**(self.protocol.extra(call) or {}), "replayed_from": int(kept[1])}
-        if drift is not None and drift.joined is not None and drift.joined in envelope.pending:
-            extra["call_id"] = drift.joined       # the model's call this one executes ends here
-            if answer.get("output_digest"):
-                extra["joined_digest"] = answer["output_digest"]
-        settled = await self.boundaries.replayed(
-            call.contract, call.run_id, envelope, step.name, Evidence(call.input, call.body),
-            timing=call.timing, traffic=self.traffic, extra=extra)
+        try:     # a repeat of a side effect never goes out unchecked, whatever --fail-open says
+            stored = await self.runs.store.event(call.run_id, int(kept[1]))
+            answer = (stored or {}).get("answer")
+            if not isinstance(answer, dict):
+                return None
+            extra = {**(self.protocol.extra(call) or {}), "replayed_from": int(kept[1])}
+            if drift is not None and drift.joined is not None and drift.joined in envelope.pending:
+                extra["call_id"] = drift.joined       # the model's call it executes ends here
+                if answer.get("output_digest"):
+                    extra["joined_digest"] = answer["output_digest"]
+            settled = await self.boundaries.replayed(
+                call.contract, call.run_id, envelope, step.name, Evidence(call.input, call.body),
+                timing=call.timing, traffic=self.traffic, extra=extra)
+        except ConflictError:
+            raise
+        except StoreError as exc:
+            self.observer.store_error("append", str(exc), run_id=call.run_id,
+                                      workflow=call.contract.workflow, step=step.name)
+            raise NotStored(exc, forwarded=False) from None
         return Replayed(answer, int(kept[1]), settled.decision_id)
 
     async def _stopped_meanwhile(self, call: C) -> None:

@@ -17,8 +17,9 @@ import pytest
 from aiohttp import web
 from sgtest import Upstream, make_contract, send, trail
 
-from stepguard.contracts.errors import ContractError
+from stepguard.contracts.errors import ContractError, StoreError
 from stepguard.contracts.loader import parse_contract
+from stepguard.contracts.sqlite_store import SQLiteStore
 from stepguard.proxy.admin import Operations
 from stepguard.proxy.app import build, create_admin_app, create_app
 from stepguard.proxy.config import Settings
@@ -66,13 +67,21 @@ async def upstream(make_upstream: Any, desk: RefundDesk) -> Upstream:
     return made
 
 
+class RecordsUnreadable(SQLiteStore):
+    """A real SQLite store whose disk fails when one event is read back."""
+
+    async def event(self, run_id: str, seq: int) -> dict[str, Any] | None:
+        raise StoreError("disk I/O error (injected)")
+
+
 @pytest.fixture
 def start(aiohttp_client: Any, tmp_path: Any, upstream: Upstream) -> Any:
-    """start(steps=STEPS, **settings) -> (proxy client, Stepguard), on one store file."""
+    """start(steps=STEPS, store=None, **settings) -> (proxy client, Stepguard), on one store
+    file."""
 
-    async def started(steps: dict[str, Any] = STEPS, **settings: Any) -> Any:
+    async def started(steps: dict[str, Any] = STEPS, store: Any = None, **settings: Any) -> Any:
         sg = build(Settings(store=str(tmp_path / "s.db"), **settings),
-                   [make_contract(upstream.url, steps)])
+                   [make_contract(upstream.url, steps)], store=store)
         return await aiohttp_client(create_app(sg)), sg
 
     return started
@@ -237,6 +246,17 @@ async def test_a_halted_run_refuses_the_repeat_as_any_call(start, desk):
     again = await call(proxy, "issue_refund")
 
     assert again.status == 409
+    assert desk.refunds == 1
+
+
+async def test_a_repeat_whose_record_cannot_be_read_is_refused_even_failing_open(
+        start, desk, tmp_path):
+    proxy, _ = await start(store=RecordsUnreadable(tmp_path / "s.db"), fail_open=True)
+    await refunded(proxy)
+
+    again = await call(proxy, "issue_refund")
+
+    assert again.status == 503 and again.headers["x-should-retry"] == "true"
     assert desk.refunds == 1
 
 
