@@ -1,10 +1,11 @@
-# Two commands on a fresh machine: `make demo` runs the demo, `make test` runs every test.
+# Two commands on a fresh machine: `make demo` runs the demo, `make test` runs every test
+# (after lint and the strict docs build).
 # Each creates .venv and installs what it needs first.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-repeat lint bench-drift install
+.PHONY: demo test test-repeat lint docs bench-drift install
 
 # Concurrency-sensitive tests (store worker threads against close, kill -9 recovery, MCP stream
 # resumption, correlation across calls, reload under traffic), run REPEAT more times after the
@@ -18,13 +19,17 @@ REPEATED := tests/contracts/test_sqlite_store.py tests/contracts/test_sqlite_sto
 $(BIN)/stepguard: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e '.[test,docs]'
 	touch $@
 
 install: $(BIN)/stepguard
 
 demo: install
 	$(BIN)/stepguard demo
+
+# the docs site (mkdocs.yml: strict, every nav entry, link and anchor must resolve) into build/site
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --quiet
 
 bench-drift: install
 	$(BIN)/stepguard bench drift
@@ -35,7 +40,7 @@ lint: install
 	$(BIN)/mypy
 	$(BIN)/pyright
 
-test: install lint
+test: install lint docs
 	$(BIN)/python -m pytest
 	$(MAKE) --no-print-directory test-repeat
 

@@ -38,7 +38,7 @@ from stepguard.proxy.mcp_adapter import McpAdapter
 from stepguard.proxy.model_adapter import ModelAdapter
 from stepguard.proxy.routing import Router
 
-# how old the run counts a scrape reports may be (README, "Metrics")
+# how old the run counts a scrape reports may be (docs/operations.md, "Metrics")
 RUN_COUNTS_MAX_AGE_S = 5.0
 
 

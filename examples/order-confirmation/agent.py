@@ -4,10 +4,17 @@ It behaves like a rolling-context runner: it takes whatever each tool returns an
 and stops only when a call fails outright (an error status or a transport error).
 Agent-side drifts: `stale_input` sends the previous order's id to step 2; `reordered` reserves
 a slot before the policy check. Tool-side drifts are asked of the tool service by header.
+
+`python -m stepguard.examples.order_confirmation.agent URL --run ID` runs it once against the
+tools' base URL (through stepguard: http://127.0.0.1:8080/tools) and prints each call.
 """
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import json
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,3 +83,29 @@ async def run_agent(session: aiohttp.ClientSession, tools_url: str, run_id: str,
     done = await call("confirm", {"order_id": current, "slot_id": slot.get("slot_id", "")})
     run.completed = bool(done and done.get("done") is True)
     return run
+
+
+async def _run_once(tools_url: str, run_id: str, order_num: int, drift: str | None) -> AgentRun:
+    async with aiohttp.ClientSession() as session:
+        return await run_agent(session, tools_url, run_id, order_num, drift)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="an HTTP agent for the order-confirmation workflow")
+    parser.add_argument("url", help="the tools' base URL, e.g. http://127.0.0.1:8080/tools")
+    parser.add_argument("--run", required=True, help="the run id, sent as x-stepguard-run")
+    parser.add_argument("--order", type=int, default=17, help="the order to confirm: ord-N (17)")
+    parser.add_argument("--drift", choices=DRIFTS, help="inject a drift")
+    args = parser.parse_args(argv)
+    run = asyncio.run(_run_once(args.url, args.run, args.order, args.drift))
+    for call in run.calls:
+        shown = call.body.get("detail", call.body) if isinstance(call.body, dict) and call.body.get(
+            "type", "").startswith("urn:stepguard:problem:") else call.body
+        body = shown if isinstance(shown, str) else json.dumps(shown)
+        print(f"{call.step} -> {call.status if call.status is not None else 'transport error'} {body}")
+    print(f"completed: {str(run.completed).lower()}")
+    return 0 if run.stopped_at is None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -25,6 +25,7 @@ clients); `serve` runs it on the running event loop.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import itertools
@@ -34,12 +35,15 @@ import string
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Literal, NamedTuple, TypeAlias
 
 from aiohttp import web
+
+from stepguard.examples.order_confirmation import playbook
+from stepguard.examples.order_confirmation.serving import add_listen_options, chosen_port, run_aiohttp
 
 CONVERSATION_HEADER = "x-fake-conversation"
 CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
@@ -158,16 +162,23 @@ class StreamTiming(NamedTuple):
     finished: float
 
 
+Planner: TypeAlias = Callable[[Api, JSONObject, Mapping[str, str]], Turn]
+"""Decides a turn from the request itself (API, body, lower-cased headers) when no script has one."""
+
+
 class FakeModel:
     """Scripts and request log shared by the app's handlers; safe to use from another thread.
 
     `fragments`: how many pieces each tool call's arguments (and each text) is streamed in.
-    `chunk_delay`: seconds to wait before each SSE event (to make streams observably slow)."""
+    `chunk_delay`: seconds to wait before each SSE event (to make streams observably slow).
+    `planner`: answers a request whose conversation has no scripted turn left (without one,
+    such a request gets a 400 `script_exhausted`)."""
 
     def __init__(self, turns: Iterable[Turn] = (), *, fragments: int = 3, chunk_delay: float = 0.0,
-                 models: Sequence[str] = ("fake-model",)) -> None:
+                 models: Sequence[str] = ("fake-model",), planner: Planner | None = None) -> None:
         if fragments < 1:
             raise ValueError("fragments must be at least 1")
+        self.planner = planner
         self.fragments = fragments
         self.chunk_delay = chunk_delay
         self.models = tuple(models)
@@ -558,6 +569,8 @@ async def _handle(request: web.Request, api: Api) -> web.StreamResponse:
         return _json_error(api, 400, f"{missing[0]}: Field required", code="missing_required_parameter")
     conversation = request.headers.get(CONVERSATION_HEADER)
     turn = model.next_turn(conversation)
+    if turn is None and model.planner is not None:
+        turn = model.planner(api, body, {k.lower(): v for k, v in request.headers.items()})
     if turn is None:
         name = "the default script" if conversation is None else f"conversation {conversation!r}"
         return _json_error(api, 400, f"fake model: {name} has no turns left", code="script_exhausted")
@@ -678,3 +691,32 @@ class ThreadedServer:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.stop()
+
+
+def play_order_confirmation(api: Api, body: JSONObject, headers: Mapping[str, str]) -> Turn:
+    """A planner: the order-confirmation workflow as `playbook` reads it off the conversation."""
+    step = playbook.next_turn(api, body, headers)
+    if isinstance(step, playbook.Call):
+        return ToolCalls.of((None, step.name, step.arguments))
+    return Reply.of_json(step.value)
+
+
+PORT_ENV, DEFAULT_PORT = "EXAMPLE_MODEL_PORT", 9001   # the port contract.model.yaml names
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m stepguard.examples.order_confirmation.fake_model`: the fake model, playing the
+    order-confirmation workflow for any agent that asks it (see `playbook`)."""
+
+    parser = argparse.ArgumentParser(
+        description="a fake model (OpenAI Chat Completions and Responses, Anthropic Messages) that "
+                    "plays the order-confirmation workflow: it asks for lookup_order, check_policy, "
+                    "reserve_slot and confirm in turn, then answers {\"done\": true}")
+    add_listen_options(parser, PORT_ENV, DEFAULT_PORT)
+    args = parser.parse_args(argv)
+    run_aiohttp(create_app(FakeModel(planner=play_order_confirmation)), args.host,
+                chosen_port(args.port, PORT_ENV, DEFAULT_PORT), "fake model")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,9 +1,16 @@
 """A scripted agent for the order-confirmation workflow that reaches its tools through an MCP
 server with the real `mcp` SDK client (streamable HTTP), configured only by the server URL.
-Like the HTTP agent it is a rolling-context runner: it stops only when a call raises."""
+Like the HTTP agent it is a rolling-context runner: it stops only when a call raises.
+
+`python -m stepguard.examples.order_confirmation.mcp_agent URL` runs it once against the MCP
+endpoint URL and prints each call and what came back."""
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import json
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,3 +89,34 @@ async def run_mcp_agent(url: str, run_id: str, order_num: int, drift: str | None
         done = await call("confirm", {"order_id": order_id, "slot_id": str(slot.get("slot_id", ""))})
         run.completed = bool(done and done.get("done") is True)
     return run
+
+
+def _shown(call: McpCall) -> str:
+    if call.ok:
+        return json.dumps(call.result)
+    assert call.error is not None
+    return f"refused {call.error.code}: {call.error.message}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="an `mcp` SDK agent for the order-confirmation workflow: "
+                                                 "lookup_order, check_policy, reserve_slot, confirm")
+    parser.add_argument("url", help="the MCP endpoint, e.g. http://127.0.0.1:8080/mcp-tools/mcp")
+    parser.add_argument("--run", help="send this run id in the x-stepguard-run header (default: none)")
+    parser.add_argument("--order", type=int, default=17, help="the order to confirm: ord-N (17)")
+    parser.add_argument("--drift", choices=["shape", "stale_input", "reordered", "tool_error",
+                                            "false_completion"], help="inject a drift")
+    parser.add_argument("--mode", choices=["auto", "legacy"], default="auto",
+                        help="auto: the stateless 2026-07-28 protocol; legacy: the initialize "
+                             "handshake (a session, when the server gives one)")
+    args = parser.parse_args(argv)
+    run = asyncio.run(run_mcp_agent(args.url, args.run or "-", args.order, args.drift, args.mode,
+                                    run_header=args.run is not None))
+    for call in run.calls:
+        print(f"{call.tool} -> {_shown(call)}")
+    print(f"completed: {str(run.completed).lower()}")
+    return 0 if run.stopped_at is None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

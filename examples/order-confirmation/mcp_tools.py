@@ -170,15 +170,30 @@ def serve(app: Starlette, host: str = "127.0.0.1", port: int = 0, *,
         thread.join(startup_timeout)
 
 
-def main() -> None:
+PORT_ENV, DEFAULT_PORT = "EXAMPLE_MCP_PORT", 9003   # the port contract.mcp.yaml names
+
+
+def main(argv: list[str] | None = None) -> None:
+    from stepguard.examples.order_confirmation.serving import (
+        add_listen_options,
+        announce,
+        chosen_port,
+        listening_socket,
+        url_of,
+    )
+
     parser = argparse.ArgumentParser(description="fake order-confirmation tools over MCP (streamable HTTP)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=9003)
+    add_listen_options(parser, PORT_ENV, DEFAULT_PORT)
     parser.add_argument("--stateful", action="store_true", help="give handshake-era clients a session")
     parser.add_argument("--json-response", action="store_true", help="JSON bodies instead of SSE streams")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     app = create_app(stateless=not args.stateful, json_response=args.json_response, host=args.host)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    sock = listening_socket(args.host, chosen_port(args.port, PORT_ENV, DEFAULT_PORT))
+    url = url_of(sock)
+    announce("order-confirmation MCP tools", url, f" (MCP endpoint {url}{MCP_PATH})")
+    config = uvicorn.Config(app, log_config=None, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=1)
+    uvicorn.Server(config).run(sockets=[sock])
 
 
 if __name__ == "__main__":

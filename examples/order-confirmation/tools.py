@@ -14,6 +14,8 @@ from typing import Any
 
 from aiohttp import web
 
+from stepguard.examples.order_confirmation.serving import add_listen_options, chosen_port, run_aiohttp
+
 DRIFT_HEADER = "x-fixture-drift"
 _counter = itertools.count(1)
 
@@ -90,12 +92,16 @@ def create_app() -> web.Application:
     return app
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description="fake order-confirmation tools")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=9002)
-    args = parser.parse_args()
-    web.run_app(create_app(), host=args.host, port=args.port, access_log=None)
+PORT_ENV, DEFAULT_PORT = "EXAMPLE_TOOLS_PORT", 9002   # the port contract.yaml names
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="the order-confirmation tools over plain HTTP: POST "
+                                                 "/lookup_order, /check_policy, /reserve_slot, /confirm")
+    add_listen_options(parser, PORT_ENV, DEFAULT_PORT)
+    args = parser.parse_args(argv)
+    run_aiohttp(create_app(), args.host, chosen_port(args.port, PORT_ENV, DEFAULT_PORT),
+                "order-confirmation tools")
 
 
 if __name__ == "__main__":
