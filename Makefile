@@ -13,7 +13,8 @@ BIN := $(VENV)/bin
 REPEAT ?= 5
 REPEATED := tests/contracts/test_sqlite_store.py tests/contracts/test_sqlite_store_counts.py \
 	tests/proxy/test_mcp_resumption.py tests/proxy/test_recovery.py \
-	tests/proxy/test_correlation.py tests/proxy/test_reload.py tests/metrics/test_runs_gauge.py
+	tests/proxy/test_correlation.py tests/proxy/test_reload.py tests/metrics/test_runs_gauge.py \
+	tests/proxy/test_replay_recorded_crash.py
 
 $(BIN)/stepguard: pyproject.toml
 	$(PYTHON) -m venv $(VENV)

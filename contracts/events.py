@@ -9,6 +9,8 @@ Boundary = Literal["entry", "exit"]
 # what happened at a boundary: the run advanced, a violation was acted on, or nothing changed
 ADVANCE, FORWARD, HALT, ESCALATE, RETRY, OBSERVE, REFUSE, REJECTED, COMPLETE = (
     "advance", "forward", "halt", "escalate", "retry", "observe", "refuse", "rejected", "complete")
+# a repeated call of a verified `replay: recorded` step, answered from the record of its exit
+REPLAYED = "replayed"
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,6 +43,7 @@ from stepguard.contracts.events import (
     OBSERVE,
     REFUSE,
     REJECTED,
+    REPLAYED,
     RETRY,
     Decision,
     ToolResult,
@@ -306,6 +307,9 @@ class _Replay:
         if action == UNREACHABLE:
             self._close(event)       # never reached its upstream: no check, the run unchanged
             return None
+        if action == REPLAYED:
+            self._replayed(event)    # answered from the record: no check, the run unchanged
+            return None
         if action == REJECTED and "upstream_status" not in event:
             if boundary == "entry":
                 return None          # a request that could not be read: nothing was checked
@@ -374,6 +378,23 @@ class _Replay:
             if event.get(name):
                 fields[name] = event[name]
         return self._settle(event, fields, Outcome.of(decision, action), later)
+
+    def _replayed(self, event: dict[str, Any]) -> None:
+        """A repeat of a verified call that the record answered: the same under a candidate
+        that answers it from the record too; any other would have sent it to the tool."""
+        name = event.get("step")
+        step = self.candidate.steps.get(str(name))
+        if step is None or step.replay != "recorded" or step.name not in self.envelope.verified:
+            why = ("does not answer it from the record" if step is None or step.replay is None
+                   else "has not verified the step by then")
+            raise _CannotJudge("not_checkable", f"a repeated call of step {name!r} was answered "
+                               f"from the record; the candidate {why}, so it would have reached "
+                               "the tool, whose answer is not recorded")
+        self._close(event)
+        fields = {k: event[k] for k in ("call_id", "joined_digest") if event.get(k)}
+        self.envelope = self.envelope.apply({"seq": event["seq"], "ts": event["ts"],
+                                             "step": step.name, "boundary": "exit",
+                                             "action": REPLAYED, **fields})
 
     def _final(self, event: dict[str, Any], later: int) -> RunReport | None:
         output = event.get("output")

@@ -34,6 +34,7 @@ from stepguard.contracts.operations import (
 )
 from stepguard.contracts.runs import RunBook
 from stepguard.metrics.observer import Observer
+from stepguard.metrics.report import shown
 from stepguard.proxy.config import ConfigError
 
 TOKEN_MIN_LENGTH = 16
@@ -148,7 +149,7 @@ class Operations:
 def marked(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The history with `superseded: true` on every event a resume superseded."""
     gone = superseded(history)
-    return [{**e, "superseded": True} if e["seq"] in gone else e for e in history]
+    return [{**e, "superseded": True} if e["seq"] in gone else e for e in shown(history)]
 
 
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:

@@ -20,6 +20,7 @@ from stepguard.contracts.events import (
     FORWARD,
     REFUSE,
     REJECTED,
+    REPLAYED,
     Decision,
     ToolResult,
 )
@@ -184,6 +185,23 @@ class Boundaries:
         after, event = await self.runs.commit(envelope, fields)
         self.observer.verdict(contract, run_id, event, timing.added_s(), traffic)
         return Settled(UNREACHABLE, decision_id, event, after)
+
+    async def replayed(self, contract: Contract, run_id: str, envelope: Envelope, step: str,
+                       evidence: Evidence, *, timing: Timing, traffic: str,
+                       extra: dict[str, Any]) -> Settled:
+        """Record that a repeat of a verified `replay: recorded` call was answered from the
+        record of its exit (`extra` names it: `replayed_from`): the tool was not called, no check
+        ran, the run neither advances nor halts."""
+        decision_id = new_decision_id()
+        fields = {"step": step, "boundary": "exit", "verdict": "pass", "action": REPLAYED,
+                  "decision_id": decision_id, "attempt": 1,
+                  "contract_version": contract.version,
+                  "input": self.redactor(contract)(history_payload(
+                      evidence.input, len(evidence.raw_input), self.payload_limit)),
+                  **extra}
+        after, event = await self.runs.commit(envelope, fields)
+        self.observer.verdict(contract, run_id, event, timing.added_s(), traffic)
+        return Settled(REPLAYED, decision_id, event, after)
 
     @staticmethod
     def action(contract: Contract, decision: Decision, attempt: int, safe_to_retry: bool) -> str:

@@ -17,6 +17,7 @@ from stepguard.proxy.calls import (
     Call,
     NotStored,
     OtherWorkflow,
+    Rejected,
     RunStopped,
     Stopped,
     Unreached,
@@ -134,6 +135,11 @@ def refusal_for(call: Call, why: Stopped) -> Refusal:
                         "action": settled.action, "decision_id": settled.decision_id})
     if isinstance(why, RunStopped):
         return _halted(call, why.envelope, why.boundary, why.decision_id)
+    if isinstance(why, Rejected):
+        return Refusal(REQUEST_CODE, f"stepguard: run {run_id!r}, step {step!r}: the call cannot "
+                       f"be read to be checked: {why.error.detail}",
+                       {"check": "request", "run": run_id, "step": step,
+                        "decision_id": why.decision_id})
     if isinstance(why, Unreached):
         return Refusal(REQUEST_CODE, f"stepguard: run {run_id!r}, step {step!r}: the MCP server "
                        f"could not be reached, the call was not sent ({why.error.detail}); "
