@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -55,3 +56,19 @@ class Decision:
     @property
     def passed(self) -> bool:
         return self.violation is None
+
+
+def decision_fields(decision: Decision, redact: Callable[[Any], Any]) -> dict[str, Any]:
+    """What an exit decision adds to its event, for `Envelope.apply` to fold: the values it
+    recorded (redacted as the store keeps them), those that failed to record, the verified steps
+    it invalidates, and completion. The same for a stored event and for offline replay."""
+    fields: dict[str, Any] = {}
+    if decision.recorded:
+        fields["recorded"] = redact(decision.recorded)
+    if decision.unrecorded:
+        fields["unrecorded"] = list(decision.unrecorded)
+    if decision.invalidates:
+        fields["invalidates"] = list(decision.invalidates)
+    if decision.completed:
+        fields["completed"] = True
+    return fields

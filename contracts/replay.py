@@ -48,6 +48,7 @@ from stepguard.contracts.events import (
     Decision,
     ToolResult,
     Violation,
+    decision_fields,
 )
 from stepguard.contracts.model import Contract, Step
 from stepguard.contracts.recorded import RecordedRun
@@ -365,15 +366,8 @@ class _Replay:
                            self._safe(step, event, decision, attempt))
         if action == RETRY and call is not None:
             self.calls.insert(0, call)         # the same call, sent again
-        fields: dict[str, Any] = {"step": step.name, "boundary": "exit", "action": action}
-        if decision.recorded:
-            fields["recorded"] = self.redact(decision.recorded)   # as the store would keep them
-        if decision.unrecorded:
-            fields["unrecorded"] = list(decision.unrecorded)
-        if decision.invalidates:
-            fields["invalidates"] = list(decision.invalidates)
-        if decision.completed:
-            fields["completed"] = True
+        fields: dict[str, Any] = {"step": step.name, "boundary": "exit", "action": action,
+                                  **decision_fields(decision, self.redact)}
         for name in ("call_id", "joined_digest"):
             if event.get(name):
                 fields[name] = event[name]

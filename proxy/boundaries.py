@@ -23,6 +23,7 @@ from stepguard.contracts.events import (
     REPLAYED,
     Decision,
     ToolResult,
+    decision_fields,
 )
 from stepguard.contracts.model import Contract, Step
 from stepguard.contracts.redact import Redactor
@@ -239,14 +240,7 @@ class Boundaries:
                 size = len(evidence.raw_output) if evidence.raw_output is not None else 0
                 fields["output"] = redact(history_payload(result.output, size,
                                                           self.payload_limit))
-        if decision.recorded:
-            fields["recorded"] = redact(decision.recorded)
-        if decision.unrecorded:
-            fields["unrecorded"] = list(decision.unrecorded)
-        if decision.invalidates:
-            fields["invalidates"] = list(decision.invalidates)
-        if decision.completed:
-            fields["completed"] = True
+        fields.update(decision_fields(decision, redact))
         return fields
 
     def _escalation_record(self, contract: Contract, run_id: str, decision: Decision,
