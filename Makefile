@@ -8,12 +8,14 @@ BIN := $(VENV)/bin
 .PHONY: demo test test-repeat lint docs bench-drift install
 
 # Concurrency-sensitive tests (store worker threads against close, kill -9 recovery, MCP stream
-# resumption, correlation across calls, reload under traffic), run REPEAT more times after the
+# resumption, correlation and cross-traffic joining across calls, reload under traffic, a
+# recorded answer across kill -9), run REPEAT more times after the
 # suite: a race that passes by luck once fails here instead of on someone's clean clone.
 REPEAT ?= 5
 REPEATED := tests/contracts/test_sqlite_store.py tests/contracts/test_sqlite_store_counts.py \
 	tests/proxy/test_mcp_resumption.py tests/proxy/test_recovery.py \
 	tests/proxy/test_correlation.py tests/proxy/test_reload.py tests/metrics/test_runs_gauge.py \
+	tests/proxy/test_replay_recorded_crash.py tests/proxy/test_joining.py \
 	tests/proxy/test_holds.py
 
 $(BIN)/stepguard: pyproject.toml

@@ -37,6 +37,9 @@ class Envelope:
     # its exit was checked on], so the result the agent later hands the model can be compared
     # after a restart or on another replica too
     joined: dict[str, list[str]] = field(default_factory=dict)
+    # a `replay: recorded` step verified with its whole answer stored: step -> [digest of the
+    # call, seq of the exit event holding the answer], so an identical call is answered from it
+    answers: dict[str, list[Any]] = field(default_factory=dict)
     # calls held at entry for an operator (contracts/holds.py): the hold's decision id -> step,
     # digest of the call, deadline (unix s), hold_s, and the violation when one was held
     holds: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -67,6 +70,9 @@ class Envelope:
             for stale in event.get("invalidates") or ():   # depended on the step's earlier pass
                 verified.pop(stale, None)
             changes["verified"] = verified
+            answer = event.get("answer")
+            if answer or self.answers:
+                changes["answers"] = self._answers(event, answer, verified)
             unrecorded = event.get("unrecorded")
             if unrecorded or event.get("recorded"):
                 # a value that failed to record this time is gone, not left from an earlier call
@@ -89,7 +95,7 @@ class Envelope:
             # envelope folded up to it (contracts/operations.py), so the fold stays one pass
             restore = event.get("restore") or {}
             changes["status"], changes["halt"] = restore.get("status", "active"), None
-            for name in ("verified", "state", "pending", "joined"):
+            for name in ("verified", "state", "pending", "joined", "answers"):
                 if name in restore:
                     changes[name] = restore[name]
         if action == HOLD or event.get("hold") is not None or event.get("approval") is not None:
@@ -99,8 +105,18 @@ class Envelope:
                         get("status", self.status), event["seq"], get("verified", self.verified),
                         get("state", self.state), get("halt", self.halt),
                         get("pending", self.pending), get("created", self.created), event["ts"],
-                        get("joined", self.joined), get("holds", self.holds),
-                        get("approvals", self.approvals))
+                        get("joined", self.joined), get("answers", self.answers),
+                        get("holds", self.holds), get("approvals", self.approvals))
+
+    def _answers(self, event: dict[str, Any], answer: dict[str, Any] | None,
+                 verified: dict[str, float]) -> dict[str, list[Any]]:
+        """The stored answers after a verified exit: the step's own is this exit's (or none, when
+        it was verified without one), and a step no longer verified has none."""
+        step = event["step"]
+        answers = {k: v for k, v in self.answers.items() if k != step and k in verified}
+        if answer and answer.get("digest"):
+            answers[step] = [answer["digest"], event["seq"]]
+        return answers
 
     def _holds(self, event: dict[str, Any], changes: dict[str, Any]) -> None:
         """A call held, a hold decided (approved, rejected, expired, or refused with its run
@@ -141,8 +157,8 @@ class Envelope:
                 "contract_version": self.contract_version, "status": self.status,
                 "seq": self.seq, "verified": self.verified, "state": self.state,
                 "halt": self.halt, "pending": self.pending, "created": self.created,
-                "updated": self.updated, "joined": self.joined, "holds": self.holds,
-                "approvals": self.approvals}
+                "updated": self.updated, "joined": self.joined, "answers": self.answers,
+                "holds": self.holds, "approvals": self.approvals}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Envelope:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -12,6 +13,8 @@ ADVANCE, FORWARD, HALT, ESCALATE, RETRY, OBSERVE, REFUSE, REJECTED, COMPLETE = (
 # a call held at its entry for an operator (contracts/holds.py), and how a hold ends: approved
 # or rejected by an operator, or expired
 HOLD, APPROVE, REJECT, EXPIRE = "hold", "approve", "reject", "expire"
+# a repeated call of a verified `replay: recorded` step, answered from the record of its exit
+REPLAYED = "replayed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,3 +59,19 @@ class Decision:
     @property
     def passed(self) -> bool:
         return self.violation is None
+
+
+def decision_fields(decision: Decision, redact: Callable[[Any], Any]) -> dict[str, Any]:
+    """What an exit decision adds to its event, for `Envelope.apply` to fold: the values it
+    recorded (redacted as the store keeps them), those that failed to record, the verified steps
+    it invalidates, and completion. The same for a stored event and for offline replay."""
+    fields: dict[str, Any] = {}
+    if decision.recorded:
+        fields["recorded"] = redact(decision.recorded)
+    if decision.unrecorded:
+        fields["unrecorded"] = list(decision.unrecorded)
+    if decision.invalidates:
+        fields["invalidates"] = list(decision.invalidates)
+    if decision.completed:
+        fields["completed"] = True
+    return fields

@@ -491,9 +491,26 @@ class _Compiler:
             record=record,
             idempotent=spec.get("idempotent", False),
             idempotency_key=spec.get("idempotency_key", False),
+            replay=self.replay(name, spec.get("replay"), matches, upstreams),
             timeout_s=spec.get("timeout_s"),
             on_failure=_on_failure(spec.get("on_failure", "halt")),
         )
+
+    def replay(self, step: str, replay: Any, matches: tuple[Match, ...],
+               upstreams: Mapping[str, Upstream]) -> Any:
+        """`replay: recorded` answers a repeated call at stepguard, which executes only HTTP and
+        MCP tool calls: a model's tool call is run by the agent itself, so a step reached only
+        that way has nothing to answer from the record."""
+        if replay is None:
+            return None
+        tools = {u.name for u in upstreams.values() if u.kind in ("http", "mcp")}
+        if not any(m.upstream in tools or (m.upstream is None and any(
+                upstreams[t].kind == "mcp" for t in tools)) for m in matches):
+            self.issue(step, "replay", "replay: recorded answers a repeated HTTP or MCP tool "
+                                       "call from the record, and this step matches only model "
+                                       "tool calls (the agent runs those itself, stepguard "
+                                       "never sends them)")
+        return replay
 
     def check_recorded_fields(self, step: str, key: str, cond: Condition, output: Any) -> None:
         """A `record` reading an output field the step's output schema does not declare (an

@@ -187,6 +187,7 @@ class Step:
     record: Mapping[str, Condition] = field(default_factory=dict)
     idempotent: bool = False
     idempotency_key: bool = False
+    replay: Literal["recorded"] | None = None   # answer a verified call's repeat from the record
     timeout_s: float | None = None
     on_failure: OnFailure = OnFailure()
     matches: tuple[Match, ...] = ()   # every entry of the step's `match`: any one matches

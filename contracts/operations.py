@@ -84,7 +84,8 @@ def resume_event(envelope: Envelope, history: list[dict[str, Any]], *, operator:
         "halted_by": (envelope.halt or {}).get("seq"),
         "restore": {"status": "completed" if restored.status == "completed" else "active",
                     "verified": restored.verified, "state": restored.state,
-                    "pending": restored.pending, "joined": restored.joined}}
+                    "pending": restored.pending, "joined": restored.joined,
+                    "answers": restored.answers}}
     if envelope.seq > at:
         fields["supersedes"] = [at + 1, envelope.seq]
     return fields

@@ -51,10 +51,12 @@ from stepguard.contracts.events import (
     OBSERVE,
     REFUSE,
     REJECTED,
+    REPLAYED,
     RETRY,
     Decision,
     ToolResult,
     Violation,
+    decision_fields,
 )
 from stepguard.contracts.model import Contract, Step
 from stepguard.contracts.recorded import RecordedRun
@@ -314,6 +316,9 @@ class _Replay:
         if action == UNREACHABLE:
             self._close(event)       # never reached its upstream: no check, the run unchanged
             return None
+        if action == REPLAYED:
+            self._replayed(event)    # answered from the record: no check, the run unchanged
+            return None
         if action == REJECTED and "upstream_status" not in event:
             if boundary == "entry":
                 return None          # a request that could not be read: nothing was checked
@@ -369,19 +374,29 @@ class _Replay:
                            self._safe(step, event, decision, attempt))
         if action == RETRY and call is not None:
             self.calls.insert(0, call)         # the same call, sent again
-        fields: dict[str, Any] = {"step": step.name, "boundary": "exit", "action": action}
-        if decision.recorded:
-            fields["recorded"] = self.redact(decision.recorded)   # as the store would keep them
-        if decision.unrecorded:
-            fields["unrecorded"] = list(decision.unrecorded)
-        if decision.invalidates:
-            fields["invalidates"] = list(decision.invalidates)
-        if decision.completed:
-            fields["completed"] = True
+        fields: dict[str, Any] = {"step": step.name, "boundary": "exit", "action": action,
+                                  **decision_fields(decision, self.redact)}
         for name in ("call_id", "joined_digest"):
             if event.get(name):
                 fields[name] = event[name]
         return self._settle(event, fields, Outcome.of(decision, action), later)
+
+    def _replayed(self, event: dict[str, Any]) -> None:
+        """A repeat of a verified call that the record answered: the same under a candidate
+        that answers it from the record too; any other would have sent it to the tool."""
+        name = event.get("step")
+        step = self.candidate.steps.get(str(name))
+        if step is None or step.replay != "recorded" or step.name not in self.envelope.verified:
+            why = ("does not answer it from the record" if step is None or step.replay is None
+                   else "has not verified the step by then")
+            raise _CannotJudge("not_checkable", f"a repeated call of step {name!r} was answered "
+                               f"from the record; the candidate {why}, so it would have reached "
+                               "the tool, whose answer is not recorded")
+        self._close(event)
+        fields = {k: event[k] for k in ("call_id", "joined_digest") if event.get(k)}
+        self.envelope = self.envelope.apply({"seq": event["seq"], "ts": event["ts"],
+                                             "step": step.name, "boundary": "exit",
+                                             "action": REPLAYED, **fields})
 
     def _final(self, event: dict[str, Any], later: int) -> RunReport | None:
         output = event.get("output")

@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import orjson
 
@@ -245,6 +245,10 @@ class SQLiteStore:
     async def history(self, run_id: str) -> list[dict[str, Any]]:
         history: list[dict[str, Any]] = await self._read(lambda c: read_history(c, run_id))
         return history
+
+    async def event(self, run_id: str, seq: int) -> dict[str, Any] | None:
+        found: dict[str, Any] | None = await self._read(lambda c: read_event(c, run_id, seq))
+        return found
 
     async def runs(self, status: str | None = None, limit: int = 100) -> list[Envelope]:
         runs: list[Envelope] = await self._read(lambda c: read_runs(c, status, limit))
@@ -695,6 +699,12 @@ def _conflict(conn: sqlite3.Connection, envelope: Envelope) -> ConflictError:
 def read_history(conn: sqlite3.Connection, run_id: str) -> list[dict[str, Any]]:
     rows = conn.execute("SELECT event FROM events WHERE run_id = ? ORDER BY seq", (run_id,))
     return [orjson.loads(r[0]) for r in rows]
+
+
+def read_event(conn: sqlite3.Connection, run_id: str, seq: int) -> dict[str, Any] | None:
+    row = conn.execute("SELECT event FROM events WHERE run_id = ? AND seq = ?",
+                       (run_id, seq)).fetchone()
+    return None if row is None else cast(dict[str, Any], orjson.loads(row[0]))
 
 
 def read_runs(conn: sqlite3.Connection, status: str | None, limit: int) -> list[Envelope]:

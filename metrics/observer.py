@@ -79,7 +79,7 @@ class Observer:
             "contract_version": contract.version, "step": step,
             "boundary": event.get("boundary"), "seq": event.get("seq"), "verdict": verdict,
             "check": violation.get("check"), "drift": violation.get("drift"), "action": action,
-            "detail": violation.get("detail"), "field": violation.get("field"),
+            "detail": violation.get("detail", event.get("detail")), "field": violation.get("field"),
             "decision_id": event.get("decision_id"), "attempt": event.get("attempt"),
             "traffic": traffic, "added_ms": round(added_s * 1000, 3),
         }

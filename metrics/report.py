@@ -17,6 +17,22 @@ def timestamp(ts: float | None) -> str:
     return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")[:-4] + "Z"
 
 
+def shown(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The history as operators read it (`GET /runs/{id}`, `runs show --json`). The answer a
+    `replay: recorded` step stores whole is kept to answer the call's repeats, unredacted, so
+    its content is shown by size only (the event's `output` holds it redacted)."""
+    return [_answer_withheld(e) if isinstance(e.get("answer"), dict) else e for e in history]
+
+
+def _answer_withheld(event: dict[str, Any]) -> dict[str, Any]:
+    answer = dict(event["answer"])
+    if "body_b64" in answer:
+        answer["body_b64"] = {"withheld": True, "bytes": len(str(answer["body_b64"])) * 3 // 4}
+    if "result" in answer:
+        answer["result"] = {"withheld": True, "bytes": len(orjson.dumps(answer["result"]))}
+    return {**event, "answer": answer}
+
+
 def render_run(envelope: dict[str, Any], history: list[dict[str, Any]],
                escalations: list[dict[str, Any]]) -> str:
     lines = [f"run {envelope['run_id']}  workflow {envelope['workflow']} "
@@ -47,6 +63,10 @@ def render_run(envelope: dict[str, Any], history: list[dict[str, Any]],
                 f"{e.get('action', '-'):<8}")
         if violation:
             line += f" {violation['check']} ({violation['drift']}): {violation['detail']}"
+        elif "replayed_from" in e:
+            line += f" answered from the record of seq {e['replayed_from']}"
+        elif e.get("verdict") == "rejected" and e.get("detail"):
+            line += f" {e.get('http_status', '')} {e['detail']}"
         elif e.get("recorded"):
             line += f" recorded {orjson.dumps(e['recorded']).decode()}"
         if e.get("action") == "hold":

@@ -39,6 +39,7 @@ from stepguard.contracts.operations import (
 )
 from stepguard.contracts.runs import RunBook
 from stepguard.metrics.observer import Observer
+from stepguard.metrics.report import shown
 from stepguard.proxy.boundaries import new_decision_id
 from stepguard.proxy.config import ConfigError
 from stepguard.proxy.holds import Holds
@@ -185,7 +186,7 @@ class Operations:
 def marked(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The history with `superseded: true` on every event a resume superseded."""
     gone = superseded(history)
-    return [{**e, "superseded": True} if e["seq"] in gone else e for e in history]
+    return [{**e, "superseded": True} if e["seq"] in gone else e for e in shown(history)]
 
 
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:

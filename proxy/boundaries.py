@@ -23,8 +23,10 @@ from stepguard.contracts.events import (
     HOLD,
     REFUSE,
     REJECTED,
+    REPLAYED,
     Decision,
     ToolResult,
+    decision_fields,
 )
 from stepguard.contracts.holds import (
     STOPPED,
@@ -301,6 +303,23 @@ class Boundaries:
         self.observer.verdict(contract, run_id, event, timing.added_s(), traffic)
         return Settled(UNREACHABLE, decision_id, event, after)
 
+    async def replayed(self, contract: Contract, run_id: str, envelope: Envelope, step: str,
+                       evidence: Evidence, *, timing: Timing, traffic: str,
+                       extra: dict[str, Any]) -> Settled:
+        """Record that a repeat of a verified `replay: recorded` call was answered from the
+        record of its exit (`extra` names it: `replayed_from`): the tool was not called, no check
+        ran, the run neither advances nor halts."""
+        decision_id = new_decision_id()
+        fields = {"step": step, "boundary": "exit", "verdict": "pass", "action": REPLAYED,
+                  "decision_id": decision_id, "attempt": 1,
+                  "contract_version": contract.version,
+                  "input": self.redactor(contract)(history_payload(
+                      evidence.input, len(evidence.raw_input), self.payload_limit)),
+                  **extra}
+        after, event = await self.runs.commit(envelope, fields)
+        self.observer.verdict(contract, run_id, event, timing.added_s(), traffic)
+        return Settled(REPLAYED, decision_id, event, after)
+
     @staticmethod
     def action(contract: Contract, decision: Decision, attempt: int, safe_to_retry: bool) -> str:
         if decision.violation is not None:
@@ -340,14 +359,7 @@ class Boundaries:
                 size = len(evidence.raw_output) if evidence.raw_output is not None else 0
                 fields["output"] = redact(history_payload(result.output, size,
                                                           self.payload_limit))
-        if decision.recorded:
-            fields["recorded"] = redact(decision.recorded)
-        if decision.unrecorded:
-            fields["unrecorded"] = list(decision.unrecorded)
-        if decision.invalidates:
-            fields["invalidates"] = list(decision.invalidates)
-        if decision.completed:
-            fields["completed"] = True
+        fields.update(decision_fields(decision, redact))
         return fields
 
     def _escalation_record(self, contract: Contract, run_id: str, decision: Decision,

@@ -15,25 +15,29 @@ reason), and the protocol's fields of every event (`extra`).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Awaitable
 from dataclasses import dataclass, replace
 from typing import Any, Generic, NoReturn, Protocol, TypeVar
 
+import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
 from stepguard.contracts.engine import check_entry, check_exit
 from stepguard.contracts.envelope import Envelope
-from stepguard.contracts.errors import RunOfAnotherWorkflow, StoreError
+from stepguard.contracts.errors import ConflictError, RunOfAnotherWorkflow, StoreError
 from stepguard.contracts.events import HOLD, OBSERVE, RETRY, Decision, ToolResult, Violation
 from stepguard.contracts.model import Contract, Step
 from stepguard.contracts.runs import RunBook
 from stepguard.metrics.observer import Observer
+from stepguard.proxy.bodies import BodyError
 from stepguard.proxy.boundaries import Boundaries, Evidence, Settled, back_off, retrying_conflicts
 from stepguard.proxy.config import Settings
 from stepguard.proxy.correlation import Keyed
 from stepguard.proxy.forward import Timing, UpstreamError
 from stepguard.proxy.holds import HoldRefused
+from stepguard.proxy.joining import digest as joining_digest
 from stepguard.proxy.joining import joined_extra
 from stepguard.proxy.routing import Route
 from stepguard.proxy.waiting import client_present, waited
@@ -52,6 +56,16 @@ class Answer:
     headers: CIMultiDict[str] | None = None
     body: bytes = b""
     unreachable: UpstreamError | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Replayed:
+    """A repeat of a verified `replay: recorded` call: the answer stored with the exit at `seq`
+    (as the protocol's `recording` gave it), and the decision of the `replayed` event."""
+
+    answer: dict[str, Any]
+    seq: int
+    decision_id: str
 
 
 @dataclass(slots=True)
@@ -87,14 +101,22 @@ class Call:
         return None
 
     @property
+    def unreadable(self) -> BodyError | None:
+        """Why the request could not be read at all (no or a wrong content type, not JSON, over
+        the size cap): the call is rejected with the error's 4xx, the run left as it was."""
+        return None
+
+    @property
     def joinable(self) -> bool:
         """Whether the call may be the model's tool call it was joined to."""
         return True
 
     @property
-    def entry_status(self) -> int | None:
-        """The status an entry violation answers with, when the protocol has one to say."""
-        return None
+    def replay_key(self) -> bytes:
+        """What, besides its arguments, makes two calls of the step the same call (for a
+        `replay: recorded` step): method, path and query as sent."""
+        rel = self.request.rel_url
+        return f"{self.request.method} {self.route.raw_path}?{rel.raw_query_string}".encode()
 
 
 # -- why a call stops: the adapter renders each in its protocol --------------------------------
@@ -114,13 +136,22 @@ class RunStopped(Stopped):
 
 class Violated(Stopped):
     """A boundary's violation whose action stops the call. `status`: a hint for protocols
-    that answer with one (the body's parse error, an upstream timeout)."""
+    that answer with one (an upstream timeout)."""
 
     def __init__(self, decision: Decision, settled: Settled, status: int | None = None) -> None:
         assert decision.violation is not None
         self.decision, self.settled, self.status = decision, settled, status
         self.violation: Violation = decision.violation
         super().__init__(self.violation.detail)
+
+
+class Rejected(Stopped):
+    """The request could not be read: rejected (an event records it), the run not halted, so
+    the agent's corrected call goes on."""
+
+    def __init__(self, error: BodyError, decision_id: str) -> None:
+        self.error, self.decision_id = error, decision_id
+        super().__init__(error.detail)
 
 
 class Unreached(Stopped):
@@ -196,6 +227,15 @@ class CallProtocol(Protocol[C_contra, A]):
         """The call is held for an operator: keep its client waiting (proxy/waiting.py)."""
         ...
 
+    def recording(self, call: C_contra, answer: A) -> dict[str, Any] | None:
+        """A passing answer of a `replay: recorded` step as it is stored, whole, to answer the
+        call's repeats (JSON; None: the answer cannot be given again)."""
+        ...
+
+    async def replay(self, call: C_contra, replayed: Replayed) -> web.StreamResponse:
+        """Answer a repeat of a verified call with its recorded answer."""
+        ...
+
 
 class CallLoop(Generic[C, A]):
     """Entry, attempts, exit, retries and failures of a checked call, in one place."""
@@ -230,9 +270,11 @@ class CallLoop(Generic[C, A]):
             return await self.protocol.render(call, OtherWorkflow(exc))
 
     async def _checked(self, call: C) -> web.StreamResponse:
-        settled = await retrying_conflicts(call.run_id, lambda: self._entry(call))
-        if settled is not None and (settled.held is not None or settled.refused is not None):
-            await self._held(call, settled)
+        entered = await retrying_conflicts(call.run_id, lambda: self._entry(call))
+        if isinstance(entered, Replayed):
+            return await self.protocol.replay(call, entered)
+        if entered is not None:         # held for an operator: on once approved
+            await self._held(call, entered)
         return await self._attempts(call, 1, None)
 
     async def _held(self, call: C, settled: Settled) -> None:
@@ -278,15 +320,20 @@ class CallLoop(Generic[C, A]):
 
     # -- boundaries ------------------------------------------------------------------------------
 
-    async def _entry(self, call: C) -> Settled | None:
+    async def _entry(self, call: C) -> Replayed | Settled | None:
         async with self.runs.locked(call.run_id):
             envelope = await self.runs.envelope(call.contract, call.run_id)
             if envelope.status in STOPPED:
                 await self._refuse(call, envelope, "entry")
+            if call.unreadable is not None:
+                await self._reject(call, call.unreadable, envelope)
+            replayed = await self._replayed(call, envelope)
+            if replayed is not None:
+                return replayed
             drift = call.key_drift
             if drift is not None and drift.joined is not None and drift.drift is None:
                 if drift.joined in envelope.pending and call.joinable:
-                    return None   # the model's tool call was this call's entry, checked, stored
+                    return None   # the model's tool call was this call's entry, checked and stored
                 call.key_drift = replace(drift, joined=None)   # no longer pending: on its own
             if await self.boundaries.approved_entry(
                     call.contract, call.run_id, envelope, call.step.name, call.input,
@@ -294,8 +341,8 @@ class CallLoop(Generic[C, A]):
                 return None   # approved by an operator while held, and sent again: it goes on
             decision = self._entry_decision(call, envelope)
             settled = await self._settle(call, envelope, decision)
-        self._stop_if(decision, settled, call.entry_status)
-        return settled
+        self._stop_if(decision, settled, None)
+        return settled if settled.held is not None or settled.refused is not None else None
 
     @staticmethod
     def _entry_decision(call: C, envelope: Envelope) -> Decision:
@@ -318,8 +365,57 @@ class CallLoop(Generic[C, A]):
                 await self._refuse(call, envelope, "exit")
             decision = check_exit(call.contract, call.step, envelope, call.input, answer.result,
                                   now=call.timing.arrived)
-            settled = await self._settle(call, envelope, decision, attempt, answer)
+            settled = await self._settle(call, envelope, decision, attempt, answer,
+                                         self._recording(call, decision, answer))
         return decision, settled
+
+    # -- recorded answers (`replay: recorded`) ------------------------------------------------
+
+    def _recording(self, call: C, decision: Decision, answer: A) -> dict[str, Any] | None:
+        """The whole answer a passing exit of a `replay: recorded` step stores, whatever
+        `payload_history_bytes` says: what its identical repeats are answered with."""
+        if call.step.replay != "recorded" or not decision.passed or decision.rejected:
+            return None
+        kept = self.protocol.recording(call, answer)
+        digest = call_digest(call)
+        if kept is None or digest is None:
+            return None
+        kept = {"digest": digest, **kept}
+        output = answer.result.output
+        if output is not None:     # what a model's call this one executes is compared with
+            kept["output_digest"] = joining_digest(output)
+        return {"answer": kept}
+
+    async def _replayed(self, call: C, envelope: Envelope) -> Replayed | None:
+        """A call of a verified `replay: recorded` step whose digest is the one its stored
+        answer was given to (same arguments; for HTTP also method, path, query): answered from
+        that record, the tool not called again. Anything else is checked and sent as usual."""
+        step, drift = call.step, call.key_drift
+        kept = envelope.answers.get(step.name) if step.replay == "recorded" else None
+        if (kept is None or step.name not in envelope.verified
+                or (drift is not None and drift.drift is not None)
+                or call_digest(call) != kept[0]):
+            return None
+        try:     # a repeat of a side effect never goes out unchecked, whatever --fail-open says
+            stored = await self.runs.store.event(call.run_id, int(kept[1]))
+            answer = (stored or {}).get("answer")
+            if not isinstance(answer, dict):
+                return None
+            extra = {**(self.protocol.extra(call) or {}), "replayed_from": int(kept[1])}
+            if drift is not None and drift.joined is not None and drift.joined in envelope.pending:
+                extra["call_id"] = drift.joined       # the model's call it executes ends here
+                if answer.get("output_digest"):
+                    extra["joined_digest"] = answer["output_digest"]
+            settled = await self.boundaries.replayed(
+                call.contract, call.run_id, envelope, step.name, Evidence(call.input, call.body),
+                timing=call.timing, traffic=self.traffic, extra=extra)
+        except ConflictError:
+            raise
+        except StoreError as exc:
+            self.observer.store_error("append", str(exc), run_id=call.run_id,
+                                      workflow=call.contract.workflow, step=step.name)
+            raise NotStored(exc, forwarded=False) from None
+        return Replayed(answer, int(kept[1]), settled.decision_id)
 
     async def _stopped_meanwhile(self, call: C) -> None:
         """Before a retry is sent: a run halted or escalated during the back-off (by another
@@ -330,9 +426,11 @@ class CallLoop(Generic[C, A]):
                 await self._refuse(call, envelope, "entry")
 
     async def _settle(self, call: C, envelope: Envelope, decision: Decision, attempt: int = 1,
-                      answer: A | None = None) -> Settled:
+                      answer: A | None = None, more: dict[str, Any] | None = None) -> Settled:
         result = answer.result if answer is not None else None
         extra = self.protocol.extra(call)
+        if more:
+            extra = {**(extra or {}), **more}
         joined = joined_extra(call.key_drift.joined if call.key_drift is not None else None,
                               result.output if result is not None else None)
         if joined:
@@ -354,6 +452,18 @@ class CallLoop(Generic[C, A]):
             call.contract, call.run_id, envelope, call.step.name, timing=call.timing,
             traffic=self.traffic, boundary=boundary, extra=self.protocol.extra(call))
         raise RunStopped(envelope, boundary, settled.decision_id)
+
+    async def _reject(self, call: C, error: BodyError, envelope: Envelope) -> NoReturn:
+        """A request that could not be read: a client error, not step drift. Stored as a
+        `rejected` entry naming why (nothing was checked, the run neither advances nor halts),
+        counted and logged as a refusal, and answered with the error's 4xx."""
+        settled = await self._settle(call, envelope, Decision(call.step.name, "entry",
+                                                              rejected=True),
+                                     more={"detail": error.detail, "http_status": error.status,
+                                           "input": {"unparsed": True, "bytes": len(call.body)}})
+        self.boundaries.call_refused(call.route, "unparseable", error.detail, call.step.name,
+                                     self.traffic, call.run_id)
+        raise Rejected(error, settled.decision_id)
 
     async def _unreachable(self, call: C, error: UpstreamError, attempt: int) -> NoReturn:
         """The call never reached the upstream: recorded as such, the run left where it was
@@ -386,3 +496,13 @@ class CallLoop(Generic[C, A]):
                 self.observer.fail_open(call.contract, call.step.name, call.run_id)
                 return await self.protocol.relay(call, call.answer)
         return await self.protocol.render(call, NotStored(exc, call.forwarded))
+
+
+def call_digest(call: Call) -> str | None:
+    """The call's identity for `replay: recorded`: sha-256 over its replay key and its
+    canonical (sorted-keys) arguments; None for arguments JSON cannot write."""
+    try:
+        arguments = orjson.dumps(call.entry_input, option=orjson.OPT_SORT_KEYS)
+    except (TypeError, orjson.JSONEncodeError):
+        return None
+    return hashlib.sha256(call.replay_key + b"\0" + arguments).hexdigest()

@@ -24,7 +24,7 @@ from stepguard.contracts.sqlite_store import (
     read_runs,
 )
 from stepguard.metrics.logs import LOG_FORMATS, LOG_LEVELS
-from stepguard.metrics.report import render_run, timestamp
+from stepguard.metrics.report import render_run, shown, timestamp
 from stepguard.proxy.config import ConfigError, Settings, assignments, env_setting
 
 
@@ -388,7 +388,7 @@ def _runs_show(args: argparse.Namespace) -> int:
     history = read_history(conn, args.run_id)
     escalations = read_escalations(conn, args.run_id)
     if args.json:
-        print(orjson.dumps({"envelope": envelope, "history": history,
+        print(orjson.dumps({"envelope": envelope, "history": shown(history),
                             "escalations": escalations}).decode())
         return 0
     print(render_run(envelope, history, escalations))

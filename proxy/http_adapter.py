@@ -4,6 +4,7 @@ understands."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import time
 from collections import ChainMap
@@ -31,6 +32,8 @@ from stepguard.proxy.calls import (
     HoldEnded,
     NotStored,
     OtherWorkflow,
+    Rejected,
+    Replayed,
     RunStopped,
     Stopped,
     Unreached,
@@ -50,25 +53,28 @@ from stepguard.proxy.problems import halted_problem, problem, violation_problem
 from stepguard.proxy.routing import Route
 
 TRAFFIC = "http"
+# the headers of a recorded answer given again (`replay: recorded`), beside its status and body
+REPLAYED_HEADERS = frozenset({"content-type", "content-encoding", "content-language",
+                              "content-disposition", "content-location", "location", "etag",
+                              "last-modified", "link"})
+REPLAYED_FROM = "x-stepguard-replayed"    # the seq of the exit whose answer was given again
+# the titles of a request that could not be read, by the status its parse error names
+_UNREADABLE = {413: "Request too large", 415: "Unsupported request body"}
 
 
 @dataclass(slots=True)
 class HttpCall(Call):
     """A checked HTTP tool call: its input is the JSON body (else the query)."""
 
-    parse_error: BodyError | None = None    # the body could not be read: a shape violation
+    parse_error: BodyError | None = None    # the body could not be read: rejected with a 4xx
 
     @property
-    def input_fault(self) -> str | None:
-        return self.parse_error.detail if self.parse_error is not None else None
+    def unreadable(self) -> BodyError | None:
+        return self.parse_error
 
     @property
     def joinable(self) -> bool:
         return self.parse_error is None
-
-    @property
-    def entry_status(self) -> int | None:
-        return self.parse_error.status if self.parse_error is not None else None
 
 
 class HttpToolAdapter:
@@ -184,6 +190,21 @@ class HttpToolAdapter:
     def extra(self, call: HttpCall) -> dict[str, Any] | None:
         return None
 
+    def recording(self, call: HttpCall, answer: Answer) -> dict[str, Any] | None:
+        if answer.status is None:
+            return None
+        headers = [[k.lower(), v] for k, v in (answer.headers or {}).items()
+                   if k.lower() in REPLAYED_HEADERS]
+        return {"status": answer.status, "headers": headers,
+                "body_b64": base64.b64encode(answer.body).decode()}
+
+    async def replay(self, call: HttpCall, replayed: Replayed) -> web.StreamResponse:
+        answer = replayed.answer
+        headers = CIMultiDict[str]((str(k), str(v)) for k, v in answer.get("headers") or ())
+        headers[REPLAYED_FROM] = str(replayed.seq)
+        return web.Response(status=int(answer["status"]), headers=headers,
+                            body=base64.b64decode(answer.get("body_b64") or ""))
+
     async def pause(self, call: HttpCall, answer: Answer,
                     attempt: int) -> web.StreamResponse | None:
         return None
@@ -202,6 +223,12 @@ class HttpToolAdapter:
                                      version=contract.version, step=step,
                                      action=why.settled.action,
                                      decision_id=why.settled.decision_id, status=why.status)
+        if isinstance(why, Rejected):
+            return problem(why.error.status, _UNREADABLE.get(why.error.status, "Unreadable request body"),
+                           f"run {run_id!r}, step {step!r}: {why.error.detail}; nothing was "
+                           "checked or forwarded, and the run goes on: send the call again, "
+                           "readable", run=run_id, workflow=contract.workflow, step=step,
+                           boundary="entry", action="rejected", decision_id=why.decision_id)
         if isinstance(why, RunStopped):
             envelope = why.envelope
             return halted_problem(run_id, contract.workflow, envelope.status,

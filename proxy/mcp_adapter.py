@@ -27,11 +27,11 @@ from stepguard.contracts.runs import RunBook
 from stepguard.metrics.observer import Observer
 from stepguard.proxy.bodies import BodyError
 from stepguard.proxy.boundaries import Boundaries
-from stepguard.proxy.calls import Answer, CallLoop, Stopped
+from stepguard.proxy.calls import Answer, CallLoop, Replayed, Stopped
 from stepguard.proxy.config import Settings
 from stepguard.proxy.correlation import NO_RUN_KEY, STORE
 from stepguard.proxy.forward import ClientEnd, Forwarder, Timing, end_to_end
-from stepguard.proxy.http_adapter import HttpToolAdapter
+from stepguard.proxy.http_adapter import REPLAYED_FROM, HttpToolAdapter
 from stepguard.proxy.mcp_resumption import McpResumption, Resumptions
 from stepguard.proxy.mcp_rpc import (
     REQUEST_CODE,
@@ -114,6 +114,7 @@ class McpAdapter:
                                   retry=reason == STORE)
         call = McpCall(route, step, keyed.run_id, request, headers, body, timing,
                        input=params.get("arguments"), key_drift=keyed, rpc_id=rpc_id,
+                       tool=str(params.get("name", "")),
                        safe_to_retry=step.idempotent)   # MCP calls carry no idempotency key
         return await self.calls.checked(call)
 
@@ -130,6 +131,19 @@ class McpAdapter:
         if answer.resumable and call.cut is not None:
             return await self.resumption.left_open(call, attempt)
         return None
+
+    def recording(self, call: McpCall, answer: McpAnswer) -> dict[str, Any] | None:
+        message = answer.message
+        if message is None or "result" not in message:
+            return None
+        return {"result": message["result"]}
+
+    async def replay(self, call: McpCall, replayed: Replayed) -> web.StreamResponse:
+        """The recorded result, as the JSON answer to this call's id (clients accept JSON for
+        any POST; the first answer may have come as an event stream)."""
+        body = {"jsonrpc": "2.0", "id": call.rpc_id, "result": replayed.answer.get("result")}
+        return web.Response(body=orjson.dumps(body), content_type="application/json",
+                            headers={REPLAYED_FROM: str(replayed.seq)})
 
     async def unchecked(self, call: McpCall) -> web.StreamResponse:
         return await self.http.forward_unchecked(call.request, call.route, call.headers,

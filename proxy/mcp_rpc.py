@@ -18,6 +18,7 @@ from stepguard.proxy.calls import (
     HoldEnded,
     NotStored,
     OtherWorkflow,
+    Rejected,
     RunStopped,
     Stopped,
     Unreached,
@@ -146,6 +147,11 @@ def refusal_for(call: Call, why: Stopped) -> Refusal:
         refusal = why.refusal
         return Refusal(HOLD_CODE, f"stepguard: {refusal.title}: {refusal.detail}",
                        {**refusal.members, "title": refusal.title})
+    if isinstance(why, Rejected):
+        return Refusal(REQUEST_CODE, f"stepguard: run {run_id!r}, step {step!r}: the call cannot "
+                       f"be read to be checked: {why.error.detail}",
+                       {"check": "request", "run": run_id, "step": step,
+                        "decision_id": why.decision_id})
     if isinstance(why, Unreached):
         return Refusal(REQUEST_CODE, f"stepguard: run {run_id!r}, step {step!r}: the MCP server "
                        f"could not be reached, the call was not sent ({why.error.detail}); "

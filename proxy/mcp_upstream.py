@@ -43,6 +43,7 @@ class McpCall(Call):
     stream, relayed to the client as it flows (`out`) and resumable once cut (`cut`)."""
 
     rpc_id: Any = None
+    tool: str = ""
     out: ClientEnd | None = None     # the client's stream, once an SSE answer starts flowing
     cut: Cut[McpCall] | None = None  # once an event with an id was relayed: resumable
 
@@ -56,6 +57,10 @@ class McpCall(Call):
             return None
         return "tools/call arguments are not a JSON object"
 
+    @property
+    def replay_key(self) -> bytes:
+        return f"tools/call {self.tool}".encode()
+
 
 @dataclass(slots=True)
 class McpAnswer(Answer):
@@ -64,6 +69,7 @@ class McpAnswer(Answer):
 
     resumable: bool = False         # the stream ended unanswered after events with ids
     event: bool = False             # `body` is the SSE event that answers the call
+    message: dict[str, Any] | None = None   # the JSON-RPC response that answered the call
 
 
 class McpUpstream:
@@ -129,8 +135,8 @@ class McpUpstream:
             except UpstreamError as exc:     # mid-body: "cap" or "transport"
                 return McpAnswer(ToolResult(None, error=exc.detail, error_kind="cap"
                                             if exc.kind == "cap" else "transport"), resp.status)
-            return McpAnswer(self._result(body, resp.status, encoding), resp.status, headers,
-                             body)
+            result, message = self._result(body, resp.status, encoding)
+            return McpAnswer(result, resp.status, headers, body, message=message)
 
     async def _relay_events(self, call: McpCall, resp: H1Response,
                             headers: CIMultiDict[str]) -> McpAnswer:
@@ -150,7 +156,7 @@ class McpUpstream:
                     if message.get("id") == call.rpc_id and ("result" in message
                                                              or "error" in message):
                         return McpAnswer(message_result(message), resp.status, headers, raw,
-                                         event=True)
+                                         event=True, message=message)
                     out = await self._out(call, resp.status, headers)
                     await out.write(raw)
                     if event is not None and event.id:      # the client may resume from here
@@ -176,18 +182,21 @@ class McpUpstream:
     def _seen(self, call: McpCall, status: int | None, since: float) -> None:
         self.boundaries.upstream_seen(call.route, call.timing, since, status)
 
-    def _result(self, body: bytes, status: int, encoding: str = "identity") -> ToolResult:
+    def _result(self, body: bytes, status: int,
+                encoding: str = "identity") -> tuple[ToolResult, dict[str, Any] | None]:
+        """The answer as the exit's result, and the JSON-RPC response it read it from."""
         if status >= 500:
-            return ToolResult(status, error=f"MCP server answered {status}", error_kind="transport")
+            return ToolResult(status, error=f"MCP server answered {status}",
+                              error_kind="transport"), None
         if 400 <= status < 500:     # refused at the HTTP level (auth, an expired session): the
-            return ToolResult(status)   # answer goes back as it came, the step unverified
+            return ToolResult(status), None   # answer goes back as it came, the step unverified
         try:
             message = parse_json(decode(body, encoding, self.settings.max_response_bytes),
                                  "MCP server response", self.settings.max_json_depth)
         except BodyError as exc:
-            return ToolResult(status, error=exc.detail, error_kind="transport")
+            return ToolResult(status, error=exc.detail, error_kind="transport"), None
         if not isinstance(message, dict):
             return ToolResult(status, error="MCP server response is not a JSON-RPC object",
-                              error_kind="transport")
-        return message_result(message)
+                              error_kind="transport"), None
+        return message_result(message), message
 

@@ -158,4 +158,47 @@ def test_to_dict_and_from_dict_round_trip(upto):
 def test_to_dict_holds_every_field():
     assert set(fresh().to_dict()) == {"run_id", "workflow", "contract_version", "status", "seq",
                                       "verified", "state", "halt", "pending", "created", "updated",
-                                      "joined", "holds", "approvals"}
+                                      "joined", "answers", "holds", "approvals"}
+
+
+# --- answers of `replay: recorded` steps ---------------------------------------------------------
+
+ANSWER = {"digest": "d1", "status": 200, "headers": {}, "body_b64": ""}
+
+
+def test_a_verified_exit_with_its_answer_keeps_the_calls_digest_and_the_exits_seq():
+    env = fresh().apply(event(1, FORWARD, "issue_refund", "entry")).apply(
+        event(2, ADVANCE, "issue_refund", answer=ANSWER))
+    assert env.answers == {"issue_refund": ["d1", 2]}
+
+
+@pytest.mark.parametrize("action", [HALT, OBSERVE, REJECTED, RETRY])
+def test_an_exit_that_verifies_nothing_keeps_no_answer(action):
+    env = fresh().apply(event(1, action, "issue_refund", answer=ANSWER))
+    assert env.answers == {}
+
+
+def test_the_steps_next_verification_replaces_its_answer_or_drops_it_when_it_has_none():
+    env = fresh().apply(event(1, ADVANCE, "issue_refund", answer=ANSWER))
+    other = env.apply(event(2, ADVANCE, "issue_refund", answer={**ANSWER, "digest": "d2"}))
+    none = env.apply(event(2, ADVANCE, "issue_refund"))
+    assert other.answers == {"issue_refund": ["d2", 2]}
+    assert none.answers == {}
+
+
+def test_a_step_no_longer_verified_loses_its_answer():
+    env = fresh().apply(event(1, ADVANCE, "lookup_order")).apply(
+        event(2, ADVANCE, "issue_refund", answer=ANSWER))
+    env = env.apply(event(3, ADVANCE, "lookup_order", invalidates=["issue_refund"]))
+    assert env.verified.keys() == {"lookup_order"}
+    assert env.answers == {}
+
+
+def test_a_resume_restores_the_answers_of_the_boundary_it_goes_back_to():
+    env = fresh().apply(event(1, ADVANCE, "issue_refund", answer=ANSWER)).apply(
+        event(2, HALT, "confirm", violation=VIOLATION))
+    back = env.apply(event(3, "resume", restore={"verified": {}, "answers": {}}))
+    kept = env.apply(event(3, "resume", restore={"verified": env.verified,
+                                                 "answers": env.answers}))
+    assert (back.status, back.answers) == ("active", {})
+    assert kept.answers == {"issue_refund": ["d1", 1]}

@@ -419,6 +419,41 @@ def test_refusals_after_a_halt_and_unreachable_upstreams_change_nothing():
     assert one(candidate(), unreachable).kind == UNCHANGED
 
 
+def test_a_request_that_could_not_be_read_is_passed_over_whatever_the_candidate_checks():
+    # stored as the proxy stores it: a rejected entry without upstream_status, then the agent's
+    # corrected call; the candidate's stricter input schema judges only the corrected one
+    run = History().add("lookup_order", "entry", "rejected", "rejected",
+                        input={"unparsed": True, "bytes": 14}, http_status=415,
+                        detail="request body must be JSON").clean(*ALL).run(status="completed")
+    strict = candidate(lambda d: step(d, "lookup_order").update(
+        input={"schema": {"type": "object", "required": ["order_id", "channel"]}}))
+
+    assert one(candidate(), run).kind == UNCHANGED
+    report = one(strict, run)
+    assert report.kind == HALTS
+    assert report.change is not None and report.change.at.seq == 2
+
+
+def answered_from_the_record() -> RecordedRun:
+    """reserve_slot sent twice alike (an agent retrying after a lost connection): the second
+    call answered from the record of the first one's exit (seq 6)."""
+    return History().clean(*ALL[:3]).add(
+        "reserve_slot", "exit", "pass", "replayed", replayed_from=6,
+        input={"order_id": "ord-1"}).clean("confirm").run(status="completed")
+
+
+def test_a_call_answered_from_the_record_changes_nothing_where_the_candidate_records_too():
+    recording = candidate(lambda d: step(d, "reserve_slot").update(replay="recorded"))
+    assert one(recording, answered_from_the_record()).kind == UNCHANGED
+
+
+def test_a_call_answered_from_the_record_cannot_be_judged_where_the_candidate_would_send_it():
+    report = one(candidate(), answered_from_the_record())
+    assert (report.kind, report.reason) == (UNJUDGEABLE, "not_checkable")
+    assert report.at is not None and report.at.seq == 7
+    assert "would have reached the tool" in str(report.detail)
+
+
 def test_an_unparseable_answer_is_replayed_as_a_parse_error_so_a_new_output_schema_catches_it():
     run = History().clean(*ALL[:3]).entry("confirm", {"order_id": "ord-1", "slot_id": "slot-1"}) \
         .exit("confirm", None, tool_error="response body is not valid JSON").run()

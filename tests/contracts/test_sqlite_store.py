@@ -63,6 +63,17 @@ async def test_history_returns_every_event_in_sequence_order(store):
     assert await store.load("run-1") == envelope
 
 
+async def test_one_event_reads_back_by_its_seq_and_a_missing_one_as_none(store):
+    envelope = start()
+    for name in ("lookup_order", "check_policy"):
+        envelope = await advance(store, envelope, step_name=name)
+    history = await store.history("run-1")
+
+    assert await store.event("run-1", 2) == history[1]
+    assert await store.event("run-1", 3) is None
+    assert await store.event("nobody", 1) is None
+
+
 @pytest.mark.parametrize(("stored", "next_seq"), [(0, 2), (1, 1), (1, 3), (2, 2)])
 async def test_an_append_not_at_the_next_sequence_number_conflicts_and_stores_nothing(
         store, stored, next_seq):

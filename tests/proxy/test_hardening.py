@@ -549,7 +549,7 @@ async def test_an_escalation_record_holds_redacted_json_of_a_json_body(upstream,
     assert record["output"] == {"error": "db down", "card_number": REDACTED}
 
 
-async def test_an_escalation_record_holds_only_the_size_of_an_unparseable_request(
+async def test_an_unparseable_request_is_rejected_not_escalated_and_stored_only_by_size(
         upstream, stepguard):
     tool = await upstream({"/pay": ok})
     guard = await stepguard(escalating(tool.url))
@@ -559,8 +559,11 @@ async def test_an_escalation_record_holds_only_the_size_of_an_unparseable_reques
         RUN_HEADER: "r1", "content-type": "application/json"})
 
     assert resp.status == 400
-    [record] = await guard.sg.store.escalations("r1")
-    assert record["input"] == {"unparsed": True, "bytes": len(body)}
+    assert await guard.sg.store.escalations("r1") == []
+    history = await guard.sg.store.history("r1")
+    assert [(e["verdict"], e["input"]) for e in history] == [
+        ("rejected", {"unparsed": True, "bytes": len(body)})]
+    assert CARD.encode() not in orjson.dumps(history)
     assert tool.count("/pay") == 0
 
 

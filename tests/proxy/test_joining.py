@@ -51,12 +51,16 @@ class Hybrid:
 
 @contextlib.asynccontextmanager
 async def hybrid(tmp_path: Path, mcp_base: str, model: FakeModel,
-                 run: dict[str, Any] | None = None) -> AsyncIterator[Hybrid]:
+                 run: dict[str, Any] | None = None,
+                 steps: dict[str, dict[str, Any]] | None = None) -> AsyncIterator[Hybrid]:
     """The example model contract with an MCP upstream beside the model: its steps match tool
-    names, so they match the model's tool calls and the MCP tools/calls alike."""
+    names, so they match the model's tool calls and the MCP tools/calls alike. `steps` adds
+    options to steps."""
     document = yaml.safe_load(CONTRACT.read_bytes())
     if run is not None:
         document["run"] = run
+    for name, options in (steps or {}).items():
+        document["steps"][name].update(options)
     async with fake_model.serve(model) as model_base:
         document["upstreams"]["model"]["url"] = model_base
         document["upstreams"]["tools"] = {"url": mcp_base, "kind": "mcp", "mount": "/mcp-tools"}
@@ -282,6 +286,35 @@ def test_two_alike_calls_of_one_run_are_taken_oldest_first() -> None:
     assert (first.call_id, second.call_id) == ("call-1", "call-2")
     assert pending.take("wf", "lookup", {"order_id": "ord-1"}) is None
     assert pending._steps == {}
+
+
+async def test_a_models_repeated_call_of_a_recorded_step_executed_over_mcp_is_answered_once(
+        tmp_path: Path) -> None:
+    # the model asks for reserve_slot twice alike: the second execution is answered from the
+    # record and ends the model's second call, whose result the model then gets as checked
+    reservations: list[str] = []
+
+    def slot(order_id: str) -> str:
+        reservations.append(order_id)
+        return f"slot-{len(reservations)}"
+
+    turns = model_agent.script_for(1, None)
+    turns.insert(3, turns[2])
+    with mcp_tools.serve(mcp_tools.create_app(stateless=True, json_response=True,
+                                              slot_ids=slot)) as mcp_base:
+        async with hybrid(tmp_path, mcp_base, FakeModel(turns),
+                          steps={"reserve_slot": {"replay": "recorded"}}) as h:
+            final = await agent_loop(h)
+            (run,) = await h.sg.store.runs()
+            history = await h.sg.store.history(run.run_id)
+
+    assert final == {"done": True, "order_id": "ord-1"}
+    assert reservations == ["ord-1"]
+    assert run.status == "completed" and run.pending == {}
+    entries = [e for e in history if e["step"] == "reserve_slot" and e["boundary"] == "entry"]
+    (replayed,) = [e for e in history if e["action"] == "replayed"]
+    assert replayed["call_id"] == entries[1]["call_id"] != entries[0]["call_id"]
+    assert history[replayed["replayed_from"] - 1]["call_id"] == entries[0]["call_id"]
 
 
 async def test_a_result_differing_from_the_checked_one_is_caught_after_a_restart_too(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from aiohttp import web
-from sgtest import decided, drift_problem, example_contract, make_contract, trail
+from sgtest import drift_problem, example_contract, make_contract, problem, trail
 
 ORDER = {"order_id": "ord-1"}
 
@@ -49,8 +49,8 @@ async def test_integers_orjson_holds_exactly_are_stored_exactly(proxy, make_upst
     assert stored == {"n": number, "s": "18446744073709551616"} and type(stored["n"]) is int
 
 
-async def test_a_body_at_the_depth_limit_passes_and_one_level_more_is_refused(proxy,
-                                                                              make_upstream):
+async def test_a_body_at_the_depth_limit_passes_and_one_level_more_is_rejected(proxy,
+                                                                               make_upstream):
     tool = await make_upstream()
     px = await proxy(make_contract(tool.url, {"act": {}}), max_json_depth=5)
     at_limit = b'{"a": [[[{"b": "[[[[[[[[\\"]]]"}]]]}'       # brackets in strings do not count
@@ -62,11 +62,11 @@ async def test_a_body_at_the_depth_limit_passes_and_one_level_more_is_refused(pr
                             headers={"content-type": "application/json"})
 
     assert ok.status == 200
-    body = drift_problem(refused, 400, run="past", step="act", check="input_schema",
-                         drift="shape", boundary="entry", action="halt")
+    body = problem(refused, 400)
+    assert (body["step"], body["action"]) == ("act", "rejected")
     assert "deeper than 5 levels" in body["detail"]
-    assert trail(await px.history("past")) == [("act", "entry", "violation", "halt")]
-    decided(await px.history("past"), body)
+    assert trail(await px.history("past")) == [("act", "entry", "rejected", "rejected")]
+    assert await px.status("past") == "active"
     assert tool.hits() == 1
 
 
@@ -88,7 +88,7 @@ async def test_a_tool_answer_nested_past_the_limit_is_a_tool_error_not_a_store_e
                                                    ("act", "exit", "violation", "halt")]
 
 
-async def test_an_escalated_body_nested_past_what_redaction_recurses_is_recorded_by_size(
+async def test_a_body_nested_past_what_redaction_recurses_is_rejected_and_stored_by_size(
         proxy, make_upstream):
     tool = await make_upstream()
     px = await proxy(make_contract(tool.url, {"act": {"on_failure": "escalate"}}))
@@ -98,8 +98,9 @@ async def test_an_escalated_body_nested_past_what_redaction_recurses_is_recorded
                           headers={"content-type": "application/json"})
 
     assert reply.status == 400 and "deeper than 64 levels" in reply.json["detail"]
-    (record,) = await px.sg.store.escalations("deep-esc")
-    assert record["input"] == {"unparsed": True, "bytes": len(body)}
+    assert await px.sg.store.escalations("deep-esc") == []    # rejected: nothing to escalate
+    (event,) = await px.history("deep-esc")
+    assert event["input"] == {"unparsed": True, "bytes": len(body)}
     assert tool.hits() == 0
 
 

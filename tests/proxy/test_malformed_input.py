@@ -1,10 +1,22 @@
-"""Malformed input on a checked step is an entry violation: answered with a problem that says
-what is wrong, stored in the run's history, never forwarded, and the proxy goes on serving."""
+"""Malformed input on a checked step: a request that cannot be read is rejected with the 4xx its
+error names (stored as a `rejected` entry, never forwarded, the run not halted: a client error,
+not step drift); readable input that fails the step's input schema is an entry violation. Either
+way the answer says what is wrong, and the proxy goes on serving."""
 
 from __future__ import annotations
 
 import pytest
-from sgtest import OrderFlow, decided, drift_problem, example_contract, make_contract, trail
+from sgtest import (
+    OrderFlow,
+    clean,
+    decided,
+    drift_problem,
+    example_contract,
+    make_contract,
+    problem,
+    trail,
+)
+from structlog.testing import capture_logs
 
 NESTED = b"[" * 100_000 + b"]" * 100_000
 
@@ -46,23 +58,57 @@ MALFORMED = [
 
 
 @pytest.mark.parametrize(("data", "content_type", "headers", "status", "says"), MALFORMED)
-async def test_malformed_input_is_refused_at_entry_with_a_clear_problem_and_recorded(
+async def test_malformed_input_is_rejected_with_its_4xx_and_recorded_without_halting_the_run(
         proxy, tools, data, content_type, headers, status, says):
     px = await proxy(example_contract(tools))
 
     reply = await px.call("/tools/lookup_order", data=data, run="bad-in",
                           headers={"content-type": content_type, **headers})
 
-    body = drift_problem(reply, status, run="bad-in", step="lookup_order", check="input_schema",
-                         drift="shape", boundary="entry", action="halt")
-    assert body["field"] == "input"
+    body = problem(reply, status)
+    assert (body["run"], body["step"], body["boundary"], body["action"]) == (
+        "bad-in", "lookup_order", "entry", "rejected")
+    assert "check" not in body and "drift" not in body       # a client error, not step drift
     assert [s for s in says if s not in body["detail"]] == []
     assert tools.hits() == 0
     history = await px.history("bad-in")
-    assert trail(history) == [("lookup_order", "entry", "violation", "halt")]
-    event = decided(history, body)
-    assert event["violation"]["detail"] in body["detail"]
-    assert await px.status("bad-in") == "halted"
+    assert trail(history) == [("lookup_order", "entry", "rejected", "rejected")]
+    (event,) = history
+    assert event["decision_id"] == body["decision_id"]
+    assert event["http_status"] == status
+    assert event["detail"] in body["detail"]
+    assert "violation" not in event
+    assert await px.status("bad-in") == "active"
+
+
+async def test_the_corrected_call_after_a_rejected_one_goes_through_in_the_same_run(
+        proxy, tools):
+    px = await proxy(example_contract(tools))
+    flow = OrderFlow(px, "corrected")
+
+    rejected = await px.call("/tools/lookup_order", data=b"order_id=ord-17", run="corrected",
+                             headers={"content-type": "application/x-www-form-urlencoded"})
+    replies = await flow.through("lookup_order", "check_policy")
+
+    assert rejected.status == 415
+    assert [r.status for r in replies] == [200, 200]
+    assert trail(await px.history("corrected")) == [
+        ("lookup_order", "entry", "rejected", "rejected"), *clean("lookup_order", "check_policy")]
+    assert tools.hits() == 2
+
+
+async def test_a_rejected_call_is_counted_and_logged_as_an_unparseable_refusal(proxy, tools):
+    px = await proxy(example_contract(tools))
+
+    with capture_logs() as logs:
+        await px.call("/tools/lookup_order", data=b"{", run="counted",
+                      headers={"content-type": "application/json"})
+
+    (line,) = [entry for entry in logs if entry["event"] == "call_refused"]
+    assert (line["reason"], line["run_id"], line["step"]) == ("unparseable", "counted",
+                                                               "lookup_order")
+    assert px.sg.metrics.registry.get_sample_value(
+        "stepguard_requests_refused_total", {"reason": "unparseable"}) == 1
 
 
 @pytest.mark.parametrize(("data", "content_type", "headers", "status", "says"), MALFORMED)

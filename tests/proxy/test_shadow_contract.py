@@ -93,6 +93,18 @@ async def test_an_agreeing_shadow_is_counted_without_a_warning(start):
     assert [e for e in logs if e["event"] == "shadow" and e["log_level"] != "debug"] == []
 
 
+async def test_a_request_that_could_not_be_read_gets_no_shadow_verdict(start):
+    client, sg = await start({"first": {"input": {"schema": {"type": "object",
+                                                             "required": ["x"]}}}})
+    with capture_logs() as logs:
+        reply = await send(client.request, "/tools/first", data=b"{",
+                           headers={"content-type": "application/json"})
+    assert reply.status == 400
+    assert trail(await sg.store.history("run-1")) == [("first", "entry", "rejected")]
+    assert [e for e in logs if e["event"] == "shadow"] == []
+    assert shadow_count(sg, "first", "entry", "violation", "no") == 0
+
+
 async def test_nothing_of_the_shadow_is_stored(start):
     client, sg = await start(STRICT)
     assert (await send(client.request, "/tools/first", {})).status == 200
