@@ -310,7 +310,22 @@ def _check(args: argparse.Namespace) -> int:
             print(f"  var {var.name} = {_shown(var.value)} ({var.kind}, from {var.source})")
         for line in _holds(c):
             print(f"  {line}")
+        for line in _recorded(c):
+            print(f"  {line}")
     return 0
+
+
+def _recorded(contract: Any) -> list[str]:
+    """The steps whose whole answer is stored to answer a repeat (`replay: recorded`): the
+    agent gets it back byte for byte, so `redact` does not apply to that copy in the store."""
+    lines = []
+    for step in contract.steps.values():
+        if step.replay == "recorded":
+            note = (f"; redact ({', '.join(contract.redact)}) does not apply to that copy"
+                    if contract.redact else "")
+            lines.append(f"replay {step.name}: a repeat of a verified call is answered from its "
+                         f"whole answer, stored in full in the store file{note}")
+    return lines
 
 
 def _holds(contract: Any) -> list[str]:

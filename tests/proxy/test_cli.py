@@ -256,6 +256,16 @@ async def test_check_lists_each_var_with_its_type_value_and_source(tmp_path):
     assert "  var limit = 5 (int, from STEPGUARD_VAR_LIMIT)" in ran.lines
 
 
+async def test_check_says_a_recorded_steps_answer_is_stored_in_full_past_redact(tmp_path):
+    doc = {**broken(a={"match": match("/a"), "replay": "recorded"}), "redact": ["card_number"]}
+    ran = await stepguard("check", write(tmp_path / "c.yaml", doc))
+
+    assert ran.code == 0, ran.out + ran.err
+    assert ("  replay a: a repeat of a verified call is answered from its whole answer, stored "
+            "in full in the store file; redact (card_number) does not apply to that copy"
+            ) in ran.lines
+
+
 async def test_check_refuses_a_var_override_of_the_wrong_type_naming_the_var(tmp_path):
     path = write(tmp_path / "c.yaml", with_vars(max_age="1h"))
 
