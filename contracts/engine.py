@@ -17,10 +17,14 @@ import orjson
 from stepguard.contracts.conditions import Condition
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.events import (
+    ADVANCE,
+    COMPLETE,
     ESCALATE,
+    FORWARD,
     HALT,
     HOLD,
     OBSERVE,
+    REJECTED,
     RETRY,
     Decision,
     ToolResult,
@@ -112,6 +116,23 @@ def action_for(contract: Contract, step: Step | None, violation: Violation, atte
         # left to hold back: the run stops and a human is called (escalate)
         return HOLD if violation.boundary == "entry" else ESCALATE
     return step.on_failure.action
+
+
+def action_of(contract: Contract, decision: Decision, attempt: int = 1,
+              safe_to_retry: bool = False) -> str:
+    """What a decision does: the action the proxy settles a boundary with (`Boundaries.settle`)
+    and the one offline replay folds a candidate's verdicts with."""
+    if decision.violation is not None:
+        return action_for(contract, contract.steps.get(decision.step), decision.violation,
+                          attempt, safe_to_retry)
+    if decision.rejected:
+        return REJECTED
+    if decision.step == FINAL:
+        return COMPLETE if decision.completed else FORWARD
+    if decision.boundary == "exit":
+        return ADVANCE
+    return HOLD if held_for_approval(contract, contract.steps.get(decision.step),
+                                     decision.boundary) else FORWARD
 
 
 def held_for_approval(contract: Contract, step: Step | None, boundary: str) -> bool:

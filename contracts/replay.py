@@ -34,11 +34,10 @@ import orjson
 from stepguard.contracts.conditions import Condition
 from stepguard.contracts.engine import (
     FINAL,
-    action_for,
+    action_of,
     check_entry,
     check_exit,
     check_final,
-    held_for_approval,
 )
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.events import (
@@ -47,7 +46,6 @@ from stepguard.contracts.events import (
     ESCALATE,
     FORWARD,
     HALT,
-    HOLD,
     OBSERVE,
     REFUSE,
     REJECTED,
@@ -534,23 +532,6 @@ class _Replay:
                 "was stored redacted" + (f" (fields {', '.join(fields)})" if fields else ""))
         raise _CannotJudge(reason, f"the {name} of step {step!r} {what}, and the candidate's "
                            f"checks at its {event.get('boundary')} read it")
-
-
-def action_of(contract: Contract, decision: Decision, attempt: int = 1,
-              safe_to_retry: bool = False) -> str:
-    """What a decision does, as `Boundaries.action` (proxy/boundaries.py) picks it when the
-    proxy settles a boundary (a test holds the two alike)."""
-    if decision.violation is not None:
-        return action_for(contract, contract.steps.get(decision.step), decision.violation,
-                          attempt, safe_to_retry)
-    if decision.rejected:
-        return REJECTED
-    if decision.step == FINAL:
-        return COMPLETE if decision.completed else FORWARD
-    if decision.boundary == "exit":
-        return ADVANCE
-    return HOLD if held_for_approval(contract, contract.steps.get(decision.step),
-                                     decision.boundary) else FORWARD
 
 
 def _same_claim(baseline: Contract | None, candidate: Contract) -> bool:

@@ -12,17 +12,14 @@ from typing import Any, TypeVar
 
 import orjson
 
-from stepguard.contracts.engine import FINAL, action_for, check_shadow, held_for_approval
+from stepguard.contracts.engine import action_of, check_shadow
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.errors import ConflictError, StoreError
 from stepguard.contracts.events import (
-    ADVANCE,
-    COMPLETE,
     ESCALATE,
     FORWARD,
     HOLD,
     REFUSE,
-    REJECTED,
     REPLAYED,
     Decision,
     ToolResult,
@@ -124,7 +121,7 @@ class Boundaries:
                      decision: Decision, evidence: Evidence, *, timing: Timing, traffic: str,
                      attempt: int = 1, safe_to_retry: bool = False,
                      extra: dict[str, Any] | None = None, keys: Sequence[str] = ()) -> Settled:
-        action = self.action(contract, decision, attempt, safe_to_retry)
+        action = action_of(contract, decision, attempt, safe_to_retry)
         decision_id = new_decision_id()
         fields = self._event_fields(contract, decision, action, decision_id, attempt, evidence)
         if extra:
@@ -319,20 +316,6 @@ class Boundaries:
         after, event = await self.runs.commit(envelope, fields)
         self.observer.verdict(contract, run_id, event, timing.added_s(), traffic)
         return Settled(REPLAYED, decision_id, event, after)
-
-    @staticmethod
-    def action(contract: Contract, decision: Decision, attempt: int, safe_to_retry: bool) -> str:
-        if decision.violation is not None:
-            step = contract.steps.get(decision.step)
-            return action_for(contract, step, decision.violation, attempt, safe_to_retry)
-        if decision.rejected:
-            return REJECTED
-        if decision.step == FINAL:
-            return COMPLETE if decision.completed else FORWARD
-        if decision.boundary == "exit":
-            return ADVANCE
-        return HOLD if held_for_approval(contract, contract.steps.get(decision.step),
-                                         decision.boundary) else FORWARD
 
     def _event_fields(self, contract: Contract, decision: Decision, action: str,
                       decision_id: str, attempt: int, evidence: Evidence) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from typing import Any
 
 import orjson
 
-from stepguard.contracts.engine import check_entry, check_final
+from stepguard.contracts.engine import action_of, check_entry, check_final
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.errors import StoreError
 from stepguard.contracts.events import HOLD, Decision, ToolResult, Violation
@@ -148,7 +148,7 @@ class ModelEntries:
             if approved is not None:   # approved while held, and issued again: it goes ahead
                 return await self._goes_ahead(ex, approved, call, step.name, arguments,
                                               len(orjson.dumps(arguments)))
-        held = self.boundaries.action(contract, decision, 1, False) == HOLD
+        held = action_of(contract, decision) == HOLD
         goes_ahead = (decision.passed or contract.mode == "observe") and not held
         raw = orjson.dumps(arguments)
         settled = await self.boundaries.settle(

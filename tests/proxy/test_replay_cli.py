@@ -19,12 +19,10 @@ import pytest
 import yaml
 from sgtest import EXAMPLE, Upstream, send
 
-from stepguard.contracts.engine import FINAL
+from stepguard.contracts.engine import FINAL, action_of
 from stepguard.contracts.events import Decision, Violation
 from stepguard.contracts.loader import load_contract, parse_contract
 from stepguard.contracts.recorded import RecordedStore
-from stepguard.contracts.replay import action_of
-from stepguard.proxy.boundaries import Boundaries
 
 CONTROLS_FROM_130 = [f"control-{i}" for i in range(5, 10)]   # orders ord-130 .. ord-134
 FALSE_COMPLETIONS = [f"false_completion-{i}" for i in range(5)]
@@ -236,31 +234,33 @@ async def test_over_model_traffic_a_tighter_postcondition_names_exactly_the_runs
 # --- replay picks actions as the proxy does -----------------------------------------------------
 
 
-def _decisions() -> list[tuple[Decision, int, bool]]:
+def _decisions() -> list[tuple[Decision, int, bool, str]]:
+    """(decision, attempt, safe to retry, its action under the example contract enforced)."""
     error = Violation("tool_error", "tool_error", "upstream answered 503", "exit")
     late = Violation("precondition", "freshness", "stale", "entry")
-    return [(Decision("lookup_order", "entry"), 1, False),
-            (Decision("lookup_order", "exit"), 1, False),
-            (Decision("lookup_order", "exit", rejected=True), 1, False),
-            (Decision("check_policy", "entry", late), 1, False),
-            (Decision("reserve_slot", "exit", error), 1, True),
-            (Decision("reserve_slot", "exit", error), 1, False),
-            (Decision("reserve_slot", "exit", error), 2, True),
-            (Decision(FINAL, "exit", completed=True), 1, False),
-            (Decision(FINAL, "exit"), 1, False),
+    return [(Decision("lookup_order", "entry"), 1, False, "forward"),
+            (Decision("lookup_order", "exit"), 1, False, "advance"),
+            (Decision("lookup_order", "exit", rejected=True), 1, False, "rejected"),
+            (Decision("check_policy", "entry", late), 1, False, "halt"),
+            (Decision("reserve_slot", "exit", error), 1, True, "retry"),
+            (Decision("reserve_slot", "exit", error), 1, False, "escalate"),
+            (Decision("reserve_slot", "exit", error), 2, True, "escalate"),
+            (Decision(FINAL, "exit", completed=True), 1, False, "complete"),
+            (Decision(FINAL, "exit"), 1, False, "forward"),
             (Decision(FINAL, "exit", Violation("completion_proof", "false_completion", "no",
-                                               "exit")), 1, False)]
+                                               "exit")), 1, False, "halt")]
 
 
 @pytest.mark.parametrize("mode", ["enforce", "observe"])
-@pytest.mark.parametrize(("decision", "attempt", "safe"), _decisions())
-def test_replay_picks_the_action_the_proxy_settles_a_decision_with(mode, decision, attempt, safe):
+@pytest.mark.parametrize(("decision", "attempt", "safe", "enforced"), _decisions())
+def test_a_decision_does_what_the_proxy_settles_it_with(mode, decision, attempt, safe, enforced):
+    # one function (engine.action_of) picks the action for the proxy and for replay
     doc = yaml.safe_load(EXAMPLE.read_bytes())
     doc["mode"] = mode
     contract = parse_contract(yaml.safe_dump(doc).encode(), "c.yaml")
+    observed = "observe" if mode == "observe" and decision.violation is not None else enforced
 
-    assert action_of(contract, decision, attempt, safe) == Boundaries.action(
-        contract, decision, attempt, safe)
+    assert action_of(contract, decision, attempt, safe) == observed
 
 
 # --- usage errors -------------------------------------------------------------------------------
