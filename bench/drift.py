@@ -153,8 +153,10 @@ async def _drive_model(contract: Contract, passthrough: bool, plan: Plan,
                                   saw_failure=_saw_failure)
 
 
-async def _drive_mcp(contract: Contract, passthrough: bool, plan: Plan,
-                     store: Path) -> list[Observed]:
+async def _drive_mcp(contract: Contract, passthrough: bool, plan: Plan, store: Path,
+                     run_header: bool = True) -> list[Observed]:
+    """The example's MCP agent against its MCP server through stepguard, each run named by the
+    run header it sends (`run_header`), or with none (`_drive_mcp_stateless`)."""
     from stepguard.examples.order_confirmation import mcp_agent, mcp_tools
 
     with mcp_tools.serve(mcp_tools.create_app()) as tools_url:
@@ -164,31 +166,22 @@ async def _drive_mcp(contract: Contract, passthrough: bool, plan: Plan,
         async with running(create_app(sg)) as proxy_url:
             url = f"{proxy_url}{mount}{mcp_tools.MCP_PATH}"
             finished = await asyncio.gather(*(
-                mcp_agent.run_mcp_agent(url, f"{cls}-{i}", 100 + n, injector)
+                mcp_agent.run_mcp_agent(url, f"{cls}-{i}", 100 + n, injector,
+                                        run_header=run_header)
                 for n, (cls, injector, i) in enumerate(plan)))
+            run_ids = None
+            if not run_header:      # the agent never learns its run: found by its order id
+                runs = await _runs_by_order(sg, limit=2 * len(plan))
+                run_ids = [runs.get(f"ord-{100 + n}") for n in range(len(plan))]
             return await _collect(sg, finished, by_stepguard=_stopped_by_stepguard,
-                                  saw_failure=_saw_failure)
+                                  saw_failure=_saw_failure, run_ids=run_ids)
 
 
 async def _drive_mcp_stateless(contract: Contract, passthrough: bool, plan: Plan,
                                store: Path) -> list[Observed]:
     """The `mcp` SDK client in its default mode (2026-07-28: no session, no handshake) with no
     run header: stepguard names each run by the order id its calls carry (`arg:order_id`)."""
-    from stepguard.examples.order_confirmation import mcp_agent, mcp_tools
-
-    with mcp_tools.serve(mcp_tools.create_app()) as tools_url:
-        contract = _repointed(contract, {"tools": tools_url})
-        sg = build(Settings(store=str(store), passthrough=passthrough), [contract])
-        mount = contract.upstreams["tools"].mount
-        async with running(create_app(sg)) as proxy_url:
-            url = f"{proxy_url}{mount}{mcp_tools.MCP_PATH}"
-            finished = await asyncio.gather(*(
-                mcp_agent.run_mcp_agent(url, f"{cls}-{i}", 100 + n, injector, run_header=False)
-                for n, (cls, injector, i) in enumerate(plan)))
-            runs = await _runs_by_order(sg, limit=2 * len(plan))
-            return await _collect(sg, finished, by_stepguard=_stopped_by_stepguard,
-                                  saw_failure=_saw_failure,
-                                  run_ids=[runs.get(f"ord-{100 + n}") for n in range(len(plan))])
+    return await _drive_mcp(contract, passthrough, plan, store, run_header=False)
 
 
 async def _drive_hybrid(contract: Contract, passthrough: bool, plan: Plan,
