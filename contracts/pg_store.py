@@ -142,6 +142,9 @@ class PostgresStore:
         then close the pool."""
         if self._pool is None or self._closing:
             return
+        await asyncio.sleep(0)      # callers about to start (tasks already created) get to start
+        if self._pool is None or self._closing:
+            return
         self._closing = True
         self._hand_over()
         await self._idle.wait()
