@@ -1,6 +1,6 @@
-"""`Store.count_by_status` (the first tests on every store; SQLite's own scan thread after), the full scan behind the `stepguard_runs` gauge, counts right and
-runs off the event loop's thread on a read-only connection of its own: a scrape never stalls the
-proxy for the length of the scan."""
+"""`Store.count_by_status`, the full scan behind the `stepguard_runs` gauge, counts right on every
+store and never holds up the loop; SQLite's runs off the event loop's thread on a read-only
+connection of its own: a scrape never stalls the proxy for the length of the scan."""
 
 from __future__ import annotations
 

@@ -5,15 +5,14 @@ compare-and-set on the run's sequence number, with group commit."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import pytest
-
 from storetest import BOUND_S, advance, start, step
 
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.errors import ConflictError, StoreError
-from stepguard.contracts.events import ADVANCE, ESCALATE, HALT
+from stepguard.contracts.events import ESCALATE, HALT
+
 
 async def test_a_run_never_appended_to_loads_as_none_with_an_empty_history(store):
     assert await store.load("nobody") is None
