@@ -22,8 +22,9 @@ Semantics are SQLite's (contracts/sqlite_store.py):
   back; COMMIT is sent only after the whole append succeeded, so a half-written event is never
   committed). A commit whose acknowledgement is lost with the connection is reported as a
   StoreError although it may have committed; the run book then reloads the run from the store.
-- `healthy()` is False from a failed write until a write or the store's probe succeeds; while
-  unhealthy a background task probes with a one-row write every `PROBE_INTERVAL_S`.
+- `healthy()` is False from a failed write (or read: the database is unreachable or stuck)
+  until a write or the store's probe succeeds; while unhealthy a background task probes with a
+  one-row write every `PROBE_INTERVAL_S`.
 - Retention: with `retention_s` > 0 a background task deletes runs not updated for
   `retention_s` (history, keys, escalations), every `purge_interval_s`.
 - `close` refuses new operations, lets those already started finish, then closes the pool.
@@ -100,7 +101,7 @@ class PostgresStore:
         self._purger: asyncio.Task[None] | None = None
 
     def healthy(self) -> bool:
-        """False from a failed write until a write (or the probe) succeeds."""
+        """False from a failed write or read until a write (or the probe) succeeds."""
         return self._healthy
 
     # --- opening and closing ---------------------------------------------------------------
@@ -271,8 +272,16 @@ class PostgresStore:
             self._inflight_leave()
 
     async def _read(self, query: Callable[[_Conn], Awaitable[Any]]) -> Any:
+        """A read. Unlike SQLite's (a local file that reads beside a stuck writer), a read that
+        fails means the database is unreachable or stuck: the store is unhealthy until the
+        probe (or a write) succeeds."""
         self._check_open()
-        return await self._tracked(self._on_connection(query, time.monotonic() + self.timeout_s))
+        try:
+            return await self._tracked(self._on_connection(
+                query, time.monotonic() + self.timeout_s))
+        except StoreError:
+            self._unhealthy()
+            raise
 
     async def _on_connection(self, work: Callable[[_Conn], Awaitable[Any]],
                              deadline: float) -> Any:
@@ -369,11 +378,14 @@ class PostgresStore:
                 # no transaction context manager: on any failure the connection is closed
                 # (never a ROLLBACK that could wait on a dead server), and the server rolls back
                 await conn.execute("BEGIN")
-                for op in ops:
-                    stored = await conn.fetchval(_APPEND, *op.args)
-                    results.append(None if stored == -1 else ConflictError(
-                        op.run_id, op.seq - 1, int(stored)))
+                stored: dict[int, int] = {}
+                # in run id order (stable: one run's appends keep theirs), so two replicas'
+                # transactions lock the runs they share in one order and never deadlock on them
+                for i in sorted(range(len(ops)), key=lambda i: ops[i].run_id):
+                    stored[i] = await conn.fetchval(_APPEND, *ops[i].args)
                 await conn.execute("COMMIT")
+                results = [None if stored[i] == -1 else ConflictError(
+                    op.run_id, op.seq - 1, int(stored[i])) for i, op in enumerate(ops)]
             except asyncpg.PostgresError as exc:
                 if len(ops) > 1 and not isinstance(exc, _SERVER_GONE):
                     raise _BatchRefused(str(exc)) from exc
