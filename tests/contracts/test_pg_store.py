@@ -15,7 +15,6 @@ import pytest
 from pgtest import Cuttable, on_server
 from storetest import BOUND_S, advance, start, step
 
-from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.errors import ConflictError, StoreError
 from stepguard.contracts.pg_schema import MIGRATIONS, VERSION
 from stepguard.contracts.pg_store import PostgresStore, SchemaError, migrate_store
@@ -246,7 +245,7 @@ async def test_a_run_purged_by_retention_takes_its_keys_and_escalations_along(pg
     try:
         envelope, event = step(start("old"))             # ts 1001: long past the retention
         await store.append(envelope, event, escalation={"n": 1}, keys=["k-old"])
-        fresh, fresh_event = step(start("fresh"))
+        _, fresh_event = step(start("fresh"))
         fresh_event["ts"] = time.time()
         await store.append(start("fresh").apply(fresh_event), fresh_event, keys=["k-fresh"])
         deadline = time.monotonic() + RECOVERY_S
