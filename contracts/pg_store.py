@@ -113,7 +113,7 @@ class PostgresStore:
         try:
             async with asyncio.timeout(deadline):
                 pool = await asyncpg.create_pool(
-                    self.url, min_size=1, max_size=self.pool_size, timeout=self.timeout_s,
+                    self.url, min_size=0, max_size=self.pool_size, timeout=self.timeout_s,
                     server_settings={"application_name": "stepguard"}, reset=_no_reset)
         except (ValueError, *_DB_ERRORS) as exc:
             raise StoreError(f"cannot open store {self.shown}: {_explain(exc)}") from None
