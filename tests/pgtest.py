@@ -5,7 +5,13 @@ both dropped after. Unreachable: the tests skip locally and fail when CI is set.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import select
+import socket
+import struct
+import threading
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -84,19 +90,22 @@ class Database:
 
 
 class Cuttable:
-    """A TCP relay on loopback in front of the PostgreSQL server: `cut()` drops every
-    connection and stops listening (the database is down: connections refused), `restore()`
-    listens again on the same port, `stall()` keeps connections open but passes no byte on
-    (a database that stopped answering). The shared server itself is never touched."""
+    """A TCP relay on loopback in front of the PostgreSQL server, on a thread of its own (plain
+    sockets, one selector): `cut()` drops every connection and stops listening (the database is
+    down: connections refused), `restore()` listens again on the same port, `stall()` keeps
+    connections open but passes no byte on (a database that stopped answering). The shared
+    server itself is never touched."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 5432) -> None:
         self.target = (host, port)
         self.port = 0
         self.stalled = False
-        self._server: asyncio.Server | None = None
-        self._writers: set[asyncio.StreamWriter] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._every: list[asyncio.StreamWriter] = []     # closed for good by close()
+        self._lock = threading.Lock()
+        self._listener: socket.socket | None = None
+        self._peers: dict[socket.socket, socket.socket] = {}
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._stop = False
+        self._thread: threading.Thread | None = None
 
     def url(self, store_url: str) -> str:
         """`store_url` with its host and port replaced by the relay's."""
@@ -106,59 +115,127 @@ class Cuttable:
         return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._accept, "127.0.0.1", self.port)
-        self.port = self._server.sockets[0].getsockname()[1]
+        self._listen()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="pg-relay")
+        self._thread.start()
+
+    def _listen(self) -> None:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            deadline = time.monotonic() + 5
+            while True:     # the old listener may take a moment to let go of the port
+                try:
+                    listener.bind(("127.0.0.1", self.port))
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.02)
+            listener.listen(64)
+        except BaseException:
+            listener.close()
+            raise
+        listener.setblocking(False)
+        self.port = listener.getsockname()[1]
+        with self._lock:
+            self._listener = listener
+        self._wake()
 
     async def cut(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-            self._server = None
-        for writer in list(self._writers):
-            writer.transport.abort()
-        self._writers.clear()
+        with self._lock:
+            listener, self._listener = self._listener, None
+            peers = list(self._peers)
+            self._peers.clear()
+        if listener is not None:
+            with contextlib.suppress(OSError):      # stops listening now, even while the
+                listener.shutdown(socket.SHUT_RDWR)  # relay thread still selects on it
+            listener.close()
+        for sock in peers:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            sock.close()
+        self._wake()
 
     async def restore(self) -> None:
         self.stalled = False
-        await self.start()
+        self._listen()
 
     def stall(self) -> None:
         self.stalled = True
 
     async def close(self) -> None:
         await self.cut()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        for writer in self._every:      # a pipe cancelled before it ran closed nothing
-            writer.transport.abort()
-        self._every.clear()
-        await asyncio.sleep(0)          # aborted transports close on the next loop turn
+        self._stop = True
+        self._wake()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 10)
+        self._wake_r.close()
+        self._wake_w.close()
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._writers.add(writer)
-        self._every.append(writer)
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+
+    def _run(self) -> None:
+        while not self._stop:
+            with self._lock:
+                listener = self._listener
+                watched = [self._wake_r, *self._peers]
+            if listener is not None:
+                watched.append(listener)
+            try:
+                readable, _, _ = select.select(watched, [], [], 0.5)
+            except (OSError, ValueError):      # a socket closed by cut() meanwhile
+                continue
+            for sock in readable:
+                if sock is self._wake_r:
+                    with contextlib.suppress(OSError):
+                        self._wake_r.recv(4096)
+                elif sock is listener:
+                    self._accept(listener)
+                else:
+                    self._forward(sock)
+
+    def _accept(self, listener: socket.socket) -> None:
         try:
-            up_reader, up_writer = await asyncio.open_connection(*self.target)
+            client, _ = listener.accept()
         except OSError:
-            writer.transport.abort()
             return
-        self._writers.add(up_writer)
-        self._every.append(up_writer)
-        for src, dst in ((reader, up_writer), (up_reader, writer)):
-            task = asyncio.get_running_loop().create_task(self._pipe(src, dst))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-
-    async def _pipe(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
         try:
-            while data := await src.read(65536):
-                if self.stalled:
-                    continue       # swallowed: the other side waits for an answer forever
-                dst.write(data)
-                await dst.drain()
-        except (OSError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            dst.transport.abort()
-            self._writers.discard(dst)
+            upstream = socket.create_connection(self.target, timeout=5)
+        except OSError:
+            client.close()
+            return
+        client.setblocking(True)
+        upstream.setblocking(True)
+        with self._lock:
+            if self._listener is not listener:        # cut meanwhile
+                client.close()
+                upstream.close()
+                return
+            self._peers[client] = upstream
+            self._peers[upstream] = client
+
+    def _forward(self, sock: socket.socket) -> None:
+        with self._lock:
+            other = self._peers.get(sock)
+        if other is None:
+            return
+        try:
+            data = sock.recv(65536)
+        except OSError:
+            data = b""
+        if data and not self.stalled:
+            try:
+                other.sendall(data)
+                return
+            except OSError:
+                data = b""
+        if data:        # stalled: swallowed, the other side waits for an answer forever
+            return
+        with self._lock:
+            self._peers.pop(sock, None)
+            self._peers.pop(other, None)
+        sock.close()
+        other.close()
