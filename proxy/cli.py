@@ -275,13 +275,19 @@ def _serve(args: argparse.Namespace) -> int:
         for issue in exc.issues:
             print(f"  {issue}", file=sys.stderr)
         return 2
+    from stepguard.metrics.tracing import TracingError, from_env
+    try:     # OTEL_*: off unless asked for; asked for but not possible as asked, no start
+        tracing = from_env()
+    except TracingError as exc:
+        print(f"stepguard serve: {exc}", file=sys.stderr)
+        return 2
     try:
         if settings.uvloop:
             import uvloop
 
-            uvloop.run(serve(settings, contracts, shadows))
+            uvloop.run(serve(settings, contracts, shadows, tracing))
         else:
-            asyncio.run(serve(settings, contracts, shadows))
+            asyncio.run(serve(settings, contracts, shadows, tracing))
     except (OSError, StepguardError) as exc:    # a store that cannot be opened, a port taken
         print(f"stepguard serve: {exc}", file=sys.stderr)
         return 1
