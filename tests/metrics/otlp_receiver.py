@@ -77,10 +77,10 @@ class Receiver:
     def in_trace(self, trace_id: str) -> list[Span]:
         return [s for s in self.spans if s.trace_id == trace_id]
 
-    async def wait_for(self, trace_id: str, servers: int, timeout: float = 15.0) -> list[Span]:
+    async def wait_for(self, trace_id: str, servers: int, within_s: float = 15.0) -> list[Span]:
         """The spans of `trace_id` once `servers` server spans (and a client span under each
         that forwarded) have arrived."""
-        deadline = asyncio.get_running_loop().time() + timeout
+        deadline = asyncio.get_running_loop().time() + within_s
         while True:
             spans = self.in_trace(trace_id)
             if sum(1 for s in spans if s.kind == SERVER) >= servers:

@@ -372,3 +372,25 @@ async def test_mcp_agent_calls_continue_the_trace_in_params_meta(tmp_path):
     assert bad.attributes["stepguard.decision_id"] == drift[-1].data["decision_id"]
     assert children(drift_spans, bad) == []
     assert_nothing_secret(rx)
+
+
+# --- export at shutdown -----------------------------------------------------------------------
+
+
+async def test_spans_still_queued_at_shutdown_are_exported_before_the_process_exits(tmp_path):
+    tools = tools_mod.create_app()
+    trace_id, span_id = agent_span()
+    async with receiving() as rx, serving(tools) as tools_url:
+        # a batch delay far past the test: only the shutdown's flush can export these spans
+        async with stepguard(tmp_path, "contract.yaml", f"tools={tools_url}", rx,
+                             OTEL_BSP_SCHEDULE_DELAY="600000") as base, \
+                aiohttp.ClientSession() as http:
+            async with http.post(f"{base}/tools/lookup_order", json={"order_id": "ord-17"},
+                                 headers={"x-stepguard-run": "r-1",
+                                          "traceparent": traceparent(trace_id, span_id)}) as r:
+                assert r.status == 200
+            await asyncio.sleep(0.5)
+            assert rx.in_trace(trace_id) == []
+        # stepguard has exited (SIGTERM): what it held is at the receiver
+        spans = rx.in_trace(trace_id)
+        assert sorted(s.kind for s in spans) == [SERVER, CLIENT]
