@@ -6,7 +6,7 @@ Off by default. `from_env()` reads the standard `OTEL_*` variables and returns N
 `if tracing is None`. Nothing here imports OpenTelemetry at module level: with tracing off the
 `opentelemetry` packages are never imported (they are an optional extra, `stepguard[otel]`).
 
-The switch (docs/guides/tracing.md): export is on when `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` or
+The switch (docs/tracing.md): export is on when `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` or
 `OTEL_EXPORTER_OTLP_ENDPOINT` is set, or `OTEL_TRACES_EXPORTER=otlp`; it stays off when
 `OTEL_SDK_DISABLED=true` or `OTEL_TRACES_EXPORTER=none`. Everything else (endpoint, headers,
 timeout, compression, service name and resource, sampler, batch sizes and delays) is the SDK's
@@ -368,8 +368,11 @@ def with_traceparent(body: bytes, old: str, new: str | None) -> bytes:
 
 
 def current_ids() -> tuple[str, str] | None:
-    """The current span's trace id and span id (hex), when a recording span is current."""
-    served = _SERVED.get()
+    """The trace id and span id (hex) of the server span of the call this task is handling,
+    when its trace is sampled (the span will be exported); else None, also with tracing off.
+    Imports nothing: the same as `opentelemetry.trace.get_current_span().get_span_context()`
+    under a call, for code that must not import OpenTelemetry when tracing is off."""
+    served = Tracing.served()
     if served is None:
         return None
     context = served.span.get_span_context()

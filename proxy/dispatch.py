@@ -113,7 +113,7 @@ class Dispatcher:
         meta = mcp_trace_meta(body) if route.upstream.kind == "mcp" else None
         with tracing.serve(request.method, request.path, request.headers,
                            traffic=adapter.traffic, upstream=route.upstream.name,
-                           mount=route.upstream.mount, host=request.url.host,
+                           mount=route.upstream.mount, host=_host_name(request.host),
                            client=request.remote,
                            meta_traceparent=meta[0] if meta else None,
                            meta_tracestate=meta[1] if meta else None) as served:
@@ -133,3 +133,11 @@ class Dispatcher:
         except ConnectionError:
             pass
         request.protocol.force_close()      # flushes what was written, then closes
+
+
+def _host_name(host: str) -> str:
+    """The name part of a Host header (`server.address`), read without parsing it as a URL: a
+    malformed Host must not fail a traced call."""
+    if host.startswith("["):
+        return host[:host.find("]") + 1] if "]" in host else host[:255]
+    return host.split(":", 1)[0][:255]

@@ -139,3 +139,29 @@ def test_with_export_off_a_call_imports_no_opentelemetry_module(tmp_path):
 
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == "[]"
+
+
+def test_the_server_span_is_the_current_span_while_the_call_is_handled():
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from stepguard.metrics.tracing import Tracing, current_ids
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing = Tracing(provider)
+    assert current_ids() is None
+    with tracing.serve("POST", "/tools/lookup_order", {"traceparent": TP_OLD}, traffic="http",
+                       upstream="tools", mount="/tools"):
+        context = trace.get_current_span().get_span_context()
+        ids = current_ids()
+    assert current_ids() is None and not trace.get_current_span().get_span_context().is_valid
+    (span,) = exporter.get_finished_spans()
+    assert ids == (f"{context.trace_id:032x}", f"{context.span_id:016x}")
+    assert (span.context.trace_id, span.context.span_id) == (context.trace_id, context.span_id)
+    assert f"{span.context.trace_id:032x}" == TP_OLD.split("-")[1]
+    assert span.parent is not None and f"{span.parent.span_id:016x}" == TP_OLD.split("-")[2]
+    provider.shutdown()
