@@ -394,3 +394,60 @@ async def test_spans_still_queued_at_shutdown_are_exported_before_the_process_ex
         # stepguard has exited (SIGTERM): what it held is at the receiver
         spans = rx.in_trace(trace_id)
         assert sorted(s.kind for s in spans) == [SERVER, CLIENT]
+
+
+# --- retries, sampling ------------------------------------------------------------------------
+
+
+async def test_each_retry_of_a_call_is_a_client_span_of_its_own(tmp_path):
+    seen: Seen = []
+    tools = tools_mod.create_app()
+    tools.middlewares.append(recorder(seen))
+    trace_id, span_id = agent_span()
+    async with receiving() as rx, serving(tools) as tools_url, \
+            stepguard(tmp_path, "contract.yaml", f"tools={tools_url}", rx) as base, \
+            aiohttp.ClientSession() as http:
+        headers = {"x-stepguard-run": "r-retry", "traceparent": traceparent(trace_id, span_id)}
+        for path in ("lookup_order", "check_policy"):
+            async with http.post(f"{base}/tools/{path}", json={"order_id": "ord-17"},
+                                 headers=headers) as r:
+                assert r.status == 200
+        # the slot service fails twice: reserve_slot is retried once, then escalated
+        async with http.post(f"{base}/tools/reserve_slot", json={"order_id": "ord-17"},
+                             headers={**headers, tools_mod.DRIFT_HEADER: "tool_error"}) as r:
+            assert r.status == 502          # stepguard's problem: the tool failed, escalated
+        spans = await rx.wait_for(trace_id, servers=3)
+
+    (reserve,) = [s for s in spans if s.name == "execute_tool reserve_slot"]
+    attempts = children(spans, reserve)
+    assert [(c.kind, c.attributes["http.response.status_code"], c.status_code)
+            for c in attempts] == [(CLIENT, 503, 2), (CLIENT, 503, 2)]
+    assert sorted(c.traceparent for c in attempts) == sorted(
+        h["traceparent"] for p, h, _ in seen if p == "/reserve_slot")
+    assert [(e["stepguard.boundary"], e["stepguard.verdict"], e["stepguard.action"],
+             e.get("stepguard.attempt")) for e in boundaries(reserve)] == [
+        ("entry", "pass", "forward", 1), ("exit", "violation", "retry", 1),
+        ("exit", "violation", "escalate", 2)]
+    assert reserve.status_code == 2
+    assert reserve.status_message == "reserve_slot.exit.tool_error (tool_error)"
+    assert reserve.attributes["stepguard.action"] == "escalate"
+
+
+async def test_a_call_not_sampled_exports_nothing_but_still_propagates_its_trace(tmp_path):
+    seen: Seen = []
+    tools = tools_mod.create_app()
+    tools.middlewares.append(recorder(seen))
+    trace_id, span_id = agent_span()
+    async with receiving() as rx, serving(tools) as tools_url, \
+            stepguard(tmp_path, "contract.yaml", f"tools={tools_url}", rx,
+                      OTEL_TRACES_SAMPLER="always_off") as base, \
+            aiohttp.ClientSession() as http:
+        async with http.post(f"{base}/tools/lookup_order", json={"order_id": "ord-17"},
+                             headers={"x-stepguard-run": "r-1",
+                                      "traceparent": traceparent(trace_id, span_id)}) as r:
+            assert r.status == 200
+        await asyncio.sleep(0.5)
+
+    assert rx.spans == []
+    version, got_trace, got_span, flags = seen[0][1]["traceparent"].split("-")
+    assert (version, got_trace, flags) == ("00", trace_id, "00") and got_span != span_id
