@@ -53,6 +53,9 @@ BOUNDARY_EVENT = "stepguard.boundary"
 # how much a verdict weighs when several boundaries share a call (a model turn): the heaviest
 # (the later of equals) is the call's verdict on the span
 _WEIGHT = {"violation": 4, "refused": 3, "unreachable": 2, "rejected": 1, "expired": 3}
+# the attributes the deciding boundary sets on the span
+_DECIDING = ("stepguard.step", "stepguard.verdict", "stepguard.action", "stepguard.decision_id",
+             "stepguard.check", "stepguard.drift", "stepguard.field")
 
 _TRACEPARENT_VALUE = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
 
@@ -185,6 +188,7 @@ class Tracing:
         finally:
             _SERVED.reset(mark)
             self._context.detach(token)
+            served.finish()
             span.end()
 
     @staticmethod
@@ -200,12 +204,13 @@ class Tracing:
         if served is None:
             return
         served.span.update_name(f"execute_tool {tool}")
-        served.span.set_attribute("gen_ai.operation.name", "execute_tool")
-        served.span.set_attribute("gen_ai.tool.name", tool)
+        more = served.attributes
+        more["gen_ai.operation.name"] = "execute_tool"
+        more["gen_ai.tool.name"] = tool
         if call_id:
-            served.span.set_attribute("gen_ai.tool.call.id", call_id)
+            more["gen_ai.tool.call.id"] = call_id
         if attributes:
-            served.span.set_attributes(dict(attributes))
+            more.update(attributes)
 
     def chat(self, system: str, model: object) -> None:
         """The call being served is a model call (GenAI `chat`) to `system` (openai,
@@ -213,15 +218,14 @@ class Tracing:
         served = self.served()
         if served is None:
             return
-        span = served.span
-        span.set_attribute("gen_ai.operation.name", "chat")
-        span.set_attribute("gen_ai.system", system)
-        span.set_attribute("gen_ai.provider.name", system)
+        more = served.attributes
+        more["gen_ai.operation.name"] = "chat"
+        more["gen_ai.system"] = more["gen_ai.provider.name"] = system
         if isinstance(model, str) and model:
-            span.update_name(f"chat {model[:200]}")
-            span.set_attribute("gen_ai.request.model", model[:200])
+            served.span.update_name(f"chat {model[:200]}")
+            more["gen_ai.request.model"] = model[:200]
         else:
-            span.update_name("chat")
+            served.span.update_name("chat")
 
     def boundary(self, contract: Contract, run_id: str, event: Mapping[str, Any],
                  traffic: str) -> None:
@@ -254,15 +258,23 @@ class Tracing:
 
 
 class Served:
-    """The server span of one call, and which of its boundaries decides its verdict."""
+    """The server span of one call, and which of its boundaries decides its verdict. Its
+    attributes are gathered in `attributes` and set once, when the span ends (each
+    `set_attribute` of the SDK validates and locks: one call costs less than a dozen)."""
 
-    __slots__ = ("_error", "_steps", "_weight", "span")
+    __slots__ = ("_error", "_steps", "_weight", "attributes", "span")
 
     def __init__(self, span: Span, error: Any) -> None:
         self.span = span
         self._error = error
         self._weight = -1
         self._steps: list[str] = []
+        self.attributes: dict[str, Any] = {}
+
+    def finish(self) -> None:
+        """Set the gathered attributes (the span is about to end)."""
+        if self.attributes and self.span.is_recording():
+            self.span.set_attributes(self.attributes)
 
     def boundary(self, workflow: str, version: str, run_id: str,
                  event: Mapping[str, Any]) -> None:
@@ -293,22 +305,22 @@ class Served:
             if violation.get("field"):
                 attributes["stepguard.field"] = str(violation["field"])
         span.add_event(BOUNDARY_EVENT, attributes)
+        more = self.attributes
         if not self._steps:
-            span.set_attributes({"stepguard.run_id": run_id, "stepguard.workflow": workflow,
-                                 "stepguard.contract_version": version})
+            more["stepguard.run_id"] = run_id
+            more["stepguard.workflow"] = workflow
+            more["stepguard.contract_version"] = version
         if step and step not in self._steps:
             self._steps.append(step)
             if len(self._steps) > 1:
-                span.set_attribute("stepguard.steps", list(self._steps))
+                more["stepguard.steps"] = list(self._steps)
         weight = _WEIGHT.get(verdict, 0)
         if weight < self._weight:
             return
         self._weight = weight
-        deciding = {k: v for k, v in attributes.items()
-                    if k in ("stepguard.step", "stepguard.verdict", "stepguard.action",
-                             "stepguard.decision_id", "stepguard.check", "stepguard.drift",
-                             "stepguard.field")}
-        span.set_attributes(deciding)
+        for key in _DECIDING:
+            more.pop(key, None)
+        more.update((k, v) for k, v in attributes.items() if k in _DECIDING)
         if violation:
             where = f"{step}.{event.get('boundary')}.{violation.get('check')}"
             field = f", field {violation['field']}" if violation.get("field") else ""
@@ -319,12 +331,11 @@ class Served:
 
     def answered(self, status: int) -> None:
         """The call's answer went out with HTTP `status`."""
-        span = self.span
-        if not span.is_recording():
+        if not self.span.is_recording():
             return
-        span.set_attribute("http.response.status_code", status)
+        self.attributes["http.response.status_code"] = status
         if status >= 500 and self._weight < _WEIGHT["refused"]:
-            span.set_status(self._error, f"HTTP {status}")
+            self.span.set_status(self._error, f"HTTP {status}")
 
 
 class Sent:
