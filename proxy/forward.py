@@ -281,7 +281,6 @@ class Forwarder:
         self.client = H1Client(keepalive_s=30.0)
         self.tracing: Tracing | None = None     # on: each exchange is a CLIENT span
 
-
     async def close(self) -> None:
         await self.client.close()
 
