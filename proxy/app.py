@@ -21,6 +21,7 @@ from stepguard.contracts.stores import make_store
 from stepguard.metrics.logs import get_logger
 from stepguard.metrics.observer import Observer
 from stepguard.metrics.prom import Metrics
+from stepguard.metrics.tracing import Tracing
 from stepguard.proxy.admin import AdminTokens, run_routes
 from stepguard.proxy.boundaries import Boundaries
 from stepguard.proxy.config import Settings
@@ -118,6 +119,8 @@ class Stepguard:
                                       for c in self.contracts)
         self.forwarder = Forwarder(self.settings.max_response_bytes,
                                    self.settings.connect_attempts, self.settings.connect_timeout_s)
+        self.tracing = self.observer.tracing      # None: trace export off (metrics/tracing.py)
+        self.forwarder.tracing = self.tracing
         self.runs = RunBook(self.store)
         self.tokens = AdminTokens.load(self.settings.admin_token, self.settings.admin_token_file)
         self.run_counts = RunCounts(self.store)
@@ -140,7 +143,7 @@ class Stepguard:
         self.dispatcher = Dispatcher(Router(self.contracts), adapters, self.observer,
                                      self.settings.max_request_bytes, self.budget,
                                      self.settings.body_timeout_s,
-                                     self.settings.body_total_timeout_s)
+                                     self.settings.body_total_timeout_s, self.tracing)
 
     def reload(self, contracts: list[Contract], shadows: list[Contract] | None = None) -> None:
         """Swap in newly loaded contracts (and shadow contracts). Calls in flight finish under
@@ -167,17 +170,20 @@ class Stepguard:
             await self.store.close()
         except StepguardError as exc:   # a final checkpoint on a full disk: logged, not fatal
             self.observer.store_error("close", str(exc))
+        if self.tracing is not None:    # the spans still queued are exported (bounded by the
+            await asyncio.to_thread(self.tracing.shutdown)   # exporter's timeout), off the loop
 
 
 STEPGUARD = web.AppKey("stepguard", Stepguard)
 
 
 def build(settings: Settings, contracts: list[Contract], store: Store | None = None,
-          metrics: Metrics | None = None, shadows: list[Contract] | None = None) -> Stepguard:
+          metrics: Metrics | None = None, shadows: list[Contract] | None = None,
+          tracing: Tracing | None = None) -> Stepguard:
     """A Stepguard on the settings' store (a SQLite file or PostgreSQL; or `store`), with a
-    fresh metrics registry."""
+    fresh metrics registry (and `tracing`, when trace export is on)."""
     observer = Observer(metrics or Metrics(), settings.log_payloads, settings.payload_log_bytes,
-                        settings.log_level)
+                        settings.log_level, tracing)
     store = store or settings_store(settings)
     return Stepguard(settings, contracts, store, observer, shadows=shadows or [])
 
@@ -275,9 +281,9 @@ GC_THRESHOLDS = (50_000, 20, 100)
 
 
 async def serve(settings: Settings, contracts: list[Contract],
-                shadows: list[Contract] | None = None) -> None:
+                shadows: list[Contract] | None = None, tracing: Tracing | None = None) -> None:
     log = get_logger("stepguard")
-    sg = build(settings, contracts, shadows=shadows)
+    sg = build(settings, contracts, shadows=shadows, tracing=tracing)
     await sg.start()
     gc.freeze()   # what start-up built lives as long as the process: keep it out of GC passes
     # Each checked call allocates a few thousand short-lived objects (a parsed 10 KB body alone
@@ -324,7 +330,8 @@ async def serve(settings: Settings, contracts: list[Contract],
                        for c in contracts for v in c.vars.values()},
                  max_connections=proxy_gate.max_connections,
                  admin_actions=[name for name, _ in sg.tokens.tokens] or "off (no admin token)",
-                 passthrough=settings.passthrough)
+                 passthrough=settings.passthrough,
+                 traces=f"OTLP/HTTP to {tracing.endpoint}" if tracing is not None else "off")
         await stop.wait()
         log.info("stopping")
         # calls held for an operator are answered now (503, send again), not waited for

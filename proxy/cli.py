@@ -232,7 +232,8 @@ def _parser() -> argparse.ArgumentParser:
                              help="offered requests per second for the latency phase")
     proxy_bench.add_argument("--rate-duration", type=float, default=4.0,
                              help="seconds of each latency phase")
-    proxy_bench.add_argument("--rows", default="direct,nginx,passthrough,contract,model,model_stream",
+    proxy_bench.add_argument("--rows", default="direct,nginx,passthrough,contract,contract_traced,"
+                             "model,model_stream",
                              help="comma-separated rows to run")
     proxy_bench.add_argument("--seq-requests", type=int, default=500,
                              help="requests of each closed-loop phase (one connection, back to "
@@ -287,13 +288,19 @@ def _serve(args: argparse.Namespace) -> int:
         for issue in exc.issues:
             print(f"  {issue}", file=sys.stderr)
         return 2
+    from stepguard.metrics.tracing import TracingError, from_env
+    try:     # OTEL_*: off unless asked for; asked for but not possible as asked, no start
+        tracing = from_env()
+    except TracingError as exc:
+        print(f"stepguard serve: {exc}", file=sys.stderr)
+        return 2
     try:
         if settings.uvloop:
             import uvloop
 
-            uvloop.run(serve(settings, contracts, shadows))
+            uvloop.run(serve(settings, contracts, shadows, tracing))
         else:
-            asyncio.run(serve(settings, contracts, shadows))
+            asyncio.run(serve(settings, contracts, shadows, tracing))
     except (OSError, StepguardError) as exc:    # a store that cannot be opened, a port taken
         print(f"stepguard serve: {exc}", file=sys.stderr)
         return 1
