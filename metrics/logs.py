@@ -23,7 +23,7 @@ import structlog
 from aiohttp.http_exceptions import HttpProcessingError
 from structlog.typing import EventDict
 
-from stepguard.metrics.trace_context import SPAN_ID, TRACE_ID, current_ids, tracing_possible
+from stepguard.metrics.trace_context import SPAN_ID, TRACE_ID, current_ids
 
 LOG_FORMATS = ("auto", "json", "console")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -147,7 +147,8 @@ def _rate_limited(_logger: Any, _name: str, event: EventDict) -> EventDict:
 
 def add_trace_ids(_logger: Any, _name: str, event: EventDict) -> EventDict:
     """`trace_id` and `span_id` of the span current where the line is written (the call's
-    span, while stepguard handles a traced call); nothing when no span is current."""
+    span, while stepguard handles a traced call); nothing when no span is current (with
+    OpenTelemetry not loaded, a dictionary lookup)."""
     ids = current_ids()
     if ids is not None:
         event.setdefault(TRACE_ID, ids[0])
@@ -196,12 +197,10 @@ def configure(fmt: str = "auto", level: str = "info") -> None:
         renderer = text_renderer = structlog.dev.ConsoleRenderer()
         factory = structlog.PrintLoggerFactory()
     number = logging.getLevelNamesMapping()[level.upper()]
-    # without the OpenTelemetry API no span can ever be current: the processor is left out
-    traced: list[Any] = [add_trace_ids] if tracing_possible() else []
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
-            *traced,
+            add_trace_ids,
             structlog.processors.add_log_level,
             _rate_limited,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
@@ -217,7 +216,7 @@ def configure(fmt: str = "auto", level: str = "info") -> None:
     handler.addFilter(_ClientErrorFilter())
     handler.setFormatter(structlog.stdlib.ProcessorFormatter(
         foreign_pre_chain=[
-            *traced,
+            add_trace_ids,
             structlog.stdlib.add_log_level,
             structlog.stdlib.add_logger_name,
             structlog.processors.TimeStamper(fmt="iso", utc=True),

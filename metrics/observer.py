@@ -11,7 +11,7 @@ from stepguard.contracts.events import Decision
 from stepguard.contracts.model import Contract
 from stepguard.metrics.logs import get_logger
 from stepguard.metrics.prom import Metrics, status_class
-from stepguard.metrics.trace_context import SPAN_ID, TRACE_ID, current_ids
+from stepguard.metrics.trace_context import SPAN_ID, TRACE_ID, sampled_ids
 
 
 def truncate(text: str, limit: int) -> str:
@@ -204,9 +204,10 @@ class Observer:
 
 
 def _observe(histogram: Any, seconds: float) -> None:
-    """One observation; made while a span is current (a traced call), with the span's trace and
-    span id as its exemplar, which the OpenMetrics exposition shows beside the bucket."""
-    ids = current_ids()
+    """One observation; made while a sampled span is current (a traced call whose trace is
+    exported), with the span's trace and span id as its exemplar, which the OpenMetrics
+    exposition shows beside the bucket."""
+    ids = sampled_ids()
     if ids is None:
         histogram.observe(seconds)
     else:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import re
 
 import aiohttp
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from prometheus_client.exposition import generate_latest
 from tracelinks_support import Spans, ids
 
@@ -89,3 +91,14 @@ def test_an_observation_outside_a_span_keeps_no_exemplar(spans: Spans) -> None:
             for metric in observer.metrics.registry.collect() for sample in metric.samples
             if sample.exemplar is not None}
     assert kept == {("stepguard_added_seconds_bucket", ids(span)[0])}
+
+
+def test_an_unsampled_trace_gets_no_exemplar() -> None:
+    # an exemplar is there to jump to the trace: a trace that is not exported gets none
+    unsampled = TracerProvider(sampler=ALWAYS_OFF).get_tracer("off")
+    observer = Observer(Metrics())
+    with unsampled.start_as_current_span("call"):
+        observer.added("http", 0.002)
+        observer.upstream("tools", "wf", 200, 0.01)
+    assert not [sample for metric in observer.metrics.registry.collect()
+                for sample in metric.samples if sample.exemplar is not None]
