@@ -23,6 +23,8 @@ import structlog
 from aiohttp.http_exceptions import HttpProcessingError
 from structlog.typing import EventDict
 
+from stepguard.metrics.trace_context import SPAN_ID, TRACE_ID, current_ids
+
 LOG_FORMATS = ("auto", "json", "console")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
@@ -143,6 +145,17 @@ def _rate_limited(_logger: Any, _name: str, event: EventDict) -> EventDict:
     return event
 
 
+def add_trace_ids(_logger: Any, _name: str, event: EventDict) -> EventDict:
+    """`trace_id` and `span_id` of the span current where the line is written (the call's
+    span, while stepguard handles a traced call); nothing when no span is current (with
+    OpenTelemetry not loaded, a dictionary lookup)."""
+    ids = current_ids()
+    if ids is not None:
+        event.setdefault(TRACE_ID, ids[0])
+        event.setdefault(SPAN_ID, ids[1])
+    return event
+
+
 def _json_text(value: Any, **_kw: Any) -> str:
     return orjson.dumps(value, default=str).decode()
 
@@ -187,6 +200,7 @@ def configure(fmt: str = "auto", level: str = "info") -> None:
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            add_trace_ids,
             structlog.processors.add_log_level,
             _rate_limited,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
@@ -202,6 +216,7 @@ def configure(fmt: str = "auto", level: str = "info") -> None:
     handler.addFilter(_ClientErrorFilter())
     handler.setFormatter(structlog.stdlib.ProcessorFormatter(
         foreign_pre_chain=[
+            add_trace_ids,
             structlog.stdlib.add_log_level,
             structlog.stdlib.add_logger_name,
             structlog.processors.TimeStamper(fmt="iso", utc=True),

@@ -12,6 +12,7 @@ from stepguard.contracts.model import Contract
 from stepguard.metrics.logs import get_logger
 from stepguard.metrics.prom import Metrics, status_class
 from stepguard.metrics.tracing import Tracing
+from stepguard.metrics.trace_context import SPAN_ID, TRACE_ID, sampled_ids
 
 
 def truncate(text: str, limit: int) -> str:
@@ -174,11 +175,11 @@ class Observer:
         self.log.warning("operator_refused", path=path, why=why, client=client)
 
     def added(self, traffic: str, seconds: float) -> None:
-        self._child(self.metrics.added, traffic).observe(seconds)
+        _observe(self._child(self.metrics.added, traffic), seconds)
 
     def upstream(self, upstream: str, workflow: str, status: int | None, seconds: float) -> None:
         self._child(self.metrics.upstream_requests, upstream, workflow, status_class(status)).inc()
-        self._child(self.metrics.upstream_latency, upstream).observe(seconds)
+        _observe(self._child(self.metrics.upstream_latency, upstream), seconds)
 
     def turn_failed(self, upstream: str, workflow: str, run_id: str, detail: str) -> None:
         """A streamed model turn that failed at the upstream: nothing of it was checked."""
@@ -205,6 +206,17 @@ class Observer:
     def fail_open(self, contract: Contract, step: str, run_id: str) -> None:
         self.metrics.fail_open.labels(contract.workflow, step).inc()
         self.log.warning("fail_open", workflow=contract.workflow, step=step, run_id=run_id)
+
+
+def _observe(histogram: Any, seconds: float) -> None:
+    """One observation; made while a sampled span is current (a traced call whose trace is
+    exported), with the span's trace and span id as its exemplar, which the OpenMetrics
+    exposition shows beside the bucket."""
+    ids = sampled_ids()
+    if ids is None:
+        histogram.observe(seconds)
+    else:
+        histogram.observe(seconds, exemplar={TRACE_ID: ids[0], SPAN_ID: ids[1]})
 
 
 def _verdict(decision: Decision) -> str:

@@ -71,6 +71,8 @@ def render_run(envelope: dict[str, Any], history: list[dict[str, Any]],
             line += f" recorded {orjson.dumps(e['recorded']).decode()}"
         if e.get("action") == "hold":
             line += f" held for an operator: decision {e['decision_id']}, digest {e['digest']}"
+        if e.get("trace_id"):
+            line += f"  trace {e['trace_id']} span {e.get('span_id') or '-'}"
         lines.append(line.rstrip())
     if first_bad is not None:
         lines += ["", "  >> marks the first unsupported transition"]

@@ -235,6 +235,8 @@ def describe_boundary(event: dict[str, Any]) -> str:
         text += f"  attempt {attempt}"
     if event.get("verdict") != "pass" and event.get("decision_id") is not None:
         text += f"  decision {_field(event.get('decision_id'))}"
+    if event.get("trace_id") is not None:
+        text += f"  trace {_field(event.get('trace_id'))} span {_field(event.get('span_id'))}"
     return text
 
 
@@ -244,6 +246,8 @@ def describe_escalation(event: dict[str, Any]) -> str:
                else f"webhook FAILED: {_field(event.get('webhook_error'))}" if delivered is False
                else "no webhook")
     trace = f"  ({_field(event.get('trace'))})" if event.get("trace") else ""
+    if event.get("trace_id") is not None:
+        trace += f"  trace {_field(event.get('trace_id'))} span {_field(event.get('span_id'))}"
     return (f"ESCALATION at {_field(event.get('detection_point'))}  "
             f"decision {_field(event.get('decision_id'))}  {webhook}{trace}")
 

@@ -376,15 +376,3 @@ def with_traceparent(body: bytes, old: str, new: str | None) -> bytes:
     pattern = re.compile(rb'("traceparent"\s*:\s*")' + re.escape(old.encode()) + rb'"')
     replaced, count = pattern.subn(lambda m: m.group(1) + new.encode() + b'"', body)
     return replaced if count == 1 else body
-
-
-def current_ids() -> tuple[str, str] | None:
-    """The trace id and span id (hex) of the server span of the call this task is handling,
-    when its trace is sampled (the span will be exported); else None, also with tracing off.
-    Imports nothing: the same as `opentelemetry.trace.get_current_span().get_span_context()`
-    under a call, for code that must not import OpenTelemetry when tracing is off."""
-    served = Tracing.served()
-    if served is None:
-        return None
-    context = served.span.get_span_context()
-    return f"{context.trace_id:032x}", f"{context.span_id:016x}"

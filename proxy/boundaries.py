@@ -36,6 +36,7 @@ from stepguard.contracts.model import Contract, Step
 from stepguard.contracts.redact import Redactor
 from stepguard.contracts.runs import RunBook
 from stepguard.metrics.observer import Observer
+from stepguard.metrics.trace_context import trace_fields
 from stepguard.proxy.bodies import BodyError, history_payload, parse_json
 from stepguard.proxy.correlation import RunKeys
 from stepguard.proxy.escalation import Escalator
@@ -138,7 +139,7 @@ class Boundaries:
             escalation = self._escalation_record(contract, run_id, decision, decision_id,
                                                  evidence, envelope.seq + 1)
         try:
-            after, event = await self.runs.commit(envelope, fields, escalation, keys)
+            after, event = await self._commit(envelope, fields, escalation, keys)
         except BaseException:
             if held is not None:       # not held after all: its place is given back
                 self.holds.leave(None, contract.workflow)
@@ -150,6 +151,19 @@ class Boundaries:
             self._shadow(contract, run_id, envelope, decision, evidence, timing, traffic, event)
         self._stopped(after)
         return Settled(action, decision_id, event, after, held, refused)
+
+    async def _commit(self, envelope: Envelope, fields: dict[str, Any],
+                      escalation: dict[str, Any] | None = None,
+                      keys: Sequence[str] = ()) -> tuple[Envelope, dict[str, Any]]:
+        """Store the boundary's event. Settled while a span is current (the call is traced),
+        the event and its escalation record carry the span's `trace_id` and `span_id`: the
+        contract layer stores them as any other field and knows nothing of tracing."""
+        traced = trace_fields()
+        if traced is not None:
+            fields.update(traced)
+            if escalation is not None:
+                escalation.update(traced)
+        return await self.runs.commit(envelope, fields, escalation, keys)
 
     def _hold(self, contract: Contract, run_id: str, decision: Decision, decision_id: str,
               evidence: Evidence, fields: dict[str, Any]) -> tuple[Held | None,
@@ -225,7 +239,7 @@ class Boundaries:
         fields = used_fields(step, digest, approval, decision_id, stored)
         if extra:
             fields.update(extra)
-        after, event = await self.runs.commit(envelope, fields, None, keys)
+        after, event = await self._commit(envelope, fields, None, keys)
         self.observer.verdict(contract, run_id, event, timing.added_s(), traffic)
         return Settled(FORWARD, decision_id, event, after)
 
@@ -234,8 +248,7 @@ class Boundaries:
         """A hold that ran out with no decision: recorded, the call refused (a held violation
         then halts the run)."""
         decision_id = new_decision_id()
-        after, event = await self.runs.commit(envelope, expire_fields(hold_id, held,
-                                                                      decision_id))
+        after, event = await self._commit(envelope, expire_fields(hold_id, held, decision_id))
         self.observer.verdict(contract, run_id, event, timing.added_s(), traffic)
         self._stopped(after)
         return Settled(event["action"], decision_id, event, after)
@@ -281,7 +294,7 @@ class Boundaries:
         fields = {"step": step, "boundary": boundary, "verdict": "refused", "action": REFUSE,
                   "decision_id": decision_id, "halted_by": (envelope.halt or {}).get("seq"),
                   **(extra or {})}
-        after, event = await self.runs.commit(envelope, fields)
+        after, event = await self._commit(envelope, fields)
         self.observer.verdict(contract, run_id, event, timing.added_s(), traffic)
         self.observer.metrics.requests_refused.labels("halted_run").inc()
         return Settled(REFUSE, decision_id, event, after)
@@ -296,7 +309,7 @@ class Boundaries:
         fields = {"step": step, "boundary": "exit", "verdict": UNREACHABLE,
                   "action": UNREACHABLE, "decision_id": decision_id, "attempt": attempt,
                   "detail": detail, **(extra or {})}
-        after, event = await self.runs.commit(envelope, fields)
+        after, event = await self._commit(envelope, fields)
         self.observer.verdict(contract, run_id, event, timing.added_s(), traffic)
         return Settled(UNREACHABLE, decision_id, event, after)
 
@@ -313,7 +326,7 @@ class Boundaries:
                   "input": self.redactor(contract)(history_payload(
                       evidence.input, len(evidence.raw_input), self.payload_limit)),
                   **extra}
-        after, event = await self.runs.commit(envelope, fields)
+        after, event = await self._commit(envelope, fields)
         self.observer.verdict(contract, run_id, event, timing.added_s(), traffic)
         return Settled(REPLAYED, decision_id, event, after)
 

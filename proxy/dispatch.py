@@ -98,6 +98,7 @@ class Dispatcher:
                     else:
                         response = await self._traced(self.tracing, adapter, request, route,
                                                       body, timing)
+                        return response     # stamped and observed inside its span
                 finally:
                     self.budget.give(len(body))
         if not response.prepared:
@@ -105,8 +106,7 @@ class Dispatcher:
         self.observer.added(traffic, timing.added_s())
         return response
 
-    @staticmethod
-    async def _traced(tracing: Tracing, adapter: Adapter, request: web.Request, route: Route,
+    async def _traced(self, tracing: Tracing, adapter: Adapter, request: web.Request, route: Route,
                       body: bytes, timing: Timing) -> web.StreamResponse:
         """The call handled inside its SERVER span (current while the adapter runs). An MCP
         call continues the trace its message's `params._meta.traceparent` names, if any."""
@@ -119,6 +119,9 @@ class Dispatcher:
                            meta_tracestate=meta[1] if meta else None) as served:
             response = await adapter.handle(request, route, body, timing)
             served.answered(response.status)
+            if not response.prepared:
+                timing.stamp(response)
+            self.observer.added(adapter.traffic, timing.added_s())   # in the span: its exemplar
         return response
 
     @staticmethod

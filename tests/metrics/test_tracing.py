@@ -147,7 +147,8 @@ def test_the_server_span_is_the_current_span_while_the_call_is_handled():
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from stepguard.metrics.tracing import Tracing, current_ids
+    from stepguard.metrics.trace_context import sampled_ids as current_ids
+    from stepguard.metrics.tracing import Tracing
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
