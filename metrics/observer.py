@@ -11,8 +11,8 @@ from stepguard.contracts.events import Decision
 from stepguard.contracts.model import Contract
 from stepguard.metrics.logs import get_logger
 from stepguard.metrics.prom import Metrics, status_class
-from stepguard.metrics.tracing import Tracing
 from stepguard.metrics.trace_context import SPAN_ID, TRACE_ID, sampled_ids
+from stepguard.metrics.tracing import Tracing
 
 
 def truncate(text: str, limit: int) -> str:
