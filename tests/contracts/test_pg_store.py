@@ -167,7 +167,8 @@ async def test_a_connection_killed_mid_transaction_stores_nothing_and_the_store_
                 assert time.monotonic() < deadline, "the append never waited on the lock"
                 pid = await blocker.fetchval(
                     "SELECT pid FROM pg_stat_activity WHERE application_name = 'stepguard' "
-                    "AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()")
+                    "AND datname = current_database() AND wait_event_type = 'Lock' "
+                    "AND pid <> pg_backend_pid()")
                 await asyncio.sleep(0.01)
             assert await blocker.fetchval("SELECT pg_terminate_backend($1)", pid)
             with pytest.raises(StoreError) as caught:
