@@ -167,7 +167,8 @@ async def test_a_connection_killed_mid_transaction_stores_nothing_and_the_store_
                 assert time.monotonic() < deadline, "the append never waited on the lock"
                 pid = await blocker.fetchval(
                     "SELECT pid FROM pg_stat_activity WHERE application_name = 'stepguard' "
-                    "AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()")
+                    "AND datname = current_database() AND wait_event_type = 'Lock' "
+                    "AND pid <> pg_backend_pid()")
                 await asyncio.sleep(0.01)
             assert await blocker.fetchval("SELECT pg_terminate_backend($1)", pid)
             with pytest.raises(StoreError) as caught:
@@ -182,6 +183,33 @@ async def test_a_connection_killed_mid_transaction_stores_nothing_and_the_store_
         assert await store.event("run-1", 2) is None
         assert await store.find_run("held-key") == "run-0"
         await until_healthy(store)
+        assert await advance(store, first, step_name="check_policy") is not None
+    finally:
+        await store.close()
+
+
+async def test_a_locked_run_fails_its_append_within_the_deadline_and_it_never_commits_later(
+        pg_url):
+    """Another session holds the run's row: the append gives up at its deadline, and its
+    transaction, still waiting on the server, is never committed once the lock is gone."""
+    store = await opened(pg_url, timeout_s=TIMEOUT_S)
+    try:
+        first = await advance(store, start())
+        blocker = await asyncpg.connect(pg_url)
+        try:
+            await blocker.execute("BEGIN")
+            await blocker.execute("SELECT 1 FROM runs WHERE run_id = 'run-1' FOR UPDATE")
+            started = time.monotonic()
+            with pytest.raises(StoreError, match="deadline"):
+                await asyncio.wait_for(store.append(*step(first, step="check_policy")), BOUND_S)
+            assert time.monotonic() - started < TIMEOUT_S + MARGIN_S
+            await blocker.execute("ROLLBACK")
+        finally:
+            await blocker.close()
+        await until_healthy(store)
+        await asyncio.sleep(0.2)      # the abandoned transaction had its chance to go on
+        assert [e["seq"] for e in await store.history("run-1")] == [1]
+        assert await store.load("run-1") == first
         assert await advance(store, first, step_name="check_policy") is not None
     finally:
         await store.close()
