@@ -24,9 +24,11 @@ RUN groupadd --system --gid 10001 stepguard \
  && install -d -o stepguard -g stepguard -m 0750 /var/lib/stepguard \
  && install -d -m 0755 /etc/stepguard
 
-# a regular (not editable) install of the build context; the source does not stay in the image
+# a regular (not editable) install of the build context, with the extras a replica needs: `otel`
+# (OTLP trace export, off until OTEL_EXPORTER_OTLP_ENDPOINT is set) and `postgres` (the shared
+# store, chosen by a postgresql:// STEPGUARD_STORE); the source does not stay in the image
 COPY . /tmp/stepguard-src
-RUN pip install /tmp/stepguard-src \
+RUN pip install "/tmp/stepguard-src[otel,postgres]" \
  && rm -rf /tmp/stepguard-src
 
 ENV STEPGUARD_HOST=127.0.0.1 \
