@@ -14,7 +14,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from stepguard.bench import harness
 from stepguard.metrics.prom import Metrics
 
-INSTALL_HINT = "run deploy/install-test-deps.sh (Debian package `prometheus`)"
+INSTALL_HINT = "run deploy/install-test-deps.sh (Debian packages `prometheus`, `haproxy`)"
 # labels Prometheus adds to every scraped series
 TARGET_LABELS = frozenset({"job", "instance"})
 _SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"),
@@ -26,8 +26,9 @@ def in_ci() -> bool:
 
 
 def require_binary(name: str) -> str:
-    """The path of `name`; a skip with the reason when missing, a failure when CI is set."""
-    path = shutil.which(name)
+    """The path of `name` (on PATH, or in /usr/sbin where Debian puts haproxy); a skip with the
+    reason when missing, a failure when CI is set."""
+    path = shutil.which(name, path=os.pathsep.join([os.environ.get("PATH", os.defpath), "/usr/sbin"]))
     if path is None:
         reason = f"{name} is not installed: {INSTALL_HINT}"
         if in_ci():
@@ -44,6 +45,11 @@ def promtool() -> str:
 @pytest.fixture(scope="session")
 def prometheus_binary() -> str:
     return require_binary("prometheus")
+
+
+@pytest.fixture(scope="session")
+def haproxy() -> str:
+    return require_binary("haproxy")
 
 
 @pytest.fixture
