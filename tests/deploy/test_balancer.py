@@ -10,7 +10,7 @@ import os
 import re
 import shutil
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,11 +71,11 @@ async def _process(args: list[str], log: Path, env: dict[str, str] | None = None
                 await proc.wait()
 
 
-async def _until(probe: Callable[[], object], seconds: float, what: str, log: Path) -> None:
+async def _until(probe: Callable[[], Awaitable[object]], seconds: float, what: str, log: Path) -> None:
     deadline = asyncio.get_running_loop().time() + seconds
     while True:
         try:
-            if await probe():  # type: ignore[misc]
+            if await probe():
                 return
         except aiohttp.ClientError:
             pass

@@ -1,7 +1,8 @@
 """The sidecar image. No Docker engine runs here, so the Dockerfile is read for its invariants and
 its build is mirrored: the .dockerignore'd context is built into a wheel, the wheel installed with
-its dependencies and the Dockerfile's extras into a fresh venv, and that venv's ENTRYPOINT/CMD and HEALTHCHECK run with the
-Dockerfile's ENV (absolute paths re-rooted under a temporary directory, free ports)."""
+its dependencies and the Dockerfile's extras into a fresh venv, and that venv's ENTRYPOINT/CMD and
+HEALTHCHECK run with the Dockerfile's ENV (absolute paths re-rooted under a temporary directory,
+free ports)."""
 
 from __future__ import annotations
 

@@ -273,7 +273,8 @@ def test_every_mounted_volume_is_defined(pod: dict[str, Any], stepguard: dict[st
     assert {m["name"] for m in stepguard["volumeMounts"]} == volumes
 
 
-def test_scrape_annotations_point_at_the_admin_metrics(pod: dict[str, Any], stepguard: dict[str, Any]) -> None:
+def test_scrape_annotations_point_at_the_admin_metrics(
+        pod: dict[str, Any], stepguard: dict[str, Any]) -> None:
     annotations = pod["metadata"]["annotations"]
     assert annotations["prometheus.io/scrape"] == "true"
     assert int(annotations["prometheus.io/port"]) == _port(stepguard, "admin")
