@@ -51,6 +51,7 @@ def pod(deployment: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def stepguard(pod: dict[str, Any]) -> dict[str, Any]:
+    container: dict[str, Any]
     (container,) = pod["spec"]["containers"]
     assert container["name"] == "stepguard"
     return container
@@ -58,6 +59,7 @@ def stepguard(pod: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def migrate(pod: dict[str, Any]) -> dict[str, Any]:
+    container: dict[str, Any]
     (container,) = pod["spec"]["initContainers"]
     assert container["name"] == "migrate"
     return container
