@@ -1,5 +1,6 @@
-# stepguard, the sidecar image: the proxy on :8080, the admin listener (/healthz, /readyz,
-# /metrics) on :9090, the contract mounted as a file, the SQLite store on a volume.
+# stepguard, one image for the sidecar and for replicas: the proxy on :8080, the admin listener
+# (/healthz, /readyz, /metrics) on :9090, the contract mounted as a file, the SQLite store on a
+# volume (replicas set a postgresql:// STEPGUARD_STORE instead; docs/deploy.md).
 #
 # The proxy listens on 127.0.0.1 unless told otherwise: it forwards to the contract's tools, so
 # it is opened to other hosts only on purpose. The admin listener (health, readiness, metrics;
