@@ -1,7 +1,9 @@
 """deploy/compose/haproxy.cfg run for real: HAProxy with the shipped config (only its addresses
 moved to free loopback ports) in front of two `stepguard serve` processes. Calls are spread over
 both replicas; a stopped replica's calls go to the other one; a call that reached a replica is
-never sent to another (a replica that drops it answers the client with an error, once)."""
+never sent to another (a replica that drops it answers the client with an error, once). On one
+PostgreSQL store, as compose.replicas.yaml runs them, a run whose calls alternate between the
+replicas is checked as one run: a clean run completes, a drifting one is halted."""
 
 from __future__ import annotations
 
@@ -20,7 +22,10 @@ import pytest
 from aiohttp import web
 
 from stepguard.bench.harness import running
+from stepguard.examples.order_confirmation import agent as agent_mod
 from stepguard.examples.order_confirmation import tools as tools_mod
+
+from .conftest import PG
 
 ROOT = Path(__file__).resolve().parents[2]
 HAPROXY_CFG = ROOT / "deploy" / "compose" / "haproxy.cfg"
@@ -115,12 +120,12 @@ async def _lookup(session: aiohttp.ClientSession, lb: str, run: str) -> int:
 
 
 async def _start_replica(stack: AsyncExitStack, replica: Replica, tools_url: str, tmp_path: Path,
-                         name: str, session: aiohttp.ClientSession) -> None:
+                         name: str, session: aiohttp.ClientSession, store: str | None = None) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("STEPGUARD_", "OTEL_"))}
     env.update(STEPGUARD_CONTRACTS=str(EXAMPLE_CONTRACT), STEPGUARD_UPSTREAM_TOOLS=tools_url,
                STEPGUARD_HOST="127.0.0.1", STEPGUARD_PORT=str(replica.proxy_port),
                STEPGUARD_ADMIN_HOST="127.0.0.1", STEPGUARD_ADMIN_PORT=str(replica.admin_port),
-               STEPGUARD_LOG_FORMAT="json", STEPGUARD_STORE=str(tmp_path / f"{name}.db"))
+               STEPGUARD_LOG_FORMAT="json", STEPGUARD_STORE=store or str(tmp_path / f"{name}.db"))
     log = tmp_path / f"{name}.log"
     replica.proc = await stack.enter_async_context(_process(_stepguard_command(), log, env))
     await _until(lambda: _status(session, f"http://127.0.0.1:{replica.admin_port}/readyz"), 30,
@@ -216,3 +221,33 @@ async def test_balancer_never_sends_a_call_that_reached_a_replica_to_another(
     # each dropped call reached only the dropping replica: none was sent on to stepguard-1
     assert len(dropped) == len(received) and all(s in (0, 502) for s in dropped)
     assert forwarded == statuses.count(200)
+
+
+@pytest.mark.timeout(120)
+async def test_a_run_spread_over_replicas_on_one_postgresql_store_is_checked_as_one_run(
+        haproxy: str, free_port: Callable[[], int], tmp_path: Path, pg_database: str) -> None:
+    store = f"postgresql://{PG['user']}@{PG['host']}:{PG['port']}/{pg_database}"
+    replicas = {name: Replica(free_port(), free_port()) for name in ("stepguard-1", "stepguard-2")}
+    lb_port = free_port()
+    (tmp_path / "haproxy.cfg").write_text(_config(lb_port, replicas))
+    lb = f"http://127.0.0.1:{lb_port}"
+    lb_log = tmp_path / "haproxy.log"
+    async with (AsyncExitStack() as stack, running(tools_mod.create_app()) as tools_url,
+                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session):
+        for name, replica in replicas.items():
+            await _start_replica(stack, replica, tools_url, tmp_path, name, session, store)
+        await stack.enter_async_context(
+            _process([haproxy, "-db", "-f", str(tmp_path / "haproxy.cfg")], lb_log))
+        await _until(lambda: _listening(lb_port), 30, "haproxy not listening", lb_log)
+
+        clean = await agent_mod.run_agent(session, f"{lb}/tools", "spread-clean", 17)
+        before = [await _forwarded(session, r) for r in replicas.values()]
+        stale = await agent_mod.run_agent(session, f"{lb}/tools", "spread-stale", 17, "stale_input")
+
+    assert clean.completed, clean.calls
+    # round robin alternated the clean run's calls: both replicas forwarded some of them
+    assert all(n > 0 for n in before) and sum(before) == len(clean.calls), before
+    # the stale run's second call is checked against the first call's record, made on the other
+    # replica
+    assert stale.stopped_at is not None and stale.stopped_at.status == 422
+    assert stale.stopped_at.step == "check_policy"
