@@ -257,9 +257,8 @@ def test_every_replica_uses_the_postgres_service_as_its_store(resolved: dict[str
 def test_migrate_runs_store_migrate_on_the_replicas_store_before_they_start(
         services: dict[str, dict[str, Any]]) -> None:
     migrate = services["migrate"]
-    command = migrate["command"]
-    assert command[:2] == ["store", "migrate"]
-    store = command[command.index("--store") + 1]
+    assert migrate["command"] == ["store", "migrate"]      # the store from STEPGUARD_STORE
+    store = _env(migrate)["STEPGUARD_STORE"]
     assert {_env(services[name])["STEPGUARD_STORE"] for name in REPLICAS} == {store}
     assert migrate["depends_on"] == {"postgres": {"condition": "service_healthy"}}
     assert migrate["healthcheck"].get("disable") is True      # the image's asks a server
@@ -270,7 +269,7 @@ def test_migrate_runs_store_migrate_on_the_replicas_store_before_they_start(
 
 def test_every_stepguard_variable_of_a_replica_is_a_setting(services: dict[str, dict[str, Any]]) -> None:
     names = {f"STEPGUARD_{f.name.upper()}" for f in fields(Settings)}
-    for name in REPLICAS:
+    for name in (*REPLICAS, "migrate"):
         unknown = {k for k in _env(services[name]) if k.startswith("STEPGUARD_")} - names
         assert unknown == set(), name
 

@@ -5,6 +5,7 @@ creates the schema, and a second run (the next pod's init container) succeeds on
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -43,12 +44,12 @@ def _k8s_args() -> list[str]:
 def test_the_deploy_files_migrate_command_creates_the_schema_and_runs_again(
         where: str, pg_database: str) -> None:
     args = _compose_command() if where == "compose" else _k8s_args()
-    url = f"postgresql://{PG['user']}@{PG['host']}:{PG['port']}/{pg_database}"
-    # the store URL argument, as compose interpolates it / Kubernetes expands $(STEPGUARD_STORE)
-    args = [*args[:args.index("--store") + 1], url, *args[args.index("--store") + 2:]]
+    # the store URL in the environment, as the compose service and the Secret give it
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STEPGUARD_")}
+    env["STEPGUARD_STORE"] = f"postgresql://{PG['user']}@{PG['host']}:{PG['port']}/{pg_database}"
     for attempt in ("first", "again"):
         ran = subprocess.run([_stepguard(), *args], capture_output=True, text=True, check=False,
-                             timeout=60, cwd=ROOT)
+                             timeout=60, cwd=ROOT, env=env)
         assert ran.returncode == 0, f"{attempt}: {ran.stdout}{ran.stderr}"
     tables = psql(pg_database, "SELECT count(*) FROM information_schema.tables "
                              "WHERE table_schema NOT IN ('pg_catalog', 'information_schema')")
