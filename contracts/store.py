@@ -13,6 +13,12 @@ from stepguard.contracts.envelope import Envelope
 
 
 class Store(Protocol):
+    @property
+    def shared(self) -> bool:
+        """Whether another process may write these runs (PostgreSQL: True; a SQLite file used
+        by one process: False): a cached envelope may then be stale."""
+        ...
+
     async def open(self) -> None: ...
 
     async def close(self) -> None: ...

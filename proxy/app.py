@@ -15,8 +15,9 @@ from stepguard.contracts.errors import ContractError, ContractIssue, StepguardEr
 from stepguard.contracts.loader import load_contracts
 from stepguard.contracts.model import Contract
 from stepguard.contracts.runs import RunBook
-from stepguard.contracts.sqlite_store import SQLiteStore
 from stepguard.contracts.store import Store
+from stepguard.contracts.store_urls import redacted
+from stepguard.contracts.stores import make_store
 from stepguard.metrics.logs import get_logger
 from stepguard.metrics.observer import Observer
 from stepguard.metrics.prom import Metrics
@@ -173,14 +174,20 @@ STEPGUARD = web.AppKey("stepguard", Stepguard)
 
 def build(settings: Settings, contracts: list[Contract], store: Store | None = None,
           metrics: Metrics | None = None, shadows: list[Contract] | None = None) -> Stepguard:
-    """A Stepguard on the settings' SQLite store (or `store`), with a fresh metrics registry."""
+    """A Stepguard on the settings' store (a SQLite file or PostgreSQL; or `store`), with a
+    fresh metrics registry."""
     observer = Observer(metrics or Metrics(), settings.log_payloads, settings.payload_log_bytes,
                         settings.log_level)
-    store = store or SQLiteStore(settings.store, settings.sqlite_synchronous,
-                                 retention_s=settings.retention_hours * 3600,
-                                 timeout_s=settings.store_timeout,
-                                 wal_limit_bytes=settings.wal_limit_bytes)
+    store = store or settings_store(settings)
     return Stepguard(settings, contracts, store, observer, shadows=shadows or [])
+
+
+def settings_store(settings: Settings, migrate: bool = True) -> Store:
+    """The store the settings name (`--store`: a SQLite file or a postgresql:// URL), unopened."""
+    return make_store(settings.store, timeout_s=settings.store_timeout,
+                      retention_s=settings.retention_hours * 3600,
+                      synchronous=settings.sqlite_synchronous,
+                      wal_limit_bytes=settings.wal_limit_bytes, migrate=migrate)
 
 
 def create_app(sg: Stepguard, manage: bool = True) -> web.Application:
@@ -305,7 +312,8 @@ async def serve(settings: Settings, contracts: list[Contract],
         await web.TCPSite(proxy_runner, settings.host, settings.port).start()
         await web.TCPSite(admin_runner, settings.admin_host, settings.admin_port).start()
         log.info("started", proxy=f"{settings.host}:{settings.port}",
-                 admin=f"{settings.admin_host}:{settings.admin_port}", store=settings.store,
+                 admin=f"{settings.admin_host}:{settings.admin_port}",
+                 store=redacted(settings.store),
                  workflows=[c.workflow for c in contracts],
                  shadow=[f"{c.workflow} v{c.version}" for c in sg.shadows],
                  upstreams={f"{c.workflow}.{u.name}": {"url": u.shown_url, "mount": u.mount,
