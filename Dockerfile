@@ -1,5 +1,6 @@
-# stepguard, the sidecar image: the proxy on :8080, the admin listener (/healthz, /readyz,
-# /metrics) on :9090, the contract mounted as a file, the SQLite store on a volume.
+# stepguard, one image for the sidecar and for replicas: the proxy on :8080, the admin listener
+# (/healthz, /readyz, /metrics) on :9090, the contract mounted as a file, the SQLite store on a
+# volume (replicas set a postgresql:// STEPGUARD_STORE instead; docs/deploy.md).
 #
 # The proxy listens on 127.0.0.1 unless told otherwise: it forwards to the contract's tools, so
 # it is opened to other hosts only on purpose. The admin listener (health, readiness, metrics;
@@ -24,9 +25,11 @@ RUN groupadd --system --gid 10001 stepguard \
  && install -d -o stepguard -g stepguard -m 0750 /var/lib/stepguard \
  && install -d -m 0755 /etc/stepguard
 
-# a regular (not editable) install of the build context; the source does not stay in the image
+# a regular (not editable) install of the build context, with the extras a replica needs: `otel`
+# (OTLP trace export, off until OTEL_EXPORTER_OTLP_ENDPOINT is set) and `postgres` (the shared
+# store, chosen by a postgresql:// STEPGUARD_STORE); the source does not stay in the image
 COPY . /tmp/stepguard-src
-RUN pip install /tmp/stepguard-src \
+RUN pip install "/tmp/stepguard-src[otel,postgres]" \
  && rm -rf /tmp/stepguard-src
 
 ENV STEPGUARD_HOST=127.0.0.1 \

@@ -1,24 +1,27 @@
 #!/usr/bin/env bash
 # Installs the binaries the tests run: `prometheus` and `promtool` (tests/deploy; Debian's
-# `prometheus` package ships both), and `wrk` and `nginx` (the proxy benchmark, tests/bench;
-# packages `wrk` and `nginx-light`). Idempotent: it does nothing when all are on PATH.
+# `prometheus` package ships both), `haproxy` (the replicas' load balancer, tests/deploy), and
+# `wrk` and `nginx` (the proxy benchmark, tests/bench; packages `wrk` and `nginx-light`).
+# Idempotent: it does nothing when all are on PATH.
 #
 # The packages' init scripts would start a Prometheus server on :9090 (stepguard's default
-# admin port) and nginx on :80; this script keeps them from starting and stops any that did.
+# admin port), nginx on :80 and HAProxy; this script keeps them from starting and stops any
+# that did.
 set -euo pipefail
 
 export PATH="$PATH:/usr/sbin"
 have_all() {
     command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1 \
-        && command -v wrk >/dev/null 2>&1 && command -v nginx >/dev/null 2>&1
+        && command -v wrk >/dev/null 2>&1 && command -v nginx >/dev/null 2>&1 \
+        && command -v haproxy >/dev/null 2>&1
 }
 
 if have_all; then
-    echo "install-test-deps: prometheus, promtool, wrk and nginx already installed"
+    echo "install-test-deps: prometheus, promtool, haproxy, wrk and nginx already installed"
     exit 0
 fi
 if ! command -v apt-get >/dev/null 2>&1; then
-    echo "install-test-deps: no apt-get here; install prometheus, promtool, wrk and nginx yourself" >&2
+    echo "install-test-deps: no apt-get here; install prometheus, promtool, haproxy, wrk and nginx yourself" >&2
     exit 1
 fi
 
@@ -42,7 +45,7 @@ fi
 
 "${as_root[@]}" apt-get update -qq
 "${as_root[@]}" env DEBIAN_FRONTEND=noninteractive \
-    apt-get install -y -qq --no-install-recommends prometheus wrk nginx-light
+    apt-get install -y -qq --no-install-recommends prometheus haproxy wrk nginx-light
 
 # belt and braces: no packaged Prometheus server may keep :9090
 if command -v systemctl >/dev/null 2>&1 && systemctl is-active --quiet prometheus 2>/dev/null; then
@@ -50,10 +53,12 @@ if command -v systemctl >/dev/null 2>&1 && systemctl is-active --quiet prometheu
 elif [ -x /etc/init.d/prometheus ] && "${as_root[@]}" /etc/init.d/prometheus status >/dev/null 2>&1; then
     "${as_root[@]}" /etc/init.d/prometheus stop
 fi
-if command -v systemctl >/dev/null 2>&1 && systemctl is-active --quiet nginx 2>/dev/null; then
-    "${as_root[@]}" systemctl disable --now nginx
-fi
+for unit in nginx haproxy; do
+    if command -v systemctl >/dev/null 2>&1 && systemctl is-active --quiet "$unit" 2>/dev/null; then
+        "${as_root[@]}" systemctl disable --now "$unit"
+    fi
+done
 
-have_all || { echo "install-test-deps: prometheus/promtool/wrk/nginx still missing" >&2; exit 1; }
+have_all || { echo "install-test-deps: prometheus/promtool/haproxy/wrk/nginx still missing" >&2; exit 1; }
 prometheus --version 2>&1 | head -n 1
 promtool --version 2>&1 | head -n 1

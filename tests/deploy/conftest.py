@@ -6,7 +6,9 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from collections.abc import Callable
+import subprocess
+import uuid
+from collections.abc import Callable, Iterator
 
 import pytest
 from prometheus_client.metrics import MetricWrapperBase
@@ -14,7 +16,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from stepguard.bench import harness
 from stepguard.metrics.prom import Metrics
 
-INSTALL_HINT = "run deploy/install-test-deps.sh (Debian package `prometheus`)"
+INSTALL_HINT = "run deploy/install-test-deps.sh (Debian packages `prometheus`, `haproxy`)"
 # labels Prometheus adds to every scraped series
 TARGET_LABELS = frozenset({"job", "instance"})
 _SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"),
@@ -26,8 +28,9 @@ def in_ci() -> bool:
 
 
 def require_binary(name: str) -> str:
-    """The path of `name`; a skip with the reason when missing, a failure when CI is set."""
-    path = shutil.which(name)
+    """The path of `name` (on PATH, or in /usr/sbin where Debian puts haproxy); a skip with the
+    reason when missing, a failure when CI is set."""
+    path = shutil.which(name, path=os.pathsep.join([os.environ.get("PATH", os.defpath), "/usr/sbin"]))
     if path is None:
         reason = f"{name} is not installed: {INSTALL_HINT}"
         if in_ci():
@@ -44,6 +47,42 @@ def promtool() -> str:
 @pytest.fixture(scope="session")
 def prometheus_binary() -> str:
     return require_binary("prometheus")
+
+
+# the PostgreSQL of this machine (and of CI): trust auth, user postgres
+PG = {"host": "127.0.0.1", "port": "5432", "user": "postgres"}
+
+
+def psql(database: str, sql: str) -> subprocess.CompletedProcess[str]:
+    """`sql` run by psql on `database` of the local PostgreSQL."""
+    path = shutil.which("psql")
+    assert path, "psql is not installed (Debian package postgresql-client)"
+    return subprocess.run([path, "-h", PG["host"], "-p", PG["port"], "-U", PG["user"], "-d", database,
+                           "-v", "ON_ERROR_STOP=1", "-Atc", sql],
+                          capture_output=True, text=True, check=False, timeout=30)
+
+
+@pytest.fixture
+def pg_database() -> Iterator[str]:
+    """A database of its own on the local PostgreSQL, dropped afterwards; a skip without one (a
+    failure when CI is set)."""
+    if shutil.which("psql") is None or psql("postgres", "select 1").returncode != 0:
+        reason = f"PostgreSQL is not reachable at {PG['host']}:{PG['port']} as {PG['user']}"
+        if in_ci():
+            pytest.fail(f"{reason}. CI is set, so this test may not be skipped.")
+        pytest.skip(reason)
+    name = f"sg_deploy_{uuid.uuid4().hex[:12]}"
+    created = psql("postgres", f'CREATE DATABASE "{name}"')
+    assert created.returncode == 0, created.stderr
+    try:
+        yield name
+    finally:
+        psql("postgres", f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(scope="session")
+def haproxy() -> str:
+    return require_binary("haproxy")
 
 
 @pytest.fixture

@@ -1,7 +1,8 @@
 """The sidecar image. No Docker engine runs here, so the Dockerfile is read for its invariants and
 its build is mirrored: the .dockerignore'd context is built into a wheel, the wheel installed with
-its dependencies into a fresh venv, and that venv's ENTRYPOINT/CMD and HEALTHCHECK run with the
-Dockerfile's ENV (absolute paths re-rooted under a temporary directory, free ports)."""
+its dependencies and the Dockerfile's extras into a fresh venv, and that venv's ENTRYPOINT/CMD and
+HEALTHCHECK run with the Dockerfile's ENV (absolute paths re-rooted under a temporary directory,
+free ports)."""
 
 from __future__ import annotations
 
@@ -204,14 +205,33 @@ def test_entrypoint_is_stepguard_and_command_is_serve() -> None:
     assert [_exec_form(a) for a in _args("CMD")] == [["serve"]]
 
 
-def test_package_is_pip_installed_from_the_copied_context_not_editable() -> None:
-    (copy,) = [shlex.split(a) for a in _args("COPY") if shlex.split(a)[0] == "."]
+def _install_target() -> tuple[str, list[str], list[str]]:
+    """(path, extras, words) of the one `pip install PATH[EXTRAS]` RUN."""
     installs = [shlex.split(run) for run in _args("RUN") if "pip install" in run]
     assert len(installs) == 1
     words = installs[0]
-    target = words[words.index("install") + 1]
+    match = re.fullmatch(r"([^\[\]]+)(?:\[([a-z0-9_,-]*)\])?", words[words.index("install") + 1])
+    assert match, words
+    extras = [e for e in (match.group(2) or "").split(",") if e]
+    return match.group(1), extras, words
+
+
+def test_package_is_pip_installed_from_the_copied_context_not_editable() -> None:
+    (copy,) = [shlex.split(a) for a in _args("COPY") if shlex.split(a)[0] == "."]
+    target, _, words = _install_target()
     assert target == copy[1]
     assert "-e" not in words and "--editable" not in words
+
+
+def test_image_installs_the_otel_and_postgres_extras() -> None:
+    """A replica exports traces (OTEL_*) and shares a PostgreSQL store: both from one image."""
+    assert set(_install_target()[1]) == {"otel", "postgres"}
+
+
+def test_every_extra_the_image_installs_is_declared_in_pyproject() -> None:
+    """pip only warns about an undeclared extra and builds an image without it."""
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert [e for e in _install_target()[1] if e not in declared] == []
 
 
 def test_build_context_holds_pyproject_and_every_package_directory() -> None:
@@ -265,7 +285,9 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Image:
     made = _run([sys.executable, "-m", "venv", venv])
     assert made.returncode == 0, made.stderr
     (wheel,) = dist.glob("stepguard-*.whl")
-    installed = _run([venv / "bin" / "python", "-m", "pip", "install", wheel])
+    extras = _install_target()[1]
+    requirement = f"{wheel}[{','.join(extras)}]" if extras else str(wheel)
+    installed = _run([venv / "bin" / "python", "-m", "pip", "install", requirement])
     assert installed.returncode == 0, installed.stdout + installed.stderr
 
     image = Image(base / "rootfs", venv)

@@ -55,7 +55,31 @@ def test_every_panel_query_and_variable_uses_the_input_datasource(dashboard: dic
     for panel, target in _targets(dashboard):
         assert panel["datasource"] == target["datasource"] == DATASOURCE, panel["title"]
     for var in dashboard["templating"]["list"]:
-        assert var["datasource"] == DATASOURCE, var["name"]
+        if var["type"] != "datasource":
+            assert var["datasource"] == DATASOURCE, var["name"]
+
+
+def test_the_input_datasource_is_also_a_variable_for_a_provisioned_dashboard(
+        dashboard: dict[str, Any]) -> None:
+    """Grafana substitutes `__inputs` only on import; a file-provisioned dashboard (the replicas
+    compose) resolves ${DS_PROMETHEUS} as this variable: the default Prometheus datasource."""
+    (source,) = dashboard["__inputs"]
+    variables = {var["name"]: var for var in dashboard["templating"]["list"]}
+    variable = variables[source["name"]]
+    assert (variable["type"], variable["query"]) == ("datasource", source["pluginId"])
+    names = [var["name"] for var in dashboard["templating"]["list"]]
+    assert names.index(source["name"]) == 0, "declared before the variables that query it"
+
+
+@pytest.mark.parametrize("metric", ["stepguard_added_seconds_bucket",
+                                    "stepguard_upstream_duration_seconds_bucket"])
+def test_latency_panels_show_exemplars(metric: str, dashboard: dict[str, Any]) -> None:
+    """The trace ids on latency observations: a point on the graph opens the trace in Tempo."""
+    targets = [(p, t) for p, t in _targets(dashboard) if metric in t["expr"]]
+    assert targets
+    for panel, target in targets:
+        assert target.get("exemplar") is True, panel["title"]
+        assert panel["type"] == "timeseries", panel["title"]
 
 
 def test_panel_ids_are_unique_and_panels_fit_the_grid_without_overlap(dashboard: dict[str, Any]) -> None:
