@@ -25,8 +25,20 @@ writer): point reads on one thread, the full scan of `count_by_status` (for the 
 gauge) on another, so a scan never holds up a lookup. `close` lets every operation already
 started finish, refuses new ones, then closes the connections.
 
-Only one process may use a store file: `open` takes an exclusive lock on `<store>.lock` before
-touching the database, and fails with a StoreError naming the path when it is held.
+Only one stepguard may use a store file: `open` takes an exclusive lock on `<store>.lock`
+(`lock_store`) before touching the database, and fails with a StoreError naming the path when
+it is held. The worker processes of one `stepguard serve --workers N` share the file: their
+supervisor holds that lock (and hands it down to them, so it is held while any of them lives),
+and each worker opens the store with `shared=True`, which takes no lock. SQLite serialises
+their writers (WAL, one writer at a time; a writer waits for the write lock within its batch's
+deadline). Of the shared stores on one file, one at a time keeps the WAL bounded and purges old
+runs: the one whose checkpointer thread holds `<store>.checkpoint` (an exclusive lock taken
+without waiting, tried again every `checkpoint_interval_s` by the others, so when that process
+dies another takes over). Its checkpointer thread runs the PASSIVE checkpoints, the TRUNCATE
+checkpoint past `wal_limit_bytes` (it takes the write lock: every worker's writer waits for it
+to end) and the retention purge; no writer does either. A shared store's `close` checkpoints
+only PASSIVE (the others may still be writing); the supervisor truncates the WAL once every
+worker has stopped (`checkpoint_store`).
 """
 
 from __future__ import annotations
@@ -130,8 +142,10 @@ class SQLiteStore:
     def __init__(self, path: str | Path, synchronous: str = "NORMAL",
                  checkpoint_interval_s: float = 1.0, retention_s: float = 0.0,
                  purge_interval_s: float = 300.0, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 wal_limit_bytes: int = DEFAULT_WAL_LIMIT_BYTES) -> None:
+                 wal_limit_bytes: int = DEFAULT_WAL_LIMIT_BYTES, shared: bool = False) -> None:
         self.path = Path(path)
+        # True: other processes (the workers of one serve) write to the file too; no lock taken
+        self.shared = shared
         self.synchronous = synchronous
         self.checkpoint_interval_s = checkpoint_interval_s
         self.retention_s = retention_s
@@ -140,6 +154,8 @@ class SQLiteStore:
         self.wal_limit_bytes = wal_limit_bytes
         self.wal_path = Path(f"{self.path}-wal")
         self.lock_path = Path(f"{self.path}.lock")
+        self.checkpoint_lock_path = Path(f"{self.path}.checkpoint")
+        self.checkpointing_here = False   # shared: this process keeps the WAL bounded now
         self.truncations = 0          # TRUNCATE checkpoints the writer completed
         self._conn: sqlite3.Connection | None = None    # the writer's, used on its thread only
         self._closing = False
@@ -170,7 +186,8 @@ class SQLiteStore:
     async def open(self) -> None:
         if self._conn is not None:
             return
-        self._lock_fd = await asyncio.to_thread(self._take_lock)
+        if not self.shared:
+            self._lock_fd = await asyncio.to_thread(lock_store, self.path)
         try:
             conn, lookup, reader = await asyncio.to_thread(self._connect_all)
         except BaseException:
@@ -187,8 +204,9 @@ class SQLiteStore:
                                         name="stepguard-write")
         self._writer.start()
         self._stop.clear()
-        self._checkpointer = threading.Thread(target=self._checkpoints, daemon=True,
-                                              name="stepguard-checkpoint")
+        self._checkpointer = threading.Thread(
+            target=self._shared_checkpoints if self.shared else self._checkpoints, daemon=True,
+            name="stepguard-checkpoint")
         self._checkpointer.start()
 
     async def close(self) -> None:
@@ -332,7 +350,8 @@ class SQLiteStore:
                     # a closed loop raises RuntimeError: nobody waits any more
                     with contextlib.suppress(RuntimeError):
                         loop.call_soon_threadsafe(_settle_all, results)
-                self._bound_wal(conn)
+                if not self.shared:     # shared: the checkpointer thread bounds the WAL
+                    self._bound_wal(conn)
         finally:
             self._final_checkpoint(conn)
 
@@ -406,7 +425,7 @@ class SQLiteStore:
         return results
 
     def _purge_if_due(self, conn: sqlite3.Connection) -> None:
-        if self.retention_s <= 0:
+        if self.retention_s <= 0 or self.shared:   # shared: the checkpointer thread purges
             return
         now = time.time()
         if now < self._next_purge:
@@ -473,7 +492,8 @@ class SQLiteStore:
     def _final_checkpoint(self, conn: sqlite3.Connection) -> None:
         try:
             conn.execute(f"PRAGMA busy_timeout={max(1, int(self.timeout_s * 1000))}")
-            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            # shared: the other workers may go on writing; the supervisor truncates at the end
+            conn.execute(f"PRAGMA wal_checkpoint({'PASSIVE' if self.shared else 'TRUNCATE'})")
         except sqlite3.Error as exc:
             self._close_problem = str(exc)
         try:
@@ -510,26 +530,78 @@ class SQLiteStore:
         finally:
             conn.close()
 
-    # --- opening and closing ---------------------------------------------------------------
+    def _shared_checkpoints(self) -> None:
+        """A shared store's checkpointer: idle until it holds `<store>.checkpoint` (one process
+        of those sharing the file at a time), then what a single store's checkpointer and writer
+        do to bound the WAL, and the retention purge, over a connection of its own."""
+        try:
+            conn = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
+        except sqlite3.Error:
+            return
+        fd: int | None = None
+        try:
+            conn.execute("PRAGMA busy_timeout=100")
+            last = time.monotonic()
+            wait = min(self.checkpoint_interval_s, CHECKPOINT_POLL_S)
+            while not self._stop.wait(wait):
+                if fd is None:
+                    fd = _try_lock(self.checkpoint_lock_path)
+                    if fd is None:
+                        wait = self.checkpoint_interval_s   # another process checkpoints
+                        continue
+                    self.checkpointing_here = True
+                    wait = min(self.checkpoint_interval_s, CHECKPOINT_POLL_S)
+                now = time.monotonic()
+                if self.retention_s > 0 and time.time() >= self._next_purge:
+                    self._shared_purge(conn)
+                size = self.wal_bytes()
+                if size > self.wal_limit_bytes:
+                    if now >= self._next_truncate:
+                        self._bound_shared_wal(conn, now)
+                    continue
+                if size <= self.wal_limit_bytes // 2 and now - last < self.checkpoint_interval_s:
+                    continue
+                last = now
+                with contextlib.suppress(sqlite3.Error):   # busy: the next round catches up
+                    conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+        finally:
+            self.checkpointing_here = False
+            conn.close()
+            if fd is not None:
+                os.close(fd)
 
-    def _take_lock(self) -> int:
-        """An exclusive lock on `<store>.lock`, before the database is touched: a second
-        stepguard on the same store stops here, having changed nothing."""
-        if not self.path.parent.is_dir():
-            raise StoreError(f"cannot open store {self.path}: directory {self.path.parent} "
-                             "does not exist")
+    def _bound_shared_wal(self, conn: sqlite3.Connection, now: float) -> None:
+        """`_bound_wal` for a shared store, on the checkpointer's connection: the TRUNCATE
+        checkpoint takes the write lock, so every process's writer waits for it."""
+        failed = self._truncate_failures
+        busy_ms = max(1, int(min(self.timeout_s, 0.5,
+                                 max(TRUNCATE_BUSY_MIN_S, TRUNCATE_BUSY_S / (1 << failed))) * 1000))
         try:
-            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        except OSError as exc:
-            raise StoreError(f"cannot open store {self.path}: cannot create its lock file "
-                             f"{self.lock_path}: {exc.strerror}") from None
+            conn.execute(f"PRAGMA busy_timeout={busy_ms}")
+            busy = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
+        except sqlite3.Error:
+            busy = 1
+        if not busy:
+            self.truncations += 1
+            self._next_truncate = 0.0
+            self._truncate_failures = 0
+        else:
+            self._next_truncate = now + min(TRUNCATE_RETRY_S * (1 << failed), TRUNCATE_RETRY_MAX_S)
+            self._truncate_failures = min(failed + 1, 16)
+
+    def _shared_purge(self, conn: sqlite3.Connection) -> None:
+        """The retention purge of a shared store, in a transaction of its own."""
+        self._next_purge = time.time() + self.purge_interval_s
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            raise StoreError(f"store {self.path} is in use by another stepguard (lock "
-                             f"{self.lock_path} is held)") from None
-        return fd
+            conn.execute(f"PRAGMA busy_timeout={max(1, int(self.timeout_s * 1000))}")
+            conn.execute("BEGIN IMMEDIATE")
+            purge(conn, time.time() - self.retention_s)
+            conn.execute("COMMIT")
+        except sqlite3.Error:
+            _rollback(conn)
+            self._next_purge = time.time() + self.checkpoint_interval_s   # try again soon
+
+    # --- opening and closing ---------------------------------------------------------------
 
     def _release_lock(self) -> None:
         fd, self._lock_fd = self._lock_fd, None
@@ -565,6 +637,58 @@ class SQLiteStore:
 
 
 _STOP = object()
+
+
+def lock_store(path: str | Path) -> int:
+    """An exclusive lock on `<store>.lock`, before the database is touched: a second
+    stepguard on the same store stops here, having changed nothing. Returns the descriptor
+    that holds it (close-on-exec); closing it releases the lock."""
+    path = Path(path)
+    lock_path = Path(f"{path}.lock")
+    if not path.parent.is_dir():
+        raise StoreError(f"cannot open store {path}: directory {path.parent} does not exist")
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise StoreError(f"cannot open store {path}: cannot create its lock file "
+                         f"{lock_path}: {exc.strerror}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise StoreError(f"store {path} is in use by another stepguard (lock "
+                         f"{lock_path} is held)") from None
+    return fd
+
+
+def _try_lock(path: Path) -> int | None:
+    """An exclusive lock on `path` if nobody holds it, as the descriptor holding it; else None."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def checkpoint_store(path: str | Path, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """A TRUNCATE checkpoint of the store at `path` (its WAL copied back and emptied), as a
+    single store's `close` does: the supervisor's, once every worker sharing it has stopped."""
+    try:
+        conn = sqlite3.connect(str(path), isolation_level=None)
+    except sqlite3.Error as exc:
+        raise StoreError(f"store {path}: final checkpoint failed: {exc}") from None
+    try:
+        conn.execute(f"PRAGMA busy_timeout={max(1, int(timeout_s * 1000))}")
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    except sqlite3.Error as exc:
+        raise StoreError(f"store {path}: final checkpoint failed: {exc}") from None
+    finally:
+        conn.close()
 
 
 def _count(conn: sqlite3.Connection) -> list[tuple[str, str, int]]:
