@@ -31,14 +31,16 @@ it is held. The worker processes of one `stepguard serve --workers N` share the 
 supervisor holds that lock (and hands it down to them, so it is held while any of them lives),
 and each worker opens the store with `shared=True`, which takes no lock. SQLite serialises
 their writers (WAL, one writer at a time; a writer waits for the write lock within its batch's
-deadline). Of the shared stores on one file, one at a time keeps the WAL bounded and purges old
-runs: the one whose checkpointer thread holds `<store>.checkpoint` (an exclusive lock taken
-without waiting, tried again every `checkpoint_interval_s` by the others, so when that process
-dies another takes over). Its checkpointer thread runs the PASSIVE checkpoints, the TRUNCATE
-checkpoint past `wal_limit_bytes` (it takes the write lock: every worker's writer waits for it
-to end) and the retention purge; no writer does either. A shared store's `close` checkpoints
-only PASSIVE (the others may still be writing); the supervisor truncates the WAL once every
-worker has stopped (`checkpoint_store`).
+deadline). Of the shared stores on one file, one at a time runs the PASSIVE checkpoints and the
+retention purge: the one whose checkpointer thread holds `<store>.checkpoint` (an exclusive
+lock taken without waiting, tried again every `checkpoint_interval_s` by the others, so when
+that process dies another takes over); no writer purges. Past `wal_limit_bytes` every writer
+runs the TRUNCATE checkpoint between its batches, as a single store's does; one that fails
+(another process's writer took the write lock back) stops writing for a moment and tries again
+(`_hold_for_truncate`): every writer past the limit does the same, so they stop competing for
+the write lock and one try soon wins. A shared store's `close` checkpoints only PASSIVE (the others
+may still be writing); the supervisor truncates the WAL once every worker has stopped
+(`checkpoint_store`).
 """
 
 from __future__ import annotations
@@ -69,6 +71,9 @@ TRUNCATE_RETRY_S = 0.01      # after a TRUNCATE checkpoint kept from completing 
 TRUNCATE_RETRY_MAX_S = 0.2   # ... doubling up to this while it keeps failing
 TRUNCATE_BUSY_S = 0.1        # how long the writer's TRUNCATE waits for readers to let go ...
 TRUNCATE_BUSY_MIN_S = 0.01   # ... halving down to this while it keeps failing
+SHARED_HOLD_S = 0.2          # shared: how long a writer past the limit stops writing to truncate
+SHARED_HOLD_PAUSE_S = 0.002  # ... between its tries
+SHARED_HOLD_TRIES = 4        # ... while fewer rounds than this failed in a row
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -157,6 +162,7 @@ class SQLiteStore:
         self.checkpoint_lock_path = Path(f"{self.path}.checkpoint")
         self.checkpointing_here = False   # shared: this process keeps the WAL bounded now
         self.truncations = 0          # TRUNCATE checkpoints the writer completed
+        self.purges = 0               # retention purges this store ran
         self._conn: sqlite3.Connection | None = None    # the writer's, used on its thread only
         self._closing = False
         self._healthy = True
@@ -350,8 +356,7 @@ class SQLiteStore:
                     # a closed loop raises RuntimeError: nobody waits any more
                     with contextlib.suppress(RuntimeError):
                         loop.call_soon_threadsafe(_settle_all, results)
-                if not self.shared:     # shared: the checkpointer thread bounds the WAL
-                    self._bound_wal(conn)
+                self._bound_wal(conn)
         finally:
             self._final_checkpoint(conn)
 
@@ -432,6 +437,7 @@ class SQLiteStore:
             return
         self._next_purge = now + self.purge_interval_s
         purge(conn, now - self.retention_s)
+        self.purges += 1
 
     def wal_bytes(self) -> int:
         try:
@@ -453,12 +459,30 @@ class SQLiteStore:
         # of their pace (a 500 ms wait per batch once left 2 writes/s) and the WAL is emptied
         # soon after the reader lets go. The WAL cannot be emptied past a held snapshot at all.
         failed = self._truncate_failures
-        if self._truncate(conn, max(TRUNCATE_BUSY_MIN_S, TRUNCATE_BUSY_S / (1 << failed))):
+        done = self._truncate(conn, max(TRUNCATE_BUSY_MIN_S, TRUNCATE_BUSY_S / (1 << failed)))
+        if not done and self.shared and failed < SHARED_HOLD_TRIES:
+            done = self._hold_for_truncate(conn)
+        if done:
             self._next_truncate = 0.0
             self._truncate_failures = 0
         else:
             self._next_truncate = now + min(TRUNCATE_RETRY_S * (1 << failed), TRUNCATE_RETRY_MAX_S)
             self._truncate_failures = min(failed + 1, 16)
+
+    def _hold_for_truncate(self, conn: sqlite3.Connection) -> bool:
+        """Shared: the other processes' writers kept taking the write lock back. Write nothing
+        for up to `SHARED_HOLD_S`, trying again: each of them, past the limit too, stops as this
+        one does, so one try soon finds no writer (or another process emptied the WAL). A reader
+        holding a snapshot makes the tries fail: after `SHARED_HOLD_TRIES` failed rounds the
+        writer only backs off, as a single store's does."""
+        until = time.monotonic() + min(SHARED_HOLD_S, self.timeout_s / 4)
+        while time.monotonic() < until:
+            if self.wal_bytes() <= self.wal_limit_bytes:
+                return True
+            time.sleep(SHARED_HOLD_PAUSE_S)
+            if self._truncate(conn, TRUNCATE_BUSY_MIN_S):
+                return True
+        return self.wal_bytes() <= self.wal_limit_bytes
 
     def _truncate(self, conn: sqlite3.Connection, busy_s: float = 0.5) -> bool:
         """A TRUNCATE checkpoint. SQLite does not wait for a checkpoint in progress (it answers
@@ -532,8 +556,8 @@ class SQLiteStore:
 
     def _shared_checkpoints(self) -> None:
         """A shared store's checkpointer: idle until it holds `<store>.checkpoint` (one process
-        of those sharing the file at a time), then what a single store's checkpointer and writer
-        do to bound the WAL, and the retention purge, over a connection of its own."""
+        of those sharing the file at a time), then what a single store's checkpointer does (the
+        PASSIVE checkpoints), and the retention purge, over a connection of its own."""
         try:
             conn = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
         except sqlite3.Error:
@@ -556,38 +580,22 @@ class SQLiteStore:
                     self._shared_purge(conn)
                 size = self.wal_bytes()
                 if size > self.wal_limit_bytes:
-                    if now >= self._next_truncate:
-                        self._bound_shared_wal(conn, now)
-                    continue
+                    continue    # the writers truncate it: a checkpoint here would only hold it up
                 if size <= self.wal_limit_bytes // 2 and now - last < self.checkpoint_interval_s:
                     continue
+                if not self._checkpointing.acquire(blocking=False):
+                    continue    # this process's writer is truncating
                 last = now
-                with contextlib.suppress(sqlite3.Error):   # busy: the next round catches up
-                    conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+                try:
+                    with contextlib.suppress(sqlite3.Error):   # busy: the next round catches up
+                        conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+                finally:
+                    self._checkpointing.release()
         finally:
             self.checkpointing_here = False
             conn.close()
             if fd is not None:
                 os.close(fd)
-
-    def _bound_shared_wal(self, conn: sqlite3.Connection, now: float) -> None:
-        """`_bound_wal` for a shared store, on the checkpointer's connection: the TRUNCATE
-        checkpoint takes the write lock, so every process's writer waits for it."""
-        failed = self._truncate_failures
-        busy_ms = max(1, int(min(self.timeout_s, 0.5,
-                                 max(TRUNCATE_BUSY_MIN_S, TRUNCATE_BUSY_S / (1 << failed))) * 1000))
-        try:
-            conn.execute(f"PRAGMA busy_timeout={busy_ms}")
-            busy = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
-        except sqlite3.Error:
-            busy = 1
-        if not busy:
-            self.truncations += 1
-            self._next_truncate = 0.0
-            self._truncate_failures = 0
-        else:
-            self._next_truncate = now + min(TRUNCATE_RETRY_S * (1 << failed), TRUNCATE_RETRY_MAX_S)
-            self._truncate_failures = min(failed + 1, 16)
 
     def _shared_purge(self, conn: sqlite3.Connection) -> None:
         """The retention purge of a shared store, in a transaction of its own."""
@@ -597,6 +605,7 @@ class SQLiteStore:
             conn.execute("BEGIN IMMEDIATE")
             purge(conn, time.time() - self.retention_s)
             conn.execute("COMMIT")
+            self.purges += 1
         except sqlite3.Error:
             _rollback(conn)
             self._next_purge = time.time() + self.checkpoint_interval_s   # try again soon
