@@ -292,10 +292,7 @@ async def test_workers_stop_when_their_supervisor_is_killed(tmp_path: Path,
     async with serving(tmp_path, write_contract(tmp_path / "c.yaml", tools_url)) as served:
         served.proc.kill()
         await served.proc.wait()
-        deadline = time.monotonic() + 15
-        while any(_alive(pid) for pid in served.pids) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        assert not any(_alive(pid) for pid in served.pids)
+        await served.until(lambda: not any(_alive(pid) for pid in served.pids))
         assert {line["worker"] for line in served.events("stopped")} == {0, 1}
 
 
