@@ -304,3 +304,29 @@ def _alive(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+async def test_readyz_of_a_worker_is_503_until_every_worker_serves(tmp_path: Path,
+                                                                  aiohttp_client: Any) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from stepguard.contracts.loader import load_contract
+    from stepguard.metrics.prom import Metrics
+    from stepguard.proxy.app import build, create_admin_app
+    from stepguard.proxy.config import Settings
+    from stepguard.proxy.worker_link import READY_MARK, WorkerLink
+
+    link = WorkerLink(0, -1, -1, tmp_path)
+    sg = build(Settings(store=str(tmp_path / "s.db")), [load_contract(contract_path())],
+               metrics=Metrics(CollectorRegistry()), worker=link)
+    await sg.start()
+    try:
+        client = await aiohttp_client(create_admin_app(sg))
+        starting = await client.get("/readyz")
+        (tmp_path / READY_MARK).touch()             # what the supervisor does
+        ready = await client.get("/readyz")
+        assert (starting.status, (await starting.json())["workers"]) == (503, "starting")
+        assert (ready.status, (await ready.json())["workers"]) == (200, "ok")
+        assert sg.store.shared
+    finally:
+        await sg.stop()
