@@ -9,6 +9,9 @@ asyncio server answering a ~10 KB order and a fixed OpenAI tool-call turn), one 
 - `contract`: `stepguard serve` checking every call (entry and exit, input schema, output schema
   on the 10 KB body, one precondition and one postcondition in CEL, history in SQLite), each call
   in a run of its own (`x-stepguard-run: <phase>-<n>`), so runs never wait on one run's lock;
+- `contract_workers2`: the `contract` row with `stepguard serve --workers 2` (two worker
+  processes on one port, one SQLite file shared); its CPU figure sums the supervisor and both
+  workers;
 - `model`, `model_stream`: Chat Completions through stepguard (the example's model contract):
   every response's tool call is a checked entry boundary of a new run; the `*_direct` rows are
   the same requests straight to the upstream, the reference the model rows' added figures use.
@@ -77,11 +80,14 @@ from stepguard.contracts.sqlite_store import SQLiteStore
 from stepguard.proxy.bodies import history_payload
 from stepguard.proxy.config import Settings
 
-ROWS = ("direct", "nginx", "passthrough", "contract", "model", "model_stream")
+ROWS = ("direct", "nginx", "passthrough", "contract", "contract_workers2", "model",
+        "model_stream")
 REFERENCE = {"nginx": "direct", "passthrough": "direct", "contract": "direct",
+             "contract_workers2": "direct",
              "model": "model_direct", "model_stream": "model_stream_direct"}
-_ORDER = ("direct", "nginx", "passthrough", "contract", "model_direct", "model",
-          "model_stream_direct", "model_stream")
+_ORDER = ("direct", "nginx", "passthrough", "contract", "contract_workers2", "model_direct",
+          "model", "model_stream_direct", "model_stream")
+_WORKERS = {"contract_workers2": 2}     # rows served by `serve --workers N`
 WRK = "/usr/bin/wrk"
 NGINX = "/usr/sbin/nginx"
 RUN_HEADER = "x-stepguard-run"
@@ -636,14 +642,16 @@ class _Bench:
         self._wait_http(proc, port, f"{MOUNT}/healthz", "GET")
         return proc, port
 
-    def start_stepguard(self, name: str, contract: dict[str, Any]) -> tuple[_Proc, int, Path]:
+    def start_stepguard(self, name: str, contract: dict[str, Any],
+                        workers: int = 1) -> tuple[_Proc, int, Path]:
         path = _write_contract(self.dir / f"{self.tagged(name)}.contract.yaml", contract)
         port, admin, store = free_port(), free_port(), self.dir / f"{self.tagged(name)}.db"
         env = {k: v for k, v in os.environ.items() if not k.startswith("STEPGUARD_")}
         proc = self.spawn(name, [sys.executable, "-m", "stepguard.proxy.cli", "serve",
                                  "--contract", str(path), "--host", "127.0.0.1", "--port", str(port),
                                  "--admin-host", "127.0.0.1", "--admin-port", str(admin),
-                                 "--store", str(store), "--log-level", "warning"],
+                                 "--store", str(store), "--log-level", "warning",
+                                 "--workers", str(workers)],
                           env=env)
         self._wait_http(proc, admin, "/readyz", "GET")
         return proc, port, store
@@ -819,9 +827,10 @@ def _measure_row(bench: _Bench, name: str, upstream_url: str, wrk_missing: str |
         elif name == "nginx":
             hop, port = bench.start_nginx()
             prefix = MOUNT
-        elif name in ("passthrough", "contract"):
-            path = TOOL_PATH if name == "contract" else "/never_benchmarked"
-            hop, port, store = bench.start_stepguard(name, bench_contract(upstream_url, path))
+        elif name in ("passthrough", "contract", "contract_workers2"):
+            path = "/never_benchmarked" if name == "passthrough" else TOOL_PATH
+            hop, port, store = bench.start_stepguard(name, bench_contract(upstream_url, path),
+                                                     _WORKERS.get(name, 1))
             prefix = MOUNT
         else:
             hop, port, store = bench.start_stepguard(name, model_contract(upstream_url))
@@ -975,6 +984,7 @@ def _targets(rows: dict[str, Row], ratios: dict[str, float | None],
 
     add("contract rps / passthrough rps", ratios["contract/passthrough"], ">=", 0.85)
     add("contract rps / nginx rps", ratios["contract/nginx"], ">=", 0.30)
+    add("contract_workers2 rps / contract rps", ratios["contract_workers2/contract"], ">=", 1.7)
     for name in ("contract", "model", "model_stream"):
         row = rows.get(name)
         if row is None:
@@ -1113,7 +1123,8 @@ def run(options: BenchOptions) -> dict[str, Any]:
 
     ratios = {"contract/passthrough": _ratio(rps("contract"), rps("passthrough")),
               "contract/nginx": _ratio(rps("contract"), rps("nginx")),
-              "passthrough/nginx": _ratio(rps("passthrough"), rps("nginx"))}
+              "passthrough/nginx": _ratio(rps("passthrough"), rps("nginx")),
+              "contract_workers2/contract": _ratio(rps("contract_workers2"), rps("contract"))}
     return {"rows": {name: asdict(row) for name, row in rows.items()}, "ratios": ratios,
             "targets": _targets(rows, ratios, micro), "micro": micro, "bounds": hop_bounds(),
             "options": asdict(options),
@@ -1208,7 +1219,7 @@ def render(result: dict[str, Any]) -> str:
     if result.get("bounds"):
         lines += ["", _render_bounds(result["bounds"])]
     lines += ["", "ratios:"]
-    lines += [f"  {name:<20} {_fmt(value, 3)}" for name, value in result["ratios"].items()]
+    lines += [f"  {name:<28} {_fmt(value, 3)}" for name, value in result["ratios"].items()]
     micro = result.get("micro")
     if micro:
         lines += ["", f"boundary micro-benchmark ({micro['n']} pairs, {micro['body_bytes']} B "

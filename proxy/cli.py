@@ -225,7 +225,8 @@ def _parser() -> argparse.ArgumentParser:
                              help="offered requests per second for the latency phase")
     proxy_bench.add_argument("--rate-duration", type=float, default=4.0,
                              help="seconds of each latency phase")
-    proxy_bench.add_argument("--rows", default="direct,nginx,passthrough,contract,model,model_stream",
+    proxy_bench.add_argument("--rows", default="direct,nginx,passthrough,contract,contract_workers2,model,"
+                                                     "model_stream",
                              help="comma-separated rows to run")
     proxy_bench.add_argument("--seq-requests", type=int, default=500,
                              help="requests of each closed-loop phase (one connection, back to "
