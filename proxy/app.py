@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import shutil
 import signal
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -336,8 +337,15 @@ async def serve(settings: Settings, contracts: list[Contract],
         task.add_done_callback(reloads.discard)
 
     loop.add_signal_handler(signal.SIGHUP, on_hangup)
+    orphaned = False
+
+    def on_orphaned() -> None:
+        nonlocal orphaned
+        orphaned = True
+        stop.set()
+
     if worker is not None:      # the supervisor gone (its end of the life pipe closed): drain
-        loop.add_reader(worker.life_fd, stop.set)
+        loop.add_reader(worker.life_fd, on_orphaned)
     reuse = True if worker is not None else None
     try:
         await web.TCPSite(proxy_runner, settings.host, settings.port, reuse_port=reuse).start()
@@ -362,4 +370,8 @@ async def serve(settings: Settings, contracts: list[Contract],
         await proxy_runner.cleanup()
         await admin_runner.cleanup()
         await sg.stop()
+        if worker is not None and orphaned:
+            # nobody else will remove the metrics directory (another worker may have already;
+            # one still running keeps its files mapped)
+            shutil.rmtree(worker.metrics_dir, ignore_errors=True)
         log.info("stopped")

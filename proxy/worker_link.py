@@ -4,7 +4,8 @@
 - the status pipe (the worker writes): `ready <pid>` once its listeners are bound and its store
   is open;
 - the life pipe (the worker reads): the supervisor holds its other end and never writes; end
-  of file means the supervisor is gone, and the worker drains and stops as on SIGTERM;
+  of file means the supervisor is gone, and the worker drains and stops as on SIGTERM (and
+  removes the metrics directory, which the supervisor can no longer remove);
 - `PROMETHEUS_MULTIPROC_DIR`: prometheus-client's multiprocess directory, which the supervisor
   creates empty for every start; it also holds `workers-ready` while every worker started is up
   (the admin listener's `/readyz` answers 503 before).

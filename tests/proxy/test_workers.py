@@ -291,10 +291,21 @@ async def test_a_second_serve_on_the_workers_port_is_refused(tmp_path: Path,
 async def test_workers_stop_when_their_supervisor_is_killed(tmp_path: Path,
                                                             tools_url: str) -> None:
     async with serving(tmp_path, write_contract(tmp_path / "c.yaml", tools_url)) as served:
+        metrics_dir = _metrics_dir_of(served.pids[0])
+        assert metrics_dir.is_dir()
         served.proc.kill()
         await served.proc.wait()
         await served.until(lambda: not any(_alive(pid) for pid in served.pids))
         assert {line["worker"] for line in served.events("stopped")} == {0, 1}
+    assert not metrics_dir.exists()         # removed by the workers, as the supervisor would
+
+
+def _metrics_dir_of(pid: int) -> Path:
+    """The PROMETHEUS_MULTIPROC_DIR a worker was started with."""
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    [found] = [Path(v.split(b"=", 1)[1].decode()) for v in environ
+               if v.startswith(b"PROMETHEUS_MULTIPROC_DIR=")]
+    return found
 
 
 def _alive(pid: int) -> bool:
