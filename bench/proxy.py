@@ -13,6 +13,9 @@ asyncio server answering a ~10 KB order and a fixed OpenAI tool-call turn), one 
 - `contract_traced`: the same with OpenTelemetry trace export on (`stepguard[otel]`), every
   call sampled (`OTEL_TRACES_SAMPLER=always_on`): a server span, its boundary events and a
   client span per call, batched over OTLP/HTTP to a local sink (a second bench upstream);
+- `contract_workers2`: the `contract` row with `stepguard serve --workers 2` (two worker
+  processes on one port, one SQLite file shared); its CPU figure sums the supervisor and both
+  workers;
 - `model`, `model_stream`: Chat Completions through stepguard (the example's model contract):
   every response's tool call is a checked entry boundary of a new run; the `*_direct` rows are
   the same requests straight to the upstream, the reference the model rows' added figures use.
@@ -82,15 +85,17 @@ from stepguard.contracts.sqlite_store import SQLiteStore
 from stepguard.proxy.bodies import history_payload
 from stepguard.proxy.config import Settings
 
-ROWS = ("direct", "nginx", "passthrough", "contract", "contract_traced", "model", "model_stream")
+ROWS = ("direct", "nginx", "passthrough", "contract", "contract_traced", "contract_workers2",
+        "model", "model_stream")
 REFERENCE = {"nginx": "direct", "passthrough": "direct", "contract": "direct",
-             "contract_traced": "direct",
+             "contract_traced": "direct", "contract_workers2": "direct",
              "model": "model_direct", "model_stream": "model_stream_direct"}
-_ORDER = ("direct", "nginx", "passthrough", "contract", "contract_traced", "model_direct",
-          "model", "model_stream_direct", "model_stream")
+_ORDER = ("direct", "nginx", "passthrough", "contract", "contract_traced", "contract_workers2",
+          "model_direct", "model", "model_stream_direct", "model_stream")
 # the contract_traced row: trace export on, every call sampled, batches to a local OTLP sink
 # (a second bench upstream process, answering POST /v1/traces with an empty 200)
 TRACED_ENV = {"OTEL_TRACES_SAMPLER": "always_on", "OTEL_SERVICE_NAME": "stepguard-bench"}
+_WORKERS = {"contract_workers2": 2}     # rows served by `serve --workers N`
 WRK = "/usr/bin/wrk"
 NGINX = "/usr/sbin/nginx"
 RUN_HEADER = "x-stepguard-run"
@@ -654,7 +659,8 @@ class _Bench:
         return proc, port
 
     def start_stepguard(self, name: str, contract: dict[str, Any],
-                        otel: dict[str, str] | None = None) -> tuple[_Proc, int, Path]:
+                        otel: dict[str, str] | None = None,
+                        workers: int = 1) -> tuple[_Proc, int, Path]:
         path = _write_contract(self.dir / f"{self.tagged(name)}.contract.yaml", contract)
         port, admin, store = free_port(), free_port(), self.dir / f"{self.tagged(name)}.db"
         env = {k: v for k, v in os.environ.items()
@@ -662,7 +668,8 @@ class _Bench:
         proc = self.spawn(name, [sys.executable, "-m", "stepguard.proxy.cli", "serve",
                                  "--contract", str(path), "--host", "127.0.0.1", "--port", str(port),
                                  "--admin-host", "127.0.0.1", "--admin-port", str(admin),
-                                 "--store", str(store), "--log-level", "warning"],
+                                 "--store", str(store), "--log-level", "warning",
+                                 "--workers", str(workers)],
                           env=env)
         self._wait_http(proc, admin, "/readyz", "GET")
         return proc, port, store
@@ -838,12 +845,12 @@ def _measure_row(bench: _Bench, name: str, upstream_url: str, wrk_missing: str |
         elif name == "nginx":
             hop, port = bench.start_nginx()
             prefix = MOUNT
-        elif name in ("passthrough", "contract", "contract_traced"):
+        elif name in ("passthrough", "contract", "contract_traced", "contract_workers2"):
             path = "/never_benchmarked" if name == "passthrough" else TOOL_PATH
             otel = ({**TRACED_ENV, "OTEL_EXPORTER_OTLP_ENDPOINT": bench.otlp_sink()}
                     if name == "contract_traced" else None)
             hop, port, store = bench.start_stepguard(name, bench_contract(upstream_url, path),
-                                                     otel)
+                                                     otel, _WORKERS.get(name, 1))
             prefix = MOUNT
         else:
             hop, port, store = bench.start_stepguard(name, model_contract(upstream_url))
@@ -997,6 +1004,7 @@ def _targets(rows: dict[str, Row], ratios: dict[str, float | None],
 
     add("contract rps / passthrough rps", ratios["contract/passthrough"], ">=", 0.85)
     add("contract rps / nginx rps", ratios["contract/nginx"], ">=", 0.30)
+    add("contract_workers2 rps / contract rps", ratios["contract_workers2/contract"], ">=", 1.7)
     for name in ("contract", "contract_traced", "model", "model_stream"):
         row = rows.get(name)
         if row is None:
@@ -1142,7 +1150,8 @@ def run(options: BenchOptions) -> dict[str, Any]:
               "traced/contract rps": _ratio(rps("contract_traced"), rps("contract")),
               "traced/contract cpu": _ratio(cpu("contract_traced"), cpu("contract")),
               "contract/nginx": _ratio(rps("contract"), rps("nginx")),
-              "passthrough/nginx": _ratio(rps("passthrough"), rps("nginx"))}
+              "passthrough/nginx": _ratio(rps("passthrough"), rps("nginx")),
+              "contract_workers2/contract": _ratio(rps("contract_workers2"), rps("contract"))}
     return {"rows": {name: asdict(row) for name, row in rows.items()}, "ratios": ratios,
             "targets": _targets(rows, ratios, micro), "micro": micro, "bounds": hop_bounds(),
             "options": asdict(options),
@@ -1237,7 +1246,7 @@ def render(result: dict[str, Any]) -> str:
     if result.get("bounds"):
         lines += ["", _render_bounds(result["bounds"])]
     lines += ["", "ratios:"]
-    lines += [f"  {name:<20} {_fmt(value, 3)}" for name, value in result["ratios"].items()]
+    lines += [f"  {name:<28} {_fmt(value, 3)}" for name, value in result["ratios"].items()]
     micro = result.get("micro")
     if micro:
         lines += ["", f"boundary micro-benchmark ({micro['n']} pairs, {micro['body_bytes']} B "

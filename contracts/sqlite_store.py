@@ -25,8 +25,22 @@ writer): point reads on one thread, the full scan of `count_by_status` (for the 
 gauge) on another, so a scan never holds up a lookup. `close` lets every operation already
 started finish, refuses new ones, then closes the connections.
 
-Only one process may use a store file: `open` takes an exclusive lock on `<store>.lock` before
-touching the database, and fails with a StoreError naming the path when it is held.
+Only one stepguard may use a store file: `open` takes an exclusive lock on `<store>.lock`
+(`lock_store`) before touching the database, and fails with a StoreError naming the path when
+it is held. The worker processes of one `stepguard serve --workers N` share the file: their
+supervisor holds that lock (and hands it down to them, so it is held while any of them lives),
+and each worker opens the store with `shared=True`, which takes no lock. SQLite serialises
+their writers (WAL, one writer at a time; a writer waits for the write lock within its batch's
+deadline). Of the shared stores on one file, one at a time runs the PASSIVE checkpoints and the
+retention purge: the one whose checkpointer thread holds `<store>.checkpoint` (an exclusive
+lock taken without waiting, tried again every `checkpoint_interval_s` by the others, so when
+that process dies another takes over); no writer purges. Past `wal_limit_bytes` every writer
+runs the TRUNCATE checkpoint between its batches, as a single store's does; one that fails
+(another process's writer took the write lock back) stops writing for a moment and tries again
+(`_hold_for_truncate`): every writer past the limit does the same, so they stop competing for
+the write lock and one try soon wins. A shared store's `close` checkpoints only PASSIVE (the others
+may still be writing); the supervisor truncates the WAL once every worker has stopped
+(`checkpoint_store`).
 """
 
 from __future__ import annotations
@@ -57,6 +71,9 @@ TRUNCATE_RETRY_S = 0.01      # after a TRUNCATE checkpoint kept from completing 
 TRUNCATE_RETRY_MAX_S = 0.2   # ... doubling up to this while it keeps failing
 TRUNCATE_BUSY_S = 0.1        # how long the writer's TRUNCATE waits for readers to let go ...
 TRUNCATE_BUSY_MIN_S = 0.01   # ... halving down to this while it keeps failing
+SHARED_HOLD_S = 0.2          # shared: how long a writer past the limit stops writing to truncate
+SHARED_HOLD_PAUSE_S = 0.002  # ... between its tries
+SHARED_HOLD_TRIES = 4        # ... while fewer rounds than this failed in a row
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -127,13 +144,15 @@ def connect(path: str | Path, synchronous: str = "NORMAL",
 
 
 class SQLiteStore:
-    shared = False      # one process per file (its lock): nobody else writes these runs
+    shared: bool = False   # one process per file (its lock): nobody else writes these runs
 
     def __init__(self, path: str | Path, synchronous: str = "NORMAL",
                  checkpoint_interval_s: float = 1.0, retention_s: float = 0.0,
                  purge_interval_s: float = 300.0, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 wal_limit_bytes: int = DEFAULT_WAL_LIMIT_BYTES) -> None:
+                 wal_limit_bytes: int = DEFAULT_WAL_LIMIT_BYTES, shared: bool = False) -> None:
         self.path = Path(path)
+        # True: other processes (the workers of one serve) write to the file too; no lock taken
+        self.shared = shared
         self.synchronous = synchronous
         self.checkpoint_interval_s = checkpoint_interval_s
         self.retention_s = retention_s
@@ -142,7 +161,10 @@ class SQLiteStore:
         self.wal_limit_bytes = wal_limit_bytes
         self.wal_path = Path(f"{self.path}-wal")
         self.lock_path = Path(f"{self.path}.lock")
+        self.checkpoint_lock_path = Path(f"{self.path}.checkpoint")
+        self.checkpointing_here = False   # shared: this process keeps the WAL bounded now
         self.truncations = 0          # TRUNCATE checkpoints the writer completed
+        self.purges = 0               # retention purges this store ran
         self._conn: sqlite3.Connection | None = None    # the writer's, used on its thread only
         self._closing = False
         self._healthy = True
@@ -172,7 +194,8 @@ class SQLiteStore:
     async def open(self) -> None:
         if self._conn is not None:
             return
-        self._lock_fd = await asyncio.to_thread(self._take_lock)
+        if not self.shared:
+            self._lock_fd = await asyncio.to_thread(lock_store, self.path)
         try:
             conn, lookup, reader = await asyncio.to_thread(self._connect_all)
         except BaseException:
@@ -189,8 +212,9 @@ class SQLiteStore:
                                         name="stepguard-write")
         self._writer.start()
         self._stop.clear()
-        self._checkpointer = threading.Thread(target=self._checkpoints, daemon=True,
-                                              name="stepguard-checkpoint")
+        self._checkpointer = threading.Thread(
+            target=self._shared_checkpoints if self.shared else self._checkpoints, daemon=True,
+            name="stepguard-checkpoint")
         self._checkpointer.start()
 
     async def close(self) -> None:
@@ -408,13 +432,14 @@ class SQLiteStore:
         return results
 
     def _purge_if_due(self, conn: sqlite3.Connection) -> None:
-        if self.retention_s <= 0:
+        if self.retention_s <= 0 or self.shared:   # shared: the checkpointer thread purges
             return
         now = time.time()
         if now < self._next_purge:
             return
         self._next_purge = now + self.purge_interval_s
         purge(conn, now - self.retention_s)
+        self.purges += 1
 
     def wal_bytes(self) -> int:
         try:
@@ -436,12 +461,30 @@ class SQLiteStore:
         # of their pace (a 500 ms wait per batch once left 2 writes/s) and the WAL is emptied
         # soon after the reader lets go. The WAL cannot be emptied past a held snapshot at all.
         failed = self._truncate_failures
-        if self._truncate(conn, max(TRUNCATE_BUSY_MIN_S, TRUNCATE_BUSY_S / (1 << failed))):
+        done = self._truncate(conn, max(TRUNCATE_BUSY_MIN_S, TRUNCATE_BUSY_S / (1 << failed)))
+        if not done and self.shared and failed < SHARED_HOLD_TRIES:
+            done = self._hold_for_truncate(conn)
+        if done:
             self._next_truncate = 0.0
             self._truncate_failures = 0
         else:
             self._next_truncate = now + min(TRUNCATE_RETRY_S * (1 << failed), TRUNCATE_RETRY_MAX_S)
             self._truncate_failures = min(failed + 1, 16)
+
+    def _hold_for_truncate(self, conn: sqlite3.Connection) -> bool:
+        """Shared: the other processes' writers kept taking the write lock back. Write nothing
+        for up to `SHARED_HOLD_S`, trying again: each of them, past the limit too, stops as this
+        one does, so one try soon finds no writer (or another process emptied the WAL). A reader
+        holding a snapshot makes the tries fail: after `SHARED_HOLD_TRIES` failed rounds the
+        writer only backs off, as a single store's does."""
+        until = time.monotonic() + min(SHARED_HOLD_S, self.timeout_s / 4)
+        while time.monotonic() < until:
+            if self.wal_bytes() <= self.wal_limit_bytes:
+                return True
+            time.sleep(SHARED_HOLD_PAUSE_S)
+            if self._truncate(conn, TRUNCATE_BUSY_MIN_S):
+                return True
+        return self.wal_bytes() <= self.wal_limit_bytes
 
     def _truncate(self, conn: sqlite3.Connection, busy_s: float = 0.5) -> bool:
         """A TRUNCATE checkpoint. SQLite does not wait for a checkpoint in progress (it answers
@@ -475,7 +518,8 @@ class SQLiteStore:
     def _final_checkpoint(self, conn: sqlite3.Connection) -> None:
         try:
             conn.execute(f"PRAGMA busy_timeout={max(1, int(self.timeout_s * 1000))}")
-            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            # shared: the other workers may go on writing; the supervisor truncates at the end
+            conn.execute(f"PRAGMA wal_checkpoint({'PASSIVE' if self.shared else 'TRUNCATE'})")
         except sqlite3.Error as exc:
             self._close_problem = str(exc)
         try:
@@ -512,26 +556,63 @@ class SQLiteStore:
         finally:
             conn.close()
 
-    # --- opening and closing ---------------------------------------------------------------
+    def _shared_checkpoints(self) -> None:
+        """A shared store's checkpointer: idle until it holds `<store>.checkpoint` (one process
+        of those sharing the file at a time), then what a single store's checkpointer does (the
+        PASSIVE checkpoints), and the retention purge, over a connection of its own."""
+        try:
+            conn = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
+        except sqlite3.Error:
+            return
+        fd: int | None = None
+        try:
+            conn.execute("PRAGMA busy_timeout=100")
+            last = time.monotonic()
+            wait = min(self.checkpoint_interval_s, CHECKPOINT_POLL_S)
+            while not self._stop.wait(wait):
+                if fd is None:
+                    fd = _try_lock(self.checkpoint_lock_path)
+                    if fd is None:
+                        wait = self.checkpoint_interval_s   # another process checkpoints
+                        continue
+                    self.checkpointing_here = True
+                    wait = min(self.checkpoint_interval_s, CHECKPOINT_POLL_S)
+                now = time.monotonic()
+                if self.retention_s > 0 and time.time() >= self._next_purge:
+                    self._shared_purge(conn)
+                size = self.wal_bytes()
+                if size > self.wal_limit_bytes:
+                    continue    # the writers truncate it: a checkpoint here would only hold it up
+                if size <= self.wal_limit_bytes // 2 and now - last < self.checkpoint_interval_s:
+                    continue
+                if not self._checkpointing.acquire(blocking=False):
+                    continue    # this process's writer is truncating
+                last = now
+                try:
+                    with contextlib.suppress(sqlite3.Error):   # busy: the next round catches up
+                        conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+                finally:
+                    self._checkpointing.release()
+        finally:
+            self.checkpointing_here = False
+            conn.close()
+            if fd is not None:
+                os.close(fd)
 
-    def _take_lock(self) -> int:
-        """An exclusive lock on `<store>.lock`, before the database is touched: a second
-        stepguard on the same store stops here, having changed nothing."""
-        if not self.path.parent.is_dir():
-            raise StoreError(f"cannot open store {self.path}: directory {self.path.parent} "
-                             "does not exist")
+    def _shared_purge(self, conn: sqlite3.Connection) -> None:
+        """The retention purge of a shared store, in a transaction of its own."""
+        self._next_purge = time.time() + self.purge_interval_s
         try:
-            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        except OSError as exc:
-            raise StoreError(f"cannot open store {self.path}: cannot create its lock file "
-                             f"{self.lock_path}: {exc.strerror}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            raise StoreError(f"store {self.path} is in use by another stepguard (lock "
-                             f"{self.lock_path} is held)") from None
-        return fd
+            conn.execute(f"PRAGMA busy_timeout={max(1, int(self.timeout_s * 1000))}")
+            conn.execute("BEGIN IMMEDIATE")
+            purge(conn, time.time() - self.retention_s)
+            conn.execute("COMMIT")
+            self.purges += 1
+        except sqlite3.Error:
+            _rollback(conn)
+            self._next_purge = time.time() + self.checkpoint_interval_s   # try again soon
+
+    # --- opening and closing ---------------------------------------------------------------
 
     def _release_lock(self) -> None:
         fd, self._lock_fd = self._lock_fd, None
@@ -567,6 +648,58 @@ class SQLiteStore:
 
 
 _STOP = object()
+
+
+def lock_store(path: str | Path) -> int:
+    """An exclusive lock on `<store>.lock`, before the database is touched: a second
+    stepguard on the same store stops here, having changed nothing. Returns the descriptor
+    that holds it (close-on-exec); closing it releases the lock."""
+    path = Path(path)
+    lock_path = Path(f"{path}.lock")
+    if not path.parent.is_dir():
+        raise StoreError(f"cannot open store {path}: directory {path.parent} does not exist")
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise StoreError(f"cannot open store {path}: cannot create its lock file "
+                         f"{lock_path}: {exc.strerror}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise StoreError(f"store {path} is in use by another stepguard (lock "
+                         f"{lock_path} is held)") from None
+    return fd
+
+
+def _try_lock(path: Path) -> int | None:
+    """An exclusive lock on `path` if nobody holds it, as the descriptor holding it; else None."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def checkpoint_store(path: str | Path, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """A TRUNCATE checkpoint of the store at `path` (its WAL copied back and emptied), as a
+    single store's `close` does: the supervisor's, once every worker sharing it has stopped."""
+    try:
+        conn = sqlite3.connect(str(path), isolation_level=None)
+    except sqlite3.Error as exc:
+        raise StoreError(f"store {path}: final checkpoint failed: {exc}") from None
+    try:
+        conn.execute(f"PRAGMA busy_timeout={max(1, int(timeout_s * 1000))}")
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    except sqlite3.Error as exc:
+        raise StoreError(f"store {path}: final checkpoint failed: {exc}") from None
+    finally:
+        conn.close()
 
 
 def _count(conn: sqlite3.Connection) -> list[tuple[str, str, int]]:

@@ -12,10 +12,11 @@ from stepguard.contracts.store_urls import check_location, is_postgres, redacted
 
 def make_store(location: str, *, timeout_s: float = DEFAULT_TIMEOUT_S, retention_s: float = 0.0,
                synchronous: str = "NORMAL", wal_limit_bytes: int = DEFAULT_WAL_LIMIT_BYTES,
-               migrate: bool = True) -> Store:
+               migrate: bool = True, shared: bool = False) -> Store:
     """The store at `location`, not yet open. `synchronous` and `wal_limit_bytes` are SQLite's;
     `migrate=False` opens a PostgreSQL store without changing its schema (a reader: it refuses a
-    schema of another version)."""
+    schema of another version). `shared=True`: a SQLite file other processes write too (the
+    workers of one `serve --workers N`); a PostgreSQL store always is."""
     problem = check_location(location)
     if problem is not None:
         raise StoreError(f"store {redacted(location)}: {problem}")
@@ -28,4 +29,4 @@ def make_store(location: str, *, timeout_s: float = DEFAULT_TIMEOUT_S, retention
         return PostgresStore(location, retention_s=retention_s, timeout_s=timeout_s,
                              migrate=migrate)
     return SQLiteStore(location, synchronous, retention_s=retention_s, timeout_s=timeout_s,
-                       wal_limit_bytes=wal_limit_bytes)
+                       wal_limit_bytes=wal_limit_bytes, shared=shared)

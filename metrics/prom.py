@@ -2,14 +2,28 @@
 
 Labels are bounded: workflow, contract version, step, boundary, check, drift class, verdict,
 action, upstream, traffic kind, status class. Never a run id.
+
+With `serve --workers N` every worker keeps its metrics in prometheus-client's multiprocess
+files (`PROMETHEUS_MULTIPROC_DIR`, set by the supervisor before the worker starts) and
+`exposition` reads every worker's: counters and histograms are summed over the workers (those
+that exited too, so a restart loses no count), `stepguard_held_calls` is summed over the live
+workers (`livesum`). Two families are the answering worker's own, not read from the files:
+`stepguard_runs` (counted from the shared store at the scrape, so any worker's count is the
+store's) and `stepguard_contract_info` (an Info, which multiprocess mode does not keep; every
+worker loads the same files and reloads on the same SIGHUP).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import warnings
+from collections.abc import Iterable, Iterator
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.exposition import choose_encoder
+from prometheus_client.metrics_core import Metric
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector
 
 from stepguard.contracts.envelope import STATUSES
 
@@ -24,7 +38,12 @@ def status_class(status: int | None) -> str:
 
 
 class Metrics:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None,
+                 multiprocess_dir: str | Path | None = None) -> None:
+        """`multiprocess_dir`: this is one worker of several (the values themselves go to the
+        directory's files when PROMETHEUS_MULTIPROC_DIR was set before prometheus-client was
+        imported); the exposition then reads every worker's."""
+        self.multiprocess_dir = None if multiprocess_dir is None else str(multiprocess_dir)
         self.registry = r = registry or CollectorRegistry()
         self.boundary_checks = Counter(
             "stepguard_boundary_checks", "Boundary checks, by verdict (pass, violation, rejected, "
@@ -58,7 +77,7 @@ class Metrics:
             ["upstream"], buckets=UPSTREAM_BUCKETS, registry=r)
         self.runs = Gauge(
             "stepguard_runs", "Runs in the store, by workflow and status.",
-            ["workflow", "status"], registry=r)
+            ["workflow", "status"], registry=r, multiprocess_mode="liveall")
         self.requests_refused = Counter(
             "stepguard_requests_refused", "Requests refused before their upstream saw them: "
             "ambiguous paths and method-override headers, and calls refused for a reason in "
@@ -82,7 +101,7 @@ class Metrics:
             "or wrong token.", registry=r)
         self.held_calls = Gauge(
             "stepguard_held_calls", "Calls held at their entry, waiting for an operator's "
-            "approval (this process).", ["workflow"], registry=r)
+            "approval (this process).", ["workflow"], registry=r, multiprocess_mode="livesum")
         self.holds = Counter(
             "stepguard_holds", "Held calls by how their hold ended: approved (the call went "
             "through), rejected, expired, stopped (the run halted meanwhile), used (an "
@@ -105,7 +124,7 @@ class Metrics:
     def contracts_loaded(self, contracts: Iterable[tuple[str, str, str, Iterable[str]]]) -> None:
         """Record the loaded contracts, and create the series that alerts watch with
         `increase(...) > 0` at zero, so their first increment is visible as an increase."""
-        self.contract_info.clear()
+        _clear(self.contract_info)
         for workflow, version, sha, steps in contracts:
             self.contract_info.labels(workflow, version, sha).info({})
             self.contract_loads.labels("ok").inc()
@@ -118,10 +137,42 @@ class Metrics:
             self.store_errors.labels(operation)
 
     def set_runs(self, counts: Iterable[tuple[str, str, int]]) -> None:
-        self.runs.clear()
+        _clear(self.runs)
         for workflow, status, count in counts:
             self.runs.labels(workflow, status).set(count)
 
     def exposition(self, accept: str | None) -> tuple[bytes, str]:
         encoder, content_type = choose_encoder(accept or "")
-        return encoder(self.registry), content_type
+        if self.multiprocess_dir is None:
+            return encoder(self.registry), content_type
+        # reads every worker's files: a few small mmaps per worker, well under a millisecond
+        return encoder(_Workers(self)), content_type
+
+
+def _clear(metric: Gauge | Info) -> None:
+    """`clear()`, which warns in multiprocess mode that the workers' files keep the cleared
+    series: true, and harmless here, since both families it is used on (`_OWN`) are reported
+    from the answering worker's own registry, never from the files."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Clearing labels", UserWarning)
+        metric.clear()
+
+
+# the families a worker reports from its own registry, not from the workers' files
+_OWN = ("stepguard_runs", "stepguard_contract")
+
+
+class _Workers(Collector):
+    """Every worker's metrics (a registry-like collector for the exposition encoders)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        assert metrics.multiprocess_dir is not None
+        self.metrics = metrics
+        self.files = MultiProcessCollector(None, metrics.multiprocess_dir)  # type: ignore[no-untyped-call]
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.files.collect():  # type: ignore[no-untyped-call]
+            if family.name not in _OWN:
+                yield family
+        yield from self.metrics.runs.collect()
+        yield from self.metrics.contract_info.collect()

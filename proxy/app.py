@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
+import shutil
 import signal
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import structlog
 from aiohttp import web
 
 from stepguard.contracts.errors import ContractError, ContractIssue, StepguardError
@@ -40,6 +43,7 @@ from stepguard.proxy.listener import (
 from stepguard.proxy.mcp_adapter import McpAdapter
 from stepguard.proxy.model_adapter import ModelAdapter
 from stepguard.proxy.routing import Router
+from stepguard.proxy.worker_link import WorkerLink
 
 # how old the run counts a scrape reports may be (docs/operations.md, "Metrics")
 RUN_COUNTS_MAX_AGE_S = 5.0
@@ -112,6 +116,8 @@ class Stepguard:
     observer: Observer
     ready: bool = False
     shadows: list[Contract] = field(default_factory=list)
+    # a worker of `serve --workers N`: its link to the supervisor (None: a single process)
+    worker: WorkerLink | None = None
 
     def __post_init__(self) -> None:
         self.metrics = self.observer.metrics
@@ -179,21 +185,24 @@ STEPGUARD = web.AppKey("stepguard", Stepguard)
 
 def build(settings: Settings, contracts: list[Contract], store: Store | None = None,
           metrics: Metrics | None = None, shadows: list[Contract] | None = None,
-          tracing: Tracing | None = None) -> Stepguard:
+          tracing: Tracing | None = None, worker: WorkerLink | None = None) -> Stepguard:
     """A Stepguard on the settings' store (a SQLite file or PostgreSQL; or `store`), with a
-    fresh metrics registry (and `tracing`, when trace export is on)."""
-    observer = Observer(metrics or Metrics(), settings.log_payloads, settings.payload_log_bytes,
+    fresh metrics registry (and `tracing`, when trace export is on). A worker (`worker`) shares
+    the store with its siblings and reports their metrics."""
+    metrics = metrics or Metrics(multiprocess_dir=worker.metrics_dir if worker else None)
+    observer = Observer(metrics, settings.log_payloads, settings.payload_log_bytes,
                         settings.log_level, tracing)
-    store = store or settings_store(settings)
-    return Stepguard(settings, contracts, store, observer, shadows=shadows or [])
+    store = store or settings_store(settings, shared=worker is not None)
+    return Stepguard(settings, contracts, store, observer, shadows=shadows or [], worker=worker)
 
 
-def settings_store(settings: Settings, migrate: bool = True) -> Store:
-    """The store the settings name (`--store`: a SQLite file or a postgresql:// URL), unopened."""
+def settings_store(settings: Settings, migrate: bool = True, shared: bool = False) -> Store:
+    """The store the settings name (`--store`: a SQLite file or a postgresql:// URL), unopened.
+    `shared`: a SQLite file that sibling worker processes write too (PostgreSQL always is)."""
     return make_store(settings.store, timeout_s=settings.store_timeout,
                       retention_s=settings.retention_hours * 3600,
                       synchronous=settings.sqlite_synchronous,
-                      wal_limit_bytes=settings.wal_limit_bytes, migrate=migrate)
+                      wal_limit_bytes=settings.wal_limit_bytes, migrate=migrate, shared=shared)
 
 
 def create_app(sg: Stepguard, manage: bool = True) -> web.Application:
@@ -241,13 +250,17 @@ async def _healthz(request: web.Request) -> web.Response:
 
 async def _readyz(request: web.Request) -> web.Response:
     """Ready: started, and the store takes writes (unready from a failed commit until a commit
-    or the store's own probe succeeds)."""
+    or the store's own probe succeeds). A worker of several: and every worker is up."""
     sg = request.app[STEPGUARD]
     store_ok = sg.store.healthy()
     ready = sg.ready and store_ok
-    body = {"ready": ready, "store": "ok" if store_ok else "unavailable",
-            "contracts": [{"workflow": c.workflow, "contract_version": c.version,
-                           "sha256": c.content_hash} for c in sg.contracts]}
+    body: dict[str, Any] = {"ready": ready, "store": "ok" if store_ok else "unavailable"}
+    if sg.worker is not None:
+        workers_ok = sg.worker.all_ready()
+        ready = ready and workers_ok
+        body.update(ready=ready, workers="ok" if workers_ok else "starting")
+    body["contracts"] = [{"workflow": c.workflow, "contract_version": c.version,
+                          "sha256": c.content_hash} for c in sg.contracts]
     return web.json_response(body, status=200 if ready else 503)
 
 
@@ -280,10 +293,34 @@ async def reload_contracts(sg: Stepguard, paths: list[str]) -> bool:
 GC_THRESHOLDS = (50_000, 20, 100)
 
 
+def started_fields(settings: Settings, contracts: list[Contract], shadows: list[Contract],
+                   tokens: AdminTokens, max_connections: int, traces: str) -> dict[str, Any]:
+    """What the `started` line tells, after the listen addresses (the store's password never)."""
+    return {"store": redacted(settings.store),
+            "workflows": [c.workflow for c in contracts],
+            "shadow": [f"{c.workflow} v{c.version}" for c in shadows],
+            "upstreams": {f"{c.workflow}.{u.name}": {"url": u.shown_url, "mount": u.mount,
+                                                     "source": u.url_source}
+                          for c in contracts for u in c.upstreams.values()},
+            "vars": {f"{c.workflow}.{v.name}": {"kind": v.kind, "source": v.source,
+                                                "value": str(v.value)}
+                     for c in contracts for v in c.vars.values()},
+            "max_connections": max_connections,
+            "admin_actions": [name for name, _ in tokens.tokens] or "off (no admin token)",
+            "passthrough": settings.passthrough,
+            "traces": traces}
+
+
 async def serve(settings: Settings, contracts: list[Contract],
-                shadows: list[Contract] | None = None, tracing: Tracing | None = None) -> None:
+                shadows: list[Contract] | None = None, tracing: Tracing | None = None,
+                worker: WorkerLink | None = None) -> None:
+    """Serve until SIGTERM/SIGINT (drain), reloading the contracts on SIGHUP. A worker of
+    `serve --workers N` (`worker`) binds both listeners with SO_REUSEPORT beside its siblings,
+    tells its supervisor when it serves and stops when the supervisor is gone."""
     log = get_logger("stepguard")
-    sg = build(settings, contracts, shadows=shadows, tracing=tracing)
+    if worker is not None:
+        structlog.contextvars.bind_contextvars(worker=worker.index)
+    sg = build(settings, contracts, shadows=shadows, tracing=tracing, worker=worker)
     await sg.start()
     gc.freeze()   # what start-up built lives as long as the process: keep it out of GC passes
     # Each checked call allocates a few thousand short-lived objects (a parsed 10 KB body alone
@@ -314,30 +351,42 @@ async def serve(settings: Settings, contracts: list[Contract],
         task.add_done_callback(reloads.discard)
 
     loop.add_signal_handler(signal.SIGHUP, on_hangup)
+    orphaned = False
+
+    def on_orphaned() -> None:
+        nonlocal orphaned
+        orphaned = True
+        stop.set()
+
+    if worker is not None:      # the supervisor gone (its end of the life pipe closed): drain
+        loop.add_reader(worker.life_fd, on_orphaned)
+    reuse = True if worker is not None else None
     try:
-        await web.TCPSite(proxy_runner, settings.host, settings.port).start()
-        await web.TCPSite(admin_runner, settings.admin_host, settings.admin_port).start()
-        log.info("started", proxy=f"{settings.host}:{settings.port}",
-                 admin=f"{settings.admin_host}:{settings.admin_port}",
-                 store=redacted(settings.store),
-                 workflows=[c.workflow for c in contracts],
-                 shadow=[f"{c.workflow} v{c.version}" for c in sg.shadows],
-                 upstreams={f"{c.workflow}.{u.name}": {"url": u.shown_url, "mount": u.mount,
-                                                       "source": u.url_source}
-                            for c in contracts for u in c.upstreams.values()},
-                 vars={f"{c.workflow}.{v.name}": {"kind": v.kind, "source": v.source,
-                                                  "value": str(v.value)}
-                       for c in contracts for v in c.vars.values()},
-                 max_connections=proxy_gate.max_connections,
-                 admin_actions=[name for name, _ in sg.tokens.tokens] or "off (no admin token)",
-                 passthrough=settings.passthrough,
-                 traces=f"OTLP/HTTP to {tracing.endpoint}" if tracing is not None else "off")
+        await web.TCPSite(proxy_runner, settings.host, settings.port, reuse_port=reuse).start()
+        await web.TCPSite(admin_runner, settings.admin_host, settings.admin_port,
+                          reuse_port=reuse).start()
+        if worker is None:
+            log.info("started", proxy=f"{settings.host}:{settings.port}",
+                     admin=f"{settings.admin_host}:{settings.admin_port}",
+                     **started_fields(settings, contracts, sg.shadows, sg.tokens,
+                                      proxy_gate.max_connections,
+                                      f"OTLP/HTTP to {tracing.endpoint}" if tracing else "off"))
+        else:
+            log.info("worker_started", pid=os.getpid(), proxy=f"{settings.host}:{settings.port}",
+                     admin=f"{settings.admin_host}:{settings.admin_port}")
+            worker.ready()
         await stop.wait()
         log.info("stopping")
         # calls held for an operator are answered now (503, send again), not waited for
         await sg.boundaries.holds.close()
     finally:
+        if worker is not None:
+            loop.remove_reader(worker.life_fd)
         await proxy_runner.cleanup()
         await admin_runner.cleanup()
         await sg.stop()
+        if worker is not None and orphaned:
+            # nobody else will remove the metrics directory (another worker may have already;
+            # one still running keeps its files mapped)
+            shutil.rmtree(worker.metrics_dir, ignore_errors=True)
         log.info("stopped")

@@ -33,6 +33,7 @@ from stepguard.proxy.config import ConfigError, Settings, assignments, env_setti
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)   # for the workers of `serve`
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
@@ -113,6 +114,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-holds", type=int,
                        help="calls held for an operator at once; past it a call to hold gets "
                             "503 (STEPGUARD_MAX_HOLDS, 100)")
+    serve.add_argument("--workers", type=int,
+                       help="worker processes serving the port with SO_REUSEPORT, under a "
+                            "supervisor (STEPGUARD_WORKERS, 1: one process)")
+    serve.add_argument("--worker-link", help=argparse.SUPPRESS)   # set by the supervisor
     serve.add_argument("--log-format", type=str.lower, choices=LOG_FORMATS,
                        help="STEPGUARD_LOG_FORMAT, auto")
     serve.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS,
@@ -233,7 +238,7 @@ def _parser() -> argparse.ArgumentParser:
     proxy_bench.add_argument("--rate-duration", type=float, default=4.0,
                              help="seconds of each latency phase")
     proxy_bench.add_argument("--rows", default="direct,nginx,passthrough,contract,contract_traced,"
-                             "model,model_stream",
+                             "contract_workers2,model,model_stream",
                              help="comma-separated rows to run")
     proxy_bench.add_argument("--seq-requests", type=int, default=500,
                              help="requests of each closed-loop phase (one connection, back to "
@@ -264,7 +269,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     try:
         settings = Settings.from_env(**{k: v for k, v in vars(args).items()
-                                        if k not in ("func",) and v is not None})
+                                        if k not in ("func", "argv", "worker_link")
+                                        and v is not None})
     except ConfigError as exc:
         print(f"stepguard serve: {exc}", file=sys.stderr)
         return 2
@@ -288,8 +294,21 @@ def _serve(args: argparse.Namespace) -> int:
         for issue in exc.issues:
             print(f"  {issue}", file=sys.stderr)
         return 2
-    from stepguard.metrics.tracing import TracingError, from_env
+    worker = None
+    if args.worker_link is not None:
+        from stepguard.proxy.worker_link import WorkerLink
+        try:
+            worker = WorkerLink.parse(args.worker_link)
+        except ValueError as exc:
+            print(f"stepguard serve: {exc}", file=sys.stderr)
+            return 2
+    from stepguard.metrics.tracing import TracingError, check_env, from_env, requested
     try:     # OTEL_*: off unless asked for; asked for but not possible as asked, no start
+        if worker is None and settings.workers > 1:
+            if requested():
+                check_env()       # each worker sets up its own export; refused here at once
+            from stepguard.proxy.workers import supervise
+            return supervise(settings, contracts, shadows, args.argv)
         tracing = from_env()
     except TracingError as exc:
         print(f"stepguard serve: {exc}", file=sys.stderr)
@@ -298,9 +317,9 @@ def _serve(args: argparse.Namespace) -> int:
         if settings.uvloop:
             import uvloop
 
-            uvloop.run(serve(settings, contracts, shadows, tracing))
+            uvloop.run(serve(settings, contracts, shadows, tracing, worker))
         else:
-            asyncio.run(serve(settings, contracts, shadows, tracing))
+            asyncio.run(serve(settings, contracts, shadows, tracing, worker))
     except (OSError, StepguardError) as exc:    # a store that cannot be opened, a port taken
         print(f"stepguard serve: {exc}", file=sys.stderr)
         return 1

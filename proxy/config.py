@@ -24,6 +24,7 @@ from stepguard.contracts.store_urls import check_location, redacted
 from stepguard.metrics.logs import LOG_FORMATS, LOG_LEVELS
 from stepguard.proxy.bodies import JSON_DEPTH_CEILING, MAX_JSON_DEPTH
 
+MAX_WORKERS = 64
 TRUE_WORDS = ("true", "1", "yes", "on")
 FALSE_WORDS = ("false", "0", "no", "off")
 # flags whose name is not `--` + the field name with dashes
@@ -209,6 +210,7 @@ _PARSERS: dict[str, _Parse] = {
     "admin_token_file": _optional(_text),
     "admin_url": _optional(_text),
     "max_holds": _integer(0, what="a number of held calls", hint=" (0: no call can be held)"),
+    "workers": _integer(1, MAX_WORKERS, "a number of worker processes"),
     "vars": _assignments("--var"),
     "upstreams": _assignments("--upstream"),
 }
@@ -283,6 +285,9 @@ class Settings:
     # (default: http://ADMIN_HOST:ADMIN_PORT)
     admin_url: str | None = None
     max_holds: int = 100              # calls held for an operator at once (proxy/holds.py)
+    # processes serving one port (SO_REUSEPORT) under a supervisor (proxy/workers.py); 1: one
+    # process, no supervisor
+    workers: int = 1
 
     def __post_init__(self) -> None:
         # values given in code are held to the same rules as flags and environment

@@ -193,3 +193,33 @@ class GuardedRunner(web.AppRunner):
         return _Server(plain.request_handler, request_factory=plain.request_factory,
                        handler_cancellation=plain.handler_cancellation, loop=plain._loop,
                        gate=self.gate, **plain._kwargs)
+
+
+def reserve_port(host: str, port: int) -> socket.socket:
+    """A socket bound (not listening) with SO_REUSEPORT to `host:port`, holding the port for
+    the workers of `serve --workers N`, which bind it beside it with SO_REUSEPORT. The port
+    (`port` 0: a free one, then `getsockname()` tells which) is first bound without
+    SO_REUSEPORT, so a port another program listens on is refused as a single process would
+    be refused, and a second `serve --workers` cannot join these workers' port once one of them
+    listens. A bound socket that does not listen gets no connections: the workers' listening
+    sockets share them."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, _, _, _, address = infos[0]
+    for _ in range(20 if port == 0 else 1):
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as a listener would
+            probe.bind(address)
+            chosen = probe.getsockname()
+        held = socket.socket(family, socket.SOCK_STREAM)
+        # SO_REUSEADDR as every listener has it: a port with connections in TIME_WAIT is free
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        try:
+            held.bind(chosen)
+        except OSError:
+            held.close()
+            if port == 0:
+                continue        # taken between the probe and here: pick another
+            raise
+        return held
+    raise OSError(f"cannot reserve a free port on {host}")

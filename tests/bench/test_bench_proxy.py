@@ -47,9 +47,10 @@ from stepguard.bench.proxy import (
     steal_pct,
 )
 
-ALL_ROWS = ["direct", "nginx", "passthrough", "contract", "contract_traced", "model_direct",
-            "model", "model_stream_direct", "model_stream"]
-HOPS = ("nginx", "passthrough", "contract", "contract_traced", "model", "model_stream")
+ALL_ROWS = ["direct", "nginx", "passthrough", "contract", "contract_traced", "contract_workers2",
+            "model_direct", "model", "model_stream_direct", "model_stream"]
+HOPS = ("nginx", "passthrough", "contract", "contract_traced", "contract_workers2", "model",
+        "model_stream")
 needs_tools = pytest.mark.skipif(not (Path("/usr/bin/wrk").exists() and Path("/usr/sbin/nginx").exists()),
                                  reason="wrk and nginx are needed (apt-get install -y wrk nginx-light)")
 
@@ -232,6 +233,8 @@ def test_quick_run_measures_every_row() -> None:
     assert rows["contract"]["stored_events"] >= 2 * (rows["contract"]["requests"] + 25 + 20)
     assert rows["contract_traced"]["stored_events"] >= 2 * (
         rows["contract_traced"]["requests"] + 25 + 20)
+    assert rows["contract_workers2"]["stored_events"] >= 2 * (
+        rows["contract_workers2"]["requests"] + 25 + 20)
     assert rows["model"]["stored_events"] >= rows["model"]["requests"] + 25
     assert rows["model_stream"]["stored_events"] >= rows["model_stream"]["requests"] + 25
     assert rows["model_stream"]["ttfb_added_p50_ms"] is not None
@@ -244,7 +247,8 @@ def test_quick_run_measures_every_row() -> None:
     assert _children(os.getpid()) == []                     # upstream, nginx, stepguards: gone
     text = render(result)
     for name in [*ALL_ROWS, "contract/passthrough", "contract/nginx", "passthrough/nginx",
-                 "traced/contract rps", "traced/contract cpu", "targets:", "micro-benchmark"]:
+                 "traced/contract rps", "traced/contract cpu", "contract_workers2/contract",
+                 "targets:", "micro-benchmark"]:
         assert name in text
 
 

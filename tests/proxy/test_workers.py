@@ -1,0 +1,344 @@
+"""`stepguard serve --workers N`: real processes (a supervisor and its workers) on one port,
+a real HTTP upstream on loopback, signals sent as an operator would."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+import yaml
+from aiohttp import web
+
+from stepguard.examples.order_confirmation import contract_path, tools
+
+CALL = {"order_id": "ord-1"}
+
+
+def write_contract(path: Path, tools_url: str, **changes: Any) -> str:
+    doc = yaml.safe_load(contract_path().read_text())
+    doc["upstreams"]["tools"]["url"] = tools_url
+    doc.update(changes)
+    path.write_text(yaml.safe_dump(doc))
+    return str(path)
+
+
+@pytest.fixture
+async def tools_url(aiohttp_server: Any) -> str:
+    return str((await aiohttp_server(tools.create_app())).make_url("")).rstrip("/")
+
+
+@dataclass
+class Served:
+    """A running `serve --workers N`: its supervisor process and every log line so far."""
+
+    proc: asyncio.subprocess.Process
+    lines: list[dict[str, Any]] = field(default_factory=list)
+    text: list[bytes] = field(default_factory=list)
+    proxy: str = ""
+    admin: str = ""
+    pids: list[int] = field(default_factory=list)
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        return [line for line in self.lines if line.get("event") == name]
+
+    async def until(self, what: Callable[[], bool], seconds: float = 30.0) -> None:
+        deadline = time.monotonic() + seconds
+        while not what():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"not within {seconds} s; log: {self.lines[-20:]}")
+            await asyncio.sleep(0.05)
+
+
+async def _read(served: Served) -> None:
+    assert served.proc.stdout is not None
+    async for raw in served.proc.stdout:
+        served.text.append(raw)
+        if raw.startswith(b"{"):
+            served.lines.append(orjson.loads(raw))
+
+
+@asynccontextmanager
+async def serving(tmp_path: Path, contract: str, *extra: str,
+                  workers: int = 2) -> AsyncIterator[Served]:
+    """`stepguard serve --workers N --port 0 --admin-port 0`, its addresses read from the
+    `started` line as an operator's script would; SIGTERM and a bounded wait at the end."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "stepguard.proxy.cli", "serve", "--contract", contract,
+        "--port", "0", "--admin-port", "0", "--store", str(tmp_path / "s.db"),
+        "--workers", str(workers), "--log-format", "json", *extra,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    served = Served(proc)
+    reader = asyncio.ensure_future(_read(served))
+    try:
+        # three Python processes importing stepguard: seconds on a loaded 2-core machine
+        await served.until(lambda: bool(served.events("started")) or proc.returncode is not None,
+                           60)
+        [started] = served.events("started")
+        served.proxy, served.admin, served.pids = started["proxy"], started["admin"], \
+            started["pids"]
+        yield served
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), 30)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+        await asyncio.wait_for(reader, 5)
+
+
+def _workers_of(served: Served, run_prefix: str) -> dict[int, int]:
+    """How many boundary lines of runs `run_prefix*` each worker logged."""
+    seen: dict[int, int] = {}
+    for line in served.events("boundary"):
+        if str(line.get("run_id", "")).startswith(run_prefix):
+            seen[line["worker"]] = seen.get(line["worker"], 0) + 1
+    return seen
+
+
+async def _calls(served: Served, prefix: str, n: int, path: str = "/tools/lookup_order",
+                 body: dict[str, Any] = CALL) -> list[int]:
+    """`n` calls, each on a connection of its own (so SO_REUSEPORT spreads them), each in a
+    run of its own; their statuses."""
+    statuses = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as http:
+        for i in range(n):
+            async with http.post(f"http://{served.proxy}{path}", json=body,
+                                 headers={"x-stepguard-run": f"{prefix}-{i}"}) as reply:
+                await reply.read()
+                statuses.append(reply.status)
+    return statuses
+
+
+async def _get(url: str) -> tuple[int, bytes]:
+    async with aiohttp.ClientSession() as http, http.get(url) as reply:
+        return reply.status, await reply.read()
+
+
+@pytest.mark.timeout(150)
+async def test_two_workers_serve_one_port_and_both_take_calls(tmp_path: Path,
+                                                              tools_url: str) -> None:
+    async with serving(tmp_path, write_contract(tmp_path / "c.yaml", tools_url)) as served:
+        assert len(set(served.pids)) == 2 and served.proc.pid not in served.pids
+        assert await _calls(served, "spread", 40) == [200] * 40
+        seen = _workers_of(served, "spread-")
+    assert set(seen) == {0, 1}, seen
+    assert sum(seen.values()) == 40 * 2          # an entry and an exit line per call
+    assert served.proc.returncode == 0
+
+
+@pytest.mark.timeout(150)
+async def test_metrics_on_the_admin_port_sum_the_counters_of_every_worker(
+        tmp_path: Path, tools_url: str) -> None:
+    async with serving(tmp_path, write_contract(tmp_path / "c.yaml", tools_url)) as served:
+        assert await _calls(served, "count", 30) == [200] * 30
+        seen = _workers_of(served, "count-")
+        samples = {}
+        for _ in range(4):     # whichever worker answers the scrape, the same sums
+            status, body = await _get(f"http://{served.admin}/metrics")
+            assert status == 200
+            samples = _samples(body.decode())
+            assert samples[('stepguard_boundary_checks_total', (
+                ("boundary", "entry"), ("contract_version", "1"), ("step", "lookup_order"),
+                ("traffic", "http"), ("verdict", "pass"),
+                ("workflow", "order-confirmation")))] == 30
+            assert samples[("stepguard_added_seconds_count", (("traffic", "http"),))] == 30
+            assert samples[("stepguard_runs", (("status", "active"),
+                                               ("workflow", "order-confirmation")))] == 30
+    assert set(seen) == {0, 1}, seen             # both workers counted a share of the 30
+
+
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = (sample.name, tuple(sorted(sample.labels.items())))
+            assert key not in out, f"{key} reported twice"
+            out[key] = sample.value
+    return out
+
+
+@pytest.mark.timeout(150)
+async def test_sighup_reloads_the_contract_in_every_worker(tmp_path: Path,
+                                                           tools_url: str) -> None:
+    path = write_contract(tmp_path / "c.yaml", tools_url)
+    async with serving(tmp_path, path) as served:
+        # check_policy before lookup_order: refused (409) under the enforcing contract
+        assert set(await _calls(served, "before", 10, "/tools/check_policy")) == {409}
+        write_contract(tmp_path / "c.yaml", tools_url, contract_version=2, mode="observe")
+        os.kill(served.proc.pid, signal.SIGHUP)
+        await served.until(lambda: {line["worker"] for line in
+                                    served.events("contracts_reloaded")} == {0, 1})
+        statuses = await _calls(served, "after", 30, "/tools/check_policy")
+        seen = _workers_of(served, "after-")
+        versions = {line["contract_version"] for line in served.events("boundary")
+                    if line["run_id"].startswith("after-")}
+    assert statuses == [200] * 30       # observe mode in every worker: recorded, not refused
+    assert set(seen) == {0, 1} and versions == {"2"}
+
+
+def _slow_tools(started: list[float], delay_s: float) -> web.Application:
+    @web.middleware
+    async def slow(request: web.Request, handler: Any) -> web.StreamResponse:
+        started.append(time.monotonic())
+        await asyncio.sleep(delay_s)
+        return await handler(request)   # type: ignore[no-any-return]
+
+    app = tools.create_app()
+    app.middlewares.append(slow)
+    return app
+
+
+@pytest.mark.timeout(150)
+async def test_sigterm_drains_every_worker_and_the_supervisor_exits_0(
+        tmp_path: Path, aiohttp_server: Any) -> None:
+    arrived: list[float] = []
+    slow = await aiohttp_server(_slow_tools(arrived, 1.5))
+    url = str(slow.make_url("")).rstrip("/")
+    async with serving(tmp_path, write_contract(tmp_path / "c.yaml", url)) as served:
+        calls = asyncio.ensure_future(asyncio.gather(
+            *(_calls(served, f"drain{i}", 1) for i in range(12))))
+        await served.until(lambda: len(arrived) == 12)       # every call at the upstream
+        in_flight = _workers_of(served, "drain")
+        served.proc.send_signal(signal.SIGTERM)
+        statuses = await asyncio.wait_for(calls, 30)
+        code = await asyncio.wait_for(served.proc.wait(), 30)
+    assert [s for [s] in statuses] == [200] * 12        # every call in flight completed
+    assert set(in_flight) == {0, 1}, in_flight          # ... on both workers
+    assert code == 0
+    assert {line.get("worker") for line in served.events("stopped")} == {0, 1, None}
+
+
+@pytest.mark.timeout(150)
+async def test_a_worker_killed_is_started_again_and_the_port_keeps_serving(
+        tmp_path: Path, tools_url: str) -> None:
+    async with serving(tmp_path, write_contract(tmp_path / "c.yaml", tools_url)) as served:
+        victim = served.pids[0]
+        os.kill(victim, signal.SIGKILL)
+        await served.until(lambda: bool(served.events("worker_exited")))
+        # the survivor takes every new connection meanwhile
+        assert await _calls(served, "meanwhile", 10) == [200] * 10
+        await served.until(lambda: any(line["pid"] != victim and line["worker"] == 0
+                                       for line in served.events("worker_started")))
+        await served.until(lambda: _get_ready(served))
+        assert await _calls(served, "again", 40) == [200] * 40
+        seen = _workers_of(served, "again-")
+        [exited] = served.events("worker_exited")
+    assert (exited["worker"], exited["pid"], exited["exit"]) == (0, victim, "killed by SIGKILL")
+    assert set(seen) == {0, 1}, seen
+    assert served.proc.returncode == 0
+
+
+def _get_ready(served: Served) -> bool:
+    import urllib.request
+    try:
+        with urllib.request.urlopen(f"http://{served.admin}/readyz", timeout=2) as reply:
+            return bool(reply.status == 200)
+    except OSError:
+        return False
+
+
+async def _serve_once(tmp_path: Path, contract: str, *extra: str) -> tuple[int, bytes]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "stepguard.proxy.cli", "serve", "--contract", contract,
+        "--store", str(tmp_path / "s.db"), "--log-format", "json", *extra,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    out, _ = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode is not None
+    return proc.returncode, out
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("workers", ["1", "2"])
+async def test_a_second_serve_on_the_same_store_is_refused(tmp_path: Path, tools_url: str,
+                                                           workers: str) -> None:
+    contract = write_contract(tmp_path / "c.yaml", tools_url)
+    async with serving(tmp_path, contract) as served:
+        code, out = await _serve_once(tmp_path, contract, "--port", "0", "--admin-port", "0",
+                                      "--workers", workers)
+        assert await _calls(served, "still", 4) == [200] * 4
+    assert code == 1
+    assert b"is in use by another stepguard" in out
+
+
+@pytest.mark.timeout(150)
+async def test_a_second_serve_on_the_workers_port_is_refused(tmp_path: Path,
+                                                             tools_url: str) -> None:
+    contract = write_contract(tmp_path / "c.yaml", tools_url)
+    async with serving(tmp_path, contract) as served:
+        port = served.proxy.rsplit(":", 1)[1]
+        (tmp_path / "other").mkdir()
+        code, out = await _serve_once(tmp_path / "other", contract, "--port", port,
+                                      "--admin-port", "0", "--workers", "2")
+    assert code == 1
+    assert f"cannot listen on 127.0.0.1:{port}".encode() in out
+
+
+@pytest.mark.timeout(150)
+async def test_workers_stop_when_their_supervisor_is_killed(tmp_path: Path,
+                                                            tools_url: str) -> None:
+    async with serving(tmp_path, write_contract(tmp_path / "c.yaml", tools_url)) as served:
+        metrics_dir = _metrics_dir_of(served.pids[0])
+        assert metrics_dir.is_dir()
+        served.proc.kill()
+        await served.proc.wait()
+        await served.until(lambda: not any(_alive(pid) for pid in served.pids))
+        assert {line["worker"] for line in served.events("stopped")} == {0, 1}
+    assert not metrics_dir.exists()         # removed by the workers, as the supervisor would
+
+
+def _metrics_dir_of(pid: int) -> Path:
+    """The PROMETHEUS_MULTIPROC_DIR a worker was started with."""
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    [found] = [Path(v.split(b"=", 1)[1].decode()) for v in environ
+               if v.startswith(b"PROMETHEUS_MULTIPROC_DIR=")]
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie does not: its parent, the supervisor, is gone, so init
+    reaps it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+async def test_readyz_of_a_worker_is_503_until_every_worker_serves(tmp_path: Path,
+                                                                  aiohttp_client: Any) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from stepguard.contracts.loader import load_contract
+    from stepguard.metrics.prom import Metrics
+    from stepguard.proxy.app import build, create_admin_app
+    from stepguard.proxy.config import Settings
+    from stepguard.proxy.worker_link import READY_MARK, WorkerLink
+
+    link = WorkerLink(0, -1, -1, tmp_path)
+    sg = build(Settings(store=str(tmp_path / "s.db")), [load_contract(contract_path())],
+               metrics=Metrics(CollectorRegistry()), worker=link)
+    await sg.start()
+    try:
+        client = await aiohttp_client(create_admin_app(sg))
+        starting = await client.get("/readyz")
+        (tmp_path / READY_MARK).touch()             # what the supervisor does
+        ready = await client.get("/readyz")
+        assert (starting.status, (await starting.json())["workers"]) == (503, "starting")
+        assert (ready.status, (await ready.json())["workers"]) == (200, "ok")
+        assert sg.store.shared
+    finally:
+        await sg.stop()
