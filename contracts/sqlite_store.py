@@ -130,8 +130,11 @@ class SQLiteStore:
     def __init__(self, path: str | Path, synchronous: str = "NORMAL",
                  checkpoint_interval_s: float = 1.0, retention_s: float = 0.0,
                  purge_interval_s: float = 300.0, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 wal_limit_bytes: int = DEFAULT_WAL_LIMIT_BYTES) -> None:
+                 wal_limit_bytes: int = DEFAULT_WAL_LIMIT_BYTES, shared: bool = False) -> None:
         self.path = Path(path)
+        # another process may write these runs (workers, replicas on one file): no exclusive
+        # `<store>.lock`, and the run book reads envelopes from the store, never its cache
+        self.shared = shared
         self.synchronous = synchronous
         self.checkpoint_interval_s = checkpoint_interval_s
         self.retention_s = retention_s
@@ -170,7 +173,8 @@ class SQLiteStore:
     async def open(self) -> None:
         if self._conn is not None:
             return
-        self._lock_fd = await asyncio.to_thread(self._take_lock)
+        if not self.shared:
+            self._lock_fd = await asyncio.to_thread(self._take_lock)
         try:
             conn, lookup, reader = await asyncio.to_thread(self._connect_all)
         except BaseException:

@@ -13,6 +13,11 @@ from stepguard.contracts.envelope import Envelope
 
 
 class Store(Protocol):
+    shared: bool
+    """Another process may write these runs (replicas or workers on one store): nothing read
+    from the store may be kept and acted on later without reading it again (the run book
+    reloads envelopes; held calls poll for decisions)."""
+
     async def open(self) -> None: ...
 
     async def close(self) -> None: ...
