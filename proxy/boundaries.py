@@ -44,7 +44,11 @@ from stepguard.proxy.holds import Held, HoldRefused, Holds, refused_for_room
 from stepguard.proxy.joining import PendingCalls
 from stepguard.proxy.routing import Route
 
-CONFLICT_RETRIES = 3
+CONFLICT_RETRIES = 10
+# after a lost race, the next try waits a random time up to this, doubled per loss (capped):
+# two processes racing one run then stop colliding in lockstep
+CONFLICT_BACKOFF_S = 0.002
+CONFLICT_BACKOFF_MAX_S = 0.05
 # the action of a call that never reached its upstream: recorded, the run left where it was
 UNREACHABLE = "unreachable"
 T = TypeVar("T")
@@ -52,12 +56,16 @@ T = TypeVar("T")
 
 async def retrying_conflicts(run_id: str, boundary: Callable[[], Awaitable[T]]) -> T:
     """Run a boundary again when another writer advanced the run under it (the run book has
-    dropped its cached envelope, so the next try reads the store)."""
-    for _ in range(CONFLICT_RETRIES):
+    dropped its cached envelope, so the next try reads the store and checks again: nothing
+    decided on the old envelope is acted on). With several processes on one store (replicas,
+    workers) a lost race is followed by a short random wait, doubling per loss."""
+    for lost in range(CONFLICT_RETRIES):
         try:
             return await boundary()
         except ConflictError:
-            continue
+            if lost + 1 < CONFLICT_RETRIES:
+                cap = min(CONFLICT_BACKOFF_MAX_S, CONFLICT_BACKOFF_S * 2 ** lost)
+                await asyncio.sleep(random.uniform(0, cap))
     raise StoreError(f"run {run_id!r}: lost the race for the run {CONFLICT_RETRIES} times")
 
 

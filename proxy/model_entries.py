@@ -5,7 +5,8 @@ checked against the completion proof (`engine.check_final`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import orjson
@@ -216,13 +217,19 @@ class ModelEntries:
                                            lambda: client_present(ex.request), extra)
                 except HoldRefused as refused:
                     raise _stop(refused) from None
-                async with self.runs.locked(ex.run_id):
-                    await self._goes_ahead(ex, settled, one.call, one.step, one.arguments,
-                                           one.raw_size)
+                await retrying_conflicts(ex.run_id, partial(self._approved, ex, settled, one))
         finally:
             for other in waiting:
                 if other.settled.held is not None:
                     await close(self.boundaries, other.settled.held, ex.timing, self.traffic)
+
+    async def _approved(self, ex: Exchange, settled: Settled, one: HeldCall) -> None:
+        """A held tool call approved: it goes ahead from the run's envelope as it is now
+        (another call, or another process on a shared store, may have moved it since)."""
+        async with self.runs.locked(ex.run_id):
+            envelope = await self.runs.envelope(ex.contract, ex.run_id)
+            await self._goes_ahead(ex, replace(settled, envelope=envelope), one.call, one.step,
+                                   one.arguments, one.raw_size)
 
     def not_stored(self, ex: Exchange, exc: StoreError) -> None:
         """The model answered, but its tool calls could not be stored. The model is never asked a
