@@ -179,7 +179,8 @@ def build(settings: Settings, contracts: list[Contract], store: Store | None = N
     store = store or SQLiteStore(settings.store, settings.sqlite_synchronous,
                                  retention_s=settings.retention_hours * 3600,
                                  timeout_s=settings.store_timeout,
-                                 wal_limit_bytes=settings.wal_limit_bytes)
+                                 wal_limit_bytes=settings.wal_limit_bytes,
+                                 shared=settings.shared_store)
     return Stepguard(settings, contracts, store, observer, shadows=shadows or [])
 
 

@@ -67,6 +67,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--admin-host", help="admin listen address (STEPGUARD_ADMIN_HOST)")
     serve.add_argument("--admin-port", type=int, help="admin port (STEPGUARD_ADMIN_PORT, 9090)")
     serve.add_argument("--store", help="SQLite file (STEPGUARD_STORE, stepguard.db)")
+    serve.add_argument("--shared-store", action="store_true", default=None,
+                       help="other stepguard processes write this store too (replicas on one "
+                            "SQLite file): no exclusive lock, envelopes read at every boundary "
+                            "(STEPGUARD_SHARED_STORE)")
     serve.add_argument("--store-timeout", type=float,
                        help="seconds a write may wait for a locked or slow store before the "
                             "call is refused with 503 (STEPGUARD_STORE_TIMEOUT, 1)")

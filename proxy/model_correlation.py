@@ -4,6 +4,7 @@ before they were stored (in flight) or whose turn then failed (never checked).""
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -16,6 +17,10 @@ from stepguard.proxy.model_dialects import ToolOutput
 from stepguard.proxy.model_exchange import RUN_HEADER, Exchange, Stop, parsed
 
 INFLIGHT_WAIT_S = 30.0
+# on a shared store: how long a request whose tool-call ids no run has waits for another process
+# to store them, and how often it looks (docs/replicas.md)
+SHARED_INFLIGHT_WAIT_S = 2.0
+SHARED_POLL_S = 0.05
 FAILED_CALLS_KEPT = 10_000
 
 
@@ -30,6 +35,14 @@ class ShownCalls:
         self.failed_kept = failed_kept
         self._inflight: dict[str, asyncio.Event] = {}
         self._failed: OrderedDict[str, None] = OrderedDict()
+        # ids waited for in vain on a shared store (`_stored_elsewhere`), not waited for again
+        self.unknown: OrderedDict[str, None] = OrderedDict()
+
+    def never_stored(self, keys: list[str]) -> None:
+        for key in keys:
+            self.unknown[key] = None
+        while len(self.unknown) > self.failed_kept:
+            self.unknown.popitem(last=False)
 
     def show(self, call_id: str, stored: asyncio.Event) -> bool:
         """The stream showed `call_id`; `stored` is set once its turn is stored (or refused).
@@ -78,6 +91,24 @@ class ShownCalls:
                        refused="unchecked_result")
 
 
+async def _stored_elsewhere(runs: RunBook, shown: ShownCalls, keys: list[str]) -> set[str]:
+    """On a shared store, ids no run has yet may belong to a streamed turn another process is
+    still checking (it showed the calls before storing them, and `ShownCalls` is per process):
+    the store is read again every SHARED_POLL_S for at most SHARED_INFLIGHT_WAIT_S. Ids found
+    in no run after that are remembered (bounded) and not waited for again."""
+    fresh = [key for key in keys if key not in shown.unknown]
+    if not fresh:
+        return set()
+    deadline = time.monotonic() + SHARED_INFLIGHT_WAIT_S
+    while time.monotonic() < deadline:
+        await asyncio.sleep(SHARED_POLL_S)
+        found = {r for key in fresh if (r := await runs.store.find_run(key)) is not None}
+        if found:
+            return found
+    shown.never_stored(fresh)
+    return set()
+
+
 async def correlate(runs: RunBook, shown: ShownCalls, ex: Exchange,
                     keys: list[str] | None = None) -> None:
     """Set the exchange's run: an explicitly configured run key, else the run stored with the
@@ -96,6 +127,8 @@ async def correlate(runs: RunBook, shown: ShownCalls, ex: Exchange,
             keys = parsed(ex, lambda: ex.dialect.known_ids(ex.body))
         await shown.wait(keys)
         found = {r for key in keys if (r := await runs.store.find_run(key)) is not None}
+        if not found and keys and runs.store.shared:
+            found = await _stored_elsewhere(runs, shown, keys)
         if len(found) > 1:
             raise Stop(400, f"stepguard: the conversation carries tool calls of several runs "
                        f"({', '.join(sorted(found))}); send {RUN_HEADER} to choose one",
