@@ -337,7 +337,9 @@ class RunKeys:
             seen[key] = owner
         envelope = await self.store.load(owner)
         if envelope is None:    # claimed by a first call not stored yet, or purged
-            return owner if claimed else None
+            # on a shared store the claim may be another process's: its run is the value's
+            # (a purged run's id is free again, so reusing it is no harm)
+            return owner if claimed or self.store.shared else None
         return None if envelope.status in ("completed", "cancelled") else owner
 
     async def _register(self, contract: Contract, run_id: str, values: list[tuple[str, str]],
