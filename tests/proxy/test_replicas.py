@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from aiohttp import web
 import pytest
 import yaml
 from sgtest import Remote, Reply, Upstream, clean, contract_doc, send, trail
@@ -233,3 +234,43 @@ async def test_a_first_call_of_one_argument_value_on_two_replicas_at_once_starts
     assert len(runs) == 5, [r["run_id"] for r in runs]
     for run in runs:
         assert run["seq"] == 8      # four calls of one ticket, each an entry and an exit
+
+
+async def test_a_retry_is_not_sent_when_another_replica_halted_the_run_during_its_back_off(
+        tmp_path: Path, make_upstream: Any, shared_store: str) -> None:
+    # nothing is committed between the back-off and the retry when the run is still active:
+    # a cached envelope would let the retry out to the tool for a run halted meanwhile
+    async def answers(request: web.Request) -> web.Response:
+        if request.path == "/charge":
+            return web.json_response({"error": "try later"}, status=503)
+        return web.json_response({"ok": True})
+
+    tools = await make_upstream(answers)
+    doc = contract_doc(tools.url, {
+        "charge": {"idempotent": True,
+                   "on_failure": {"retry": 2, "then": "halt", "backoff_ms": 800}},
+        "audit": {"precondition": [{"expr": "input.ok == true", "message": "audit needs ok"}]}})
+    path = tmp_path / "retrying.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    async with cluster(2, path, shared_store, tmp_path) as c:
+        a, b = c.remotes
+        waiting = asyncio.ensure_future(a.call("/tools/charge", {"amount": 5}, run="pay-h"))
+        for _ in range(300):                 # the first attempt's retry decision is stored
+            if await _seq(c, "pay-h") == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert (await b.call("/tools/audit", {"ok": False}, run="pay-h")).status == 422
+        reply = await asyncio.wait_for(waiting, 10)
+        envelope, history = await c.stored("pay-h")
+    assert reply.status == 409, reply.body[:300]
+    assert tools.hits("/charge") == 1
+    assert trail(history) == [
+        ("charge", "entry", "pass", "forward"), ("charge", "exit", "violation", "retry"),
+        ("audit", "entry", "violation", "halt"), ("charge", "entry", "refused", "refuse")]
+    assert envelope.status == "halted"
+
+
+async def _seq(c: Cluster, run: str) -> int:
+    """The run's stored seq (0: not stored yet)."""
+    async with c.session.get(f"{c.members.admins[0]}/runs/{run}") as resp:
+        return int((await resp.json())["envelope"]["seq"]) if resp.status == 200 else 0
