@@ -195,9 +195,14 @@ def _parser() -> argparse.ArgumentParser:
                             "client and no stepguard header (runs named by the order_id "
                             "argument); hybrid: a model agent whose tool calls run over MCP "
                             "through stepguard, no header (each call joined to the model's run)")
-    drift.add_argument("--store", metavar="FILE", type=Path,
+    drift.add_argument("--store", metavar="FILE|URL",
                        help="keep the store of the enforced runs in FILE (a new file), for "
-                            "`stepguard replay` or `runs show`")
+                            "`stepguard replay` or `runs show`; with --replicas, a database "
+                            "URL the replicas share")
+    drift.add_argument("--replicas", type=int, default=0, metavar="N",
+                       help="run N `stepguard serve` processes on one shared store and spread "
+                            "every run's calls round-robin over them (default 0: one "
+                            "stepguard in the bench process)")
     drift.add_argument("--json", action="store_true")
     drift.set_defaults(func=_bench_drift)
 
@@ -436,12 +441,21 @@ def _bench_drift(args: argparse.Namespace) -> int:
     from stepguard.bench.drift import render_table, run_bench
     from stepguard.metrics.logs import configure
 
-    if args.store is not None and args.store.exists():
+    url = args.store is not None and "://" in args.store
+    if args.store is not None and not url and Path(args.store).exists():
         print(f"stepguard bench drift: {args.store} exists: --store takes a new file",
               file=sys.stderr)
         return 2
+    if url and args.replicas < 1:
+        print("stepguard bench drift: a database URL as --store needs --replicas N",
+              file=sys.stderr)
+        return 2
+    if args.replicas < 0:
+        print("stepguard bench drift: --replicas must be 0 or more", file=sys.stderr)
+        return 2
     configure("json", "critical")
-    result = asyncio.run(run_bench(args.runs, args.controls, args.traffic, args.store))
+    result = asyncio.run(run_bench(args.runs, args.controls, args.traffic, args.store,
+                                   args.replicas))
     print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode() if args.json
           else render_table(result))
     return 0
