@@ -152,9 +152,12 @@ def round_robin(backends: Sequence[str]) -> web.Application:
                 if key.lower() not in _HOP:
                     answer.headers.add(key, value)
             await answer.prepare(request)
-            async for chunk in upstream.content.iter_any():
-                await answer.write(chunk)
-            await answer.write_eof()
+            try:
+                async for chunk in upstream.content.iter_any():
+                    await answer.write(chunk)
+                await answer.write_eof()
+            except (ConnectionError, aiohttp.ClientError):
+                pass        # either end hung up (an event stream its client closed): done
             return answer
 
     async def close(app: web.Application) -> None:

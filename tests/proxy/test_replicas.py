@@ -274,3 +274,29 @@ async def _seq(c: Cluster, run: str) -> int:
     """The run's stored seq (0: not stored yet)."""
     async with c.session.get(f"{c.members.admins[0]}/runs/{run}") as resp:
         return int((await resp.json())["envelope"]["seq"]) if resp.status == 200 else 0
+
+
+async def test_an_mcp_session_spread_over_three_replicas_is_one_run(
+        tmp_path: Path, shared_store: str) -> None:
+    # the legacy MCP handshake gives the client a session; with no run header the session
+    # names the run (contract.mcp.yaml: header, traceparent, mcp-session), whichever replica
+    # each request of the session reaches
+    from stepguard.examples.order_confirmation import contract_path, mcp_agent, mcp_tools
+
+    with mcp_tools.serve(mcp_tools.create_app(stateless=False)) as tools_url:
+        async with replicas(3, contract_path("contract.mcp.yaml"), shared_store, tmp_path,
+                            upstreams={"tools": tools_url}) as members, \
+                balanced(members.urls) as (lb, sent), aiohttp.ClientSession() as session:
+            run = await mcp_agent.run_mcp_agent(f"{lb}/mcp-tools{mcp_tools.MCP_PATH}", "-", 17,
+                                                mode="legacy", run_header=False)
+            c = Cluster(members, session)
+            async with session.get(f"{members.admins[0]}/runs") as resp:
+                (stored,) = (await resp.json())["runs"]
+            envelope, history = await c.stored(stored["run_id"], via=2)
+    assert run.completed, run
+    assert min(sent) >= 2, sent
+    assert envelope.status == "completed"
+    contiguous(history)
+    assert [(e["step"], e["boundary"], e["verdict"]) for e in history] == [
+        (step, boundary, "pass") for step in ORDER for boundary in ("entry", "exit")]
+    assert folded(history, envelope).to_dict() == envelope.to_dict()
