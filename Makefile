@@ -16,7 +16,7 @@ REPEATED := tests/contracts/test_sqlite_store.py tests/contracts/test_sqlite_sto
 	tests/proxy/test_mcp_resumption.py tests/proxy/test_recovery.py \
 	tests/proxy/test_correlation.py tests/proxy/test_reload.py tests/metrics/test_runs_gauge.py \
 	tests/proxy/test_replay_recorded_crash.py tests/proxy/test_joining.py \
-	tests/proxy/test_holds.py
+	tests/proxy/test_holds.py tests/proxy/test_replicas.py
 
 $(BIN)/stepguard: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
