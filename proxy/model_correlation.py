@@ -91,22 +91,25 @@ class ShownCalls:
                        refused="unchecked_result")
 
 
-async def _stored_elsewhere(runs: RunBook, shown: ShownCalls, keys: list[str]) -> set[str]:
-    """On a shared store, ids no run has yet may belong to a streamed turn another process is
-    still checking (it showed the calls before storing them, and `ShownCalls` is per process):
-    the store is read again every SHARED_POLL_S for at most SHARED_INFLIGHT_WAIT_S. Ids found
-    in no run after that are remembered (bounded) and not waited for again."""
-    fresh = [key for key in keys if key not in shown.unknown]
-    if not fresh:
-        return set()
+async def _stored_elsewhere(runs: RunBook, shown: ShownCalls,
+                            keys: list[str]) -> dict[str, str | None]:
+    """On a shared store, ids no run has may belong to a streamed turn another process is still
+    checking (it showed the calls before storing them, and `ShownCalls` is per process): the
+    store is read again every SHARED_POLL_S for at most SHARED_INFLIGHT_WAIT_S, until every id
+    is found. Ids found in no run after that (a tool matching no step, a conversation begun
+    elsewhere) are remembered (bounded) and not waited for again."""
+    waiting = [key for key in keys if key not in shown.unknown]
+    owners: dict[str, str | None] = {}
     deadline = time.monotonic() + SHARED_INFLIGHT_WAIT_S
-    while time.monotonic() < deadline:
+    while waiting and time.monotonic() < deadline:
         await asyncio.sleep(SHARED_POLL_S)
-        found = {r for key in fresh if (r := await runs.store.find_run(key)) is not None}
-        if found:
-            return found
-    shown.never_stored(fresh)
-    return set()
+        for key in list(waiting):
+            owner = await runs.store.find_run(key)
+            if owner is not None:
+                owners[key] = owner
+                waiting.remove(key)
+    shown.never_stored(waiting)
+    return owners
 
 
 async def correlate(runs: RunBook, shown: ShownCalls, ex: Exchange,
@@ -126,9 +129,11 @@ async def correlate(runs: RunBook, shown: ShownCalls, ex: Exchange,
         if keys is None:
             keys = parsed(ex, lambda: ex.dialect.known_ids(ex.body))
         await shown.wait(keys)
-        found = {r for key in keys if (r := await runs.store.find_run(key)) is not None}
-        if not found and keys and runs.store.shared:
-            found = await _stored_elsewhere(runs, shown, keys)
+        owners = {key: await runs.store.find_run(key) for key in keys}
+        if runs.store.shared:
+            owners.update(await _stored_elsewhere(runs, shown, [k for k, r in owners.items()
+                                                                if r is None]))
+        found = {r for r in owners.values() if r is not None}
         if len(found) > 1:
             raise Stop(400, f"stepguard: the conversation carries tool calls of several runs "
                        f"({', '.join(sorted(found))}); send {RUN_HEADER} to choose one",
