@@ -635,7 +635,7 @@ async def test_an_exit_of_a_responses_conversation_continued_by_id_reads_the_unr
     assert entry["input"] == {"account_id": REDACTED}       # the stored copy stays redacted
 
 
-async def test_on_a_shared_store_a_result_whose_redacted_arguments_another_replica_holds_is_refused_for_a_retry(
+async def test_a_result_whose_redacted_arguments_another_replica_holds_is_refused_for_a_retry(
         model_upstream, stepguard, tmp_path):
     # two stepguards on one shared store: the model's response seen by A (which keeps the
     # unredacted arguments), the result of its call sent to B, which has only the stored,
