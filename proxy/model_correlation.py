@@ -37,6 +37,17 @@ class ShownCalls:
         self._failed: OrderedDict[str, None] = OrderedDict()
         # ids waited for in vain on a shared store (`_stored_elsewhere`), not waited for again
         self.unknown: OrderedDict[str, None] = OrderedDict()
+        self._checked: OrderedDict[str, None] = OrderedDict()
+
+    def known(self, call_id: str) -> bool:
+        """Whether the call is known here as failed, or as checked (`checked`)."""
+        return call_id in self._failed or call_id in self._checked
+
+    def checked(self, call_id: str) -> None:
+        """A call found not failed in the store (shared stores): not looked up again."""
+        self._checked[call_id] = None
+        while len(self._checked) > self.failed_kept:
+            self._checked.popitem(last=False)
 
     def never_stored(self, keys: list[str]) -> None:
         for key in keys:

@@ -5,6 +5,7 @@ model sees the request."""
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
@@ -73,12 +74,14 @@ class ModelExits:
         outputs = parsed(ex, lambda: ex.dialect.tool_outputs(ex.body))
         echoed = parsed(ex, lambda: ex.dialect.echoed_calls(ex.body)) if outputs else {}
         if ex.new_run:
+            await self._failed_elsewhere(outputs, {})
             self.shown.refuse_unchecked(ex, outputs, {})
             return
         async with self.runs.locked(ex.run_id):
             envelope = await self.runs.envelope(ex.contract, ex.run_id)
             if envelope.status in STOPPED:
                 await refuse_halted(self.boundaries, ex, envelope, self.traffic)
+            await self._failed_elsewhere(outputs, envelope.pending)
             self.shown.refuse_unchecked(ex, outputs, envelope.pending)
             for output in outputs:
                 pending = envelope.pending.get(output.call_id)
@@ -99,6 +102,24 @@ class ModelExits:
                 elif self.runs.store.shared:
                     self._only_elsewhere(ex, output.call_id, pending)
                 envelope = await self.exit(ex, envelope, output, pending)
+
+    async def _failed_elsewhere(self, outputs: list[ToolOutput],
+                                pending: Mapping[str, Any]) -> None:
+        """On a shared store: a result for a call a stream showed on another process before its
+        turn failed (a `failed:` key, and no stored entry: `call:`) is taken as this process's
+        own failed call, so `refuse_unchecked` refuses it. Ids found checked are remembered."""
+        if not self.runs.store.shared:
+            return
+        store = self.runs.store
+        for output in outputs:
+            call_id = output.call_id
+            if call_id in pending or self.shown.known(call_id):
+                continue
+            if await store.find_run(f"failed:{call_id}") is not None \
+                    and await store.find_run(f"call:{call_id}") is None:
+                self.shown.failed([call_id])
+            else:
+                self.shown.checked(call_id)
 
     def _only_elsewhere(self, ex: Exchange, call_id: str, pending: dict[str, Any]) -> None:
         """On a shared store: the call's arguments are known here only as stored, redacted or

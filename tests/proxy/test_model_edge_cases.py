@@ -664,6 +664,38 @@ async def test_a_result_whose_redacted_arguments_another_replica_holds_is_refuse
     assert (await a.client.post(RESPONSES, json=result)).status == 422
 
 
+async def test_a_result_for_a_call_of_a_turn_that_failed_on_another_replica_is_refused_unchecked(
+        model_upstream, stepguard, tmp_path):
+    async def complete_call_then_break(request: web.Request) -> web.StreamResponse:
+        out = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await out.prepare(request)
+        call = {"index": 0, "id": "call_1", "type": "function",
+                "function": {"name": "lookup", "arguments": '{"order_id": "o1"}'}}
+        await out.write(sse({"id": "c1", "object": "chat.completion.chunk", "choices": [
+            {"index": 0, "delta": {"tool_calls": [call]}}]}))
+        await out.write(sse({"error": {"message": "server_error", "type": "server_error"}}))
+        return out
+
+    model = await model_upstream({"/v1/chat/completions": complete_call_then_break})
+    contract = model_contract(model.url, LOOKUP_NEEDS_CUSTOMER)
+    a = await stepguard(contract, store=SQLiteStore(tmp_path / "shared.db", shared=True))
+    b = await stepguard(contract, store=SQLiteStore(tmp_path / "shared.db", shared=True))
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "look up o1"}]
+    failed = await a.client.post(CHAT, headers={RUN_HEADER: "r1"}, json={
+        "model": "m", "stream": True, "messages": messages})
+    await failed.read()
+    messages += [{"role": "assistant", "content": None,
+                  "tool_calls": [chat_call("call_1", "lookup", {"order_id": "o1"})]},
+                 tool_message("call_1", {"customer_name": "wrong shape"})]
+
+    resp = await b.client.post(CHAT, headers={RUN_HEADER: "r1"},
+                               json={"model": "m", "messages": messages})
+
+    assert resp.status == 409, await resp.read()
+    assert (await resp.json())["error"]["stepguard"]["calls"] == ["call_1"]
+    assert model.hits == 1       # the model never saw the result
+
+
 def test_pending_arguments_past_their_byte_budget_drop_the_oldest():
     kept = PendingArguments(budget=100)
     kept.keep("r", "a", {"n": 1}, 60)
