@@ -7,12 +7,14 @@ BIN := $(VENV)/bin
 
 .PHONY: demo test test-repeat lint docs bench-drift install
 
-# Concurrency-sensitive tests (store worker threads against close, kill -9 recovery, MCP stream
+# Concurrency-sensitive tests (store worker threads against close, PostgreSQL pools racing and
+# its database cut, kill -9 recovery, MCP stream
 # resumption, correlation and cross-traffic joining across calls, reload under traffic, a
 # recorded answer across kill -9), run REPEAT more times after the
 # suite: a race that passes by luck once fails here instead of on someone's clean clone.
 REPEAT ?= 5
-REPEATED := tests/contracts/test_sqlite_store.py tests/contracts/test_sqlite_store_counts.py \
+REPEATED := tests/contracts/test_store.py tests/contracts/test_sqlite_store_counts.py \
+	tests/contracts/test_pg_store.py tests/proxy/test_pg_store_faults.py \
 	tests/proxy/test_mcp_resumption.py tests/proxy/test_recovery.py \
 	tests/proxy/test_correlation.py tests/proxy/test_reload.py tests/metrics/test_runs_gauge.py \
 	tests/proxy/test_replay_recorded_crash.py tests/proxy/test_joining.py \

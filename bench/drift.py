@@ -29,8 +29,8 @@ from stepguard.bench.replicas import balanced, is_url
 from stepguard.bench.replicas import replicas as serving
 from stepguard.contracts.loader import load_contract
 from stepguard.contracts.model import Contract
-from stepguard.contracts.sqlite_store import SQLiteStore
 from stepguard.contracts.store import Store
+from stepguard.contracts.stores import make_store
 from stepguard.examples.order_confirmation import agent as agent_mod
 from stepguard.examples.order_confirmation import contract_path as example_contract_path
 from stepguard.examples.order_confirmation import fake_model
@@ -137,12 +137,9 @@ class _Observed:
 
 
 def shared_reader(store: str) -> Store:
-    """The shared store, as the bench process reads it beside the replicas."""
-    if is_url(store):
-        # the PostgreSQL store (issue 15, part 1) plugs in here: its factory opens the URL
-        raise ValueError(f"bench drift --store {store!r}: no store for database URLs in "
-                         "this build; give a SQLite file")
-    return SQLiteStore(store, shared=True)
+    """The shared store, as the bench process reads it beside the replicas (a PostgreSQL URL
+    without changing its schema: the replicas migrate it)."""
+    return make_store(store, migrate=not is_url(store), shared=True)
 
 
 @asynccontextmanager

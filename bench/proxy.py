@@ -9,6 +9,10 @@ asyncio server answering a ~10 KB order and a fixed OpenAI tool-call turn), one 
 - `contract`: `stepguard serve` checking every call (entry and exit, input schema, output schema
   on the 10 KB body, one precondition and one postcondition in CEL, history in SQLite), each call
   in a run of its own (`x-stepguard-run: <phase>-<n>`), so runs never wait on one run's lock;
+  trace export off (no `OTEL_*` variable reaches it);
+- `contract_traced`: the same with OpenTelemetry trace export on (`stepguard[otel]`), every
+  call sampled (`OTEL_TRACES_SAMPLER=always_on`): a server span, its boundary events and a
+  client span per call, batched over OTLP/HTTP to a local sink (a second bench upstream);
 - `model`, `model_stream`: Chat Completions through stepguard (the example's model contract):
   every response's tool call is a checked entry boundary of a new run; the `*_direct` rows are
   the same requests straight to the upstream, the reference the model rows' added figures use.
@@ -32,7 +36,8 @@ bodies, the entry and exit checks, building the two events, and appending both t
 through `RunBook.commit`.
 
 Every process started is stopped and every temporary file removed when `run()` returns (or
-fails). stepguard children get a clean environment: `STEPGUARD_*` variables are not passed on.
+fails). stepguard children get a clean environment: `STEPGUARD_*` and `OTEL_*` variables are not
+passed on.
 """
 
 from __future__ import annotations
@@ -77,11 +82,15 @@ from stepguard.contracts.sqlite_store import SQLiteStore
 from stepguard.proxy.bodies import history_payload
 from stepguard.proxy.config import Settings
 
-ROWS = ("direct", "nginx", "passthrough", "contract", "model", "model_stream")
+ROWS = ("direct", "nginx", "passthrough", "contract", "contract_traced", "model", "model_stream")
 REFERENCE = {"nginx": "direct", "passthrough": "direct", "contract": "direct",
+             "contract_traced": "direct",
              "model": "model_direct", "model_stream": "model_stream_direct"}
-_ORDER = ("direct", "nginx", "passthrough", "contract", "model_direct", "model",
-          "model_stream_direct", "model_stream")
+_ORDER = ("direct", "nginx", "passthrough", "contract", "contract_traced", "model_direct",
+          "model", "model_stream_direct", "model_stream")
+# the contract_traced row: trace export on, every call sampled, batches to a local OTLP sink
+# (a second bench upstream process, answering POST /v1/traces with an empty 200)
+TRACED_ENV = {"OTEL_TRACES_SAMPLER": "always_on", "OTEL_SERVICE_NAME": "stepguard-bench"}
 WRK = "/usr/bin/wrk"
 NGINX = "/usr/sbin/nginx"
 RUN_HEADER = "x-stepguard-run"
@@ -564,6 +573,7 @@ class _Bench:
         self.dir = Path(tempfile.mkdtemp(prefix="stepguard-bench-"))
         self.procs: list[_Proc] = []
         self.upstream_port = 0
+        self.sink_url: str | None = None    # the OTLP sink of the contract_traced row
         self.round = 0          # --repeat: each round's hops get files of their own
 
     def tagged(self, name: str) -> str:
@@ -607,17 +617,24 @@ class _Bench:
 
     # the upstream, nginx, stepguard -----------------------------------------------------------
 
-    def start_upstream(self) -> str:
-        proc = self.spawn("upstream", [sys.executable, "-m", "stepguard.bench.upstream",
-                                       "--port", "0"], stdout=subprocess.PIPE)
+    def start_upstream(self, name: str = "upstream") -> str:
+        proc = self.spawn(name, [sys.executable, "-m", "stepguard.bench.upstream",
+                                 "--port", "0"], stdout=subprocess.PIPE)
         assert proc.popen.stdout is not None
         line = _readline(proc.popen.stdout, _READY_TIMEOUT_S)
         match = re.fullmatch(rb"listening (\d+)\s*", line)
         if not match:
             proc.check_alive()
-            raise BenchError(f"the bench upstream did not start: {line!r} {_tail(proc.log)}")
-        self.upstream_port = int(match.group(1))
-        return f"http://127.0.0.1:{self.upstream_port}"
+            raise BenchError(f"the bench {name} did not start: {line!r} {_tail(proc.log)}")
+        if name == "upstream":
+            self.upstream_port = int(match.group(1))
+        return f"http://127.0.0.1:{int(match.group(1))}"
+
+    def otlp_sink(self) -> str:
+        """The OTLP/HTTP endpoint traced rows export to (started once, kept for the run)."""
+        if self.sink_url is None:
+            self.sink_url = self.start_upstream("otlp-sink")
+        return self.sink_url
 
     def start_nginx(self) -> tuple[_Proc, int]:
         binary = self.options.nginx
@@ -636,10 +653,12 @@ class _Bench:
         self._wait_http(proc, port, f"{MOUNT}/healthz", "GET")
         return proc, port
 
-    def start_stepguard(self, name: str, contract: dict[str, Any]) -> tuple[_Proc, int, Path]:
+    def start_stepguard(self, name: str, contract: dict[str, Any],
+                        otel: dict[str, str] | None = None) -> tuple[_Proc, int, Path]:
         path = _write_contract(self.dir / f"{self.tagged(name)}.contract.yaml", contract)
         port, admin, store = free_port(), free_port(), self.dir / f"{self.tagged(name)}.db"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("STEPGUARD_")}
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("STEPGUARD_", "OTEL_"))} | (otel or {})
         proc = self.spawn(name, [sys.executable, "-m", "stepguard.proxy.cli", "serve",
                                  "--contract", str(path), "--host", "127.0.0.1", "--port", str(port),
                                  "--admin-host", "127.0.0.1", "--admin-port", str(admin),
@@ -819,9 +838,12 @@ def _measure_row(bench: _Bench, name: str, upstream_url: str, wrk_missing: str |
         elif name == "nginx":
             hop, port = bench.start_nginx()
             prefix = MOUNT
-        elif name in ("passthrough", "contract"):
-            path = TOOL_PATH if name == "contract" else "/never_benchmarked"
-            hop, port, store = bench.start_stepguard(name, bench_contract(upstream_url, path))
+        elif name in ("passthrough", "contract", "contract_traced"):
+            path = "/never_benchmarked" if name == "passthrough" else TOOL_PATH
+            otel = ({**TRACED_ENV, "OTEL_EXPORTER_OTLP_ENDPOINT": bench.otlp_sink()}
+                    if name == "contract_traced" else None)
+            hop, port, store = bench.start_stepguard(name, bench_contract(upstream_url, path),
+                                                     otel)
             prefix = MOUNT
         else:
             hop, port, store = bench.start_stepguard(name, model_contract(upstream_url))
@@ -975,7 +997,7 @@ def _targets(rows: dict[str, Row], ratios: dict[str, float | None],
 
     add("contract rps / passthrough rps", ratios["contract/passthrough"], ">=", 0.85)
     add("contract rps / nginx rps", ratios["contract/nginx"], ">=", 0.30)
-    for name in ("contract", "model", "model_stream"):
+    for name in ("contract", "contract_traced", "model", "model_stream"):
         row = rows.get(name)
         if row is None:
             continue
@@ -1111,7 +1133,14 @@ def run(options: BenchOptions) -> dict[str, Any]:
         row = rows.get(name)
         return row.rps if row is not None and row.status == "ok" else None
 
+    def cpu(name: str) -> float | None:
+        row = rows.get(name)
+        return row.cpu_s_per_1k if row is not None and row.status == "ok" else None
+
     ratios = {"contract/passthrough": _ratio(rps("contract"), rps("passthrough")),
+              # what tracing every call costs: throughput and CPU per call, traced / untraced
+              "traced/contract rps": _ratio(rps("contract_traced"), rps("contract")),
+              "traced/contract cpu": _ratio(cpu("contract_traced"), cpu("contract")),
               "contract/nginx": _ratio(rps("contract"), rps("nginx")),
               "passthrough/nginx": _ratio(rps("passthrough"), rps("nginx"))}
     return {"rows": {name: asdict(row) for name, row in rows.items()}, "ratios": ratios,

@@ -9,6 +9,8 @@ stdout once it accepts connections (`--port 0` picks a free port), then answers:
   the example fake model's builders; only the tool-call id changes per response (same length), so
   every answer is a new call of a new conversation.
 - `GET .../healthz`: `{"ok": true}`.
+- `POST /v1/traces`: an empty 200 (`application/x-protobuf`, an empty OTLP export response): a
+  second instance is the OTLP sink of the traced row.
 - anything else: the ~10 KB order `{"order_id": "ord-17", "customer": ..., "items": [100 objects]}`.
 
 It is a bare asyncio protocol (no framework, no routing table), so that the upstream's own cost
@@ -109,6 +111,7 @@ class Payloads:
         self.sse = [b"%x\r\n%s\r\n" % (len(e), e) for e in chat_events()]
         self.sse_call = next(i for i, e in enumerate(self.sse) if CALL_PLACEHOLDER.encode() in e)
         self._calls = itertools.count(1)
+        self.otlp = [_head("200 OK", "application/x-protobuf", 0)]
         self.bad = [_head("400 Bad Request", "text/plain", 11, "Connection: close\r\n"), b"bad request"]
 
     def call_id(self) -> bytes:
@@ -128,6 +131,8 @@ class Payloads:
             return [self.sse_head, *events, b"0\r\n\r\n"]
         if method == "GET" and path.endswith("/healthz"):
             return self.health
+        if method == "POST" and path == "/v1/traces":
+            return self.otlp
         return self.order
 
 

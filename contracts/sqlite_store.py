@@ -127,6 +127,8 @@ def connect(path: str | Path, synchronous: str = "NORMAL",
 
 
 class SQLiteStore:
+    shared = False      # one process per file (its lock): nobody else writes these runs
+
     def __init__(self, path: str | Path, synchronous: str = "NORMAL",
                  checkpoint_interval_s: float = 1.0, retention_s: float = 0.0,
                  purge_interval_s: float = 300.0, timeout_s: float = DEFAULT_TIMEOUT_S,

@@ -11,6 +11,7 @@ from stepguard.contracts.events import Decision
 from stepguard.contracts.model import Contract
 from stepguard.metrics.logs import get_logger
 from stepguard.metrics.prom import Metrics, status_class
+from stepguard.metrics.tracing import Tracing
 
 
 def truncate(text: str, limit: int) -> str:
@@ -41,8 +42,10 @@ REFUSAL_REASONS = frozenset({
 
 class Observer:
     def __init__(self, metrics: Metrics | None = None, log_payloads: bool = False,
-                 payload_log_bytes: int = 2048, log_level: str = "info") -> None:
+                 payload_log_bytes: int = 2048, log_level: str = "info",
+                 tracing: Tracing | None = None) -> None:
         self.metrics = metrics or Metrics()
+        self.tracing = tracing      # None: trace export is off (metrics/tracing.py)
         self.log = get_logger("stepguard")
         self.log_payloads = log_payloads
         self.payload_log_bytes = payload_log_bytes
@@ -72,6 +75,8 @@ class Observer:
             self._child(m.actions, contract.workflow, step, action, traffic).inc()
         if action == "escalate":
             self._child(m.escalations, contract.workflow, step).inc()
+        if self.tracing is not None:
+            self.tracing.boundary(contract, run_id, event, traffic)
         # an upstream stepguard could not reach is not drift, but someone should see it
         warn = bool(violation) or action == "refuse" or verdict == "unreachable"
         if not warn and not self.log_passes:

@@ -15,11 +15,13 @@ from stepguard.contracts.errors import ContractError, ContractIssue, StepguardEr
 from stepguard.contracts.loader import load_contracts
 from stepguard.contracts.model import Contract
 from stepguard.contracts.runs import RunBook
-from stepguard.contracts.sqlite_store import SQLiteStore
 from stepguard.contracts.store import Store
+from stepguard.contracts.store_urls import redacted
+from stepguard.contracts.stores import make_store
 from stepguard.metrics.logs import get_logger
 from stepguard.metrics.observer import Observer
 from stepguard.metrics.prom import Metrics
+from stepguard.metrics.tracing import Tracing
 from stepguard.proxy.admin import AdminTokens, run_routes
 from stepguard.proxy.boundaries import Boundaries
 from stepguard.proxy.config import Settings
@@ -117,6 +119,8 @@ class Stepguard:
                                       for c in self.contracts)
         self.forwarder = Forwarder(self.settings.max_response_bytes,
                                    self.settings.connect_attempts, self.settings.connect_timeout_s)
+        self.tracing = self.observer.tracing      # None: trace export off (metrics/tracing.py)
+        self.forwarder.tracing = self.tracing
         self.runs = RunBook(self.store)
         self.tokens = AdminTokens.load(self.settings.admin_token, self.settings.admin_token_file)
         self.run_counts = RunCounts(self.store)
@@ -139,7 +143,7 @@ class Stepguard:
         self.dispatcher = Dispatcher(Router(self.contracts), adapters, self.observer,
                                      self.settings.max_request_bytes, self.budget,
                                      self.settings.body_timeout_s,
-                                     self.settings.body_total_timeout_s)
+                                     self.settings.body_total_timeout_s, self.tracing)
 
     def reload(self, contracts: list[Contract], shadows: list[Contract] | None = None) -> None:
         """Swap in newly loaded contracts (and shadow contracts). Calls in flight finish under
@@ -166,22 +170,31 @@ class Stepguard:
             await self.store.close()
         except StepguardError as exc:   # a final checkpoint on a full disk: logged, not fatal
             self.observer.store_error("close", str(exc))
+        if self.tracing is not None:    # the spans still queued are exported (bounded by the
+            await asyncio.to_thread(self.tracing.shutdown)   # exporter's timeout), off the loop
 
 
 STEPGUARD = web.AppKey("stepguard", Stepguard)
 
 
 def build(settings: Settings, contracts: list[Contract], store: Store | None = None,
-          metrics: Metrics | None = None, shadows: list[Contract] | None = None) -> Stepguard:
-    """A Stepguard on the settings' SQLite store (or `store`), with a fresh metrics registry."""
+          metrics: Metrics | None = None, shadows: list[Contract] | None = None,
+          tracing: Tracing | None = None) -> Stepguard:
+    """A Stepguard on the settings' store (a SQLite file or PostgreSQL; or `store`), with a
+    fresh metrics registry (and `tracing`, when trace export is on)."""
     observer = Observer(metrics or Metrics(), settings.log_payloads, settings.payload_log_bytes,
-                        settings.log_level)
-    store = store or SQLiteStore(settings.store, settings.sqlite_synchronous,
-                                 retention_s=settings.retention_hours * 3600,
-                                 timeout_s=settings.store_timeout,
-                                 wal_limit_bytes=settings.wal_limit_bytes,
-                                 shared=settings.shared_store)
+                        settings.log_level, tracing)
+    store = store or settings_store(settings)
     return Stepguard(settings, contracts, store, observer, shadows=shadows or [])
+
+
+def settings_store(settings: Settings, migrate: bool = True) -> Store:
+    """The store the settings name (`--store`: a SQLite file or a postgresql:// URL), unopened."""
+    return make_store(settings.store, timeout_s=settings.store_timeout,
+                      retention_s=settings.retention_hours * 3600,
+                      synchronous=settings.sqlite_synchronous,
+                      wal_limit_bytes=settings.wal_limit_bytes, migrate=migrate,
+                      shared=settings.shared_store)
 
 
 def create_app(sg: Stepguard, manage: bool = True) -> web.Application:
@@ -269,9 +282,9 @@ GC_THRESHOLDS = (50_000, 20, 100)
 
 
 async def serve(settings: Settings, contracts: list[Contract],
-                shadows: list[Contract] | None = None) -> None:
+                shadows: list[Contract] | None = None, tracing: Tracing | None = None) -> None:
     log = get_logger("stepguard")
-    sg = build(settings, contracts, shadows=shadows)
+    sg = build(settings, contracts, shadows=shadows, tracing=tracing)
     await sg.start()
     gc.freeze()   # what start-up built lives as long as the process: keep it out of GC passes
     # Each checked call allocates a few thousand short-lived objects (a parsed 10 KB body alone
@@ -306,7 +319,8 @@ async def serve(settings: Settings, contracts: list[Contract],
         await web.TCPSite(proxy_runner, settings.host, settings.port).start()
         await web.TCPSite(admin_runner, settings.admin_host, settings.admin_port).start()
         log.info("started", proxy=f"{settings.host}:{settings.port}",
-                 admin=f"{settings.admin_host}:{settings.admin_port}", store=settings.store,
+                 admin=f"{settings.admin_host}:{settings.admin_port}",
+                 store=redacted(settings.store),
                  workflows=[c.workflow for c in contracts],
                  shadow=[f"{c.workflow} v{c.version}" for c in sg.shadows],
                  upstreams={f"{c.workflow}.{u.name}": {"url": u.shown_url, "mount": u.mount,
@@ -317,7 +331,8 @@ async def serve(settings: Settings, contracts: list[Contract],
                        for c in contracts for v in c.vars.values()},
                  max_connections=proxy_gate.max_connections,
                  admin_actions=[name for name, _ in sg.tokens.tokens] or "off (no admin token)",
-                 passthrough=settings.passthrough)
+                 passthrough=settings.passthrough,
+                 traces=f"OTLP/HTTP to {tracing.endpoint}" if tracing is not None else "off")
         await stop.wait()
         log.info("stopping")
         # calls held for an operator are answered now (503, send again), not waited for

@@ -112,6 +112,16 @@ class Call:
         return True
 
     @property
+    def tool_name(self) -> str:
+        """The tool the call executes, as traces name it (GenAI `gen_ai.tool.name`)."""
+        return self.step.name
+
+    @property
+    def trace_attributes(self) -> dict[str, str] | None:
+        """The protocol's own attributes of the call's server span (no values of it)."""
+        return None
+
+    @property
     def replay_key(self) -> bytes:
         """What, besides its arguments, makes two calls of the step the same call (for a
         `replay: recorded` step): method, path and query as sent."""
@@ -251,6 +261,11 @@ class CallLoop(Generic[C, A]):
 
     async def checked(self, call: C) -> web.StreamResponse:
         """The call through its entry and attempts, answered whatever happens."""
+        tracing = self.observer.tracing
+        if tracing is not None:
+            drift = call.key_drift
+            tracing.tool_call(call.tool_name, drift.joined if drift is not None else None,
+                              call.trace_attributes)
         return await self._guarded(call, self._checked(call))
 
     async def resumed(self, call: C, attempt: int, answer: A) -> web.StreamResponse:

@@ -1,4 +1,4 @@
-"""The `stepguard` command line: serve, check, runs, bench, demo."""
+"""The `stepguard` command line: serve, check, runs, store, bench, demo."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ from stepguard.contracts.sqlite_store import (
     read_history,
     read_runs,
 )
+from stepguard.contracts.store_urls import check_location, is_postgres, redacted
+from stepguard.contracts.stores import make_store
 from stepguard.metrics.logs import LOG_FORMATS, LOG_LEVELS
 from stepguard.metrics.report import render_run, shown, timestamp
 from stepguard.proxy.config import ConfigError, Settings, assignments, env_setting
@@ -66,11 +68,12 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="proxy port (STEPGUARD_PORT, 8080)")
     serve.add_argument("--admin-host", help="admin listen address (STEPGUARD_ADMIN_HOST)")
     serve.add_argument("--admin-port", type=int, help="admin port (STEPGUARD_ADMIN_PORT, 9090)")
-    serve.add_argument("--store", help="SQLite file (STEPGUARD_STORE, stepguard.db)")
+    serve.add_argument("--store", help="SQLite file or postgresql://USER@HOST:PORT/DATABASE URL "
+                                       "(STEPGUARD_STORE, stepguard.db)")
     serve.add_argument("--shared-store", action="store_true", default=None,
-                       help="other stepguard processes write this store too (replicas on one "
-                            "SQLite file): no exclusive lock, envelopes read at every boundary "
-                            "(STEPGUARD_SHARED_STORE)")
+                       help="other stepguard processes write this SQLite file too (replicas on "
+                            "one file): no exclusive lock, envelopes read at every boundary "
+                            "(STEPGUARD_SHARED_STORE); a PostgreSQL store is always shared")
     serve.add_argument("--store-timeout", type=float,
                        help="seconds a write may wait for a locked or slow store before the "
                             "call is refused with 503 (STEPGUARD_STORE_TIMEOUT, 1)")
@@ -131,11 +134,12 @@ def _parser() -> argparse.ArgumentParser:
     check.set_defaults(func=_check)
 
     runs = sub.add_parser("runs", help="inspect runs in the store")
-    runs.add_argument("--store", default=None, help="SQLite file (STEPGUARD_STORE)")
+    runs.add_argument("--store", default=None,
+                      help="SQLite file or postgresql:// URL (STEPGUARD_STORE)")
     # --store is read before or after the action: `runs --store F show X`, `runs show X --store F`
     store_after = argparse.ArgumentParser(add_help=False)
     store_after.add_argument("--store", default=argparse.SUPPRESS,
-                             help="SQLite file (STEPGUARD_STORE)")
+                             help="SQLite file or postgresql:// URL (STEPGUARD_STORE)")
     runs_sub = runs.add_subparsers(metavar="ACTION")
     runs_list = runs_sub.add_parser("list", help="list runs, newest first", parents=[store_after])
     runs_list.add_argument("--status", choices=list(RUN_STATUSES))
@@ -180,6 +184,14 @@ def _parser() -> argparse.ArgumentParser:
         named.add_argument("--decision", dest="decision_id", metavar="ID",
                            help="the hold's decision id")
         deciding.set_defaults(func=_runs_decide, action=action)
+
+    store = sub.add_parser("store", help="manage the store's schema")
+    store_sub = store.add_subparsers(metavar="ACTION")
+    migrate = store_sub.add_parser(
+        "migrate", help="bring the store's schema to this version and print the version")
+    migrate.add_argument("--store", default=None,
+                         help="postgresql:// URL or SQLite file (STEPGUARD_STORE)")
+    migrate.set_defaults(func=_store_migrate)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(metavar="BENCH")
@@ -229,7 +241,8 @@ def _parser() -> argparse.ArgumentParser:
                              help="offered requests per second for the latency phase")
     proxy_bench.add_argument("--rate-duration", type=float, default=4.0,
                              help="seconds of each latency phase")
-    proxy_bench.add_argument("--rows", default="direct,nginx,passthrough,contract,model,model_stream",
+    proxy_bench.add_argument("--rows", default="direct,nginx,passthrough,contract,contract_traced,"
+                             "model,model_stream",
                              help="comma-separated rows to run")
     proxy_bench.add_argument("--seq-requests", type=int, default=500,
                              help="requests of each closed-loop phase (one connection, back to "
@@ -284,13 +297,19 @@ def _serve(args: argparse.Namespace) -> int:
         for issue in exc.issues:
             print(f"  {issue}", file=sys.stderr)
         return 2
+    from stepguard.metrics.tracing import TracingError, from_env
+    try:     # OTEL_*: off unless asked for; asked for but not possible as asked, no start
+        tracing = from_env()
+    except TracingError as exc:
+        print(f"stepguard serve: {exc}", file=sys.stderr)
+        return 2
     try:
         if settings.uvloop:
             import uvloop
 
-            uvloop.run(serve(settings, contracts, shadows))
+            uvloop.run(serve(settings, contracts, shadows, tracing))
         else:
-            asyncio.run(serve(settings, contracts, shadows))
+            asyncio.run(serve(settings, contracts, shadows, tracing))
     except (OSError, StepguardError) as exc:    # a store that cannot be opened, a port taken
         print(f"stepguard serve: {exc}", file=sys.stderr)
         return 1
@@ -365,11 +384,67 @@ def _shown(value: Any) -> str:
     return orjson.dumps(value).decode()
 
 
-def _open_store(args: argparse.Namespace) -> sqlite3.Connection | None:
+def _store_location(args: argparse.Namespace, command: str) -> str | None:
     try:
-        path = args.store or env_setting("store")
+        location: str = args.store or env_setting("store")
     except ConfigError as exc:
-        print(f"stepguard runs: {exc}", file=sys.stderr)
+        print(f"stepguard {command}: {exc}", file=sys.stderr)
+        return None
+    problem = check_location(location)
+    if problem is not None:
+        print(f"stepguard {command}: --store {redacted(location)!r} is not valid: expected a "
+              f"SQLite file path or a postgresql:// URL, not {problem}", file=sys.stderr)
+        return None
+    return location
+
+
+def _store_migrate(args: argparse.Namespace) -> int:
+    location = _store_location(args, "store migrate")
+    if location is None:
+        return 2
+    if is_postgres(location):
+        try:
+            from stepguard.contracts.pg_store import migrate_store
+
+            before, after = asyncio.run(migrate_store(location))
+        except ImportError as exc:
+            print(f"stepguard store migrate: PostgreSQL needs its driver ({exc}): pip install "
+                  "'stepguard[postgres]'", file=sys.stderr)
+            return 1
+        except StoreError as exc:
+            print(f"stepguard store migrate: {exc}", file=sys.stderr)
+            return 1
+        change = "already up to date" if before == after else f"migrated from version {before}"
+        print(f"store {redacted(location)}: schema version {after} ({change})")
+        return 0
+    try:     # SQLite brings its schema up to date when it opens
+        asyncio.run(_open_and_close(location))
+    except StoreError as exc:
+        print(f"stepguard store migrate: {exc}", file=sys.stderr)
+        return 1
+    print(f"store {location}: SQLite schema up to date (SQLite stores migrate when opened)")
+    return 0
+
+
+async def _open_and_close(location: str) -> None:
+    store = make_store(location)
+    await store.open()
+    await store.close()
+
+
+async def _read_shared(location: str, read: Any) -> Any:
+    """`read(store)` on a PostgreSQL store opened as a reader (its schema is not changed)."""
+    store = make_store(location, timeout_s=env_setting("store_timeout"), migrate=False)
+    await store.open()
+    try:
+        return await read(store)
+    finally:
+        await store.close()
+
+
+def _open_store(args: argparse.Namespace) -> sqlite3.Connection | None:
+    path = _store_location(args, "runs")
+    if path is None:
         return None
     if not Path(path).exists():
         print(f"stepguard runs: no store at {path}", file=sys.stderr)
@@ -382,10 +457,18 @@ def _open_store(args: argparse.Namespace) -> sqlite3.Connection | None:
 
 
 def _runs_list(args: argparse.Namespace) -> int:
-    conn = _open_store(args)
-    if conn is None:
-        return 1
-    runs = read_runs(conn, args.status, args.limit)
+    location = _store_location(args, "runs")
+    if location is not None and is_postgres(location):
+        try:
+            runs = asyncio.run(_read_shared(location, lambda s: s.runs(args.status, args.limit)))
+        except (StepguardError, ConfigError) as exc:
+            print(f"stepguard runs: {exc}", file=sys.stderr)
+            return 1
+    else:
+        conn = _open_store(args)
+        if conn is None:
+            return 1
+        runs = read_runs(conn, args.status, args.limit)
     if args.json:
         print(orjson.dumps([r.to_dict() for r in runs]).decode())
         return 0
@@ -400,17 +483,34 @@ def _runs_list(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _run_of(store: Any, run_id: str) -> tuple[Any, Any, Any]:
+    found = await store.load(run_id)
+    if found is None:
+        return None, [], []
+    return found.to_dict(), await store.history(run_id), await store.escalations(run_id)
+
+
 def _runs_show(args: argparse.Namespace) -> int:
-    conn = _open_store(args)
-    if conn is None:
-        return 1
-    row = conn.execute("SELECT envelope FROM runs WHERE run_id = ?", (args.run_id,)).fetchone()
-    if row is None:
+    location = _store_location(args, "runs")
+    if location is not None and is_postgres(location):
+        try:
+            envelope, history, escalations = asyncio.run(
+                _read_shared(location, lambda s: _run_of(s, args.run_id)))
+        except (StepguardError, ConfigError) as exc:
+            print(f"stepguard runs: {exc}", file=sys.stderr)
+            return 1
+    else:
+        conn = _open_store(args)
+        if conn is None:
+            return 1
+        row = conn.execute("SELECT envelope FROM runs WHERE run_id = ?",
+                           (args.run_id,)).fetchone()
+        envelope = orjson.loads(row[0]) if row is not None else None
+        history = read_history(conn, args.run_id) if row is not None else []
+        escalations = read_escalations(conn, args.run_id) if row is not None else []
+    if envelope is None:
         print(f"stepguard runs: no run {args.run_id!r}", file=sys.stderr)
         return 1
-    envelope = orjson.loads(row[0])
-    history = read_history(conn, args.run_id)
-    escalations = read_escalations(conn, args.run_id)
     if args.json:
         print(orjson.dumps({"envelope": envelope, "history": shown(history),
                             "escalations": escalations}).decode())

@@ -20,6 +20,7 @@ from stepguard.contracts.sqlite_store import (
     DEFAULT_WAL_LIMIT_BYTES,
     SYNCHRONOUS_MODES,
 )
+from stepguard.contracts.store_urls import check_location, redacted
 from stepguard.metrics.logs import LOG_FORMATS, LOG_LEVELS
 from stepguard.proxy.bodies import JSON_DEPTH_CEILING, MAX_JSON_DEPTH
 
@@ -162,6 +163,15 @@ def _optional(parse: _Parse) -> _Parse:
     return parse_optional
 
 
+def _store(value: object) -> str:
+    location = _text(value)
+    problem = check_location(location)
+    if problem is not None:
+        raise _Invalid(f"a SQLite file path or a postgresql://USER@HOST:PORT/DATABASE URL "
+                       f"(this is {problem.split(':')[0]})")
+    return location
+
+
 _PORT = _integer(0, 65535, "a TCP port")
 _PARSERS: dict[str, _Parse] = {
     "contracts": _paths,
@@ -170,7 +180,7 @@ _PARSERS: dict[str, _Parse] = {
     "port": _PORT,
     "admin_host": _text,
     "admin_port": _PORT,
-    "store": _text,
+    "store": _store,
     "sqlite_synchronous": _choice(SYNCHRONOUS_MODES, str.upper),
     "store_timeout": _number(0.01, "a number of seconds"),
     "shared_store": _boolean,
@@ -219,6 +229,8 @@ def parse_setting(name: str, value: object, source: str) -> Any:
         return _PARSERS[name](value)
     except _Invalid as exc:
         shown = value if isinstance(value, str) else str(value)
+        if name == "store":     # a URL's password never reaches a message
+            shown = redacted(shown)
         raise ConfigError(f"{source}={shown!r} is not valid: expected {exc.expected}") from None
 
 
@@ -239,7 +251,7 @@ class Settings:
     port: int = 8080
     admin_host: str = "127.0.0.1"
     admin_port: int = 9090
-    store: str = "stepguard.db"
+    store: str = field(default="stepguard.db", repr=False)   # a URL may hold a password
     sqlite_synchronous: str = "NORMAL"
     store_timeout: float = DEFAULT_TIMEOUT_S
     # other stepguard processes write the same store (replicas): docs/replicas.md

@@ -12,6 +12,7 @@ import aiohttp.http_exceptions
 from aiohttp import web
 
 from stepguard.metrics.observer import Observer
+from stepguard.metrics.tracing import Tracing
 from stepguard.proxy.forward import (
     BodyBudget,
     BodyStalled,
@@ -20,6 +21,7 @@ from stepguard.proxy.forward import (
     Timing,
     read_body,
 )
+from stepguard.proxy.mcp_rpc import mcp_trace_meta
 from stepguard.proxy.problems import problem
 from stepguard.proxy.routing import Route, Router, UnsafePath, refuse_method_override
 
@@ -37,8 +39,10 @@ class Dispatcher:
     def __init__(self, router: Router, adapters: dict[str, Adapter], observer: Observer,
                  max_request_bytes: int, budget: BodyBudget,
                  body_timeout_s: float | None = None,
-                 body_total_timeout_s: float | None = None) -> None:
+                 body_total_timeout_s: float | None = None,
+                 tracing: Tracing | None = None) -> None:
         self.router = router
+        self.tracing = tracing          # None: trace export is off (metrics/tracing.py)
         self.adapters = adapters
         self.observer = observer
         self.max_request_bytes = max_request_bytes
@@ -89,12 +93,32 @@ class Dispatcher:
                                          f"the request body could not be read: {exc}")
             else:
                 try:
-                    response = await adapter.handle(request, route, body, timing)
+                    if self.tracing is None:
+                        response = await adapter.handle(request, route, body, timing)
+                    else:
+                        response = await self._traced(self.tracing, adapter, request, route,
+                                                      body, timing)
                 finally:
                     self.budget.give(len(body))
         if not response.prepared:
             timing.stamp(response)
         self.observer.added(traffic, timing.added_s())
+        return response
+
+    @staticmethod
+    async def _traced(tracing: Tracing, adapter: Adapter, request: web.Request, route: Route,
+                      body: bytes, timing: Timing) -> web.StreamResponse:
+        """The call handled inside its SERVER span (current while the adapter runs). An MCP
+        call continues the trace its message's `params._meta.traceparent` names, if any."""
+        meta = mcp_trace_meta(body) if route.upstream.kind == "mcp" else None
+        with tracing.serve(request.method, request.path, request.headers,
+                           traffic=adapter.traffic, upstream=route.upstream.name,
+                           mount=route.upstream.mount, host=_host_name(request.host),
+                           client=request.remote,
+                           meta_traceparent=meta[0] if meta else None,
+                           meta_tracestate=meta[1] if meta else None) as served:
+            response = await adapter.handle(request, route, body, timing)
+            served.answered(response.status)
         return response
 
     @staticmethod
@@ -109,3 +133,11 @@ class Dispatcher:
         except ConnectionError:
             pass
         request.protocol.force_close()      # flushes what was written, then closes
+
+
+def _host_name(host: str) -> str:
+    """The name part of a Host header (`server.address`), read without parsing it as a URL: a
+    malformed Host must not fail a traced call."""
+    if host.startswith("["):
+        return host[:host.find("]") + 1] if "]" in host else host[:255]
+    return host.split(":", 1)[0][:255]

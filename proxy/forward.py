@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -14,6 +14,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from stepguard.metrics.logs import get_logger
+from stepguard.metrics.tracing import Tracing
 from stepguard.proxy.h1client import (
     BodyCapExceeded,
     H1Client,
@@ -278,15 +279,38 @@ class Forwarder:
         self.connect_attempts = connect_attempts
         self.connect_timeout_s = connect_timeout_s
         self.client = H1Client(keepalive_s=30.0)
+        self.tracing: Tracing | None = None     # on: each exchange is a CLIENT span
 
     async def close(self) -> None:
         await self.client.close()
 
     async def open(self, method: str, url: str, headers: CIMultiDict[str], body: bytes,
-                   timeout_s: float, head_timeout_s: float | None = SAME_AS_TIMEOUT) -> H1Response:
+                   timeout_s: float, head_timeout_s: float | None = SAME_AS_TIMEOUT,
+                   rewrite: Callable[[str | None], bytes] | None = None) -> H1Response:
         """Send a call and wait for the head of the answer (reach the upstream within
         `timeout_s`, the head within `head_timeout_s` of the start, default `timeout_s`). The
-        caller reads and releases it."""
+        caller reads and releases it. With tracing on, the exchange is a CLIENT span (ended
+        when the answer is released) whose context replaces the `traceparent` header, and
+        `rewrite`, if given, makes the body sent from that traceparent."""
+        if self.tracing is None:
+            return await self._open(method, url, headers, body, timeout_s, head_timeout_s)
+        sent = self.tracing.client(method, url, headers)
+        if rewrite is not None:
+            body = rewrite(sent.traceparent)
+        try:
+            resp = await self._open(method, url, headers, body, timeout_s, head_timeout_s)
+        except UpstreamError as exc:
+            sent.failed(exc.kind)
+            raise
+        except BaseException as exc:
+            sent.failed(type(exc).__name__)
+            raise
+        sent.answered(resp.status)
+        resp.on_release = sent.end
+        return resp
+
+    async def _open(self, method: str, url: str, headers: CIMultiDict[str], body: bytes,
+                    timeout_s: float, head_timeout_s: float | None) -> H1Response:
         loop = asyncio.get_running_loop()
         started = loop.time()
         wait = timeout_s if head_timeout_s == SAME_AS_TIMEOUT else head_timeout_s

@@ -26,7 +26,7 @@ import re
 import ssl
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import cast
 from urllib.parse import unquote, urlsplit
@@ -300,6 +300,7 @@ class H1Response:
         self._error: BaseException | None = None
         self.received_any = False
         self.head_bytes = 0
+        self.on_release: Callable[[], None] | None = None   # once, at the first release
 
     # fed by the connection -----------------------------------------------------------------
 
@@ -465,6 +466,9 @@ class H1Response:
 
     def release(self) -> None:
         """Done with the response: an unfinished one closes its connection."""
+        if self.on_release is not None:
+            done, self.on_release = self.on_release, None
+            done()
         if not self.complete:
             self.complete = True
             self._error = self._error or UpstreamConnectionError("response released unread")

@@ -115,7 +115,9 @@ class McpAdapter:
         call = McpCall(route, step, keyed.run_id, request, headers, body, timing,
                        input=params.get("arguments"), key_drift=keyed, rpc_id=rpc_id,
                        tool=str(params.get("name", "")),
-                       safe_to_retry=step.idempotent)   # MCP calls carry no idempotency key
+                       safe_to_retry=step.idempotent,   # MCP calls carry no idempotency key
+                       traceparent=traceparent if isinstance(
+                           traceparent := meta.get("traceparent"), str) else None)
         return await self.calls.checked(call)
 
     # -- the call loop's protocol -----------------------------------------------------------------

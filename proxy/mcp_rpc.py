@@ -55,6 +55,26 @@ class Refusal(Exception):
             or (check == "hold" and self.data.get("outcome") == "full")
 
 
+def mcp_trace_meta(body: bytes) -> tuple[str, str | None] | None:
+    """The W3C trace context a POSTed JSON-RPC request carries in `params._meta` (`traceparent`,
+    and `tracestate` if any), for tracing only: None when it names none or is no such request.
+    A body that does not mention a traceparent is not parsed."""
+    if b'"traceparent"' not in body:
+        return None
+    try:
+        message = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    params = message.get("params") if isinstance(message, dict) else None
+    meta = params.get("_meta") if isinstance(params, dict) else None
+    traceparent = meta.get("traceparent") if isinstance(meta, dict) else None
+    if not isinstance(traceparent, str):
+        return None
+    assert isinstance(meta, dict)
+    tracestate = meta.get("tracestate")
+    return traceparent, tracestate if isinstance(tracestate, str) else None
+
+
 def rpc_error(rpc_id: Any, code: int, message: str, data: dict[str, Any]) -> dict[str, Any]:
     return {"jsonrpc": "2.0", "id": rpc_id, "error": {"code": code, "message": message,
                                                         "data": data}}

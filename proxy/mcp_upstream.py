@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from stepguard.contracts.events import ToolResult
+from stepguard.metrics.tracing import with_traceparent
 from stepguard.proxy.bodies import BodyError, decode, parse_json
 from stepguard.proxy.boundaries import Boundaries
 from stepguard.proxy.calls import Answer, Call
@@ -46,6 +48,15 @@ class McpCall(Call):
     tool: str = ""
     out: ClientEnd | None = None     # the client's stream, once an SSE answer starts flowing
     cut: Cut[McpCall] | None = None  # once an event with an id was relayed: resumable
+    traceparent: str | None = None   # the message's `params._meta.traceparent`, if any
+
+    @property
+    def tool_name(self) -> str:
+        return self.tool
+
+    @property
+    def trace_attributes(self) -> dict[str, str] | None:
+        return {"mcp.method.name": "tools/call", "jsonrpc.request.id": str(self.rpc_id)}
 
     @property
     def entry_input(self) -> Any:
@@ -117,8 +128,13 @@ class McpUpstream:
         sent = call.headers if headers is None else headers
         ask_for_identity(sent)
         # `open` bounds reaching the upstream and its head itself; the deadline covers the rest
+        body = call.body if method == "POST" else b""
+        rewrite = None
+        if call.traceparent is not None and method == "POST":
+            # traced: the message's own trace context becomes the upstream exchange's span
+            rewrite = functools.partial(with_traceparent, body, call.traceparent)
         resp = await self.forwarder.open(method, upstream_url(call.route, call.request), sent,
-                                         call.body if method == "POST" else b"", timeout_s)
+                                         body, timeout_s, rewrite=rewrite)
         async with resp, asyncio.timeout_at(deadline):
             self._seen(call, resp.status, since)
             headers = end_to_end(resp.headers, HOP_BY_HOP | {"content-length"})

@@ -104,6 +104,9 @@ class ModelAdapter:
             return error_response(dialect, 400, "request body must be a JSON object",
                                {"check": "request"})
         ex = Exchange(route, dialect, request, payload, body, timing)
+        tracing = self.observer.tracing
+        if tracing is not None:
+            tracing.chat(route.upstream.kind, payload.get("model"))
         return await self._serve(ex, headers, None, stream=payload.get("stream") is True)
 
     async def _stored_response(self, request: web.Request, route: Route, body: bytes,

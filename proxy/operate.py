@@ -22,7 +22,8 @@ import orjson
 from stepguard.contracts.errors import StepguardError
 from stepguard.contracts.operations import OperationRefused
 from stepguard.contracts.runs import RunBook
-from stepguard.contracts.sqlite_store import SQLiteStore
+from stepguard.contracts.store_urls import check_location, is_postgres, redacted
+from stepguard.contracts.stores import make_store
 from stepguard.proxy.admin import Operations, local_operator
 from stepguard.proxy.config import ConfigError, env_setting
 
@@ -121,13 +122,16 @@ def _store_path(args: argparse.Namespace) -> str:
         path: str = getattr(args, "store", None) or env_setting("store")
     except ConfigError as exc:
         raise ActionFailed(str(exc), 2) from None
-    if not Path(path).exists():
+    problem = check_location(path)
+    if problem is not None:
+        raise ActionFailed(f"--store {redacted(path)!r} is not valid: {problem}", 2)
+    if not is_postgres(path) and not Path(path).exists():
         raise ActionFailed(f"no store at {path}")
     return path
 
 
 async def _on_store(path: str, direct: Any) -> dict[str, Any]:
-    store = SQLiteStore(path)
+    store = make_store(path, timeout_s=env_setting("store_timeout"))
     try:
         await store.open()
     except StepguardError as exc:

@@ -28,6 +28,7 @@ from stepguard.contracts.replay import (
     RunReport,
     replay,
 )
+from stepguard.contracts.store_urls import is_postgres, redacted
 from stepguard.metrics.tail import parse_since
 from stepguard.proxy.config import ConfigError, assignments, env_setting
 
@@ -60,7 +61,11 @@ def add_parser(sub: Any) -> None:
 def main(args: argparse.Namespace) -> int:
     try:
         overrides = assignments("vars", args.vars)
-        store_path = Path(args.store or env_setting("store"))
+        location: str = args.store or env_setting("store")
+        if is_postgres(location):
+            raise ValueError(f"--store {redacted(location)}: replay reads SQLite store files; "
+                             "replaying runs from a PostgreSQL store is not supported yet")
+        store_path = Path(location)
         since = parse_since(args.since, datetime.now(UTC))
     except (ConfigError, ValueError) as exc:
         return _usage(str(exc))

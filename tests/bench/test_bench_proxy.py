@@ -47,9 +47,9 @@ from stepguard.bench.proxy import (
     steal_pct,
 )
 
-ALL_ROWS = ["direct", "nginx", "passthrough", "contract", "model_direct", "model",
-            "model_stream_direct", "model_stream"]
-HOPS = ("nginx", "passthrough", "contract", "model", "model_stream")
+ALL_ROWS = ["direct", "nginx", "passthrough", "contract", "contract_traced", "model_direct",
+            "model", "model_stream_direct", "model_stream"]
+HOPS = ("nginx", "passthrough", "contract", "contract_traced", "model", "model_stream")
 needs_tools = pytest.mark.skipif(not (Path("/usr/bin/wrk").exists() and Path("/usr/sbin/nginx").exists()),
                                  reason="wrk and nginx are needed (apt-get install -y wrk nginx-light)")
 
@@ -230,6 +230,8 @@ def test_quick_run_measures_every_row() -> None:
     # none for unmatched pass-through
     assert rows["passthrough"]["stored_events"] == 0
     assert rows["contract"]["stored_events"] >= 2 * (rows["contract"]["requests"] + 25 + 20)
+    assert rows["contract_traced"]["stored_events"] >= 2 * (
+        rows["contract_traced"]["requests"] + 25 + 20)
     assert rows["model"]["stored_events"] >= rows["model"]["requests"] + 25
     assert rows["model_stream"]["stored_events"] >= rows["model_stream"]["requests"] + 25
     assert rows["model_stream"]["ttfb_added_p50_ms"] is not None
@@ -242,7 +244,7 @@ def test_quick_run_measures_every_row() -> None:
     assert _children(os.getpid()) == []                     # upstream, nginx, stepguards: gone
     text = render(result)
     for name in [*ALL_ROWS, "contract/passthrough", "contract/nginx", "passthrough/nginx",
-                 "targets:", "micro-benchmark"]:
+                 "traced/contract rps", "traced/contract cpu", "targets:", "micro-benchmark"]:
         assert name in text
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,9 @@ from stepguard.contracts.errors import ContractError, ContractIssue
 from stepguard.contracts.loader import load_contract, parse_contract
 from stepguard.contracts.model import Contract
 from stepguard.contracts.sqlite_store import SQLiteStore
+from stepguard.contracts.store import Store
+
+sys.path.insert(0, str(Path(__file__).parent))     # storetest.py
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "order-confirmation" / "contract.yaml"
 
@@ -91,9 +95,39 @@ def example() -> Contract:
     return load_contract(EXAMPLE)
 
 
+STORES = ("sqlite", "postgresql")
+
+
+@pytest.fixture(params=STORES)
+def store_kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[SQLiteStore]:
-    """A real SQLite store on a fresh file, open for the test."""
+def make_store(store_kind: str, tmp_path: Path, request: pytest.FixtureRequest
+               ) -> Callable[..., Store]:
+    """make_store(**options) -> a new, unopened store of the test's kind, every call on the same
+    data: a file in tmp_path, or a fresh schema of the session's PostgreSQL database."""
+    if store_kind == "sqlite":
+        return lambda **options: SQLiteStore(tmp_path / "runs.db", **options)
+    from stepguard.contracts.pg_store import PostgresStore
+
+    url: str = request.getfixturevalue("pg_url")
+    return lambda **options: PostgresStore(url, **options)
+
+
+@pytest.fixture
+async def store(make_store: Callable[..., Store]) -> AsyncIterator[Store]:
+    """A real store (SQLite, then PostgreSQL) on fresh data, open for the test."""
+    store = make_store()
+    await store.open()
+    yield store
+    await store.close()
+
+
+@pytest.fixture
+async def sqlite_store(tmp_path: Path) -> AsyncIterator[SQLiteStore]:
+    """A real SQLite store on a fresh file, open for the test (SQLite-only behaviour)."""
     store = SQLiteStore(tmp_path / "runs.db")
     await store.open()
     yield store

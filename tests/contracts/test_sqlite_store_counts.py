@@ -1,6 +1,6 @@
-"""`SQLiteStore.count_by_status`, the full scan behind the `stepguard_runs` gauge, counts right and
-runs off the event loop's thread on a read-only connection of its own: a scrape never stalls the
-proxy for the length of the scan."""
+"""`Store.count_by_status`, the full scan behind the `stepguard_runs` gauge, counts right on every
+store and never holds up the loop; SQLite's runs off the event loop's thread on a read-only
+connection of its own: a scrape never stalls the proxy for the length of the scan."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import asyncio
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +18,12 @@ from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.errors import StoreError
 from stepguard.contracts.events import ADVANCE, HALT
 from stepguard.contracts.sqlite_store import SQLiteStore, connect
+from stepguard.contracts.store import Store
 
 BOUND_S = 5
 
 
-async def advance(store: SQLiteStore, run_id: str, action: str = ADVANCE,
+async def advance(store: Store, run_id: str, action: str = ADVANCE,
                   workflow: str = "order-confirmation") -> None:
     envelope = Envelope(run_id, workflow, "1")
     event = {"seq": 1, "ts": 1001.0, "action": action, "step": "lookup_order",
@@ -29,7 +31,7 @@ async def advance(store: SQLiteStore, run_id: str, action: str = ADVANCE,
     await asyncio.wait_for(store.append(envelope.apply(event), event), BOUND_S)
 
 
-async def test_the_count_sees_every_batch_committed_before_it(store: SQLiteStore) -> None:
+async def test_the_count_sees_every_batch_committed_before_it(store: Store) -> None:
     assert await store.count_by_status() == []
     await advance(store, "r1")
     await advance(store, "r2", HALT)
@@ -41,7 +43,7 @@ async def test_the_count_sees_every_batch_committed_before_it(store: SQLiteStore
         ("refunds", "active", 5)]
 
 
-async def test_the_count_lets_the_loop_run_while_it_scans(store: SQLiteStore) -> None:
+async def test_the_count_lets_the_loop_run_while_it_scans(store: Store) -> None:
     """Deterministic: a query run in place would finish without the loop ever running the
     ticker; awaited off the loop's thread, the ticker runs while the scan is under way."""
     await advance(store, "r1")
@@ -66,7 +68,8 @@ async def test_the_count_lets_the_loop_run_while_it_scans(store: SQLiteStore) ->
 
 
 async def test_the_scan_runs_on_another_thread_over_a_read_only_connection(
-        store: SQLiteStore) -> None:
+        sqlite_store: SQLiteStore) -> None:
+    store = sqlite_store
     await advance(store, "r1")
     reader = store._reader   # the store's read-only connection, observed, not replaced
     assert reader is not None and reader is not store._conn
@@ -80,8 +83,8 @@ async def test_the_scan_runs_on_another_thread_over_a_read_only_connection(
 
 
 async def test_a_count_in_flight_finishes_before_close_and_none_starts_after(
-        tmp_path: Path) -> None:
-    store = SQLiteStore(tmp_path / "runs.db")
+        make_store: Callable[..., Store]) -> None:
+    store = make_store()
     await store.open()
     await advance(store, "r1")
     counting = asyncio.ensure_future(store.count_by_status())

@@ -27,14 +27,17 @@ pytestmark = pytest.mark.timeout(120)
 TOKEN = "alice:0123456789abcdef-secret"
 SECRET = TOKEN.partition(":")[2]
 ORDER = ("lookup_order", "check_policy", "reserve_slot", "confirm")
-# store kinds the replicas share; PostgreSQL joins when its store lands (docs/replicas.md)
-STORES = ("sqlite",)
+# store kinds the replicas share
+STORES = ("sqlite", "postgresql")
 
 
 @pytest.fixture(params=STORES)
 def shared_store(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """Where the replicas' runs are kept: a SQLite file opened with --shared-store."""
-    assert request.param == "sqlite"
+    """Where the replicas' runs are kept: a SQLite file opened with --shared-store, or a fresh
+    schema on the real PostgreSQL server (tests/conftest.py `pg_url`)."""
+    if request.param == "postgresql":
+        url: str = request.getfixturevalue("pg_url")
+        return url
     return str(tmp_path / "shared.db")
 
 

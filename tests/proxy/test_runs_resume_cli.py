@@ -66,8 +66,8 @@ class Running:
 
 
 @asynccontextmanager
-async def serving(tmp_path: Path, tools: Tools, token: str | None = SECRET
-                  ) -> AsyncIterator[Running]:
+async def serving(tmp_path: Path, tools: Tools, token: str | None = SECRET,
+                  store: str | None = None) -> AsyncIterator[Running]:
     contract = tmp_path / "c.yaml"
     contract.write_text(yaml.safe_dump(contract_doc(tools.url, STEPS)))
     port, admin = free_port(), free_port()
@@ -76,7 +76,7 @@ async def serving(tmp_path: Path, tools: Tools, token: str | None = SECRET
         env["STEPGUARD_ADMIN_TOKEN"] = f"ops:{token}"
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "stepguard.proxy.cli", "serve", "--contract", str(contract),
-        "--port", str(port), "--admin-port", str(admin), "--store", str(tmp_path / "s.db"),
+        "--port", str(port), "--admin-port", str(admin), "--store", store or str(tmp_path / "s.db"),
         "--log-format", "json", env=env, stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.DEVNULL)
     try:
@@ -166,3 +166,25 @@ async def test_runs_show_marks_superseded_events_and_the_operator_action(tmp_pat
     lines = shown.stdout.splitlines()
     assert sum(line.startswith("~~") for line in lines) == 3     # second's entry, halt, refusal
     assert any("RESUME by local:" in line and "tools back" in line for line in lines)
+
+
+async def test_on_a_postgresql_store_serve_runs_show_and_a_direct_resume_share_the_run(
+        tmp_path, tools, pg_url):
+    """`--store postgresql://...` everywhere a store is opened from a setting: serve halts the
+    run in PostgreSQL, `runs list/show` read it there, `runs resume` resumes it there directly,
+    and a new serve goes on from it."""
+    async with serving(tmp_path, tools, store=pg_url) as running:
+        await halt(running, tools)
+    listed = cli("runs", "list", "--store", pg_url, "--json")
+    assert listed.returncode == 0, listed.stderr
+    assert [(r["run_id"], r["status"]) for r in orjson.loads(listed.stdout)] == [("r1", "halted")]
+    done = await asyncio.to_thread(cli, "runs", "resume", "r1", "--store", pg_url,
+                                   "--reason", "tools back", "--json")
+    assert done.returncode == 0, done.stderr
+    assert orjson.loads(done.stdout)["envelope"]["status"] == "active"
+    shown = cli("runs", "show", "r1", "--store", pg_url)
+    assert shown.returncode == 0, shown.stderr
+    assert any("RESUME by local:" in line for line in shown.stdout.splitlines())
+    async with serving(tmp_path, tools, store=pg_url) as running:
+        assert await running.call("second") == 200
+        assert await running.call("third") == 200

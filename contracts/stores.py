@@ -1,0 +1,32 @@
+"""One place that turns a store location into a store: a SQLite file path, or a PostgreSQL URL
+(`postgresql://` or `postgres://`). Every command that opens a store from a setting comes here.
+"""
+
+from __future__ import annotations
+
+from stepguard.contracts.errors import StoreError
+from stepguard.contracts.sqlite_store import DEFAULT_TIMEOUT_S, DEFAULT_WAL_LIMIT_BYTES, SQLiteStore
+from stepguard.contracts.store import Store
+from stepguard.contracts.store_urls import check_location, is_postgres, redacted
+
+
+def make_store(location: str, *, timeout_s: float = DEFAULT_TIMEOUT_S, retention_s: float = 0.0,
+               synchronous: str = "NORMAL", wal_limit_bytes: int = DEFAULT_WAL_LIMIT_BYTES,
+               migrate: bool = True, shared: bool = False) -> Store:
+    """The store at `location`, not yet open. `synchronous` and `wal_limit_bytes` are SQLite's;
+    `migrate=False` opens a PostgreSQL store without changing its schema (a reader: it refuses a
+    schema of another version). `shared`: a SQLite file other processes write too (a PostgreSQL
+    store is always shared)."""
+    problem = check_location(location)
+    if problem is not None:
+        raise StoreError(f"store {redacted(location)}: {problem}")
+    if is_postgres(location):
+        try:
+            from stepguard.contracts.pg_store import PostgresStore
+        except ImportError as exc:      # the driver is an extra
+            raise StoreError(f"store {redacted(location)}: PostgreSQL needs its driver ({exc}): "
+                             "pip install 'stepguard[postgres]'") from None
+        return PostgresStore(location, retention_s=retention_s, timeout_s=timeout_s,
+                             migrate=migrate)
+    return SQLiteStore(location, synchronous, retention_s=retention_s, timeout_s=timeout_s,
+                       wal_limit_bytes=wal_limit_bytes, shared=shared)
