@@ -30,10 +30,11 @@ def assert_the_table_holds(result: dict[str, Any], runs: int, controls: int) -> 
 
 
 def bench_drift(traffic: str, runs: int, controls: int, replicas: int,
-                timeout: float) -> dict[str, Any]:
+                timeout: float, store: str | None = None) -> dict[str, Any]:
     out = subprocess.run([sys.executable, "-m", "stepguard.proxy.cli", "bench", "drift",
                           "--traffic", traffic, "--runs", str(runs), "--controls", str(controls),
-                          "--replicas", str(replicas), "--json"],
+                          "--replicas", str(replicas), "--json",
+                          *(["--store", store] if store else [])],
                          capture_output=True, check=True, timeout=timeout).stdout
     result: dict[str, Any] = json.loads(out)
     assert (result["traffic"], result["replicas"]) == (traffic, replicas)
@@ -45,6 +46,13 @@ def test_a_hybrid_agent_spread_over_three_replicas_holds_the_table_each_call_joi
     result = bench_drift("hybrid", 1, 3, 3, timeout=100)
     assert_the_table_holds(result, 1, 3)
     assert {cls: row["action"] for cls, row in result["classes"].items()} == EXPECTED_ACTIONS
+    assert result["runs"] == {"agents": 8, "stored": 8, "named_by_agent": 0}
+
+
+@pytest.mark.timeout(110)
+def test_a_hybrid_agent_over_three_replicas_on_postgresql_holds_the_table(pg_url: str):
+    result = bench_drift("hybrid", 1, 3, 3, timeout=100, store=pg_url)
+    assert_the_table_holds(result, 1, 3)
     assert result["runs"] == {"agents": 8, "stored": 8, "named_by_agent": 0}
 
 
