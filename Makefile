@@ -18,9 +18,12 @@ REPEATED := tests/contracts/test_store.py tests/contracts/test_sqlite_store_coun
 	tests/proxy/test_mcp_resumption.py tests/proxy/test_recovery.py \
 	tests/proxy/test_correlation.py tests/proxy/test_reload.py tests/metrics/test_runs_gauge.py \
 	tests/proxy/test_replay_recorded_crash.py tests/proxy/test_joining.py \
-	tests/proxy/test_holds.py tests/proxy/test_workers.py \
-	tests/contracts/test_sqlite_store_shared.py \
-	tests/proxy/test_replicas.py
+	tests/proxy/test_holds.py tests/contracts/test_sqlite_store_shared.py
+# ... and the multi-process ones (worker processes, replicas on one store: ~75 s a pass, each
+# test starting two or three stepguard processes) REPEAT_PROCESSES more times, so the repeat
+# pass stays within a few minutes of CI
+REPEAT_PROCESSES ?= 2
+REPEATED_PROCESSES := tests/proxy/test_workers.py tests/proxy/test_replicas.py
 
 $(BIN)/stepguard: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -52,3 +55,4 @@ test: install lint docs
 
 test-repeat: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider --count $(REPEAT) $(REPEATED)
+	$(BIN)/python -m pytest -q -p no:cacheprovider --count $(REPEAT_PROCESSES) $(REPEATED_PROCESSES)
