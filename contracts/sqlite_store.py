@@ -540,22 +540,29 @@ class SQLiteStore:
             conn.execute("PRAGMA busy_timeout=100")
             last = time.monotonic()
             while not self._stop.wait(min(self.checkpoint_interval_s, CHECKPOINT_POLL_S)):
-                size = self.wal_bytes()
-                if size > self.wal_limit_bytes:
-                    continue    # the writer truncates it: a checkpoint here would only hold it up
-                now = time.monotonic()
-                if size <= self.wal_limit_bytes // 2 and now - last < self.checkpoint_interval_s:
-                    continue
-                if not self._checkpointing.acquire(blocking=False):
-                    continue    # the writer is truncating
-                last = now
-                try:
-                    with contextlib.suppress(sqlite3.Error):   # busy: the next round catches up
-                        conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
-                finally:
-                    self._checkpointing.release()
+                last = self._passive_checkpoint(conn, last)
         finally:
             conn.close()
+
+    def _passive_checkpoint(self, conn: sqlite3.Connection, last: float) -> float:
+        """One round of a checkpointer: a PASSIVE checkpoint once the WAL passed half its limit
+        or `checkpoint_interval_s` passed since the `last` one; none while the WAL is past its
+        limit (the writers truncate it then: a checkpoint here would only hold them up) or
+        while this process's writer truncates. The time of the last checkpoint."""
+        size = self.wal_bytes()
+        if size > self.wal_limit_bytes:
+            return last
+        now = time.monotonic()
+        if size <= self.wal_limit_bytes // 2 and now - last < self.checkpoint_interval_s:
+            return last
+        if not self._checkpointing.acquire(blocking=False):
+            return last
+        try:
+            with contextlib.suppress(sqlite3.Error):   # busy: the next round catches up
+                conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+        finally:
+            self._checkpointing.release()
+        return now
 
     def _shared_checkpoints(self) -> None:
         """A shared store's checkpointer: idle until it holds `<store>.checkpoint` (one process
@@ -578,22 +585,9 @@ class SQLiteStore:
                         continue
                     self.checkpointing_here = True
                     wait = min(self.checkpoint_interval_s, CHECKPOINT_POLL_S)
-                now = time.monotonic()
                 if self.retention_s > 0 and time.time() >= self._next_purge:
                     self._shared_purge(conn)
-                size = self.wal_bytes()
-                if size > self.wal_limit_bytes:
-                    continue    # the writers truncate it: a checkpoint here would only hold it up
-                if size <= self.wal_limit_bytes // 2 and now - last < self.checkpoint_interval_s:
-                    continue
-                if not self._checkpointing.acquire(blocking=False):
-                    continue    # this process's writer is truncating
-                last = now
-                try:
-                    with contextlib.suppress(sqlite3.Error):   # busy: the next round catches up
-                        conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
-                finally:
-                    self._checkpointing.release()
+                last = self._passive_checkpoint(conn, last)
         finally:
             self.checkpointing_here = False
             conn.close()

@@ -7,7 +7,7 @@ import asyncio
 import os
 import sqlite3
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ from stepguard.contracts.sqlite_store import (
     read_history,
     read_runs,
 )
+from stepguard.contracts.store import Store
 from stepguard.contracts.store_urls import check_location, is_postgres, redacted
 from stepguard.contracts.stores import make_store
 from stepguard.metrics.logs import LOG_FORMATS, LOG_LEVELS
@@ -461,33 +462,39 @@ async def _read_shared(location: str, read: Any) -> Any:
         await store.close()
 
 
-def _open_store(args: argparse.Namespace) -> sqlite3.Connection | None:
-    path = _store_location(args, "runs")
-    if path is None:
-        return None
-    if not Path(path).exists():
-        print(f"stepguard runs: no store at {path}", file=sys.stderr)
-        return None
+def _from_store(args: argparse.Namespace, shared: Callable[[Store], Awaitable[Any]],
+                local: Callable[[sqlite3.Connection], Any]) -> tuple[bool, Any]:
+    """What `runs list`/`runs show` read, never writing: `shared(store)` on a PostgreSQL store
+    opened as a reader, or `local(conn)` on a SQLite file opened read-only. (True, value), or
+    (False, None) with the reason printed."""
+    location = _store_location(args, "runs")
+    if location is None:
+        return False, None
+    if is_postgres(location):
+        try:
+            return True, asyncio.run(_read_shared(location, shared))
+        except (StepguardError, ConfigError) as exc:
+            print(f"stepguard runs: {exc}", file=sys.stderr)
+            return False, None
+    if not Path(location).exists():
+        print(f"stepguard runs: no store at {location}", file=sys.stderr)
+        return False, None
     try:
-        return open_read_only(path)
+        conn = open_read_only(location)
     except StoreError as exc:
         print(f"stepguard runs: {exc}", file=sys.stderr)
-        return None
+        return False, None
+    try:
+        return True, local(conn)
+    finally:
+        conn.close()
 
 
 def _runs_list(args: argparse.Namespace) -> int:
-    location = _store_location(args, "runs")
-    if location is not None and is_postgres(location):
-        try:
-            runs = asyncio.run(_read_shared(location, lambda s: s.runs(args.status, args.limit)))
-        except (StepguardError, ConfigError) as exc:
-            print(f"stepguard runs: {exc}", file=sys.stderr)
-            return 1
-    else:
-        conn = _open_store(args)
-        if conn is None:
-            return 1
-        runs = read_runs(conn, args.status, args.limit)
+    read, runs = _from_store(args, lambda store: store.runs(args.status, args.limit),
+                             lambda conn: read_runs(conn, args.status, args.limit))
+    if not read:
+        return 1
     if args.json:
         print(orjson.dumps([r.to_dict() for r in runs]).decode())
         return 0
@@ -502,7 +509,14 @@ def _runs_list(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _run_of(store: Any, run_id: str) -> tuple[Any, Any, Any]:
+def _run_in(conn: sqlite3.Connection, run_id: str) -> tuple[Any, Any, Any]:
+    row = conn.execute("SELECT envelope FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+    if row is None:
+        return None, [], []
+    return orjson.loads(row[0]), read_history(conn, run_id), read_escalations(conn, run_id)
+
+
+async def _run_of(store: Store, run_id: str) -> tuple[Any, Any, Any]:
     found = await store.load(run_id)
     if found is None:
         return None, [], []
@@ -510,23 +524,11 @@ async def _run_of(store: Any, run_id: str) -> tuple[Any, Any, Any]:
 
 
 def _runs_show(args: argparse.Namespace) -> int:
-    location = _store_location(args, "runs")
-    if location is not None and is_postgres(location):
-        try:
-            envelope, history, escalations = asyncio.run(
-                _read_shared(location, lambda s: _run_of(s, args.run_id)))
-        except (StepguardError, ConfigError) as exc:
-            print(f"stepguard runs: {exc}", file=sys.stderr)
-            return 1
-    else:
-        conn = _open_store(args)
-        if conn is None:
-            return 1
-        row = conn.execute("SELECT envelope FROM runs WHERE run_id = ?",
-                           (args.run_id,)).fetchone()
-        envelope = orjson.loads(row[0]) if row is not None else None
-        history = read_history(conn, args.run_id) if row is not None else []
-        escalations = read_escalations(conn, args.run_id) if row is not None else []
+    read, found = _from_store(args, lambda store: _run_of(store, args.run_id),
+                              lambda conn: _run_in(conn, args.run_id))
+    if not read:
+        return 1
+    envelope, history, escalations = found
     if envelope is None:
         print(f"stepguard runs: no run {args.run_id!r}", file=sys.stderr)
         return 1
