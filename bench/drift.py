@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import tempfile
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,8 +25,12 @@ from typing import Any
 import aiohttp
 
 from stepguard.bench.harness import contract_with_upstreams, running
+from stepguard.bench.replicas import balanced, is_url
+from stepguard.bench.replicas import replicas as serving
 from stepguard.contracts.loader import load_contract
 from stepguard.contracts.model import Contract
+from stepguard.contracts.store import Store
+from stepguard.contracts.stores import make_store
 from stepguard.examples.order_confirmation import agent as agent_mod
 from stepguard.examples.order_confirmation import contract_path as example_contract_path
 from stepguard.examples.order_confirmation import fake_model
@@ -107,6 +112,60 @@ async def _runs_by_order(sg: Any, limit: int) -> dict[str, str]:
     return found
 
 
+@dataclass(frozen=True)
+class Hosting:
+    """Where stepguard runs for a table: in this process on the SQLite file `store`
+    (`replicas` 0), or as `replicas` `stepguard serve` processes sharing `store` (a SQLite
+    file, opened with --shared-store, or a database URL) behind a round-robin balancer that
+    spreads every run's calls over them (`bench/replicas.py`)."""
+
+    store: str
+    replicas: int = 0
+    workdir: Path | None = None
+
+    def beside(self, name: str) -> Hosting:
+        """The same hosting on another store (the pass-through baseline's), in `workdir`."""
+        assert self.workdir is not None
+        return Hosting(str(self.workdir / name), self.replicas, self.workdir)
+
+
+class _Observed:
+    """What `_collect` reads: the store the replicas share, opened in the bench process."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+
+def shared_reader(store: str) -> Store:
+    """The shared store, as the bench process reads it beside the replicas (a PostgreSQL URL
+    without changing its schema: the replicas migrate it)."""
+    return make_store(store, migrate=not is_url(store), shared=True)
+
+
+@asynccontextmanager
+async def _stepguard(contract: Contract, passthrough: bool, hosting: Hosting,
+                     urls: dict[str, str]) -> AsyncIterator[tuple[Any, str]]:
+    """(something with the stepguard's `store`, the URL agents call) for `contract` with its
+    upstreams at `urls`."""
+    contract = _repointed(contract, urls)
+    if hosting.replicas <= 0:
+        sg = build(Settings(store=hosting.store, passthrough=passthrough), [contract])
+        async with running(create_app(sg)) as url:
+            yield sg, url
+        return
+    assert hosting.workdir is not None
+    reader = shared_reader(hosting.store)
+    more = ["--passthrough"] if passthrough else []
+    async with serving(hosting.replicas, Path(contract.source), hosting.store,
+                        hosting.workdir, upstreams=urls, more=more) as members, \
+            balanced(members.urls) as (url, _):
+        await reader.open()
+        try:
+            yield _Observed(reader), url
+        finally:
+            await reader.close()
+
+
 def _stopped_by_stepguard(run: Any) -> bool:
     return run.stopped_at is not None and bool(run.stopped_at.from_stepguard)
 
@@ -117,10 +176,11 @@ def _saw_failure(run: Any) -> bool:
 
 
 async def _drive_http(contract: Contract, passthrough: bool, plan: Plan,
-                      store: Path) -> list[Observed]:
-    sg = build(Settings(store=str(store), passthrough=passthrough), [contract])
-    mount = contract.upstreams["tools"].mount
-    async with running(create_app(sg)) as proxy_url, aiohttp.ClientSession() as session:
+                      hosting: Hosting) -> list[Observed]:
+    async with running(tools_mod.create_app()) as tools_url, _stepguard(
+            contract, passthrough, hosting, {"tools": tools_url}) as (sg, proxy_url), \
+            aiohttp.ClientSession() as session:
+        mount = contract.upstreams["tools"].mount
         finished = await asyncio.gather(*(
             agent_mod.run_agent(session, proxy_url + mount, f"{cls}-{i}", 100 + n, injector)
             for n, (cls, injector, i) in enumerate(plan)))
@@ -132,7 +192,7 @@ async def _drive_http(contract: Contract, passthrough: bool, plan: Plan,
 
 
 async def _drive_model(contract: Contract, passthrough: bool, plan: Plan,
-                       store: Path) -> list[Observed]:
+                       hosting: Hosting) -> list[Observed]:
     import openai  # the model benchmark's agent is the real SDK: `pip install stepguard[bench]`
 
     from stepguard.examples.order_confirmation import model_agent
@@ -141,10 +201,9 @@ async def _drive_model(contract: Contract, passthrough: bool, plan: Plan,
     for n, (cls, injector, i) in enumerate(plan):
         model.script(f"{cls}-{i}", model_agent.script_for(100 + n, injector))
     async with fake_model.serve(model) as model_url:
-        contract = _repointed(contract, {"model": model_url})
-        sg = build(Settings(store=str(store), passthrough=passthrough), [contract])
         mount = contract.upstreams["model"].mount
-        async with running(create_app(sg)) as proxy_url, openai.AsyncOpenAI(
+        async with _stepguard(contract, passthrough, hosting, {"model": model_url}) as (
+                sg, proxy_url), openai.AsyncOpenAI(
                 base_url=f"{proxy_url}{mount}/v1", api_key="bench", max_retries=0) as client:
             finished = await asyncio.gather(*(
                 model_agent.run_model_agent(client, f"{cls}-{i}", 100 + n, injector)
@@ -153,17 +212,16 @@ async def _drive_model(contract: Contract, passthrough: bool, plan: Plan,
                                   saw_failure=_saw_failure)
 
 
-async def _drive_mcp(contract: Contract, passthrough: bool, plan: Plan, store: Path,
+async def _drive_mcp(contract: Contract, passthrough: bool, plan: Plan, hosting: Hosting,
                      run_header: bool = True) -> list[Observed]:
     """The example's MCP agent against its MCP server through stepguard, each run named by the
     run header it sends (`run_header`), or with none (`_drive_mcp_stateless`)."""
     from stepguard.examples.order_confirmation import mcp_agent, mcp_tools
 
     with mcp_tools.serve(mcp_tools.create_app()) as tools_url:
-        contract = _repointed(contract, {"tools": tools_url})
-        sg = build(Settings(store=str(store), passthrough=passthrough), [contract])
         mount = contract.upstreams["tools"].mount
-        async with running(create_app(sg)) as proxy_url:
+        async with _stepguard(contract, passthrough, hosting, {"tools": tools_url}) as (
+                sg, proxy_url):
             url = f"{proxy_url}{mount}{mcp_tools.MCP_PATH}"
             finished = await asyncio.gather(*(
                 mcp_agent.run_mcp_agent(url, f"{cls}-{i}", 100 + n, injector,
@@ -178,14 +236,14 @@ async def _drive_mcp(contract: Contract, passthrough: bool, plan: Plan, store: P
 
 
 async def _drive_mcp_stateless(contract: Contract, passthrough: bool, plan: Plan,
-                               store: Path) -> list[Observed]:
+                               hosting: Hosting) -> list[Observed]:
     """The `mcp` SDK client in its default mode (2026-07-28: no session, no handshake) with no
     run header: stepguard names each run by the order id its calls carry (`arg:order_id`)."""
-    return await _drive_mcp(contract, passthrough, plan, store, run_header=False)
+    return await _drive_mcp(contract, passthrough, plan, hosting, run_header=False)
 
 
 async def _drive_hybrid(contract: Contract, passthrough: bool, plan: Plan,
-                        store: Path) -> list[Observed]:
+                        hosting: Hosting) -> list[Observed]:
     """An `openai` agent (against the scripted fake model) whose tool calls run on an MCP server
     through the same stepguard, with no stepguard header on either: the model's run is found by
     its conversation and each MCP call is joined to it."""
@@ -198,11 +256,11 @@ async def _drive_hybrid(contract: Contract, passthrough: bool, plan: Plan,
         model.script(f"{cls}-{i}", model_agent.script_for(100 + n, injector))
     with mcp_tools.serve(mcp_tools.create_app(slot_ids=hybrid_agent.slot_of)) as tools_url:
         async with fake_model.serve(model) as model_url:
-            contract = _repointed(contract, {"model": model_url, "tools": tools_url})
-            sg = build(Settings(store=str(store), passthrough=passthrough), [contract])
             model_mount = contract.upstreams["model"].mount
             mcp_url = f"{contract.upstreams['tools'].mount}{mcp_tools.MCP_PATH}"
-            async with running(create_app(sg)) as proxy_url, openai.AsyncOpenAI(
+            async with _stepguard(contract, passthrough, hosting,
+                                  {"model": model_url, "tools": tools_url}) as (
+                    sg, proxy_url), openai.AsyncOpenAI(
                     base_url=f"{proxy_url}{model_mount}/v1", api_key="bench",
                     max_retries=0) as client:
                 finished = await asyncio.gather(*(
@@ -267,32 +325,32 @@ def _repointed(contract: Contract, urls: dict[str, str]) -> Contract:
     return contract_with_upstreams(contract.source, urls)
 
 
-Drive = Callable[[Contract, bool, Plan, Path], Awaitable[list[Observed]]]
-DRIVES: dict[str, Drive] = {"model": _drive_model, "mcp": _drive_mcp,
+Drive = Callable[[Contract, bool, Plan, Hosting], Awaitable[list[Observed]]]
+DRIVES: dict[str, Drive] = {"http": _drive_http, "model": _drive_model, "mcp": _drive_mcp,
                             "mcp-stateless": _drive_mcp_stateless, "hybrid": _drive_hybrid}
 
 
 async def run_bench(runs: int = 5, controls: int = 10, traffic: str = "http",
-                    store: Path | None = None) -> dict[str, Any]:
-    """`store`: where the enforced runs' store is kept (by default a temporary file)."""
+                    store: Path | str | None = None, replicas: int = 0) -> dict[str, Any]:
+    """`store`: where the enforced runs' store is kept (by default a temporary file; with
+    `replicas`, a database URL too). `replicas` > 0: that many `stepguard serve` processes
+    share it, every run's calls spread round-robin over them; the pass-through baseline runs
+    the same way on a store of its own."""
     if traffic not in TRAFFIC:
         raise ValueError(f"unknown traffic {traffic!r}: one of {', '.join(TRAFFIC)}")
+    if replicas < 0:
+        raise ValueError(f"replicas must be 0 (in this process) or more, not {replicas}")
     plan = _plan(runs, controls, traffic)
     with tempfile.TemporaryDirectory(prefix="stepguard-bench-") as tmp:
-        kept = store or Path(tmp) / "contract.db"
-        if traffic in DRIVES:
-            contract = load_contract(example_contract_path(CONTRACTS[traffic]))
-            drive = DRIVES[traffic]
-            enforced = await drive(contract, False, plan, kept)
-            baseline = await drive(contract, True, plan, Path(tmp) / "baseline.db")
-        else:
-            async with running(tools_mod.create_app()) as tools_url:
-                contract = contract_with_upstreams(example_contract_path(), {"tools": tools_url})
-                enforced = await _drive_http(contract, False, plan, kept)
-                baseline = await _drive_http(contract, True, plan, Path(tmp) / "baseline.db")
+        hosting = Hosting(str(store or Path(tmp) / "contract.db"), replicas, Path(tmp))
+        contract = load_contract(example_contract_path(CONTRACTS[traffic]))
+        drive = DRIVES[traffic]
+        enforced = await drive(contract, False, plan, hosting)
+        baseline = await drive(contract, True, plan, hosting.beside("baseline.db"))
     result = summarize(contract, plan, enforced, baseline)
     result["traffic"] = traffic
     result["injectors"] = injectors(traffic)
+    result["replicas"] = replicas
     return result
 
 

@@ -4,6 +4,14 @@
 then returns the new envelope; the caller acts on a verdict after its event is stored. A lost
 compare-and-set (another writer advanced the run) reloads the envelope and is reported to the
 caller, who re-checks against the fresh state.
+
+On a shared store (`Store.shared`: replicas or workers writing the same runs) another process
+may have advanced a run since its envelope was cached, and a verdict taken on a stale envelope
+without a commit (a call refused because the cached run is halted, a joined call's entry taken
+as pending) would never meet the compare-and-set. There `envelope` reads the stored envelope at
+every boundary (one point read: measured as cheap as reading the stored seq alone, see
+docs/replicas.md) and the cache only serves an unshared store, where this process is the only
+writer.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ class RunBook:
     async def envelope(self, contract: Contract, run_id: str) -> Envelope:
         """The run's envelope (a fresh one for a new run). A run id that another workflow's
         contract already owns raises RunOfAnotherWorkflow: two workflows never share state."""
-        envelope = self._cache.get(run_id)
+        envelope = None if self.store.shared else self._cache.get(run_id)
         if envelope is None:
             envelope = await self.store.load(run_id) or Envelope(
                 run_id, contract.workflow, contract.version)
@@ -60,6 +68,8 @@ class RunBook:
         return after, event
 
     def _remember(self, envelope: Envelope) -> None:
+        if self.store.shared:
+            return      # read again at the next boundary: another process may write the run
         self._cache[envelope.run_id] = envelope
         self._cache.move_to_end(envelope.run_id)
         while len(self._cache) > self._cache_size:

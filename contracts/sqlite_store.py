@@ -151,7 +151,8 @@ class SQLiteStore:
                  purge_interval_s: float = 300.0, timeout_s: float = DEFAULT_TIMEOUT_S,
                  wal_limit_bytes: int = DEFAULT_WAL_LIMIT_BYTES, shared: bool = False) -> None:
         self.path = Path(path)
-        # True: other processes (the workers of one serve) write to the file too; no lock taken
+        # another process may write these runs (the workers of one serve, replicas on one
+        # file): no exclusive `<store>.lock`, and the run book reads envelopes from the store
         self.shared = shared
         self.synchronous = synchronous
         self.checkpoint_interval_s = checkpoint_interval_s

@@ -15,8 +15,10 @@ from stepguard.contracts.envelope import Envelope
 class Store(Protocol):
     @property
     def shared(self) -> bool:
-        """Whether another process may write these runs (PostgreSQL: True; a SQLite file used
-        by one process: False): a cached envelope may then be stale."""
+        """Whether another process may write these runs (PostgreSQL: True; a SQLite file:
+        `--shared-store`, replicas or workers on one file): nothing read from the store may be
+        kept and acted on later without reading it again (the run book reads envelopes at every
+        boundary; held calls poll for decisions). docs/replicas.md."""
         ...
 
     async def open(self) -> None: ...

@@ -40,7 +40,7 @@ from stepguard.contracts.operations import (
 from stepguard.contracts.runs import RunBook
 from stepguard.metrics.observer import Observer
 from stepguard.metrics.report import shown
-from stepguard.proxy.boundaries import new_decision_id
+from stepguard.proxy.boundaries import new_decision_id, retrying_conflicts
 from stepguard.proxy.config import ConfigError
 from stepguard.proxy.holds import Holds
 
@@ -143,13 +143,18 @@ class Operations:
     async def _act(self, run_id: str, fields_of: Callable[[Envelope, list[dict[str, Any]]],
                                                           dict[str, Any]]
                    ) -> tuple[Envelope, dict[str, Any]]:
-        async with self.runs.locked(run_id):
-            envelope = await self.runs.store.load(run_id)
-            if envelope is None:
-                raise OperationRefused(404, f"no run {run_id!r}")
-            history = await self.runs.store.history(run_id)
-            fields = fields_of(envelope, history)
-            after, event = await self.runs.commit(envelope, fields)
+        async def once() -> tuple[Envelope, Envelope, dict[str, Any]]:
+            async with self.runs.locked(run_id):
+                envelope = await self.runs.store.load(run_id)
+                if envelope is None:
+                    raise OperationRefused(404, f"no run {run_id!r}")
+                history = await self.runs.store.history(run_id)
+                fields = fields_of(envelope, history)
+                return envelope, *await self.runs.commit(envelope, fields)
+
+        # another process (a replica, a worker, a call of the run there) may advance the run
+        # between the load and the commit: the action is decided again on the fresh history
+        envelope, after, event = await retrying_conflicts(run_id, once)
         if self.holds is not None:      # a run cancelled: its held calls are refused
             self.holds.decided(run_id)
         if self.observer is not None:
@@ -162,20 +167,23 @@ class Operations:
         """Approve or reject an open hold of the run (named by its decision id, or the latest
         of the call with `digest`). The decision is stored, then the run's held calls look
         again. A hold whose deadline has passed is recorded as expired, and refused (409)."""
-        async with self.runs.locked(run_id):
-            envelope = await self.runs.store.load(run_id)
-            if envelope is None:
-                raise OperationRefused(404, f"no run {run_id!r}")
-            try:
-                fields = decision_event(envelope, action, operator=operator, reason=reason,
-                                        now=time.time(), digest=digest, hold_id=hold_id)
-            except Expired as exc:
-                await self.runs.commit(envelope, expire_fields(exc.hold_id, exc.held,
-                                                               new_decision_id()))
-                if self.holds is not None:
-                    self.holds.decided(run_id, exc.hold_id, EXPIRE)
-                raise
-            after, event = await self.runs.commit(envelope, fields)
+        async def once() -> tuple[Envelope, Envelope, dict[str, Any]]:
+            async with self.runs.locked(run_id):
+                envelope = await self.runs.store.load(run_id)
+                if envelope is None:
+                    raise OperationRefused(404, f"no run {run_id!r}")
+                try:
+                    fields = decision_event(envelope, action, operator=operator, reason=reason,
+                                            now=time.time(), digest=digest, hold_id=hold_id)
+                except Expired as exc:
+                    await self.runs.commit(envelope, expire_fields(exc.hold_id, exc.held,
+                                                                   new_decision_id()))
+                    if self.holds is not None:
+                        self.holds.decided(run_id, exc.hold_id, EXPIRE)
+                    raise
+                return envelope, *await self.runs.commit(envelope, fields)
+
+        envelope, after, event = await retrying_conflicts(run_id, once)
         if self.holds is not None:
             self.holds.decided(run_id, event["hold"], action, operator, reason, event["digest"])
         if self.observer is not None:

@@ -202,7 +202,8 @@ def settings_store(settings: Settings, migrate: bool = True, shared: bool = Fals
     return make_store(settings.store, timeout_s=settings.store_timeout,
                       retention_s=settings.retention_hours * 3600,
                       synchronous=settings.sqlite_synchronous,
-                      wal_limit_bytes=settings.wal_limit_bytes, migrate=migrate, shared=shared)
+                      wal_limit_bytes=settings.wal_limit_bytes, migrate=migrate,
+                      shared=shared or settings.shared_store)
 
 
 def create_app(sg: Stepguard, manage: bool = True) -> web.Application:

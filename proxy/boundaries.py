@@ -45,7 +45,14 @@ from stepguard.proxy.holds import Held, HoldRefused, Holds, refused_for_room
 from stepguard.proxy.joining import PendingCalls
 from stepguard.proxy.routing import Route
 
-CONFLICT_RETRIES = 3
+CONFLICT_RETRIES = 10
+# a boundary that keeps losing the race (many processes writing one run) is tried for at least
+# CONFLICT_RETRIES times and until CONFLICT_DEADLINE_S has passed; after each loss it waits a
+# random time up to CONFLICT_BACKOFF_S, doubled per loss up to CONFLICT_BACKOFF_MAX_S, so the
+# racers stop colliding in lockstep
+CONFLICT_DEADLINE_S = 5.0
+CONFLICT_BACKOFF_S = 0.002
+CONFLICT_BACKOFF_MAX_S = 0.05
 # the action of a call that never reached its upstream: recorded, the run left where it was
 UNREACHABLE = "unreachable"
 T = TypeVar("T")
@@ -53,13 +60,22 @@ T = TypeVar("T")
 
 async def retrying_conflicts(run_id: str, boundary: Callable[[], Awaitable[T]]) -> T:
     """Run a boundary again when another writer advanced the run under it (the run book has
-    dropped its cached envelope, so the next try reads the store)."""
-    for _ in range(CONFLICT_RETRIES):
+    dropped its cached envelope, so the next try reads the store and checks again: nothing
+    decided on the old envelope is acted on). With several processes on one store (replicas,
+    workers) a lost race is followed by a short random wait, doubling per loss."""
+    lost = 0
+    deadline = time.monotonic() + CONFLICT_DEADLINE_S
+    while True:
         try:
             return await boundary()
         except ConflictError:
-            continue
-    raise StoreError(f"run {run_id!r}: lost the race for the run {CONFLICT_RETRIES} times")
+            lost += 1
+            if lost >= CONFLICT_RETRIES and time.monotonic() >= deadline:
+                break
+            cap = min(CONFLICT_BACKOFF_MAX_S, CONFLICT_BACKOFF_S * 2 ** min(lost - 1, 16))
+            await asyncio.sleep(random.uniform(0, cap))
+    raise StoreError(f"run {run_id!r}: lost the race for the run {lost} times in "
+                     f"{CONFLICT_DEADLINE_S:g} s")
 
 
 async def back_off(step: Step, attempt: int, timing: Timing) -> None:

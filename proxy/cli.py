@@ -71,6 +71,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--admin-port", type=int, help="admin port (STEPGUARD_ADMIN_PORT, 9090)")
     serve.add_argument("--store", help="SQLite file or postgresql://USER@HOST:PORT/DATABASE URL "
                                        "(STEPGUARD_STORE, stepguard.db)")
+    serve.add_argument("--shared-store", action="store_true", default=None,
+                       help="other stepguard processes write this SQLite file too (replicas on "
+                            "one file): no exclusive lock, envelopes read at every boundary "
+                            "(STEPGUARD_SHARED_STORE); a PostgreSQL store is always shared")
     serve.add_argument("--store-timeout", type=float,
                        help="seconds a write may wait for a locked or slow store before the "
                             "call is refused with 503 (STEPGUARD_STORE_TIMEOUT, 1)")
@@ -208,9 +212,14 @@ def _parser() -> argparse.ArgumentParser:
                             "client and no stepguard header (runs named by the order_id "
                             "argument); hybrid: a model agent whose tool calls run over MCP "
                             "through stepguard, no header (each call joined to the model's run)")
-    drift.add_argument("--store", metavar="FILE", type=Path,
+    drift.add_argument("--store", metavar="FILE|URL",
                        help="keep the store of the enforced runs in FILE (a new file), for "
-                            "`stepguard replay` or `runs show`")
+                            "`stepguard replay` or `runs show`; with --replicas, a database "
+                            "URL the replicas share")
+    drift.add_argument("--replicas", type=int, default=0, metavar="N",
+                       help="run N `stepguard serve` processes on one shared store and spread "
+                            "every run's calls round-robin over them (default 0: one "
+                            "stepguard in the bench process)")
     drift.add_argument("--json", action="store_true")
     drift.set_defaults(func=_bench_drift)
 
@@ -551,12 +560,21 @@ def _bench_drift(args: argparse.Namespace) -> int:
     from stepguard.bench.drift import render_table, run_bench
     from stepguard.metrics.logs import configure
 
-    if args.store is not None and args.store.exists():
+    url = args.store is not None and "://" in args.store
+    if args.store is not None and not url and Path(args.store).exists():
         print(f"stepguard bench drift: {args.store} exists: --store takes a new file",
               file=sys.stderr)
         return 2
+    if url and args.replicas < 1:
+        print("stepguard bench drift: a database URL as --store needs --replicas N",
+              file=sys.stderr)
+        return 2
+    if args.replicas < 0:
+        print("stepguard bench drift: --replicas must be 0 or more", file=sys.stderr)
+        return 2
     configure("json", "critical")
-    result = asyncio.run(run_bench(args.runs, args.controls, args.traffic, args.store))
+    result = asyncio.run(run_bench(args.runs, args.controls, args.traffic, args.store,
+                                   args.replicas))
     print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode() if args.json
           else render_table(result))
     return 0

@@ -184,6 +184,7 @@ _PARSERS: dict[str, _Parse] = {
     "store": _store,
     "sqlite_synchronous": _choice(SYNCHRONOUS_MODES, str.upper),
     "store_timeout": _number(0.01, "a number of seconds"),
+    "shared_store": _boolean,
     "wal_limit_bytes": _bytes(65536),
     "max_request_bytes": _bytes(1),
     "max_response_bytes": _bytes(1),
@@ -255,6 +256,8 @@ class Settings:
     store: str = field(default="stepguard.db", repr=False)   # a URL may hold a password
     sqlite_synchronous: str = "NORMAL"
     store_timeout: float = DEFAULT_TIMEOUT_S
+    # other stepguard processes write the same store (replicas): docs/replicas.md
+    shared_store: bool = False
     wal_limit_bytes: int = DEFAULT_WAL_LIMIT_BYTES
     max_request_bytes: int = 10 * 1024 * 1024
     max_response_bytes: int = 10 * 1024 * 1024

@@ -4,7 +4,9 @@ arguments (`arg:NAME`), or the contract's implicit run."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import re
+import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -14,7 +16,7 @@ from typing import Any
 from stepguard.contracts.errors import StoreError
 from stepguard.contracts.model import Contract, Step
 from stepguard.contracts.store import Store
-from stepguard.proxy.joining import PendingCalls
+from stepguard.proxy.joining import Issued, PendingCalls, digest
 
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}$")
 _RUN_ID = re.compile(r"^[\x21-\x7e]{1,200}$")
@@ -119,6 +121,50 @@ def _own(contract: Contract, run_id: str, name: str) -> str:
     return f"argof:{contract.workflow}:{run_id}:{name}="
 
 
+def _new_run_id(contract: Contract, value: tuple[str, str], seen: dict[str, str]) -> str:
+    """On a shared store, the id of the run a first call with `value` starts: derived from the
+    value and the run it named last (none, or one that has completed), so that two processes
+    starting a run for one value at once pick the same id, and the store's compare-and-set on
+    the run's first event lets only one of them start it; the other re-checks its call in
+    that run. A new run's id is unique, and the next run of the value after this one
+    completes gets another."""
+    name, text = value
+    previous = seen.get(_forward(contract, name, text), "")
+    material = "\0".join((contract.workflow, name, text, previous)).encode()
+    return f"run-{hashlib.sha256(material).hexdigest()[:32]}"
+
+
+MODEL_KINDS = ("openai", "anthropic")
+
+# a tool call a model issued is stored on a shared store as `issued:<workflow>:<step>:<digest of
+# its arguments>:<inverted ms timestamp>:<call id>` (newest first in key order); a tool-side
+# call on another process reads at most this many of them
+ISSUES_READ = 16
+# on a shared store, a tool-side call with no run key waits at most this long for the model turn
+# issuing it to be stored by another process (docs/replicas.md), looking this often
+ISSUE_WAIT_S = 5.0
+ISSUE_POLL_S = 0.05
+_STAMP_BASE = 10 ** 13
+
+
+def _issued_prefix(contract: Contract, step: str, args: str) -> str:
+    return f"issued:{contract.workflow}:{step}:{args}:"
+
+
+def _issued_at(stamp: str) -> float:
+    return (_STAMP_BASE - int(stamp)) / 1000
+
+
+def issued_key(contract: Contract, step: str, arguments: Any, call_id: str) -> str | None:
+    """The correlation key a model's tool call is stored with on a shared store, so that its
+    execution through another process joins it (`RunKeys._stored_issue`)."""
+    args = digest(arguments if arguments is not None else {})
+    if args is None:
+        return None
+    stamp = _STAMP_BASE - int(time.time() * 1000)
+    return f"{_issued_prefix(contract, step, args)}{stamp:013d}:{call_id}"
+
+
 class RunKeys:
     """Run keys read from a call's arguments (`arg:NAME`), stored in the store's correlation keys
     so a restart keeps them: `arg:<workflow>:<NAME>=<value>` finds the run a value names, and
@@ -154,9 +200,20 @@ class RunKeys:
                 # a streamed turn was still being checked: the agent may be executing one of
                 # its calls already, before the stream's end
                 issued = self.pending.take(contract.workflow, step.name, call)
+            if issued is None and self.store.shared:
+                # issued through another process: its entry stored an `issued:` key
+                issued = await self._stored_issue(contract, step, call)
             if issued is not None:
                 known, joined = issued.run_id, issued.call_id
         values = [(n, v) for n in arg_names(contract) if (v := arg_value(arguments, n)) is not None]
+        if known is None and not values and implicit_run_id(contract) is None \
+                and self.store.shared:
+            # no key at all: the call would be refused, unless a model's turn that another
+            # process is still checking (streamed, its calls shown) is issuing it
+            issued = await self._issued_meanwhile(
+                contract, step, arguments if call_input is None else call_input)
+            if issued is not None:
+                known, joined = issued.run_id, issued.call_id
         if joined is not None and not values:
             return Keyed(known, joined=joined)
         if not values:
@@ -173,6 +230,54 @@ class RunKeys:
         except StoreError as exc:
             return Keyed(None, STORE, f"the run key of step {step.name!r} cannot be looked up: {exc}")
 
+    async def _stored_issue(self, contract: Contract, step: Step, call: Any) -> Issued | None:
+        """A tool call a model response issued through another process on the shared store
+        (`issued_key`), still pending in its run's envelope: the newest `ISSUES_READ` issues of
+        this step with these arguments within `PendingCalls.ttl_s`, as `take` would see them in
+        memory. None when there is none, or when calls of more than one run wait with them.
+        Nothing is consumed: a second execution of the same call arriving while the first is
+        still pending joins too (docs/replicas.md). A store failure is no join."""
+        args = digest(call if call is not None else {})
+        if args is None or not any(u.kind in MODEL_KINDS for u in contract.upstreams.values()):
+            return None     # no model in the workflow issues tool calls
+        prefix = _issued_prefix(contract, step.name, args)
+        try:
+            keys = await self.store.find_keys(prefix, ISSUES_READ)
+            oldest = time.time() - self.pending.ttl_s
+            found: list[Issued] = []
+            for key in keys:
+                stamp, _, call_id = key.removeprefix(prefix).partition(":")
+                if not stamp.isdigit() or _issued_at(stamp) < oldest:
+                    break       # newest first: every key after this one is older
+                run_id = await self.store.find_run(key)
+                envelope = await self.store.load(run_id) if run_id is not None else None
+                if (envelope is not None and envelope.workflow == contract.workflow
+                        and call_id in envelope.pending):
+                    found.append(Issued(envelope.run_id, call_id, 0.0))
+        except StoreError:
+            return None
+        if len({issued.run_id for issued in found}) != 1:
+            return None
+        return found[-1]        # the oldest pending, as `take` gives the oldest
+
+    async def _issued_meanwhile(self, contract: Contract, step: Step, call: Any) -> Issued | None:
+        """The stored issue of the call, looked for every ISSUE_POLL_S for at most
+        ISSUE_WAIT_S (the in-memory `PendingCalls.settled` wait cannot see another process's
+        streamed turns)."""
+        if not any(u.kind in MODEL_KINDS for u in contract.upstreams.values()):
+            return None
+        deadline = time.monotonic() + ISSUE_WAIT_S
+        while time.monotonic() < deadline:
+            await asyncio.sleep(ISSUE_POLL_S)
+            issued = self._take_local(contract, step, call) or await self._stored_issue(
+                contract, step, call)
+            if issued is not None:
+                return issued
+        return None
+
+    def _take_local(self, contract: Contract, step: Step, call: Any) -> Issued | None:
+        return self.pending.take(contract.workflow, step.name, call)
+
     async def bind(self, contract: Contract, step: Step, run_id: str, arguments: Any) -> Keyed:
         """A call whose run is known otherwise (a model's tool call, found by its conversation):
         its argument keys join that run, or are a drift (`Keyed.drift`) when they name another
@@ -185,7 +290,8 @@ class RunKeys:
 
     async def _resolve(self, contract: Contract, step: Step, known: str | None,
                        values: list[tuple[str, str]]) -> Keyed:
-        owners = [await self._owner(contract, n, v) for n, v in values]
+        seen: dict[str, str] = {}
+        owners = [await self._owner(contract, n, v, seen) for n, v in values]
         if known is not None:
             for (name, value), owner in zip(values, owners, strict=True):
                 own = await self.store.find_keys(_own(contract, known, name), 1)
@@ -210,20 +316,30 @@ class RunKeys:
             return Keyed(None, NO_LIVE_RUN, f"{shown} names no live run of workflow "
                          f"{contract.workflow!r}, and step {step.name!r} cannot start one (it "
                          f"comes after {', '.join(step.after)})")
-        run_id = f"run-{uuid.uuid4().hex}"
+        run_id = _new_run_id(contract, values[0], seen) if self.store.shared \
+            else f"run-{uuid.uuid4().hex}"
         await self._register(contract, run_id, values, owners)
         return Keyed(run_id)
 
-    async def _owner(self, contract: Contract, name: str, value: str) -> str | None:
-        """The live run `value` names, if any."""
+    async def _owner(self, contract: Contract, name: str, value: str,
+                     seen: dict[str, str] | None = None) -> str | None:
+        """The live run `value` names, if any. `seen` gets the run the value named last
+        (live or not), from which a new run's id is derived (`_new_run_id`)."""
         key = _forward(contract, name, value)
         claimed = self._claims.get(key)
-        owner = claimed or await self.store.find_run(key)
+        if self.store.shared:    # another process may have moved the key since this one's claim
+            owner = await self.store.find_run(key) or claimed
+        else:
+            owner = claimed or await self.store.find_run(key)
         if owner is None:
             return None
+        if seen is not None:
+            seen[key] = owner
         envelope = await self.store.load(owner)
         if envelope is None:    # claimed by a first call not stored yet, or purged
-            return owner if claimed else None
+            # on a shared store the claim may be another process's: its run is the value's
+            # (a purged run's id is free again, so reusing it is no harm)
+            return owner if claimed or self.store.shared else None
         return None if envelope.status in ("completed", "cancelled") else owner
 
     async def _register(self, contract: Contract, run_id: str, values: list[tuple[str, str]],

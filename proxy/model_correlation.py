@@ -4,6 +4,7 @@ before they were stored (in flight) or whose turn then failed (never checked).""
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -16,6 +17,10 @@ from stepguard.proxy.model_dialects import ToolOutput
 from stepguard.proxy.model_exchange import RUN_HEADER, Exchange, Stop, parsed
 
 INFLIGHT_WAIT_S = 30.0
+# on a shared store: how long a request whose tool-call ids no run has waits for another process
+# to store them, and how often it looks (docs/replicas.md)
+SHARED_INFLIGHT_WAIT_S = 2.0
+SHARED_POLL_S = 0.05
 FAILED_CALLS_KEPT = 10_000
 
 
@@ -30,6 +35,25 @@ class ShownCalls:
         self.failed_kept = failed_kept
         self._inflight: dict[str, asyncio.Event] = {}
         self._failed: OrderedDict[str, None] = OrderedDict()
+        # ids waited for in vain on a shared store (`_stored_elsewhere`), not waited for again
+        self.unknown: OrderedDict[str, None] = OrderedDict()
+        self._checked: OrderedDict[str, None] = OrderedDict()
+
+    def known(self, call_id: str) -> bool:
+        """Whether the call is known here as failed, or as checked (`checked`)."""
+        return call_id in self._failed or call_id in self._checked
+
+    def checked(self, call_id: str) -> None:
+        """A call found not failed in the store (shared stores): not looked up again."""
+        self._checked[call_id] = None
+        while len(self._checked) > self.failed_kept:
+            self._checked.popitem(last=False)
+
+    def never_stored(self, keys: list[str]) -> None:
+        for key in keys:
+            self.unknown[key] = None
+        while len(self.unknown) > self.failed_kept:
+            self.unknown.popitem(last=False)
 
     def show(self, call_id: str, stored: asyncio.Event) -> bool:
         """The stream showed `call_id`; `stored` is set once its turn is stored (or refused).
@@ -78,6 +102,27 @@ class ShownCalls:
                        refused="unchecked_result")
 
 
+async def _stored_elsewhere(runs: RunBook, shown: ShownCalls,
+                            keys: list[str]) -> dict[str, str | None]:
+    """On a shared store, ids no run has may belong to a streamed turn another process is still
+    checking (it showed the calls before storing them, and `ShownCalls` is per process): the
+    store is read again every SHARED_POLL_S for at most SHARED_INFLIGHT_WAIT_S, until every id
+    is found. Ids found in no run after that (a tool matching no step, a conversation begun
+    elsewhere) are remembered (bounded) and not waited for again."""
+    waiting = [key for key in keys if key not in shown.unknown]
+    owners: dict[str, str | None] = {}
+    deadline = time.monotonic() + SHARED_INFLIGHT_WAIT_S
+    while waiting and time.monotonic() < deadline:
+        await asyncio.sleep(SHARED_POLL_S)
+        for key in list(waiting):
+            owner = await runs.store.find_run(key)
+            if owner is not None:
+                owners[key] = owner
+                waiting.remove(key)
+    shown.never_stored(waiting)
+    return owners
+
+
 async def correlate(runs: RunBook, shown: ShownCalls, ex: Exchange,
                     keys: list[str] | None = None) -> None:
     """Set the exchange's run: an explicitly configured run key, else the run stored with the
@@ -95,7 +140,11 @@ async def correlate(runs: RunBook, shown: ShownCalls, ex: Exchange,
         if keys is None:
             keys = parsed(ex, lambda: ex.dialect.known_ids(ex.body))
         await shown.wait(keys)
-        found = {r for key in keys if (r := await runs.store.find_run(key)) is not None}
+        owners = {key: await runs.store.find_run(key) for key in keys}
+        if runs.store.shared:
+            owners.update(await _stored_elsewhere(runs, shown, [k for k, r in owners.items()
+                                                                if r is None]))
+        found = {r for r in owners.values() if r is not None}
         if len(found) > 1:
             raise Stop(400, f"stepguard: the conversation carries tool calls of several runs "
                        f"({', '.join(sorted(found))}); send {RUN_HEADER} to choose one",

@@ -5,7 +5,8 @@ checked against the completion proof (`engine.check_final`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import orjson
@@ -20,6 +21,7 @@ from stepguard.proxy.bodies import BodyError, _too_deep, check_depth
 from stepguard.proxy.boundaries import Boundaries, Evidence, Settled, retrying_conflicts
 from stepguard.proxy.calls import STOPPED
 from stepguard.proxy.config import Settings
+from stepguard.proxy.correlation import issued_key
 from stepguard.proxy.holds import HoldRefused
 from stepguard.proxy.model_correlation import ShownCalls
 from stepguard.proxy.model_dialects import ToolCall, ToolOutput, Turn
@@ -140,11 +142,12 @@ class ModelEntries:
         else:
             decision = check_entry(step, envelope, arguments, now=ex.timing.arrived)
         extra = {"call_id": call.call_id, "tool": call.name}
+        issued = self._issued_keys(ex, step.name, arguments, call)
         if error is None and keyed.drift is None:
             approved = await self.boundaries.approved_entry(
                 contract, ex.run_id, envelope, step.name, arguments, timing=ex.timing,
                 traffic=self.traffic, extra={**extra, "pending": True},
-                keys=[f"call:{call.call_id}", *keys])
+                keys=[f"call:{call.call_id}", *keys, *issued])
             if approved is not None:   # approved while held, and issued again: it goes ahead
                 return await self._goes_ahead(ex, approved, call, step.name, arguments,
                                               len(orjson.dumps(arguments)))
@@ -154,7 +157,7 @@ class ModelEntries:
         settled = await self.boundaries.settle(
             contract, ex.run_id, envelope, decision, Evidence(arguments, raw),
             timing=ex.timing, traffic=self.traffic, extra={**extra, "pending": goes_ahead},
-            keys=[f"call:{call.call_id}", *keys])
+            keys=[f"call:{call.call_id}", *keys, *(issued if goes_ahead else ())])
         if settled.held is not None or settled.refused is not None:
             ex.held.append(HeldCall(settled, call, step.name, arguments, len(raw)))
             return settled.envelope
@@ -162,6 +165,15 @@ class ModelEntries:
         if not goes_ahead:
             return settled.envelope
         return await self._goes_ahead(ex, settled, call, step.name, arguments, len(raw))
+
+    def _issued_keys(self, ex: Exchange, step: str, arguments: Any,
+                     call: ToolCall) -> tuple[str, ...]:
+        """On a shared store, the key that lets an execution of the call through another
+        process join it (`correlation.issued_key`); in one process `PendingCalls` does."""
+        if call.ran or not self.runs.store.shared:
+            return ()
+        key = issued_key(ex.contract, step, arguments, call.call_id)
+        return () if key is None else (key,)
 
     async def _goes_ahead(self, ex: Exchange, settled: Settled, call: ToolCall, step: str,
                           arguments: Any, raw_size: int) -> Envelope:
@@ -216,13 +228,19 @@ class ModelEntries:
                                            lambda: client_present(ex.request), extra)
                 except HoldRefused as refused:
                     raise _stop(refused) from None
-                async with self.runs.locked(ex.run_id):
-                    await self._goes_ahead(ex, settled, one.call, one.step, one.arguments,
-                                           one.raw_size)
+                await retrying_conflicts(ex.run_id, partial(self._approved, ex, settled, one))
         finally:
             for other in waiting:
                 if other.settled.held is not None:
                     await close(self.boundaries, other.settled.held, ex.timing, self.traffic)
+
+    async def _approved(self, ex: Exchange, settled: Settled, one: HeldCall) -> None:
+        """A held tool call approved: it goes ahead from the run's envelope as it is now
+        (another call, or another process on a shared store, may have moved it since)."""
+        async with self.runs.locked(ex.run_id):
+            envelope = await self.runs.envelope(ex.contract, ex.run_id)
+            await self._goes_ahead(ex, replace(settled, envelope=envelope), one.call, one.step,
+                                   one.arguments, one.raw_size)
 
     def not_stored(self, ex: Exchange, exc: StoreError) -> None:
         """The model answered, but its tool calls could not be stored. The model is never asked a

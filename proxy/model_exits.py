@@ -5,6 +5,7 @@ model sees the request."""
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
@@ -12,13 +13,15 @@ import orjson
 from stepguard.contracts.engine import check_exit
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.events import Decision, ToolResult
+from stepguard.contracts.model import Step
+from stepguard.contracts.redact import REDACTED
 from stepguard.contracts.runs import RunBook
 from stepguard.proxy.boundaries import Boundaries, Evidence
 from stepguard.proxy.calls import STOPPED
 from stepguard.proxy.joined import joined_result
 from stepguard.proxy.model_correlation import ShownCalls
 from stepguard.proxy.model_dialects import ToolOutput
-from stepguard.proxy.model_exchange import Exchange, parsed, raise_if_stopped, refuse_halted
+from stepguard.proxy.model_exchange import Exchange, Stop, parsed, raise_if_stopped, refuse_halted
 
 ARGUMENTS_BUDGET = 16 * 1024 * 1024
 
@@ -71,12 +74,14 @@ class ModelExits:
         outputs = parsed(ex, lambda: ex.dialect.tool_outputs(ex.body))
         echoed = parsed(ex, lambda: ex.dialect.echoed_calls(ex.body)) if outputs else {}
         if ex.new_run:
+            await self._failed_elsewhere(outputs, {})
             self.shown.refuse_unchecked(ex, outputs, {})
             return
         async with self.runs.locked(ex.run_id):
             envelope = await self.runs.envelope(ex.contract, ex.run_id)
             if envelope.status in STOPPED:
                 await refuse_halted(self.boundaries, ex, envelope, self.traffic)
+            await self._failed_elsewhere(outputs, envelope.pending)
             self.shown.refuse_unchecked(ex, outputs, envelope.pending)
             for output in outputs:
                 pending = envelope.pending.get(output.call_id)
@@ -94,7 +99,44 @@ class ModelExits:
                     arguments = self.arguments.get(ex.run_id, output.call_id)
                 if arguments is not None:
                     pending = {**pending, "input": arguments}
+                elif self.runs.store.shared:
+                    self._only_elsewhere(ex, output.call_id, pending)
                 envelope = await self.exit(ex, envelope, output, pending)
+
+    async def _failed_elsewhere(self, outputs: list[ToolOutput],
+                                pending: Mapping[str, Any]) -> None:
+        """On a shared store: a result for a call a stream showed on another process before its
+        turn failed (a `failed:` key, and no stored entry: `call:`) is taken as this process's
+        own failed call, so `refuse_unchecked` refuses it. Ids found checked are remembered."""
+        if not self.runs.store.shared:
+            return
+        store = self.runs.store
+        for output in outputs:
+            call_id = output.call_id
+            if call_id in pending or self.shown.known(call_id):
+                continue
+            if await store.find_run(f"failed:{call_id}") is not None \
+                    and await store.find_run(f"call:{call_id}") is None:
+                self.shown.failed([call_id])
+            else:
+                self.shown.checked(call_id)
+
+    def _only_elsewhere(self, ex: Exchange, call_id: str, pending: dict[str, Any]) -> None:
+        """On a shared store: the call's arguments are known here only as stored, redacted or
+        truncated, and its step's exit conditions read them. The process that saw the model's
+        response keeps them whole (`PendingArguments`); checking the result against the stored
+        stand-ins could pass what the real arguments fail (`input.token != output.token` on a
+        redacted token), so the request is refused, no event stored, worth sending again
+        (another process may hold them). docs/replicas.md."""
+        step = ex.contract.steps.get(pending["step"])
+        if step is None or not _stand_in(pending.get("input")) or not _reads_input(step):
+            return
+        raise Stop(409, f"stepguard: run {ex.run_id!r}: the result of tool call {call_id!r} "
+                   f"(step {step.name!r}) is checked against its arguments, which this "
+                   "stepguard has only as stored, redacted or truncated; the replica that "
+                   "saw the model's response holds them whole: send the request again",
+                   {"check": "arguments", "call": call_id, "step": step.name,
+                    "run": ex.run_id}, retry=True, refused="arguments_elsewhere")
 
     async def exit(self, ex: Exchange, envelope: Envelope, output: ToolOutput,
                    pending: dict[str, Any]) -> Envelope:
@@ -123,3 +165,21 @@ class ModelExits:
         self.arguments.drop(ex.run_id, output.call_id)
         raise_if_stopped(ex, decision, settled)
         return settled.envelope
+
+
+def _stand_in(value: Any) -> bool:
+    """Whether a stored copy of arguments stands in for them: truncated, or with a redacted
+    value anywhere."""
+    if isinstance(value, dict):
+        if value.get("truncated") is True and "bytes" in value:
+            return True
+        return any(_stand_in(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_stand_in(v) for v in value)
+    return isinstance(value, str) and value == REDACTED
+
+
+def _reads_input(step: Step) -> bool:
+    """Whether the step's exit checks read the call's arguments."""
+    conditions = [*step.postconditions, *step.error_when, *step.record.values()]
+    return any("input" in c.reads for c in conditions)

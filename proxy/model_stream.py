@@ -6,6 +6,7 @@ entries are checked, then written, or replaced by the provider's stream error.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any
 
@@ -168,14 +169,14 @@ class ModelStream:
             ex.timing.upstream(streaming_since)
             why = (f"no event for {ex.route.upstream.timeout_s:g} s"
                    if isinstance(exc, TimeoutError) else str(exc))
-            self.shown.failed(shown)
+            await self._failed(ex, shown)
             await client.write(ex.dialect.stream_error(f"stepguard: upstream stream failed: {why}",
                                                        {"check": "upstream"}))
             await client.close()
             return
         except Stop as stop:     # the upstream's events have a shape the dialect cannot read
             ex.timing.upstream(streaming_since)
-            self.shown.failed(shown)
+            await self._failed(ex, shown)
             await self._stopped(ex, client, stop)
             await client.close()
             return
@@ -187,7 +188,7 @@ class ModelStream:
             try:
                 parsed(ex, lambda: assembler.feed(last))
             except Stop as stop:
-                self.shown.failed(shown)
+                await self._failed(ex, shown)
                 await self._stopped(ex, client, stop)
                 await client.close()
                 return
@@ -202,7 +203,7 @@ class ModelStream:
         except Stop as stop:
             # the calls the stream showed whose entry was not stored (the turn was refused
             # before or without them) were never checked: a result for one is not taken
-            self.shown.failed(shown)
+            await self._failed(ex, shown)
             await self._stopped(ex, client, stop)
         except StoreError as exc:
             try:
@@ -216,6 +217,16 @@ class ModelStream:
             for raw in held:
                 await client.write(raw)
         await client.close()
+
+    async def _failed(self, ex: Exchange, shown: list[str]) -> None:
+        """The calls the stream showed were never checked. On a shared store that is stored
+        too (`failed:<call id>` keys), so a result for one is refused whichever process it
+        reaches (`ModelExits`); a store failure here leaves only this process knowing."""
+        self.shown.failed(shown)
+        if shown and self.boundaries.runs.store.shared:
+            with contextlib.suppress(StoreError):
+                await self.boundaries.runs.store.add_keys(ex.run_id,
+                                                          [f"failed:{c}" for c in shown])
 
     async def _stopped(self, ex: Exchange, client: ClientEnd, stop: Stop) -> None:
         log_refusal(self.boundaries, ex, stop, self.traffic)
@@ -233,7 +244,7 @@ class ModelStream:
         why = (f"the upstream reported an error: {failure}" if failure is not None
                else "the upstream closed it before its terminating event")
         self.observer.turn_failed(ex.route.upstream.name, ex.contract.workflow, ex.run_id, why)
-        self.shown.failed(shown)
+        await self._failed(ex, shown)
         await client.write(ex.dialect.stream_error(
             f"stepguard: the model's turn did not complete ({why}); nothing in it was checked "
             f"or recorded, and the request may be retried", {"check": "upstream"}))

@@ -47,6 +47,7 @@ from stepguard.proxy.holds import (
 )
 
 KEEPALIVE_S = 2.0       # a held call's stream gets a comment this often
+HOLD_POLL_S = 0.2       # on a shared store, a held call reads its run again this often
 
 Keepalive = Callable[[], Awaitable[None]]
 
@@ -87,10 +88,14 @@ async def _waiting(boundaries: Boundaries, held: Held, timing: Timing, traffic: 
     holds = boundaries.holds
     holds.enter(held)
     since = time.perf_counter()
+    # on a shared store a decision (or a resume, a cancel, a halt) may be taken through another
+    # process, which cannot wake this one: the stored envelope is read again every HOLD_POLL_S
+    poll_s = HOLD_POLL_S if boundaries.runs.store.shared else None
+    pace = _Pace(keepalive)
     try:
         while True:
             try:
-                await _sleep(held, keepalive)
+                await _sleep(held, pace, poll_s)
             except asyncio.CancelledError:
                 holds.ended(held, SHUTDOWN)
                 raise
@@ -103,16 +108,39 @@ async def _waiting(boundaries: Boundaries, held: Held, timing: Timing, traffic: 
         holds.leave(held, held.contract.workflow)
 
 
-async def _sleep(held: Held, keepalive: Keepalive) -> None:
-    """Until the run's held calls are woken, or the deadline; keepalive meanwhile."""
+class _Pace:
+    """The held call's keepalive, every KEEPALIVE_S whatever else wakes the wait."""
+
+    def __init__(self, keepalive: Keepalive) -> None:
+        self.keepalive = keepalive
+        self.last = time.monotonic()
+
+    def until_next(self) -> float:
+        return max(0.0, self.last + KEEPALIVE_S - time.monotonic())
+
+    async def due(self) -> None:
+        if self.until_next() <= 0:
+            self.last = time.monotonic()
+            await self.keepalive()
+
+
+async def _sleep(held: Held, pace: _Pace, poll_s: float | None) -> None:
+    """Until the run's held calls are woken, the deadline, or (`poll_s`, a shared store) the
+    next look at the store; keepalive meanwhile."""
     while True:
         remaining = held.until - time.time()
         if remaining <= 0:
             return
+        await pace.due()
+        wait = min(remaining, pace.until_next())
+        if poll_s is not None:
+            wait = min(wait, poll_s)
         try:
-            await asyncio.wait_for(held.woken.wait(), min(remaining, KEEPALIVE_S))
+            await asyncio.wait_for(held.woken.wait(), wait)
         except TimeoutError:
-            await keepalive()
+            await pace.due()
+            if poll_s is not None:
+                return
             continue
         held.woken.clear()
         return

@@ -25,6 +25,7 @@ from sgtest import ExitsNotStored, Guard, free_port, trail
 from stepguard.contracts.loader import parse_contract
 from stepguard.contracts.model import Contract
 from stepguard.contracts.redact import REDACTED
+from stepguard.contracts.sqlite_store import SQLiteStore
 from stepguard.proxy.model_exits import PendingArguments
 
 RUN_HEADER = "x-stepguard-run"
@@ -632,6 +633,67 @@ async def test_an_exit_of_a_responses_conversation_continued_by_id_reads_the_unr
     assert second.status == status, await second.read()
     entry = (await guard.history(first.headers[RUN_HEADER]))[0]
     assert entry["input"] == {"account_id": REDACTED}       # the stored copy stays redacted
+
+
+async def test_a_result_whose_redacted_arguments_another_replica_holds_is_refused_for_a_retry(
+        model_upstream, stepguard, tmp_path):
+    # two stepguards on one shared store: the model's response seen by A (which keeps the
+    # unredacted arguments), the result of its call sent to B, which has only the stored,
+    # redacted copy and a postcondition reading it: refused, retry-true, nothing stored; A
+    # then checks it against the real arguments
+    model = await model_upstream({"/v1/responses": transfer_responses()})
+    contract = model_contract(model.url, {"transfer": {
+        "postcondition": ["output.account_id != input.account_id"]}}, redact=["account_id"])
+    a = await stepguard(contract, store=SQLiteStore(tmp_path / "shared.db", shared=True))
+    b = await stepguard(contract, store=SQLiteStore(tmp_path / "shared.db", shared=True))
+    first = await a.client.post(RESPONSES, json={"model": "m", "input": "go"})
+    assert first.status == 200
+    run = first.headers[RUN_HEADER]
+    result = {"model": "m", "previous_response_id": "resp_1",
+              "input": [{"type": "function_call_output", "call_id": "call_1",
+                         "output": json.dumps({"account_id": "acct-42"})}]}
+
+    elsewhere = await b.client.post(RESPONSES, json=result)
+
+    assert elsewhere.status == 409, await elsewhere.read()
+    assert elsewhere.headers["x-should-retry"] == "true"
+    body = (await elsewhere.json())["error"]["stepguard"]
+    assert (body["check"], body["call"], body["run"]) == ("arguments", "call_1", run)
+    assert len(await b.history(run)) == 1            # nothing stored: the call still pending
+    # "[REDACTED]" != "acct-42" would have passed; the real arguments make it a violation
+    assert (await a.client.post(RESPONSES, json=result)).status == 422
+
+
+async def test_a_result_for_a_call_of_a_turn_that_failed_on_another_replica_is_refused_unchecked(
+        model_upstream, stepguard, tmp_path):
+    async def complete_call_then_break(request: web.Request) -> web.StreamResponse:
+        out = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await out.prepare(request)
+        call = {"index": 0, "id": "call_1", "type": "function",
+                "function": {"name": "lookup", "arguments": '{"order_id": "o1"}'}}
+        await out.write(sse({"id": "c1", "object": "chat.completion.chunk", "choices": [
+            {"index": 0, "delta": {"tool_calls": [call]}}]}))
+        await out.write(sse({"error": {"message": "server_error", "type": "server_error"}}))
+        return out
+
+    model = await model_upstream({"/v1/chat/completions": complete_call_then_break})
+    contract = model_contract(model.url, LOOKUP_NEEDS_CUSTOMER)
+    a = await stepguard(contract, store=SQLiteStore(tmp_path / "shared.db", shared=True))
+    b = await stepguard(contract, store=SQLiteStore(tmp_path / "shared.db", shared=True))
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "look up o1"}]
+    failed = await a.client.post(CHAT, headers={RUN_HEADER: "r1"}, json={
+        "model": "m", "stream": True, "messages": messages})
+    await failed.read()
+    messages += [{"role": "assistant", "content": None,
+                  "tool_calls": [chat_call("call_1", "lookup", {"order_id": "o1"})]},
+                 tool_message("call_1", {"customer_name": "wrong shape"})]
+
+    resp = await b.client.post(CHAT, headers={RUN_HEADER: "r1"},
+                               json={"model": "m", "messages": messages})
+
+    assert resp.status == 409, await resp.read()
+    assert (await resp.json())["error"]["stepguard"]["calls"] == ["call_1"]
+    assert model.hits == 1       # the model never saw the result
 
 
 def test_pending_arguments_past_their_byte_budget_drop_the_oldest():
