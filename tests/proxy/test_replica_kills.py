@@ -157,7 +157,7 @@ class Agent:
                     raw = await resp.read()
                     retry = resp.headers.get("x-should-retry") == "true"
                     status = resp.status
-            except (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, aiohttp.ClientError, ConnectionError) as exc:
                 self.failures[type(exc).__name__] += 1
                 await asyncio.sleep(0.01)
                 continue
