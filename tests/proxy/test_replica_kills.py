@@ -5,8 +5,9 @@ one PostgreSQL database under continuous load from several agents, one replica k
 Each agent runs workflows of four steps, its calls spread round-robin over the replicas. A call
 that fails with a connection error, or a 503 carrying `x-should-retry: true`, is sent again to
 the next replica: the steps are declared `idempotent`, so stepguard says a repeat is safe. One
-run in five sends a bad input to its third step, which the contract halts (422). Every answer an
-agent got is recorded; at the end:
+run in five sends a bad input to its third step, which the contract halts (422; or 409 "run
+halted" when the replica that halted it died before answering and the agent's repeat reached
+another). Every answer an agent got is recorded; at the end:
 
 - no acknowledged event is lost: every 2xx answer of step S in run R has its own entry + exit
   pass pair of S in R's stored history, and every verdict answered (problem + decision id) is
@@ -252,10 +253,13 @@ async def test_three_replicas_on_postgresql_lose_nothing_when_one_is_killed_twen
             assert fold(history, envelope).to_dict() == envelope.to_dict(), where
             halting = int(run.rpartition("r")[2]) % HALTING == HALTING - 1
             if halting:
-                assert ended == "s3:422", where
+                # 422 the verdict; 409 when the replica that halted the run died before
+                # answering and the agent's repeat found the run halted
+                assert ended in ("s3:422", "s3:409"), where
                 assert envelope.status == "halted", where
-                assert [(e["step"], e["verdict"]) for e in history
-                        if e["verdict"] != "pass"] == [("s3", "violation")], where
+                verdicts = [(e["step"], e["verdict"]) for e in history if e["verdict"] != "pass"]
+                assert verdicts[0] == ("s3", "violation"), where
+                assert set(verdicts[1:]) <= {("s3", "refused")}, where
             else:
                 assert ended == "completed", where
                 assert envelope.status != "halted", where
@@ -275,7 +279,10 @@ async def test_three_replicas_on_postgresql_lose_nothing_when_one_is_killed_twen
         decided = {e.get("decision_id") for e in history}
         for x in answers:
             if x.run == run and x.status != 200:
+                assert x.status in (409, 422), (run, x)
                 assert x.body is not None and x.body.get("decision_id") in decided, (run, x)
+                if x.status == 409:
+                    assert x.body["run_status"] == "halted", (run, x)
     unanswered = sum(
         len([e for e in history if e["boundary"] == "entry"])
         - len([x for x in answers if x.run == run]) for run, (_, history) in stored.items())
