@@ -18,8 +18,9 @@ REPEATED := tests/contracts/test_store.py tests/contracts/test_sqlite_store_coun
 	tests/proxy/test_mcp_resumption.py tests/proxy/test_recovery.py \
 	tests/proxy/test_correlation.py tests/proxy/test_reload.py tests/metrics/test_runs_gauge.py \
 	tests/proxy/test_replay_recorded_crash.py tests/proxy/test_joining.py \
-	tests/proxy/test_holds.py tests/proxy/test_workers.py tests/proxy/test_replicas.py \
-	tests/contracts/test_sqlite_store_shared.py
+	tests/proxy/test_holds.py tests/proxy/test_workers.py \
+	tests/contracts/test_sqlite_store_shared.py \
+	tests/proxy/test_replicas.py
 
 $(BIN)/stepguard: pyproject.toml
 	$(PYTHON) -m venv $(VENV)

@@ -151,8 +151,8 @@ class SQLiteStore:
                  purge_interval_s: float = 300.0, timeout_s: float = DEFAULT_TIMEOUT_S,
                  wal_limit_bytes: int = DEFAULT_WAL_LIMIT_BYTES, shared: bool = False) -> None:
         self.path = Path(path)
-        # another process may write these runs (the workers of one serve, replicas on one
-        # file): no exclusive `<store>.lock`, and the run book reads envelopes from the store
+        # another process may write these runs (workers, replicas on one file): no exclusive
+        # `<store>.lock`, and the run book reads envelopes from the store, never its cache
         self.shared = shared
         self.synchronous = synchronous
         self.checkpoint_interval_s = checkpoint_interval_s

@@ -16,8 +16,7 @@ def make_store(location: str, *, timeout_s: float = DEFAULT_TIMEOUT_S, retention
     """The store at `location`, not yet open. `synchronous` and `wal_limit_bytes` are SQLite's;
     `migrate=False` opens a PostgreSQL store without changing its schema (a reader: it refuses a
     schema of another version). `shared=True`: a SQLite file other processes write too (the
-    workers of one `serve --workers N`, replicas with `--shared-store`); a PostgreSQL store
-    always is."""
+    workers of one `serve --workers N`); a PostgreSQL store always is."""
     problem = check_location(location)
     if problem is not None:
         raise StoreError(f"store {redacted(location)}: {problem}")
