@@ -16,6 +16,9 @@ asyncio server answering a ~10 KB order and a fixed OpenAI tool-call turn), one 
 - `contract_workers2`: the `contract` row with `stepguard serve --workers 2` (two worker
   processes on one port, one SQLite file shared); its CPU figure sums the supervisor and both
   workers;
+- `contract_pg`: the `contract` row with its history on PostgreSQL (`--store postgresql://…`):
+  a database made for the row on the server `--pg-url` names, dropped after it; the row is
+  skipped, saying why, when that server cannot be reached;
 - `model`, `model_stream`: Chat Completions through stepguard (the example's model contract):
   every response's tool call is a checked entry boundary of a new run; the `*_direct` rows are
   the same requests straight to the upstream, the reference the model rows' added figures use.
@@ -65,9 +68,11 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 import orjson
@@ -82,20 +87,22 @@ from stepguard.contracts.loader import parse_contract
 from stepguard.contracts.redact import Redactor
 from stepguard.contracts.runs import RunBook
 from stepguard.contracts.sqlite_store import SQLiteStore
+from stepguard.contracts.store_urls import redacted
 from stepguard.proxy.bodies import history_payload
 from stepguard.proxy.config import Settings
 
 ROWS = ("direct", "nginx", "passthrough", "contract", "contract_traced", "contract_workers2",
-        "model", "model_stream")
+        "contract_pg", "model", "model_stream")
 REFERENCE = {"nginx": "direct", "passthrough": "direct", "contract": "direct",
-             "contract_traced": "direct", "contract_workers2": "direct",
+             "contract_traced": "direct", "contract_workers2": "direct", "contract_pg": "direct",
              "model": "model_direct", "model_stream": "model_stream_direct"}
 _ORDER = ("direct", "nginx", "passthrough", "contract", "contract_traced", "contract_workers2",
-          "model_direct", "model", "model_stream_direct", "model_stream")
+          "contract_pg", "model_direct", "model", "model_stream_direct", "model_stream")
 # the contract_traced row: trace export on, every call sampled, batches to a local OTLP sink
 # (a second bench upstream process, answering POST /v1/traces with an empty 200)
 TRACED_ENV = {"OTEL_TRACES_SAMPLER": "always_on", "OTEL_SERVICE_NAME": "stepguard-bench"}
 _WORKERS = {"contract_workers2": 2}     # rows served by `serve --workers N`
+PG_URL = "postgresql://postgres@127.0.0.1:5432/postgres"   # the contract_pg row's server
 WRK = "/usr/bin/wrk"
 NGINX = "/usr/sbin/nginx"
 RUN_HEADER = "x-stepguard-run"
@@ -124,6 +131,7 @@ class BenchOptions:
     repeat: int = 1              # rounds of every row; each figure is the median of its rounds
     seq_requests: int = 500      # closed-loop phase: back-to-back requests on one connection
     wal_soak_s: float = 0.0      # > 0: only the WAL soak, a saturating load this long
+    pg_url: str = PG_URL         # contract_pg: the PostgreSQL server its database is made on
 
 
 @dataclass
@@ -161,7 +169,7 @@ class Row:
     ttfb_added_seq_p50_ms: float | None = None
     steal_pct: float | None = None        # CPU time the hypervisor took while the row ran
     server: str | None = None             # the Server header the client saw
-    stored_events: int | None = None      # events in stepguard's SQLite history after the row
+    stored_events: int | None = None      # events in stepguard's history after the row
     rps_rounds: list[float] = field(default_factory=list)   # each round's rps (--repeat)
 
 
@@ -659,16 +667,18 @@ class _Bench:
         return proc, port
 
     def start_stepguard(self, name: str, contract: dict[str, Any],
-                        otel: dict[str, str] | None = None,
-                        workers: int = 1) -> tuple[_Proc, int, Path]:
+                        otel: dict[str, str] | None = None, workers: int = 1,
+                        store_url: str | None = None) -> tuple[_Proc, int, Path | None]:
+        """`stepguard serve` on a SQLite file of its own, or on `store_url` (a database)."""
         path = _write_contract(self.dir / f"{self.tagged(name)}.contract.yaml", contract)
-        port, admin, store = free_port(), free_port(), self.dir / f"{self.tagged(name)}.db"
+        port, admin = free_port(), free_port()
+        store = None if store_url else self.dir / f"{self.tagged(name)}.db"
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("STEPGUARD_", "OTEL_"))} | (otel or {})
         proc = self.spawn(name, [sys.executable, "-m", "stepguard.proxy.cli", "serve",
                                  "--contract", str(path), "--host", "127.0.0.1", "--port", str(port),
                                  "--admin-host", "127.0.0.1", "--admin-port", str(admin),
-                                 "--store", str(store), "--log-level", "warning",
+                                 "--store", store_url or str(store), "--log-level", "warning",
                                  "--workers", str(workers)],
                           env=env)
         self._wait_http(proc, admin, "/readyz", "GET")
@@ -839,18 +849,23 @@ def _measure_row(bench: _Bench, name: str, upstream_url: str, wrk_missing: str |
                "model_stream_direct": _CHAT_STREAM}.get(name, _TOOL)
     hop: _Proc | None = None
     store: Path | None = None
+    database: PgDatabase | None = None
     try:
         if name.endswith("direct"):
             port, prefix = bench.upstream_port, ""
         elif name == "nginx":
             hop, port = bench.start_nginx()
             prefix = MOUNT
-        elif name in ("passthrough", "contract", "contract_traced", "contract_workers2"):
+        elif name in ("passthrough", "contract", "contract_traced", "contract_workers2",
+                      "contract_pg"):
             path = "/never_benchmarked" if name == "passthrough" else TOOL_PATH
             otel = ({**TRACED_ENV, "OTEL_EXPORTER_OTLP_ENDPOINT": bench.otlp_sink()}
                     if name == "contract_traced" else None)
-            hop, port, store = bench.start_stepguard(name, bench_contract(upstream_url, path),
-                                                     otel, _WORKERS.get(name, 1))
+            if name == "contract_pg":
+                database = PgDatabase.create(bench.options.pg_url)
+            hop, port, store = bench.start_stepguard(
+                name, bench_contract(upstream_url, path), otel, _WORKERS.get(name, 1),
+                database.url if database else None)
             prefix = MOUNT
         else:
             hop, port, store = bench.start_stepguard(name, model_contract(upstream_url))
@@ -889,13 +904,20 @@ def _measure_row(bench: _Bench, name: str, upstream_url: str, wrk_missing: str |
         if hop:
             hop.check_alive()
             row.rss_mb = _peak_rss_mb(hop.pids())
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, Unreachable) as exc:
         row.status, row.reason = "skipped", str(exc)
     except (BenchError, OSError, subprocess.SubprocessError, ValueError) as exc:
         row.status, row.reason = "failed", str(exc)
     finally:
         if hop is not None:
             bench.stop(hop)
+        if database is not None:
+            if row.status == "ok":
+                row.stored_events = database.count_events()
+            try:
+                database.drop()
+            except Exception as exc:
+                row.notes.append(f"database {database.name} was not dropped: {exc}")
     if store is not None and row.status == "ok":
         row.stored_events = _count_events(store)
     return row
@@ -979,6 +1001,61 @@ def _count_events(store: Path) -> int | None:
     return None
 
 
+class Unreachable(Exception):
+    """The PostgreSQL server of the contract_pg row cannot be reached: the row is skipped."""
+
+
+@dataclass
+class PgDatabase:
+    """A database made on a PostgreSQL server for one contract_pg round, dropped after it."""
+
+    server: str         # the URL of the server's maintenance database the bench connects to
+    name: str
+
+    @property
+    def url(self) -> str:
+        parts = urlsplit(self.server)
+        return urlunsplit((parts.scheme, parts.netloc, "/" + self.name, parts.query, ""))
+
+    @classmethod
+    def create(cls, server: str) -> PgDatabase:
+        database = cls(server, f"stepguard_bench_{os.getpid()}_{uuid.uuid4().hex[:8]}")
+        try:
+            _on_server(server, f'CREATE DATABASE "{database.name}"')
+        except ImportError as exc:
+            raise Unreachable(f"asyncpg is not installed (pip install 'stepguard[postgres]'): "
+                              f"{exc}") from None
+        except Exception as exc:
+            raise Unreachable(f"PostgreSQL at {redacted(server)} is not reachable: {exc}") from None
+        return database
+
+    def count_events(self) -> int | None:
+        with contextlib.suppress(Exception):
+            count: int = _on_server(self.url, "SELECT count(*) FROM events")
+            return count
+        return None
+
+    def drop(self) -> None:
+        _on_server(self.server, f'DROP DATABASE IF EXISTS "{self.name}" WITH (FORCE)')
+
+
+def _on_server(url: str, sql: str) -> Any:
+    """`sql` on a fresh connection to `url`: a fetched value for a SELECT, else executed."""
+    import asyncpg
+
+    async def work() -> Any:
+        conn = await asyncpg.connect(url, timeout=5)
+        try:
+            if sql.startswith("SELECT"):
+                return await conn.fetchval(sql)
+            return await conn.execute(sql)
+        finally:
+            await conn.close()
+
+    with ThreadPoolExecutor(1) as pool:      # a loop of its own, whoever calls
+        return pool.submit(asyncio.run, work()).result(timeout=60)
+
+
 def _diff(a: float | None, b: float | None) -> float | None:
     return round(a - b, 3) if a is not None and b is not None else None
 
@@ -1005,6 +1082,10 @@ def _targets(rows: dict[str, Row], ratios: dict[str, float | None],
     add("contract rps / passthrough rps", ratios["contract/passthrough"], ">=", 0.85)
     add("contract rps / nginx rps", ratios["contract/nginx"], ">=", 0.30)
     add("contract_workers2 rps / contract rps", ratios["contract_workers2/contract"], ">=", 1.7)
+    add("contract_pg rps / contract rps", ratios["contract_pg/contract"], ">=", 0.6)
+    if "contract_pg" in rows:
+        add("contract_pg: closed-loop added p50", rows["contract_pg"].added_seq_p50_ms, "<=",
+            2.0, "ms")
     for name in ("contract", "contract_traced", "model", "model_stream"):
         row = rows.get(name)
         if row is None:
@@ -1035,7 +1116,9 @@ def wal_soak(options: BenchOptions) -> dict[str, Any]:
     stop = threading.Event()
     try:
         upstream_url = bench.start_upstream()
-        hop, port, store = bench.start_stepguard("wal-soak", bench_contract(upstream_url))
+        hop, port, soaked = bench.start_stepguard("wal-soak", bench_contract(upstream_url))
+        assert soaked is not None           # a SQLite file: no store_url was given
+        store = soaked
         wal = Path(f"{store}-wal")
         began = time.monotonic()
 
@@ -1151,7 +1234,8 @@ def run(options: BenchOptions) -> dict[str, Any]:
               "traced/contract cpu": _ratio(cpu("contract_traced"), cpu("contract")),
               "contract/nginx": _ratio(rps("contract"), rps("nginx")),
               "passthrough/nginx": _ratio(rps("passthrough"), rps("nginx")),
-              "contract_workers2/contract": _ratio(rps("contract_workers2"), rps("contract"))}
+              "contract_workers2/contract": _ratio(rps("contract_workers2"), rps("contract")),
+              "contract_pg/contract": _ratio(rps("contract_pg"), rps("contract"))}
     return {"rows": {name: asdict(row) for name, row in rows.items()}, "ratios": ratios,
             "targets": _targets(rows, ratios, micro), "micro": micro, "bounds": hop_bounds(),
             "options": asdict(options),

@@ -248,8 +248,11 @@ def _parser() -> argparse.ArgumentParser:
     proxy_bench.add_argument("--rate-duration", type=float, default=4.0,
                              help="seconds of each latency phase")
     proxy_bench.add_argument("--rows", default="direct,nginx,passthrough,contract,contract_traced,"
-                             "contract_workers2,model,model_stream",
+                             "contract_workers2,contract_pg,model,model_stream",
                              help="comma-separated rows to run")
+    proxy_bench.add_argument("--pg-url", default="postgresql://postgres@127.0.0.1:5432/postgres",
+                             help="the PostgreSQL server the contract_pg row makes its database "
+                                  "on (and drops after); unreachable: the row is skipped")
     proxy_bench.add_argument("--seq-requests", type=int, default=500,
                              help="requests of each closed-loop phase (one connection, back to "
                                   "back); 0 skips it")
@@ -596,7 +599,8 @@ def _bench_proxy(args: argparse.Namespace) -> int:
     options = BenchOptions(concurrency=args.concurrency, duration_s=args.duration,
                            rate=args.rate, rate_duration_s=args.rate_duration,
                            rows=[r for r in args.rows.split(",") if r], repeat=args.repeat,
-                           seq_requests=args.seq_requests, wal_soak_s=args.wal_soak)
+                           seq_requests=args.seq_requests, wal_soak_s=args.wal_soak,
+                           pg_url=args.pg_url)
     try:
         result = run(options)
     except ValueError as exc:     # bad flags: an unknown row, a rate or duration out of range

@@ -18,12 +18,15 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import orjson
 import pytest
 from aiohttp import web
+from pgtest import ADMIN_URL, on_server, require_postgres
 
 from stepguard.bench import upstream as bench_upstream
+from stepguard.bench.harness import free_port
 from stepguard.bench.proxy import (
     ROWS,
     BenchError,
@@ -48,9 +51,9 @@ from stepguard.bench.proxy import (
 )
 
 ALL_ROWS = ["direct", "nginx", "passthrough", "contract", "contract_traced", "contract_workers2",
-            "model_direct", "model", "model_stream_direct", "model_stream"]
-HOPS = ("nginx", "passthrough", "contract", "contract_traced", "contract_workers2", "model",
-        "model_stream")
+            "contract_pg", "model_direct", "model", "model_stream_direct", "model_stream"]
+HOPS = ("nginx", "passthrough", "contract", "contract_traced", "contract_workers2", "contract_pg",
+        "model", "model_stream")
 needs_tools = pytest.mark.skipif(not (Path("/usr/bin/wrk").exists() and Path("/usr/sbin/nginx").exists()),
                                  reason="wrk and nginx are needed (apt-get install -y wrk nginx-light)")
 
@@ -235,6 +238,7 @@ def test_quick_run_measures_every_row() -> None:
         rows["contract_traced"]["requests"] + 25 + 20)
     assert rows["contract_workers2"]["stored_events"] >= 2 * (
         rows["contract_workers2"]["requests"] + 25 + 20)
+    assert rows["contract_pg"]["stored_events"] >= 2 * (rows["contract_pg"]["requests"] + 25 + 20)
     assert rows["model"]["stored_events"] >= rows["model"]["requests"] + 25
     assert rows["model_stream"]["stored_events"] >= rows["model_stream"]["requests"] + 25
     assert rows["model_stream"]["ttfb_added_p50_ms"] is not None
@@ -248,7 +252,7 @@ def test_quick_run_measures_every_row() -> None:
     text = render(result)
     for name in [*ALL_ROWS, "contract/passthrough", "contract/nginx", "passthrough/nginx",
                  "traced/contract rps", "traced/contract cpu", "contract_workers2/contract",
-                 "targets:", "micro-benchmark"]:
+                 "contract_pg/contract", "contract_pg: closed-loop added p50", "targets:", "micro-benchmark"]:
         assert name in text
 
 
@@ -262,6 +266,44 @@ def test_a_repeated_run_measures_every_hop_in_every_round() -> None:
         assert rows[name]["status"] == "ok", (name, rows[name]["reason"])
         assert len(rows[name]["rps_rounds"]) == 2, name
     assert rows["contract"]["stored_events"] > 0
+
+
+def bench_databases() -> set[str]:
+    return {r["datname"] for r in on_server(ADMIN_URL, lambda c: c.fetch(
+        "SELECT datname FROM pg_database WHERE datname LIKE 'stepguard_bench_%'"))}
+
+
+@needs_tools
+@pytest.mark.timeout(180)
+def test_the_contract_pg_row_keeps_its_history_in_a_database_of_its_own_dropped_after() -> None:
+    require_postgres()
+    before = bench_databases()
+    options = BenchOptions(concurrency=2, duration_s=0.5, rate=20, rate_duration_s=0.5,
+                           rows=["contract_pg"], micro_n=0, seq_requests=10, pg_url=ADMIN_URL)
+    result = run(options)
+    row = result["rows"]["contract_pg"]
+    assert row["status"] == "ok", row["reason"]
+    assert row["stored_events"] >= 2 * (row["requests"] + 10 + 10)
+    assert row["added_seq_p50_ms"] is not None
+    assert bench_databases() == before
+    assert _children(os.getpid()) == []
+    (target,) = [t for t in result["targets"] if t["target"].startswith("contract_pg:")]
+    assert target["value"] == row["added_seq_p50_ms"] and target["limit"] == 2.0
+
+
+@pytest.mark.timeout(60)
+def test_an_unreachable_postgresql_skips_the_contract_pg_row_saying_why() -> None:
+    url = f"postgresql://postgres@127.0.0.1:{free_port()}/postgres"
+    options = BenchOptions(concurrency=2, duration_s=0.5, rate=20, rate_duration_s=0.5,
+                           rows=["contract_pg"], wrk="/nonexistent/wrk", micro_n=0,
+                           seq_requests=10, pg_url=url)
+    result = run(options)
+    row = result["rows"]["contract_pg"]
+    assert row["status"] == "skipped", row
+    assert "not reachable" in row["reason"] and str(urlsplit(url).port) in row["reason"]
+    assert result["ratios"]["contract_pg/contract"] is None
+    assert "SKIPPED" in render(result)
+    assert _children(os.getpid()) == []
 
 
 def test_each_round_names_its_files_apart() -> None:
