@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import socket
 import subprocess
 import sys
-import socket
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -24,11 +24,12 @@ import yaml
 from pgtest import Database, execute, on_server
 from sgtest import EXAMPLE, Upstream, send
 
+from stepguard.contracts import pg_recorded
 from stepguard.contracts.engine import FINAL, action_of
 from stepguard.contracts.events import Decision, Violation
-from stepguard.contracts import pg_recorded
 from stepguard.contracts.loader import load_contract, parse_contract
 from stepguard.contracts.pg_recorded import PostgresRecorded
+from stepguard.contracts.pg_store import migrate_store
 from stepguard.contracts.recorded import RecordedStore
 
 CONTROLS_FROM_130 = [f"control-{i}" for i in range(5, 10)]   # orders ord-130 .. ord-134
@@ -207,9 +208,10 @@ async def test_vars_come_from_the_candidate_and_its_var_overrides(drift_store, t
 async def test_replay_never_writes_the_store(drift_store, tmp_path):
     before = digest(drift_store)
 
-    await replay("--contract", variant(tmp_path / "c.yaml", tighter_lookup), "--store",
-                 drift_store)
+    ran = await replay("--contract", variant(tmp_path / "c.yaml", tighter_lookup), "--store",
+                       drift_store)
 
+    assert ran.code == 1, ran.err
     assert digest(drift_store) == before
 
 
@@ -390,8 +392,7 @@ async def test_an_unmigrated_postgresql_store_is_refused_and_left_unmigrated(pg_
 
 
 async def test_a_postgresql_store_of_a_newer_schema_is_refused(pg_url):
-    subprocess.run([sys.executable, "-m", "stepguard.proxy.cli", "store", "migrate", "--store",
-                    pg_url], check=True, capture_output=True, timeout=50)
+    await migrate_store(pg_url)
     on_server(pg_url, lambda c: c.execute(
         "INSERT INTO schema_migrations (version, name) VALUES (999, 'from the future')"))
 
