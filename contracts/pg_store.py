@@ -64,7 +64,7 @@ _APPEND = "SELECT stepguard_append($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11,
 # what a lost or broken connection raises: the transaction's outcome is the server's rollback
 _CONNECTION_ERRORS = (asyncpg.InterfaceError, asyncpg.exceptions.PostgresConnectionError,
                       OSError, TimeoutError)
-_DB_ERRORS = (asyncpg.PostgresError, *_CONNECTION_ERRORS)
+DB_ERRORS = (asyncpg.PostgresError, *_CONNECTION_ERRORS)
 
 _Conn = Any        # an asyncpg connection (the package ships no type information)
 
@@ -117,22 +117,22 @@ class PostgresStore:
                 pool = await asyncpg.create_pool(
                     self.url, min_size=0, max_size=self.pool_size, timeout=self.timeout_s,
                     server_settings={"application_name": "stepguard"}, reset=_no_reset)
-        except (ValueError, *_DB_ERRORS) as exc:
-            raise StoreError(f"cannot open store {self.shown}: {_explain(exc)}") from None
+        except (ValueError, *DB_ERRORS) as exc:
+            raise StoreError(f"cannot open store {self.shown}: {explain(exc)}") from None
         try:
             async with asyncio.timeout(deadline), pool.acquire() as conn:
                 if self.migrate:
                     self.schema_version = await migrate(conn, self.shown)
                 else:
-                    self.schema_version = await _check_version(conn, self.shown)
+                    self.schema_version = await check_version(conn, self.shown)
                 if self.migrate:
                     await _probe_write(conn)
         except SchemaError:
             await _close_pool(pool, self.timeout_s)
             raise
-        except _DB_ERRORS as exc:
+        except DB_ERRORS as exc:
             await _close_pool(pool, self.timeout_s)
-            raise StoreError(f"cannot open store {self.shown}: {_explain(exc)}") from None
+            raise StoreError(f"cannot open store {self.shown}: {explain(exc)}") from None
         self._pool = pool
         self._closing, self._healthy = False, True
         self._idle = asyncio.Event()
@@ -311,8 +311,8 @@ class PostgresStore:
             raise self._timed_out() from None
         except ConflictError:
             raise
-        except (ValueError, *_DB_ERRORS) as exc:
-            raise StoreError(f"store {self.shown}: {_explain(exc)}") from None
+        except (ValueError, *DB_ERRORS) as exc:
+            raise StoreError(f"store {self.shown}: {explain(exc)}") from None
 
     def _timed_out(self) -> StoreError:
         return StoreError(f"store {self.shown}: no answer within the store deadline of "
@@ -483,11 +483,11 @@ async def _close_pool(pool: Any, timeout_s: float) -> None:
     try:
         async with asyncio.timeout(max(timeout_s, 1.0)):
             await pool.close()
-    except (TimeoutError, *_DB_ERRORS):
+    except (TimeoutError, *DB_ERRORS):
         pool.terminate()
 
 
-def _explain(exc: BaseException) -> str:
+def explain(exc: BaseException) -> str:
     text = str(exc) or type(exc).__name__
     if isinstance(exc, ConnectionRefusedError | OSError) and not isinstance(exc, TimeoutError):
         return f"{text} (is PostgreSQL running and reachable?)"
@@ -513,7 +513,7 @@ def _newer(found: int, shown: str) -> SchemaError:
         "restore the database from before the migration")
 
 
-async def _check_version(conn: _Conn, shown: str) -> int:
+async def check_version(conn: _Conn, shown: str) -> int:
     found = await schema_version(conn)
     if found > VERSION:
         raise _newer(found, shown)
@@ -558,6 +558,6 @@ async def migrate_store(url: str, timeout_s: float = OPEN_TIMEOUT_MIN_S) -> tupl
                 await conn.close()
     except SchemaError:
         raise
-    except (ValueError, *_DB_ERRORS) as exc:
-        raise StoreError(f"cannot migrate store {shown}: {_explain(exc)}") from None
+    except (ValueError, *DB_ERRORS) as exc:
+        raise StoreError(f"cannot migrate store {shown}: {explain(exc)}") from None
     return before, after

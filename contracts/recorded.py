@@ -14,7 +14,7 @@ import sqlite3
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, Self
 
 import orjson
 
@@ -30,11 +30,27 @@ class RecordedRun:
     history: list[dict[str, Any]]
 
 
+class Recorded(Protocol):
+    """What replay reads recorded runs from: a SQLite file (RecordedStore) or a PostgreSQL
+    store (pg_recorded.PostgresRecorded), opened read-only by `with`."""
+
+    shown: str      # the store's location as messages show it (no password)
+
+    def __enter__(self) -> Self: ...
+    def __exit__(self, *exc: object) -> None: ...
+    def run_ids(self, workflow: str, since: float | None = None) -> list[str]: ...
+    def other_workflows(self, workflow: str, since: float | None = None) -> int: ...
+    def runs(self, run_ids: Sequence[str]) -> Iterator[RecordedRun]: ...
+    def run(self, run_id: str) -> RecordedRun | None: ...
+    def steps(self, workflow: str) -> frozenset[str]: ...
+
+
 class RecordedStore:
     """`with RecordedStore(path) as store:` the runs of a store file, read-only."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        self.shown = str(self.path)
         self._conn: sqlite3.Connection | None = None
 
     def __enter__(self) -> RecordedStore:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import sys
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import orjson
@@ -15,7 +14,8 @@ import orjson
 from stepguard.contracts.errors import ContractError, StoreError
 from stepguard.contracts.loader import load_contract, load_contracts
 from stepguard.contracts.model import Contract
-from stepguard.contracts.recorded import RecordedRun, RecordedStore
+from stepguard.contracts.recorded import Recorded, RecordedRun
+from stepguard.contracts.recorded_stores import recorded_store
 from stepguard.contracts.replay import (
     DIFFERS,
     HALTS,
@@ -28,7 +28,6 @@ from stepguard.contracts.replay import (
     RunReport,
     replay,
 )
-from stepguard.contracts.store_urls import is_postgres, redacted
 from stepguard.metrics.tail import parse_since
 from stepguard.proxy.config import ConfigError, assignments, env_setting
 
@@ -41,8 +40,8 @@ def add_parser(sub: Any) -> None:
                                             "and show which verdicts would change")
     replay_.add_argument("--contract", required=True, metavar="FILE",
                          help="the candidate contract")
-    replay_.add_argument("--store", help="SQLite file, opened read-only (STEPGUARD_STORE, "
-                                         "stepguard.db)")
+    replay_.add_argument("--store", help="SQLite file or PostgreSQL URL, read-only "
+                                         "(STEPGUARD_STORE, stepguard.db)")
     replay_.add_argument("--since", metavar="T", help="only runs started at or after T: an ISO "
                                                       "time or a duration like 24h, 7d")
     replay_.add_argument("--run", action="append", dest="runs", metavar="RUN",
@@ -62,10 +61,6 @@ def main(args: argparse.Namespace) -> int:
     try:
         overrides = assignments("vars", args.vars)
         location: str = args.store or env_setting("store")
-        if is_postgres(location):
-            raise ValueError(f"--store {redacted(location)}: replay reads SQLite store files; "
-                             "replaying runs from a PostgreSQL store is not supported yet")
-        store_path = Path(location)
         since = parse_since(args.since, datetime.now(UTC))
     except (ConfigError, ValueError) as exc:
         return _usage(str(exc))
@@ -82,7 +77,7 @@ def main(args: argparse.Namespace) -> int:
                       f"{candidate.workflow!r}")
     started = since.timestamp() if since is not None else None
     try:
-        with RecordedStore(store_path) as store:
+        with recorded_store(location) as store:
             if args.runs:
                 runs: Any = _named(store, args.runs, started)
                 others = 0
@@ -92,7 +87,7 @@ def main(args: argparse.Namespace) -> int:
             report = replay(candidate, runs, store.steps(candidate.workflow), baseline)
     except (StoreError, LookupError) as exc:
         return _usage(str(exc))
-    head = {"store": str(store_path), "candidate": _candidate(candidate),
+    head = {"store": store.shown, "candidate": _candidate(candidate),
             "baseline": _candidate(baseline) if baseline is not None else None,
             "since": since.isoformat() if since is not None else None,
             "other_workflows": others}
@@ -108,12 +103,12 @@ def _usage(message: str) -> int:
     return 2
 
 
-def _named(store: RecordedStore, run_ids: list[str], since: float | None) -> list[RecordedRun]:
+def _named(store: Recorded, run_ids: list[str], since: float | None) -> list[RecordedRun]:
     runs = []
     for run_id in dict.fromkeys(run_ids):
         run = store.run(run_id)
         if run is None:
-            raise LookupError(f"no run {run_id!r} in {store.path}")
+            raise LookupError(f"no run {run_id!r} in {store.shown}")
         if since is None or run.created >= since:
             runs.append(run)
     return runs

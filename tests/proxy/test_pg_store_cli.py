@@ -73,9 +73,3 @@ def test_serve_refuses_a_store_newer_than_the_code(pg_url: str) -> None:
               "--admin-port", "0")
     assert ran.returncode == 1
     assert f"newer than this stepguard's {VERSION}" in ran.stderr
-
-
-def test_replay_says_it_reads_sqlite_files_only_for_a_postgresql_url() -> None:
-    ran = cli("replay", "--contract", EXAMPLE, "--store", "postgresql://sg:hunter2@db/runs")
-    assert ran.returncode == 2
-    assert "not supported yet" in ran.stderr and "hunter2" not in ran.stderr

@@ -1,15 +1,19 @@
 """`stepguard replay`, run as a real process over stores real traffic recorded: the drift
 benchmark's store (`bench drift --store`), and one recorded by an in-process stepguard with
 redaction and truncation. It names exactly the runs a candidate changes, never writes the store,
-and exits 0 (no change), 1 (changes) or 2 (bad flags, contract or store)."""
+and exits 0 (no change), 1 (changes) or 2 (bad flags, contract or store). The drift store is
+recorded twice: in a SQLite file and in PostgreSQL (a schema of the session's database on the
+real server), and every test over it runs on both."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import socket
 import subprocess
 import sys
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,11 +21,15 @@ from typing import Any
 import orjson
 import pytest
 import yaml
+from pgtest import Database, execute, on_server
 from sgtest import EXAMPLE, Upstream, send
 
+from stepguard.contracts import pg_recorded
 from stepguard.contracts.engine import FINAL, action_of
 from stepguard.contracts.events import Decision, Violation
 from stepguard.contracts.loader import load_contract, parse_contract
+from stepguard.contracts.pg_recorded import PostgresRecorded
+from stepguard.contracts.pg_store import migrate_store
 from stepguard.contracts.recorded import RecordedStore
 
 CONTROLS_FROM_130 = [f"control-{i}" for i in range(5, 10)]   # orders ord-130 .. ord-134
@@ -71,17 +79,39 @@ def names(runs: list[dict[str, Any]]) -> list[str]:
     return sorted(r["run"] for r in runs)
 
 
-@pytest.fixture(scope="module")
-def drift_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The store of `stepguard bench drift` (35 runs over HTTP: 5 per drift class, 10 controls)."""
-    store = tmp_path_factory.mktemp("bench") / "drift.db"
-    subprocess.run([sys.executable, "-m", "stepguard.proxy.cli", "bench", "drift", "--store",
-                    str(store)], check=True, capture_output=True, timeout=50)
-    return store
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def drift_store(request: pytest.FixtureRequest,
+                tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path | str]:
+    """The store of `stepguard bench drift` (35 runs over HTTP: 5 per drift class, 10 controls):
+    a SQLite file, or a PostgreSQL URL (recorded by one `serve` replica on a fresh schema)."""
+    if request.param == "sqlite":
+        store = tmp_path_factory.mktemp("bench") / "drift.db"
+        subprocess.run([sys.executable, "-m", "stepguard.proxy.cli", "bench", "drift",
+                        "--store", str(store)], check=True, capture_output=True, timeout=50)
+        yield store
+        return
+    database: Database = request.getfixturevalue("pg_database")
+    name, url = database.schema()
+    subprocess.run([sys.executable, "-m", "stepguard.proxy.cli", "bench", "drift", "--replicas",
+                    "1", "--store", url], check=True, capture_output=True, timeout=100)
+    yield url
+    execute(database.url, f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
 
 
-def digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+def digest(store: Path | str) -> str:
+    """The store's content: the file's bytes, or every row of every table of the schema."""
+    if isinstance(store, Path):
+        return hashlib.sha256(store.read_bytes()).hexdigest()
+
+    async def tables(conn: Any) -> str:
+        names = [r[0] for r in await conn.fetch(
+            "SELECT tablename FROM pg_tables WHERE schemaname = current_schema() ORDER BY 1")]
+        assert {"runs", "events", "schema_migrations"} <= set(names)
+        parts = [f"{t}:" + str(await conn.fetchval(
+            f'SELECT md5(coalesce(string_agg(t::text, \',\' ORDER BY t::text), \'\')) '
+            f'FROM "{t}" t')) for t in names]
+        return "|".join(parts)
+    return str(on_server(store, tables))
 
 
 # --- the drift benchmark's store ----------------------------------------------------------------
@@ -178,9 +208,10 @@ async def test_vars_come_from_the_candidate_and_its_var_overrides(drift_store, t
 async def test_replay_never_writes_the_store(drift_store, tmp_path):
     before = digest(drift_store)
 
-    await replay("--contract", variant(tmp_path / "c.yaml", tighter_lookup), "--store",
-                 drift_store)
+    ran = await replay("--contract", variant(tmp_path / "c.yaml", tighter_lookup), "--store",
+                       drift_store)
 
+    assert ran.code == 1, ran.err
     assert digest(drift_store) == before
 
 
@@ -316,3 +347,92 @@ async def test_runs_whose_stored_payloads_were_redacted_or_truncated_cannot_be_j
     assert ran.report["unchanged"] == ["clean"]
     reasons = {r["run"]: (r["reason"], r["at"]["seq"]) for r in ran.report["unjudgeable"]}
     assert reasons == {"noted": ("redacted", 1), "padded": ("truncated", 1)}
+
+
+# --- a PostgreSQL store -------------------------------------------------------------------------
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def test_an_unreachable_postgresql_store_exits_2_saying_so_without_its_password():
+    url = f"postgresql://postgres:s3cret-pw@127.0.0.1:{closed_port()}/test"
+
+    ran = await replay("--contract", EXAMPLE, "--store", url)
+
+    assert ran.code == 2
+    assert "cannot open store postgresql://postgres:***@127.0.0.1:" in ran.err
+    assert "is PostgreSQL running and reachable?" in ran.err
+    assert "s3cret-pw" not in ran.err + ran.out
+
+
+async def test_a_postgresql_login_the_server_refuses_is_named_without_the_password(pg_url):
+    url = pg_url.replace("postgresql://postgres@", "postgresql://no_such_role_sg:s3cret-pw@")
+
+    ran = await replay("--contract", EXAMPLE, "--store", url)
+
+    assert ran.code == 2
+    assert 'role "no_such_role_sg" does not exist' in ran.err
+    assert "no_such_role_sg:***@" in ran.err
+    assert "s3cret-pw" not in ran.err + ran.out
+
+
+async def test_an_unmigrated_postgresql_store_is_refused_and_left_unmigrated(pg_url):
+    ran = await replay("--contract", EXAMPLE, "--store", pg_url)
+
+    assert ran.code == 2
+    assert "has schema version 0, this stepguard reads version" in ran.err
+    assert "stepguard store migrate" in ran.err
+    tables = on_server(pg_url, lambda c: c.fetch(
+        "SELECT tablename FROM pg_tables WHERE schemaname = current_schema()"))
+    assert tables == []
+
+
+async def test_a_postgresql_store_of_a_newer_schema_is_refused(pg_url):
+    await migrate_store(pg_url)
+    on_server(pg_url, lambda c: c.execute(
+        "INSERT INTO schema_migrations (version, name) VALUES (999, 'from the future')"))
+
+    ran = await replay("--contract", EXAMPLE, "--store", pg_url)
+
+    assert ran.code == 2
+    assert "has schema version 999, newer than this stepguard's" in ran.err
+
+
+@pytest.mark.parametrize("drift_store", ["postgresql"], indirect=True)
+async def test_replay_reads_a_postgresql_store_as_a_role_that_may_only_select(
+        drift_store, pg_database, tmp_path):
+    schema = drift_store.rpartition("search_path=")[2]
+    role = f"sg_ro_{uuid.uuid4().hex[:10]}"
+    execute(pg_database.url, f'CREATE ROLE "{role}" LOGIN; '
+                             f'GRANT CONNECT ON DATABASE "{pg_database.name}" TO "{role}"; '
+                             f'GRANT USAGE ON SCHEMA "{schema}" TO "{role}"; '
+                             f'GRANT SELECT ON ALL TABLES IN SCHEMA "{schema}" TO "{role}"')
+    url = drift_store.replace("postgresql://postgres@", f"postgresql://{role}@")
+    try:
+        with pytest.raises(Exception, match="permission denied"):     # the grant is SELECT only
+            on_server(url, lambda c: c.execute("DELETE FROM probe"))
+
+        ran = await replay("--contract", variant(tmp_path / "c.yaml", tighter_lookup),
+                           "--store", url, "--json")
+    finally:
+        execute(pg_database.url, f'DROP OWNED BY "{role}"; DROP ROLE "{role}"')
+
+    assert ran.code == 1, ran.err
+    assert names(ran.report["halts"]) == CONTROLS_FROM_130
+
+
+@pytest.mark.parametrize("drift_store", ["postgresql"], indirect=True)
+def test_run_ids_are_read_page_by_page_in_the_order_runs_started(drift_store, monkeypatch):
+    with PostgresRecorded(drift_store) as store:
+        whole = store.run_ids("order-confirmation")
+        monkeypatch.setattr(pg_recorded, "PAGE", 4)
+        paged = store.run_ids("order-confirmation")
+        created = [run.created for run in store.runs(paged)]
+
+    assert len(whole) == 35
+    assert paged == whole
+    assert created == sorted(created)
