@@ -71,6 +71,8 @@ TRUNCATE_RETRY_S = 0.01      # after a TRUNCATE checkpoint kept from completing 
 TRUNCATE_RETRY_MAX_S = 0.2   # ... doubling up to this while it keeps failing
 TRUNCATE_BUSY_S = 0.1        # how long the writer's TRUNCATE waits for readers to let go ...
 TRUNCATE_BUSY_MIN_S = 0.01   # ... halving down to this while it keeps failing
+OPEN_WAIT_S = 10.0           # opening waits out another process opening the same file this long
+OPEN_RETRY_S = 0.02          # ... trying again this often
 SHARED_HOLD_S = 0.2          # shared: how long a writer past the limit stops writing to truncate
 SHARED_HOLD_PAUSE_S = 0.002  # ... between its tries
 SHARED_HOLD_TRIES = 4        # ... while fewer rounds than this failed in a row
@@ -615,20 +617,29 @@ class SQLiteStore:
             os.close(fd)     # closing the descriptor releases the lock
 
     def _connect_all(self) -> tuple[sqlite3.Connection, sqlite3.Connection, sqlite3.Connection]:
-        opened: list[sqlite3.Connection] = []
-        try:
-            conn = connect(self.path, self.synchronous, self.timeout_s)
-            opened.append(conn)
-            conn.execute("PRAGMA wal_autocheckpoint=0")   # the checkpointer thread does it
-            conn.execute(f"PRAGMA journal_size_limit={self.wal_limit_bytes}")
-            _probe_write(conn)   # a store that cannot take a write fails now, not at first call
-            opened.append(_read_only(self.path, self.timeout_s))
-            opened.append(_read_only(self.path, self.timeout_s))
-        except sqlite3.Error as exc:
-            for c in opened:
-                c.close()
-            raise StoreError(f"cannot open store {self.path}: {_explain(exc)}") from None
-        return opened[0], opened[1], opened[2]
+        """The writing connection and two readers. A database locked by another process opening
+        the same file (its switch to WAL, its schema statements: replicas or workers starting
+        together) is waited out for up to OPEN_WAIT_S, whatever the store's deadline: opening
+        is not on a call's path, and a replica that gave up there would not start."""
+        deadline = time.monotonic() + max(self.timeout_s, OPEN_WAIT_S)
+        while True:
+            opened: list[sqlite3.Connection] = []
+            try:
+                conn = connect(self.path, self.synchronous, self.timeout_s)
+                opened.append(conn)
+                conn.execute("PRAGMA wal_autocheckpoint=0")   # the checkpointer thread does it
+                conn.execute(f"PRAGMA journal_size_limit={self.wal_limit_bytes}")
+                _probe_write(conn)   # a store that cannot take a write fails now, not at a call
+                opened.append(_read_only(self.path, self.timeout_s))
+                opened.append(_read_only(self.path, self.timeout_s))
+                return opened[0], opened[1], opened[2]
+            except sqlite3.Error as exc:
+                for c in opened:
+                    c.close()
+                if _locked(exc) and time.monotonic() < deadline:
+                    time.sleep(OPEN_RETRY_S)
+                    continue
+                raise StoreError(f"cannot open store {self.path}: {_explain(exc)}") from None
 
     def _close_readers(self) -> None:
         """After every read already started has finished."""
@@ -713,6 +724,14 @@ def _rollback(conn: sqlite3.Connection) -> None:
     if conn.in_transaction:
         with contextlib.suppress(sqlite3.Error):
             conn.execute("ROLLBACK")
+
+
+def _locked(exc: sqlite3.Error) -> bool:
+    """SQLITE_BUSY / SQLITE_LOCKED: another connection holds the lock this one needs."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is not None:
+        return code & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+    return "locked" in str(exc) or "busy" in str(exc)
 
 
 def _explain(exc: sqlite3.Error) -> str:

@@ -201,3 +201,40 @@ async def test_the_wal_stays_bounded_with_two_shared_stores_writing(tmp_path: Pa
     assert stored * 4096 >= 4 * BOUND, f"the load stored too little to test the bound ({stored})"
     assert peak <= BOUND, f"WAL peaked at {peak} bytes, bound {BOUND} ({stored} events)"
     assert sum(s.truncations for s in stores) > 0
+
+
+
+OPENER = textwrap.dedent("""
+    import asyncio, sys
+    from stepguard.contracts.errors import StoreError
+    from stepguard.contracts.sqlite_store import SQLiteStore
+
+    async def main():
+        store = SQLiteStore(sys.argv[1], shared=True, timeout_s=0.05)   # a 50 ms store deadline
+        try:
+            await store.open()
+        except StoreError as exc:
+            print(f"failed: {exc}", flush=True)
+            return
+        await store.close()
+        print("opened", flush=True)
+
+    asyncio.run(main())
+""")
+
+
+def test_a_replica_opening_the_file_while_a_sibling_holds_its_write_lock_waits_and_opens(
+        tmp_path: Path) -> None:
+    # replicas or workers starting together on a loaded machine: a sibling descheduled in the
+    # middle of its opening writes (its switch to WAL, its schema) holds the write lock longer
+    # than the store's deadline; opening waits that out instead of failing the start
+    path = tmp_path / "shared.db"
+    sibling = sqlite3.connect(path, isolation_level=None)
+    sibling.execute("PRAGMA journal_mode=WAL")
+    sibling.execute("BEGIN EXCLUSIVE")
+    openers = [subprocess.Popen([sys.executable, "-c", OPENER, str(path)],
+                                stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    time.sleep(1.5)        # the openers are past their 50 ms deadline
+    sibling.execute("COMMIT")
+    sibling.close()
+    assert [p.communicate(timeout=60)[0].strip() for p in openers] == ["opened"] * 3
