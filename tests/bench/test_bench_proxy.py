@@ -269,8 +269,11 @@ def test_a_repeated_run_measures_every_hop_in_every_round() -> None:
 
 
 def bench_databases() -> set[str]:
+    """The bench databases this process made (`stepguard_bench_<pid>_…`): another run of the
+    suite on the same server (a second CI run) makes and drops its own meanwhile."""
     return {r["datname"] for r in on_server(ADMIN_URL, lambda c: c.fetch(
-        "SELECT datname FROM pg_database WHERE datname LIKE 'stepguard_bench_%'"))}
+        "SELECT datname FROM pg_database WHERE datname LIKE $1",
+        f"stepguard_bench_{os.getpid()}_%"))}
 
 
 @needs_tools
