@@ -28,7 +28,7 @@ import orjson
 
 from stepguard.contracts.errors import StoreError
 from stepguard.contracts.pg_store import DB_ERRORS, SchemaError, check_version, explain
-from stepguard.contracts.recorded import RecordedRun
+from stepguard.contracts.recorded import RecordedRun, each_run
 from stepguard.contracts.store_urls import redacted
 
 READ_TIMEOUT_S = 30.0     # one statement (or connecting) may take this long
@@ -125,12 +125,7 @@ class PostgresRecorded:
         return int(rows[0][0])
 
     def runs(self, run_ids: Sequence[str]) -> Iterator[RecordedRun]:
-        """Each run with its history, read as it is reached (a run gone meanwhile, purged by
-        retention, is skipped)."""
-        for run_id in run_ids:
-            run = self.run(run_id)
-            if run is not None:
-                yield run
+        return each_run(self.run, run_ids)
 
     def run(self, run_id: str) -> RecordedRun | None:
         async def read(conn: Any) -> tuple[Any, list[Any]]:

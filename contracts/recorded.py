@@ -11,7 +11,7 @@ when it was read.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, Self
@@ -43,6 +43,16 @@ class Recorded(Protocol):
     def runs(self, run_ids: Sequence[str]) -> Iterator[RecordedRun]: ...
     def run(self, run_id: str) -> RecordedRun | None: ...
     def steps(self, workflow: str) -> frozenset[str]: ...
+
+
+def each_run(read: Callable[[str], RecordedRun | None],
+             run_ids: Sequence[str]) -> Iterator[RecordedRun]:
+    """Each run with its history (`read`: a reader's `run`), read as it is reached (a run gone
+    meanwhile, purged by retention, is skipped): `Recorded.runs` of every reader."""
+    for run_id in run_ids:
+        run = read(run_id)
+        if run is not None:
+            yield run
 
 
 class RecordedStore:
@@ -94,12 +104,7 @@ class RecordedStore:
         return int(row[0][0])
 
     def runs(self, run_ids: Sequence[str]) -> Iterator[RecordedRun]:
-        """Each run with its history, read as it is reached (a run gone meanwhile, purged by
-        retention, is skipped)."""
-        for run_id in run_ids:
-            run = self.run(run_id)
-            if run is not None:
-                yield run
+        return each_run(self.run, run_ids)
 
     def run(self, run_id: str) -> RecordedRun | None:
         rows = self._rows("SELECT workflow, status, created FROM runs WHERE run_id = ?", (run_id,))
