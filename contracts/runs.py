@@ -2,16 +2,26 @@
 
 `commit` gives an event the run's next sequence number, appends it (compare-and-set), and only
 then returns the new envelope; the caller acts on a verdict after its event is stored. A lost
-compare-and-set (another writer advanced the run) reloads the envelope and is reported to the
-caller, who re-checks against the fresh state.
+compare-and-set (another writer advanced the run) drops the cached envelope and is reported to
+the caller (ConflictError), who checks the boundary again against the stored state
+(`retrying_conflicts` in proxy/boundaries.py).
 
-On a shared store (`Store.shared`: replicas or workers writing the same runs) another process
-may have advanced a run since its envelope was cached, and a verdict taken on a stale envelope
-without a commit (a call refused because the cached run is halted, a joined call's entry taken
-as pending) would never meet the compare-and-set. There `envelope` reads the stored envelope at
-every boundary (one point read: measured as cheap as reading the stored seq alone, see
-docs/replicas.md) and the cache only serves an unshared store, where this process is the only
-writer.
+Envelopes are read in one of two ways:
+
+- `envelope(contract, run_id)`: the envelope as it is. From the cache on an unshared store
+  (this process is the only writer); read from the store at every call on a shared one
+  (`Store.shared`: replicas or workers writing the same runs), where another process may have
+  advanced the run since it was cached.
+- `envelope(..., optimistic=True)`: for a boundary whose outcome is stored before it is acted
+  on. The cached envelope, or for a run not cached a new one, is served without reading the
+  store. It is validated where it matters: its commit is a compare-and-set on the seq it was
+  served at, so a stale envelope cannot be stored over; the loss raises StaleEnvelope, and the
+  run is read from the store at its next boundary. A boundary that ends without a commit (a
+  verdict acted on without an event) is confirmed when its run lock is released: the stored
+  seq is read, and if it differs the lock's exit raises StaleEnvelope instead of letting the
+  caller act. So nothing is ever acted on from a stale envelope, and a checked call of a run
+  that stays on one process (a sidecar, a sticky replica, a worker) reads nothing. A run found
+  moving between processes is remembered as such and read at every boundary from then on.
 """
 
 from __future__ import annotations
@@ -23,9 +33,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from stepguard.contracts.envelope import Envelope
-from stepguard.contracts.errors import RunOfAnotherWorkflow
+from stepguard.contracts.errors import ConflictError, RunOfAnotherWorkflow, StoreError
 from stepguard.contracts.model import Contract
 from stepguard.contracts.store import Store
+
+
+class StaleEnvelope(ConflictError):
+    """An envelope served without a read was not the stored one: the boundary is checked again
+    at once, on the stored envelope (no back-off: nobody raced this boundary, it ran on an old
+    copy)."""
 
 
 class RunBook:
@@ -35,41 +51,91 @@ class RunBook:
         self._cache_size = cache_size
         self._locks: dict[str, asyncio.Lock] = {}
         self._waiters: dict[str, int] = {}
+        # runs whose envelope was served without a read and is not yet confirmed by a commit
+        # or a read: run id -> the seq it was served at
+        self._unconfirmed: dict[str, int] = {}
+        # runs another writer advanced under a served envelope: read at their next boundaries
+        self._moving: OrderedDict[str, None] = OrderedDict()
 
     def locked(self, run_id: str) -> _RunLock:
-        """`async with runs.locked(run_id):` one boundary of a run at a time."""
+        """`async with runs.locked(run_id):` one boundary of a run at a time. Leaving it
+        confirms an envelope served without a read and not committed (StaleEnvelope if the
+        store has moved on)."""
         return _RunLock(self, run_id)
 
-    async def envelope(self, contract: Contract, run_id: str) -> Envelope:
+    async def envelope(self, contract: Contract, run_id: str, *,
+                       optimistic: bool = False) -> Envelope:
         """The run's envelope (a fresh one for a new run). A run id that another workflow's
-        contract already owns raises RunOfAnotherWorkflow: two workflows never share state."""
-        envelope = None if self.store.shared else self._cache.get(run_id)
-        if envelope is None:
-            envelope = await self.store.load(run_id) or Envelope(
-                run_id, contract.workflow, contract.version)
-            self._remember(envelope)
+        contract already owns raises RunOfAnotherWorkflow: two workflows never share state.
+        `optimistic`: see the module docstring; only for a boundary under `locked(run_id)`
+        whose every outcome is committed before it is acted on, inside `retrying_conflicts`."""
+        shared = self.store.shared
+        envelope = self._cache.get(run_id)
+        if optimistic and run_id not in self._moving:
+            if envelope is None:
+                envelope = Envelope(run_id, contract.workflow, contract.version)
+                self._unconfirmed[run_id] = 0
+            else:
+                self._cache.move_to_end(run_id)
+                if shared:
+                    self._unconfirmed[run_id] = envelope.seq
+        elif envelope is None or shared:
+            envelope = await self._load(contract, run_id)
         else:
             self._cache.move_to_end(run_id)
         if envelope.workflow != contract.workflow:
             raise RunOfAnotherWorkflow(run_id, envelope.workflow, contract.workflow)
         return envelope
 
+    async def _load(self, contract: Contract, run_id: str) -> Envelope:
+        self._unconfirmed.pop(run_id, None)
+        stored = await self.store.load(run_id)
+        if not self.store.shared:
+            self._moving.pop(run_id, None)     # this process is the only writer from now on
+        if stored is None:
+            return Envelope(run_id, contract.workflow, contract.version)
+        self._remember(stored)
+        return stored
+
     async def commit(self, envelope: Envelope, fields: dict[str, Any],
                      escalation: dict[str, Any] | None = None,
                      keys: Sequence[str] = ()) -> tuple[Envelope, dict[str, Any]]:
         event = {"seq": envelope.seq + 1, "ts": time.time(), **fields}
         after = envelope.apply(event)
+        run_id = envelope.run_id
         try:
             await self.store.append(after, event, escalation, keys)
-        except BaseException:
-            self._cache.pop(envelope.run_id, None)  # reload from the store next time
+        except ConflictError as exc:
+            self._cache.pop(run_id, None)   # read from the store next time
+            if self._unconfirmed.pop(run_id, None) is not None:
+                self._moved(run_id)
+                raise StaleEnvelope(run_id, exc.expected, exc.actual) from None
             raise
+        except BaseException:
+            self._cache.pop(run_id, None)
+            self._unconfirmed.pop(run_id, None)
+            raise
+        self._unconfirmed.pop(run_id, None)    # the compare-and-set confirmed it
         self._remember(after)
         return after, event
 
+    async def _confirm(self, run_id: str, seq: int) -> None:
+        """A boundary served `seq` without a read and stored nothing: the store must still be
+        there, or the boundary's outcome was decided on an old envelope."""
+        stored = await self.store.load(run_id)
+        actual = stored.seq if stored is not None else 0
+        if actual != seq:
+            self._cache.pop(run_id, None)
+            self._moved(run_id)
+            raise StaleEnvelope(run_id, seq, actual)
+
+    def _moved(self, run_id: str) -> None:
+        self._moving[run_id] = None
+        self._moving.move_to_end(run_id)
+        while len(self._moving) > self._cache_size:
+            self._moving.popitem(last=False)
+
     def _remember(self, envelope: Envelope) -> None:
-        if self.store.shared:
-            return      # read again at the next boundary: another process may write the run
         self._cache[envelope.run_id] = envelope
         self._cache.move_to_end(envelope.run_id)
         while len(self._cache) > self._cache_size:
@@ -97,9 +163,16 @@ class _RunLock:
             self._leave()
             raise
 
-    async def __aexit__(self, *exc: object) -> None:
-        self.lock.release()
-        self._leave()
+    async def __aexit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        try:
+            seq = self.book._unconfirmed.pop(self.run_id, None)
+            # a store failure or a cancellation acts on nothing: nothing to confirm
+            if seq is not None and (kind is None or not issubclass(
+                    kind, (StoreError, asyncio.CancelledError))):
+                await self.book._confirm(self.run_id, seq)
+        finally:
+            self.lock.release()
+            self._leave()
 
     def _leave(self) -> None:
         waiters = self.book._waiters

@@ -34,7 +34,7 @@ from stepguard.contracts.holds import (
 )
 from stepguard.contracts.model import Contract, Step
 from stepguard.contracts.redact import Redactor
-from stepguard.contracts.runs import RunBook
+from stepguard.contracts.runs import RunBook, StaleEnvelope
 from stepguard.metrics.observer import Observer
 from stepguard.metrics.trace_context import trace_fields
 from stepguard.proxy.bodies import BodyError, history_payload, parse_json
@@ -53,6 +53,9 @@ CONFLICT_RETRIES = 10
 CONFLICT_DEADLINE_S = 5.0
 CONFLICT_BACKOFF_S = 0.002
 CONFLICT_BACKOFF_MAX_S = 0.05
+# a boundary checked on an envelope served without a read (RunBook, optimistic) that turned out
+# stale is checked again at once, on the stored envelope; past this many it counts as a loss
+STALE_RETRIES = 2
 # the action of a call that never reached its upstream: recorded, the run left where it was
 UNREACHABLE = "unreachable"
 T = TypeVar("T")
@@ -62,13 +65,17 @@ async def retrying_conflicts(run_id: str, boundary: Callable[[], Awaitable[T]]) 
     """Run a boundary again when another writer advanced the run under it (the run book has
     dropped its cached envelope, so the next try reads the store and checks again: nothing
     decided on the old envelope is acted on). With several processes on one store (replicas,
-    workers) a lost race is followed by a short random wait, doubling per loss."""
-    lost = 0
+    workers) a lost race is followed by a short random wait, doubling per loss. A boundary
+    decided on a stale copy (StaleEnvelope) was not raced: it is checked again at once."""
+    lost = stale = 0
     deadline = time.monotonic() + CONFLICT_DEADLINE_S
     while True:
         try:
             return await boundary()
-        except ConflictError:
+        except ConflictError as exc:
+            if isinstance(exc, StaleEnvelope) and stale < STALE_RETRIES:
+                stale += 1
+                continue      # decided on an old copy, not raced: checked again at once
             lost += 1
             if lost >= CONFLICT_RETRIES and time.monotonic() >= deadline:
                 break

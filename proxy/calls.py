@@ -336,8 +336,13 @@ class CallLoop(Generic[C, A]):
     # -- boundaries ------------------------------------------------------------------------------
 
     async def _entry(self, call: C) -> Replayed | Settled | None:
+        drift = call.key_drift
+        # every outcome below is committed before it is acted on (RunBook: optimistic), except
+        # a call joining a model's pending tool call: that one is decided on the stored run
+        joining = drift is not None and drift.joined is not None
         async with self.runs.locked(call.run_id):
-            envelope = await self.runs.envelope(call.contract, call.run_id)
+            envelope = await self.runs.envelope(call.contract, call.run_id,
+                                                optimistic=not joining)
             if envelope.status in STOPPED:
                 await self._refuse(call, envelope, "entry")
             if call.unreadable is not None:
@@ -345,7 +350,6 @@ class CallLoop(Generic[C, A]):
             replayed = await self._replayed(call, envelope)
             if replayed is not None:
                 return replayed
-            drift = call.key_drift
             if drift is not None and drift.joined is not None and drift.drift is None:
                 if drift.joined in envelope.pending and call.joinable:
                     return None   # the model's tool call was this call's entry, checked and stored
@@ -375,7 +379,8 @@ class CallLoop(Generic[C, A]):
         """The exit boundary, under the run's lock: the envelope may have moved while the call
         was at the upstream (a run halted meanwhile refuses the answer)."""
         async with self.runs.locked(call.run_id):
-            envelope = await self.runs.envelope(call.contract, call.run_id)
+            # every outcome is committed before it is acted on: RunBook, optimistic
+            envelope = await self.runs.envelope(call.contract, call.run_id, optimistic=True)
             if envelope.status in STOPPED:
                 await self._refuse(call, envelope, "exit")
             decision = check_exit(call.contract, call.step, envelope, call.input, answer.result,
