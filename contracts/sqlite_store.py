@@ -29,12 +29,15 @@ Only one stepguard may use a store file: `open` takes an exclusive lock on `<sto
 (`lock_store`) before touching the database, and fails with a StoreError naming the path when
 it is held. The worker processes of one `stepguard serve --workers N` share the file: their
 supervisor holds that lock (and hands it down to them, so it is held while any of them lives),
-and each worker opens the store with `shared=True`, which takes no lock. SQLite serialises
-their writers (WAL, one writer at a time; a writer waits for the write lock within its batch's
-deadline). Of the shared stores on one file, one at a time runs the PASSIVE checkpoints and the
-retention purge: the one whose checkpointer thread holds `<store>.checkpoint` (an exclusive
-lock taken without waiting, tried again every `checkpoint_interval_s` by the others, so when
-that process dies another takes over); no writer purges. Past `wal_limit_bytes` every writer
+and each worker opens the store with `shared=True`, which takes no lock. Their writers take
+turns on `<store>.writer` (an exclusive lock held for one batch, waited for within the batch's
+deadline: `_take_turn`), so they queue on a lock that is looked at again every 50-500 µs rather
+than in SQLite's busy handler, which sleeps 1, 2, 5, 10 ms... between tries; SQLite's write lock
+(WAL, one writer at a time) still serialises any other writer of the file. Of the shared
+stores on one file, one at a time runs the PASSIVE checkpoints and the retention purge: the
+one whose checkpointer thread holds `<store>.checkpoint` (an exclusive lock taken without
+waiting, tried again every `checkpoint_interval_s` by the others, so when that process dies
+another takes over); no writer purges. Past `wal_limit_bytes` every writer
 runs the TRUNCATE checkpoint between its batches, as a single store's does; one that fails
 (another process's writer took the write lock back) stops writing for a moment and tries again
 (`_hold_for_truncate`): every writer past the limit does the same, so they stop competing for
@@ -76,6 +79,8 @@ OPEN_RETRY_S = 0.02          # ... trying again this often
 SHARED_HOLD_S = 0.2          # shared: how long a writer past the limit stops writing to truncate
 SHARED_HOLD_PAUSE_S = 0.002  # ... between its tries
 SHARED_HOLD_TRIES = 4        # ... while fewer rounds than this failed in a row
+TURN_PAUSE_S = 50e-6         # shared: a writer waiting for its turn (`<store>.writer`) looks again
+TURN_PAUSE_MAX_S = 0.0005    # ... after this long, doubling up to this (SQLite's own wait: 1 ms, 2, 5, ...)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -154,7 +159,8 @@ class SQLiteStore:
                  wal_limit_bytes: int = DEFAULT_WAL_LIMIT_BYTES, shared: bool = False) -> None:
         self.path = Path(path)
         # another process may write these runs (workers, replicas on one file): no exclusive
-        # `<store>.lock`, and the run book reads envelopes from the store, never its cache
+        # `<store>.lock`; the writers take turns on `<store>.writer`; and the run book trusts its
+        # cache only where a compare-and-set validates it (contracts/runs.py)
         self.shared = shared
         self.synchronous = synchronous
         self.checkpoint_interval_s = checkpoint_interval_s
@@ -165,6 +171,7 @@ class SQLiteStore:
         self.wal_path = Path(f"{self.path}-wal")
         self.lock_path = Path(f"{self.path}.lock")
         self.checkpoint_lock_path = Path(f"{self.path}.checkpoint")
+        self.turn_path = Path(f"{self.path}.writer")
         self.checkpointing_here = False   # shared: this process keeps the WAL bounded now
         self.truncations = 0          # TRUNCATE checkpoints the writer completed
         self.purges = 0               # retention purges this store ran
@@ -183,6 +190,7 @@ class SQLiteStore:
         self._truncate_failures = 0    # TRUNCATE checkpoints failed in a row
         self._busy_ms = 0      # the writer connection's busy_timeout, as last set
         self._lock_fd: int | None = None
+        self._turn_fd: int | None = None     # shared: `<store>.writer`, the writers' turn
         self._close_problem: str | None = None   # the final checkpoint's failure, for close
         # point reads on one thread over `_lookup`; count_by_status on another over `_reader`
         self._lookup: sqlite3.Connection | None = None
@@ -204,6 +212,8 @@ class SQLiteStore:
         except BaseException:
             self._release_lock()
             raise
+        if self.shared:
+            self._turn_fd = _open_turn(self.turn_path)
         loop = asyncio.get_running_loop()
         self._conn, self._lookup, self._reader = conn, lookup, reader
         self._busy_ms = max(1, int(self.timeout_s * 1000))    # as connect() set it
@@ -242,6 +252,9 @@ class SQLiteStore:
         problem, self._close_problem = self._close_problem, None
         self._conn = None
         self._release_lock()
+        turn, self._turn_fd = self._turn_fd, None
+        if turn is not None:
+            os.close(turn)
         if problem is not None:
             raise StoreError(f"store {self.path}: final checkpoint failed: {problem}")
 
@@ -380,9 +393,12 @@ class SQLiteStore:
         if not live:
             self._healthy = False
             return results
-        wait_ms = max(1, int((min(d for _, _, d in writes if d > now) - now) * 1000))
+        deadline = min(d for _, _, d in writes if d > now)
+        if not self._take_turn(deadline):
+            self._healthy = False
+            return results + [(future, None, self._timed_out()) for _, future in live]
         try:
-            self._busy_wait(conn, wait_ms)
+            self._busy_wait(conn, max(1, int((deadline - time.monotonic()) * 1000)))
             try:
                 results += self._batch(conn, live, isolated=False)
             except _Replay:      # an append failed half-way: redo the batch, each in a savepoint
@@ -393,7 +409,38 @@ class SQLiteStore:
             self._healthy = False
             failure = StoreError(f"store {self.path}: commit failed: {exc}")
             results += [(future, None, failure) for _, future in live]
+        finally:
+            self._end_turn()
         return results
+
+    def _take_turn(self, deadline: float) -> bool:
+        """Shared: wait for this writer's turn, an exclusive lock on `<store>.writer`, until
+        `deadline` (False: not had). The writers of the processes sharing the file take turns
+        there instead of in SQLite's busy handler, which sleeps 1, 2, 5, 10 ms... between its
+        tries: with several busy writers a batch waited out sleeps longer than the batch it
+        waited for. Here a waiter looks again after 50 µs, doubling up to 0.5 ms. A lock that
+        cannot be taken at all (no locks on this file system) leaves SQLite to serialise."""
+        fd = self._turn_fd
+        if fd is None:
+            return True
+        pause = TURN_PAUSE_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                time.sleep(min(pause, remaining))
+                pause = min(pause * 2, TURN_PAUSE_MAX_S)
+            except OSError:
+                return True
+
+    def _end_turn(self) -> None:
+        if self._turn_fd is not None:
+            with contextlib.suppress(OSError):
+                fcntl.flock(self._turn_fd, fcntl.LOCK_UN)
 
     def _busy_wait(self, conn: sqlite3.Connection, wait_ms: int) -> None:
         """Bound the lock wait to `wait_ms`, give or take a tenth of the deadline: fresh writes
@@ -676,6 +723,15 @@ def lock_store(path: str | Path) -> int:
         raise StoreError(f"store {path} is in use by another stepguard (lock "
                          f"{lock_path} is held)") from None
     return fd
+
+
+def _open_turn(path: Path) -> int | None:
+    """The descriptor the writers of a shared file take turns on; None if it cannot be opened
+    (a read-only directory: SQLite's busy handler serialises them alone)."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return None
 
 
 def _try_lock(path: Path) -> int | None:

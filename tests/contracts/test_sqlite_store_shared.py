@@ -5,6 +5,8 @@ time checkpoints and purges."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import os
 import sqlite3
 import subprocess
@@ -238,3 +240,70 @@ def test_a_replica_opening_the_file_while_a_sibling_holds_its_write_lock_waits_a
     sibling.execute("COMMIT")
     sibling.close()
     assert [p.communicate(timeout=60)[0].strip() for p in openers] == ["opened"] * 3
+
+
+@contextlib.contextmanager
+def writer_turn_held(path: Path):
+    """Another process's writer in the middle of its turn (`<store>.writer` held)."""
+    fd = os.open(f"{path}.writer", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def first_event(run_id: str) -> tuple[Envelope, dict[str, object]]:
+    event = {"seq": 1, "ts": time.time(), "action": "advance", "step": "s", "boundary": "entry"}
+    return Envelope(run_id, "wf", "1").apply(event), event
+
+
+@pytest.mark.timeout(20)
+async def test_a_shared_writer_waits_for_its_turn_and_writes_as_soon_as_it_comes(
+        tmp_path: Path) -> None:
+    path = tmp_path / "runs.db"
+    store = SQLiteStore(path, shared=True, timeout_s=5.0)
+    await store.open()
+    try:
+        with writer_turn_held(path):
+            append = asyncio.ensure_future(store.append(*first_event("r1")))
+            await asyncio.sleep(0.3)
+            assert not append.done() and await store.load("r1") is None
+            released = time.monotonic()
+        await asyncio.wait_for(append, 2)
+        assert time.monotonic() - released < 0.1      # looked again within half a millisecond
+        stored = await store.load("r1")
+        assert stored is not None and stored.seq == 1
+    finally:
+        await store.close()
+
+
+@pytest.mark.timeout(20)
+async def test_a_shared_writer_whose_turn_never_comes_fails_within_its_deadline(
+        tmp_path: Path) -> None:
+    path = tmp_path / "runs.db"
+    store = SQLiteStore(path, shared=True, timeout_s=0.3)
+    await store.open()
+    try:
+        with writer_turn_held(path):
+            started = time.monotonic()
+            with pytest.raises(StoreError, match="store deadline"):
+                await asyncio.wait_for(store.append(*first_event("r1")), 5)
+            assert time.monotonic() - started < 1.0
+            assert not store.healthy() and await store.load("r1") is None
+        await asyncio.wait_for(store.append(*first_event("r2")), 5)
+        assert store.healthy()
+    finally:
+        await store.close()
+
+
+@pytest.mark.timeout(20)
+async def test_a_single_store_takes_no_turns(tmp_path: Path) -> None:
+    path = tmp_path / "runs.db"
+    store = SQLiteStore(path, timeout_s=0.3)
+    await store.open()
+    try:
+        with writer_turn_held(path):
+            await asyncio.wait_for(store.append(*first_event("r1")), 5)
+    finally:
+        await store.close()
