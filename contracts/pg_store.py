@@ -60,7 +60,9 @@ PROBE_INTERVAL_S = 0.25      # how often an unhealthy store tries a write
 OPEN_TIMEOUT_MIN_S = 10.0    # opening (connect, migrate) may wait this long at least
 GROUP_COMMIT = True          # appends of one loop turn share a transaction (measured: it pays)
 
-_APPEND = "SELECT stepguard_append($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)"
+# a group commit, or a lone append: one statement, one round trip (pg_schema.py, version 3)
+_APPEND_BATCH = ("SELECT stepguard_append_batch($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, "
+                 "$12, $13, $14)")
 # what a lost or broken connection raises: the transaction's outcome is the server's rollback
 _CONNECTION_ERRORS = (asyncpg.InterfaceError, asyncpg.exceptions.PostgresConnectionError,
                       OSError, TimeoutError)
@@ -371,30 +373,39 @@ class PostgresStore:
 
     async def _write(self, ops: list[_Append], deadline: float | None = None
                      ) -> list[BaseException | None]:
-        """One transaction for `ops`; each result is None (stored) or its ConflictError. When
-        the server refuses a statement of a transaction of several appends, _BatchRefused."""
+        """`ops` in one statement, stepguard_append_batch, committed as its own transaction: one
+        round trip. Each result is None (stored) or its ConflictError. When the server refuses
+        the statement of several appends, _BatchRefused.
+
+        The statement is given what is left of the deadline and keeps it on the server (its
+        lock waits end there, and it raises rather than commit past it): with no COMMIT of
+        ours to withhold, a statement the client gave up on would otherwise still commit once
+        its locks were free."""
+        end = deadline if deadline is not None else time.monotonic() + self.timeout_s
+        # in run id order (stable: one run's appends keep theirs), so two replicas' statements
+        # lock the runs they share in one order and never deadlock on them
+        order = sorted(range(len(ops)), key=lambda i: ops[i].run_id)
+        args = _batch_args([ops[i] for i in order])
 
         async def work(conn: _Conn) -> list[BaseException | None]:
-            results: list[BaseException | None] = []
             try:
-                # no transaction context manager: on any failure the connection is closed
-                # (never a ROLLBACK that could wait on a dead server), and the server rolls back
-                await conn.execute("BEGIN")
-                stored: dict[int, int] = {}
-                # in run id order (stable: one run's appends keep theirs), so two replicas'
-                # transactions lock the runs they share in one order and never deadlock on them
-                for i in sorted(range(len(ops)), key=lambda i: ops[i].run_id):
-                    stored[i] = await conn.fetchval(_APPEND, *ops[i].args)
-                await conn.execute("COMMIT")
-                results = [None if stored[i] == -1 else ConflictError(
-                    op.run_id, op.seq - 1, int(stored[i])) for i, op in enumerate(ops)]
+                # no transaction to roll back over the wire: on any failure the connection is
+                # closed (never a round trip that could wait on a dead server)
+                stored = await conn.fetchval(
+                    _APPEND_BATCH, (end - time.monotonic()) * 1000, *args)
+            except _DEADLINE_SPENT:
+                raise self._timed_out() from None
             except asyncpg.PostgresError as exc:
                 if len(ops) > 1 and not isinstance(exc, _SERVER_GONE):
                     raise _BatchRefused(str(exc)) from exc
                 raise
+            results: list[BaseException | None] = [None] * len(ops)
+            for i, seq in zip(order, stored, strict=True):
+                if seq != -1:
+                    results[i] = ConflictError(ops[i].run_id, ops[i].seq - 1, int(seq))
             return results
 
-        results: list[BaseException | None] = await self._guarded_write(work, deadline)
+        results: list[BaseException | None] = await self._guarded_write(work, end)
         return results
 
     def _unhealthy(self) -> None:
@@ -447,25 +458,44 @@ class _BatchRefused(StoreError):
 # server errors that mean the connection (not the statement) failed
 _SERVER_GONE = (asyncpg.exceptions.AdminShutdownError, asyncpg.exceptions.CannotConnectNowError,
                 asyncpg.exceptions.CrashShutdownError)
+# what stepguard_append_batch raises when the deadline it was given passed on the server
+# (a lock wait cut short, or the statement ended too late): rolled back, the deadline's error
+_DEADLINE_SPENT = (asyncpg.exceptions.QueryCanceledError,
+                   asyncpg.exceptions.LockNotAvailableError)
 
 
 class _Append:
     """One append's arguments, encoded before any connection is taken: a value that cannot be
-    encoded fails its own append and never reaches a transaction."""
+    encoded fails its own append and never reaches a statement. `values` are stepguard_append's
+    arguments up to the event (run id, workflow, contract version, status, seq, envelope,
+    created, updated, ts, event); keys come sorted, so appends sharing keys lock them in one
+    order."""
 
-    __slots__ = ("args", "run_id", "seq")
+    __slots__ = ("escalation", "keys", "run_id", "seq", "values")
 
-    def __init__(self, args: tuple[Any, ...], run_id: str, seq: int) -> None:
-        self.args, self.run_id, self.seq = args, run_id, seq
+    def __init__(self, values: tuple[Any, ...], keys: list[str], escalation: bytes | None,
+                 run_id: str, seq: int) -> None:
+        self.values, self.keys, self.escalation = values, keys, escalation
+        self.run_id, self.seq = run_id, seq
 
     @classmethod
     def of(cls, envelope: Envelope, event: dict[str, Any], escalation: dict[str, Any] | None,
            keys: Sequence[str]) -> _Append:
-        args = (envelope.run_id, envelope.workflow, envelope.contract_version, envelope.status,
-                envelope.seq, orjson.dumps(envelope.to_dict()), envelope.created,
-                envelope.updated, float(event["ts"]), orjson.dumps(event), sorted(set(keys)),
-                None if escalation is None else orjson.dumps(escalation))
-        return cls(args, envelope.run_id, envelope.seq)
+        values = (envelope.run_id, envelope.workflow, envelope.contract_version, envelope.status,
+                  envelope.seq, orjson.dumps(envelope.to_dict()), envelope.created,
+                  envelope.updated, float(event["ts"]), orjson.dumps(event))
+        return cls(values, sorted(set(keys)), None if escalation is None else
+                   orjson.dumps(escalation), envelope.run_id, envelope.seq)
+
+
+def _batch_args(ops: list[_Append]) -> list[list[Any]]:
+    """stepguard_append_batch's arrays after the deadline: one column per argument, one element
+    per append; the keys of all appends in one flat array, with how many each append has (an
+    array of arrays must be rectangular in PostgreSQL, and keys joined into one string would
+    need a separator no key may contain)."""
+    columns = [list(column) for column in zip(*(op.values for op in ops), strict=True)]
+    return [*columns, [len(op.keys) for op in ops], [k for op in ops for k in op.keys],
+            [op.escalation for op in ops]]
 
 
 async def _no_reset(conn: _Conn) -> None:
