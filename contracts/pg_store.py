@@ -11,17 +11,21 @@ its pool built in, and a per-call deadline that cancels the query on the server.
 
 Semantics are SQLite's (contracts/sqlite_store.py):
 
-- An append is one transaction (`BEGIN`; `SELECT stepguard_append(...)`; `COMMIT`) and returns
-  only after the commit: the event is stored before stepguard acts on it. The compare-and-set on
-  the run's seq, the event, the correlation keys (a key stored again moves to the new run) and
-  the escalation record are written by one server-side function (pg_schema.py), all or none.
+- An append is one statement, `SELECT stepguard_append_batch(...)`, committed as its own
+  transaction (no `BEGIN`/`COMMIT`: one round trip), and returns only after the commit: the
+  event is stored before stepguard acts on it. The compare-and-set on the run's seq, the event,
+  the correlation keys (a key stored again moves to the new run) and the escalation record are
+  written by server-side functions (pg_schema.py), all or none.
 - Every operation has a deadline, `timeout_s` (`--store-timeout`), that covers taking a
   connection from the pool, connecting, waiting for locks and the commit: a dead, unreachable or
   locked database answers StoreError within about `timeout_s`. A deadline that passes, or a
-  connection lost mid-transaction, closes that connection (the server rolls its transaction
-  back; COMMIT is sent only after the whole append succeeded, so a half-written event is never
-  committed). A commit whose acknowledgement is lost with the connection is reported as a
-  StoreError although it may have committed; the run book then reloads the run from the store.
+  connection lost mid-statement, closes that connection. The append statement is given what is
+  left of the deadline and keeps it on the server: its lock waits end there and it raises
+  rather than commit past it, so an append the client gave up on is rolled back, not committed
+  once its locks are free (a statement's transaction commits when the statement ends, whether
+  or not its client is still there). A commit whose acknowledgement is lost with the
+  connection is reported as a StoreError although it may have committed; the run book then
+  reloads the run from the store.
 - `healthy()` is False from a failed write (or read: the database is unreachable or stuck)
   until a write or the store's probe succeeds; while unhealthy a background task probes with a
   one-row write every `PROBE_INTERVAL_S`.
@@ -32,7 +36,10 @@ Semantics are SQLite's (contracts/sqlite_store.py):
 Group commit (appends of one event-loop turn committed in one transaction, as SQLite does) was
 measured against one transaction per append: 1,740-4,550 against 1,130-1,430 appends/s at 64
 concurrent runs, 4,460-5,590 against 1,390-1,440 at 256, and no measurable difference for a lone
-append (p50 append + load 2.2-3.2 ms against 1.8-4.0 ms, noisy); so GROUP_COMMIT is on.
+append (p50 append + load 2.2-3.2 ms against 1.8-4.0 ms, noisy); so GROUP_COMMIT is on. A group
+commit was then `BEGIN`, a statement per append, `COMMIT` (N + 2 round trips); as one statement
+(one round trip) it takes 1.4-2.5x the appends/s at 16 concurrent runs, 1.9-3.3x at 64 and
+2.1-3.1x at 256, and a lone append's p50 is 0.70-0.87x (6 rounds, docs/postgresql.md).
 
 The schema is versioned (pg_schema.py): `open` applies missing migrations under an advisory
 lock, and refuses a database whose schema is newer than this code.
@@ -458,8 +465,10 @@ class _BatchRefused(StoreError):
 # server errors that mean the connection (not the statement) failed
 _SERVER_GONE = (asyncpg.exceptions.AdminShutdownError, asyncpg.exceptions.CannotConnectNowError,
                 asyncpg.exceptions.CrashShutdownError)
-# what stepguard_append_batch raises when the deadline it was given passed on the server
-# (a lock wait cut short, or the statement ended too late): rolled back, the deadline's error
+# what stepguard_append_batch raises when the deadline it was given passed on the server (a
+# lock wait cut short, or the statement ended too late): rolled back, the deadline's error. A
+# statement_timeout or a cancel on the server is 57014 too: a deadline as well, not a refusal
+# that one append at a time would get past
 _DEADLINE_SPENT = (asyncpg.exceptions.QueryCanceledError,
                    asyncpg.exceptions.LockNotAvailableError)
 
