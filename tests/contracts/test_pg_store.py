@@ -53,8 +53,9 @@ async def versions(url: str) -> list[int]:
 
 @pytest.fixture
 def statements(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Every statement the stores opened in this test send (each is one round trip), as
-    asyncpg's query logger reports them on the store's own pooled connections."""
+    """Every statement the stores opened in this test send, as asyncpg's query logger reports
+    them on the store's own pooled connections (a statement already prepared on its connection
+    is one round trip: bind, execute and sync in one write)."""
     sent: list[str] = []
     create_pool = asyncpg.create_pool
 
