@@ -97,6 +97,54 @@ BEGIN
 END
 $$;
 """),
+    ("stepguard_append_batch: a group commit in one statement, within a deadline", """
+-- The appends of one group commit (or a lone append), in one statement: one round trip, and
+-- the statement's own transaction, so nothing of it is stored unless all of it is. Argument
+-- arrays hold one element per append, in the order the client sorted them (run id order: two
+-- replicas' batches lock the runs they share in one order and never deadlock on them); the
+-- keys of every append are flattened into p_keys, p_key_counts[i] of them for append i.
+-- Returns one stepguard_append result per append (-1 stored, else the run's stored seq: that
+-- append alone lost its compare-and-set).
+--
+-- p_within_ms is what is left of the client's deadline. Without an explicit transaction the
+-- statement commits when it ends, even after the client gave up and closed its connection
+-- (the server notices only when it answers): so the statement keeps the deadline itself. Each
+-- lock wait may last only what is left (lock_timeout), and a statement that ends past the
+-- deadline raises query_canceled (57014) instead of committing; a lock wait cut short is
+-- lock_not_available (55P03). (No exception block to translate one into the other: it would
+-- make a subtransaction per append.)
+CREATE FUNCTION stepguard_append_batch(
+    p_within_ms DOUBLE PRECISION,
+    p_run_ids TEXT[], p_workflows TEXT[], p_contract_versions TEXT[], p_statuses TEXT[],
+    p_seqs BIGINT[], p_envelopes BYTEA[], p_created DOUBLE PRECISION[],
+    p_updated DOUBLE PRECISION[], p_ts DOUBLE PRECISION[], p_events BYTEA[],
+    p_key_counts INTEGER[], p_keys TEXT[], p_escalations BYTEA[]
+) RETURNS BIGINT[] LANGUAGE plpgsql AS $$
+DECLARE
+    results BIGINT[] := '{}';
+    k_from INTEGER := 1;
+    left_ms DOUBLE PRECISION;
+BEGIN
+    FOR i IN 1 .. coalesce(cardinality(p_run_ids), 0) LOOP
+        left_ms := p_within_ms
+            - 1000 * extract(epoch FROM clock_timestamp() - statement_timestamp());
+        IF left_ms < 1 THEN
+            RAISE EXCEPTION 'the store deadline passed' USING ERRCODE = 'query_canceled';
+        END IF;
+        PERFORM set_config('lock_timeout', floor(left_ms)::BIGINT || 'ms', true);
+        results := results || stepguard_append(
+            p_run_ids[i], p_workflows[i], p_contract_versions[i], p_statuses[i], p_seqs[i],
+            p_envelopes[i], p_created[i], p_updated[i], p_ts[i], p_events[i],
+            coalesce(p_keys[k_from : k_from + p_key_counts[i] - 1], '{}'), p_escalations[i]);
+        k_from := k_from + p_key_counts[i];
+    END LOOP;
+    IF 1000 * extract(epoch FROM clock_timestamp() - statement_timestamp()) > p_within_ms THEN
+        RAISE EXCEPTION 'the store deadline passed' USING ERRCODE = 'query_canceled';
+    END IF;
+    RETURN results;
+END
+$$;
+"""),
 )
 
 VERSION = len(MIGRATIONS)   # the schema version this code reads and writes

@@ -11,17 +11,21 @@ its pool built in, and a per-call deadline that cancels the query on the server.
 
 Semantics are SQLite's (contracts/sqlite_store.py):
 
-- An append is one transaction (`BEGIN`; `SELECT stepguard_append(...)`; `COMMIT`) and returns
-  only after the commit: the event is stored before stepguard acts on it. The compare-and-set on
-  the run's seq, the event, the correlation keys (a key stored again moves to the new run) and
-  the escalation record are written by one server-side function (pg_schema.py), all or none.
+- An append is one statement, `SELECT stepguard_append_batch(...)`, committed as its own
+  transaction (no `BEGIN`/`COMMIT`: one round trip), and returns only after the commit: the
+  event is stored before stepguard acts on it. The compare-and-set on the run's seq, the event,
+  the correlation keys (a key stored again moves to the new run) and the escalation record are
+  written by server-side functions (pg_schema.py), all or none.
 - Every operation has a deadline, `timeout_s` (`--store-timeout`), that covers taking a
   connection from the pool, connecting, waiting for locks and the commit: a dead, unreachable or
   locked database answers StoreError within about `timeout_s`. A deadline that passes, or a
-  connection lost mid-transaction, closes that connection (the server rolls its transaction
-  back; COMMIT is sent only after the whole append succeeded, so a half-written event is never
-  committed). A commit whose acknowledgement is lost with the connection is reported as a
-  StoreError although it may have committed; the run book then reloads the run from the store.
+  connection lost mid-statement, closes that connection. The append statement is given what is
+  left of the deadline and keeps it on the server: its lock waits end there and it raises
+  rather than commit past it, so an append the client gave up on is rolled back, not committed
+  once its locks are free (a statement's transaction commits when the statement ends, whether
+  or not its client is still there). A commit whose acknowledgement is lost with the
+  connection is reported as a StoreError although it may have committed; the run book then
+  reloads the run from the store.
 - `healthy()` is False from a failed write (or read: the database is unreachable or stuck)
   until a write or the store's probe succeeds; while unhealthy a background task probes with a
   one-row write every `PROBE_INTERVAL_S`.
@@ -32,7 +36,10 @@ Semantics are SQLite's (contracts/sqlite_store.py):
 Group commit (appends of one event-loop turn committed in one transaction, as SQLite does) was
 measured against one transaction per append: 1,740-4,550 against 1,130-1,430 appends/s at 64
 concurrent runs, 4,460-5,590 against 1,390-1,440 at 256, and no measurable difference for a lone
-append (p50 append + load 2.2-3.2 ms against 1.8-4.0 ms, noisy); so GROUP_COMMIT is on.
+append (p50 append + load 2.2-3.2 ms against 1.8-4.0 ms, noisy); so GROUP_COMMIT is on. A group
+commit was then `BEGIN`, a statement per append, `COMMIT` (N + 2 round trips); as one statement
+(one round trip) it takes 1.4-2.5x the appends/s at 16 concurrent runs, 1.9-3.3x at 64 and
+2.1-3.1x at 256, and a lone append's p50 is 0.70-0.87x (6 rounds, docs/postgresql.md).
 
 The schema is versioned (pg_schema.py): `open` applies missing migrations under an advisory
 lock, and refuses a database whose schema is newer than this code.
@@ -60,7 +67,9 @@ PROBE_INTERVAL_S = 0.25      # how often an unhealthy store tries a write
 OPEN_TIMEOUT_MIN_S = 10.0    # opening (connect, migrate) may wait this long at least
 GROUP_COMMIT = True          # appends of one loop turn share a transaction (measured: it pays)
 
-_APPEND = "SELECT stepguard_append($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)"
+# a group commit, or a lone append: one statement, one round trip (pg_schema.py, version 3)
+_APPEND_BATCH = ("SELECT stepguard_append_batch($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, "
+                 "$12, $13, $14)")
 # what a lost or broken connection raises: the transaction's outcome is the server's rollback
 _CONNECTION_ERRORS = (asyncpg.InterfaceError, asyncpg.exceptions.PostgresConnectionError,
                       OSError, TimeoutError)
@@ -371,30 +380,39 @@ class PostgresStore:
 
     async def _write(self, ops: list[_Append], deadline: float | None = None
                      ) -> list[BaseException | None]:
-        """One transaction for `ops`; each result is None (stored) or its ConflictError. When
-        the server refuses a statement of a transaction of several appends, _BatchRefused."""
+        """`ops` in one statement, stepguard_append_batch, committed as its own transaction: one
+        round trip. Each result is None (stored) or its ConflictError. When the server refuses
+        the statement of several appends, _BatchRefused.
+
+        The statement is given what is left of the deadline and keeps it on the server (its
+        lock waits end there, and it raises rather than commit past it): with no COMMIT of
+        ours to withhold, a statement the client gave up on would otherwise still commit once
+        its locks were free."""
+        end = deadline if deadline is not None else time.monotonic() + self.timeout_s
+        # in run id order (stable: one run's appends keep theirs), so two replicas' statements
+        # lock the runs they share in one order and never deadlock on them
+        order = sorted(range(len(ops)), key=lambda i: ops[i].run_id)
+        args = _batch_args([ops[i] for i in order])
 
         async def work(conn: _Conn) -> list[BaseException | None]:
-            results: list[BaseException | None] = []
             try:
-                # no transaction context manager: on any failure the connection is closed
-                # (never a ROLLBACK that could wait on a dead server), and the server rolls back
-                await conn.execute("BEGIN")
-                stored: dict[int, int] = {}
-                # in run id order (stable: one run's appends keep theirs), so two replicas'
-                # transactions lock the runs they share in one order and never deadlock on them
-                for i in sorted(range(len(ops)), key=lambda i: ops[i].run_id):
-                    stored[i] = await conn.fetchval(_APPEND, *ops[i].args)
-                await conn.execute("COMMIT")
-                results = [None if stored[i] == -1 else ConflictError(
-                    op.run_id, op.seq - 1, int(stored[i])) for i, op in enumerate(ops)]
+                # no transaction to roll back over the wire: on any failure the connection is
+                # closed (never a round trip that could wait on a dead server)
+                stored = await conn.fetchval(
+                    _APPEND_BATCH, (end - time.monotonic()) * 1000, *args)
+            except _DEADLINE_SPENT:
+                raise self._timed_out() from None
             except asyncpg.PostgresError as exc:
                 if len(ops) > 1 and not isinstance(exc, _SERVER_GONE):
                     raise _BatchRefused(str(exc)) from exc
                 raise
+            results: list[BaseException | None] = [None] * len(ops)
+            for i, seq in zip(order, stored, strict=True):
+                if seq != -1:
+                    results[i] = ConflictError(ops[i].run_id, ops[i].seq - 1, int(seq))
             return results
 
-        results: list[BaseException | None] = await self._guarded_write(work, deadline)
+        results: list[BaseException | None] = await self._guarded_write(work, end)
         return results
 
     def _unhealthy(self) -> None:
@@ -447,25 +465,46 @@ class _BatchRefused(StoreError):
 # server errors that mean the connection (not the statement) failed
 _SERVER_GONE = (asyncpg.exceptions.AdminShutdownError, asyncpg.exceptions.CannotConnectNowError,
                 asyncpg.exceptions.CrashShutdownError)
+# what stepguard_append_batch raises when the deadline it was given passed on the server (a
+# lock wait cut short, or the statement ended too late): rolled back, the deadline's error. A
+# statement_timeout or a cancel on the server is 57014 too: a deadline as well, not a refusal
+# that one append at a time would get past
+_DEADLINE_SPENT = (asyncpg.exceptions.QueryCanceledError,
+                   asyncpg.exceptions.LockNotAvailableError)
 
 
 class _Append:
     """One append's arguments, encoded before any connection is taken: a value that cannot be
-    encoded fails its own append and never reaches a transaction."""
+    encoded fails its own append and never reaches a statement. `values` are stepguard_append's
+    arguments up to the event (run id, workflow, contract version, status, seq, envelope,
+    created, updated, ts, event); keys come sorted, so appends sharing keys lock them in one
+    order."""
 
-    __slots__ = ("args", "run_id", "seq")
+    __slots__ = ("escalation", "keys", "run_id", "seq", "values")
 
-    def __init__(self, args: tuple[Any, ...], run_id: str, seq: int) -> None:
-        self.args, self.run_id, self.seq = args, run_id, seq
+    def __init__(self, values: tuple[Any, ...], keys: list[str], escalation: bytes | None,
+                 run_id: str, seq: int) -> None:
+        self.values, self.keys, self.escalation = values, keys, escalation
+        self.run_id, self.seq = run_id, seq
 
     @classmethod
     def of(cls, envelope: Envelope, event: dict[str, Any], escalation: dict[str, Any] | None,
            keys: Sequence[str]) -> _Append:
-        args = (envelope.run_id, envelope.workflow, envelope.contract_version, envelope.status,
-                envelope.seq, orjson.dumps(envelope.to_dict()), envelope.created,
-                envelope.updated, float(event["ts"]), orjson.dumps(event), sorted(set(keys)),
-                None if escalation is None else orjson.dumps(escalation))
-        return cls(args, envelope.run_id, envelope.seq)
+        values = (envelope.run_id, envelope.workflow, envelope.contract_version, envelope.status,
+                  envelope.seq, orjson.dumps(envelope.to_dict()), envelope.created,
+                  envelope.updated, float(event["ts"]), orjson.dumps(event))
+        return cls(values, sorted(set(keys)), None if escalation is None else
+                   orjson.dumps(escalation), envelope.run_id, envelope.seq)
+
+
+def _batch_args(ops: list[_Append]) -> list[list[Any]]:
+    """stepguard_append_batch's arrays after the deadline: one column per argument, one element
+    per append; the keys of all appends in one flat array, with how many each append has (an
+    array of arrays must be rectangular in PostgreSQL, and keys joined into one string would
+    need a separator no key may contain)."""
+    columns = [list(column) for column in zip(*(op.values for op in ops), strict=True)]
+    return [*columns, [len(op.keys) for op in ops], [k for op in ops for k in op.keys],
+            [op.escalation for op in ops]]
 
 
 async def _no_reset(conn: _Conn) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import asyncpg
@@ -15,6 +15,8 @@ import pytest
 from pgtest import Cuttable, on_server
 from storetest import BOUND_S, advance, start, step
 
+from stepguard.contracts import pg_store
+from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.errors import ConflictError, StoreError
 from stepguard.contracts.pg_schema import MIGRATIONS, VERSION
 from stepguard.contracts.pg_store import PostgresStore, SchemaError, migrate_store
@@ -47,6 +49,40 @@ async def versions(url: str) -> list[int]:
                                                "ORDER BY version")]
     finally:
         await conn.close()
+
+
+@pytest.fixture
+def statements(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every statement the stores opened in this test send, as asyncpg's query logger reports
+    them on the store's own pooled connections (a statement already prepared on its connection
+    is one round trip: bind, execute and sync in one write)."""
+    sent: list[str] = []
+    create_pool = asyncpg.create_pool
+
+    def logging_pool(*args: Any, **kwargs: Any) -> Any:
+        async def init(conn: Any) -> None:
+            conn.add_query_logger(lambda query: sent.append(query.query))
+        return create_pool(*args, init=init, **kwargs)
+
+    monkeypatch.setattr(asyncpg, "create_pool", logging_pool)
+    return sent
+
+
+async def sent_by(statements: list[str], work: Awaitable[Any]) -> tuple[Any, list[str]]:
+    """What `work` returned (its exception, if it raised), and the statements sent while it ran
+    (the query logger reports each a loop turn after it ends)."""
+    before = len(statements)
+    [result] = await asyncio.gather(asyncio.wait_for(work, BOUND_S), return_exceptions=True)
+    await asyncio.sleep(0.01)
+    return result, statements[before:]
+
+
+async def one_batch(store: PostgresStore, *appends: tuple[Envelope, dict[str, Any], list[str]]
+                    ) -> list[BaseException | None]:
+    """`appends` (envelope, event, keys) made in one loop turn: one group commit."""
+    done = await asyncio.gather(*(store.append(e, ev, keys=k) for e, ev, k in appends),
+                                return_exceptions=True)
+    return [r if isinstance(r, BaseException) else None for r in done]
 
 
 async def until_healthy(store: PostgresStore) -> float:
@@ -285,5 +321,199 @@ async def test_a_run_purged_by_retention_takes_its_keys_and_escalations_along(pg
         assert await store.find_run("k-old") is None
         assert await store.find_run("k-fresh") == "fresh"
         assert [e["seq"] for e in await store.history("fresh")] == [1]
+    finally:
+        await store.close()
+
+
+# --- one statement per group commit (schema version 3: stepguard_append_batch) ---------------
+
+
+async def test_a_lone_append_is_one_statement(pg_url, statements):
+    store = await opened(pg_url)
+    try:
+        first = await advance(store, start())            # the statement is prepared now
+        _, sent = await sent_by(statements, advance(store, first, step_name="check_policy"))
+        assert len(sent) == 1 and "stepguard_append_batch" in sent[0], sent
+        assert [e["seq"] for e in await store.history("run-1")] == [1, 2]
+    finally:
+        await store.close()
+
+
+async def test_a_group_commit_of_several_appends_is_one_statement(pg_url, statements):
+    store = await opened(pg_url)
+    try:
+        await advance(store, start("warm-up"))
+        runs = [start(f"run-{i}") for i in range(5)]
+        done, sent = await sent_by(statements, one_batch(
+            store, *((*step(run), []) for run in runs)))
+        assert done == [None] * 5
+        assert len(sent) == 1 and "stepguard_append_batch" in sent[0], sent
+        for run in runs:
+            assert [e["seq"] for e in await store.history(run.run_id)] == [1]
+    finally:
+        await store.close()
+
+
+async def test_a_batch_where_one_append_loses_its_compare_and_set_stores_the_others(
+        pg_url, statements):
+    store = await opened(pg_url)
+    try:
+        first = await advance(store, start("run-b"))
+        done, sent = await sent_by(statements, one_batch(
+            store, (*step(start("run-c")), []), (*step(start("run-b")), ["lost"]),
+            (*step(first, step="check_policy"), []), (*step(start("run-a")), [])))
+        assert len(sent) == 1, sent
+        assert done[0] is None and done[2:] == [None, None]
+        assert isinstance(done[1], ConflictError)
+        assert (done[1].expected, done[1].actual) == (0, 1)     # before seq 2, in the batch
+        assert [e["seq"] for e in await store.history("run-b")] == [1, 2]
+        for run_id in ("run-a", "run-c"):
+            assert [e["seq"] for e in await store.history(run_id)] == [1]
+        assert await store.find_run("lost") is None
+    finally:
+        await store.close()
+
+
+async def test_a_batch_whose_statement_the_server_refuses_is_redone_one_append_at_a_time(
+        pg_url, statements):
+    """One append of the batch cannot be stored (an escalation already recorded at its seq):
+    the server refuses the whole statement, nothing of it is stored, and each append is
+    then made alone: the others are stored, that one alone fails."""
+    store = await opened(pg_url)
+    try:
+        await asyncio.wait_for(store.append(*step(start("warm-up"))), BOUND_S)
+        on_server(pg_url, lambda c: c.execute(
+            "INSERT INTO escalations (run_id, seq, ts, record) VALUES ('run-b', 1, 0, 'x')"))
+        bad, bad_event = step(start("run-b"))
+        done, sent = await sent_by(statements, asyncio.gather(
+            store.append(*step(start("run-a"))),
+            store.append(bad, bad_event, escalation={"why": "stray"}),
+            store.append(*step(start("run-c"))), return_exceptions=True))
+        appends = [q for q in sent if "stepguard_append" in q]    # not a new connection's own
+        assert len(appends) == 4, sent          # the batch, then each append alone
+        assert done[0] is None and done[2] is None
+        assert isinstance(done[1], StoreError) and not isinstance(done[1], ConflictError)
+        assert "escalations" in str(done[1])
+        assert await store.load("run-b") is None
+        for run_id in ("run-a", "run-c"):
+            assert [e["seq"] for e in await store.history(run_id)] == [1]
+    finally:
+        await store.close()
+
+
+async def test_keys_of_several_appends_in_one_batch_land_on_their_own_runs(pg_url, statements):
+    store = await opened(pg_url)
+    try:
+        await advance(store, start("warm-up"))
+        keyed = {"run-a": ["a:2", "a:1"], "run-b": [], "run-c": ["c:1", "c:3", "c:2"],
+                 "run-d": ["d:1"]}
+        done, sent = await sent_by(statements, one_batch(
+            store, *((*step(start(run_id)), keys) for run_id, keys in keyed.items())))
+        assert done == [None] * 4 and len(sent) == 1, sent
+        for run_id, keys in keyed.items():
+            for key in keys:
+                assert await store.find_run(key) == run_id
+        assert await store.find_keys("", limit=100) == sorted(k for ks in keyed.values()
+                                                                for k in ks)
+    finally:
+        await store.close()
+
+
+async def test_a_key_moving_between_runs_in_one_batch_ends_on_the_later_run(pg_url, statements):
+    """A batch stores its appends in run id order (here also the order they were made), so
+    a key given to two runs in one batch ends on the later one, as two commits would leave it."""
+    store = await opened(pg_url)
+    try:
+        await advance(store, start("warm-up"))
+        done, sent = await sent_by(statements, one_batch(
+            store, (*step(start("run-a")), ["shared", "a-only"]),
+            (*step(start("run-b")), ["shared"])))
+        assert done == [None, None] and len(sent) == 1, sent
+        assert await store.find_run("shared") == "run-b"
+        assert await store.find_run("a-only") == "run-a"
+    finally:
+        await store.close()
+
+
+async def test_the_batch_function_refuses_to_commit_past_the_deadline_it_was_given(pg_url):
+    """stepguard_append_batch keeps the client's deadline on the server: a statement that runs
+    past it raises (57014) and stores nothing. Here the deadline is already spent."""
+    await migrate_store(pg_url)
+    envelope, event = step(start())
+    op = pg_store._Append.of(envelope, event, None, ["k"])
+
+    async def call(conn: Any) -> Any:
+        return await conn.fetchval(pg_store._APPEND_BATCH, 0.0, *pg_store._batch_args([op]))
+
+    with pytest.raises(asyncpg.exceptions.QueryCanceledError, match="deadline"):
+        on_server(pg_url, call)
+    assert on_server(pg_url, lambda c: c.fetchval(
+        "SELECT (SELECT count(*) FROM runs) + (SELECT count(*) FROM events) "
+        "+ (SELECT count(*) FROM run_keys)")) == 0
+
+
+async def test_an_abandoned_batch_waiting_on_a_locked_run_stops_waiting_at_the_deadline(pg_url):
+    """The client gives up at its deadline; the statement on the server stops waiting for the
+    lock there too (it does not hold its backend until the lock is free), and is never
+    committed once the lock is gone."""
+    store = await opened(pg_url, timeout_s=TIMEOUT_S)
+    try:
+        first = await advance(store, start())
+        blocker = await asyncpg.connect(pg_url)
+        try:
+            await blocker.execute("BEGIN")
+            await blocker.execute("SELECT 1 FROM runs WHERE run_id = 'run-1' FOR UPDATE")
+            done = await asyncio.wait_for(one_batch(
+                store, (*step(start("run-0")), []), (*step(first, step="check_policy"), [])),
+                BOUND_S)
+            assert all(isinstance(r, StoreError) for r in done), done
+            waiting_until = time.monotonic() + MARGIN_S
+            while await blocker.fetchval(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                    "AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()"):
+                assert time.monotonic() < waiting_until, "the statement still waits on the lock"
+                await asyncio.sleep(0.02)
+            await blocker.execute("ROLLBACK")
+        finally:
+            await blocker.close()
+        await until_healthy(store)
+        await asyncio.sleep(0.2)
+        assert await store.load("run-1") == first
+        assert await store.load("run-0") is None
+    finally:
+        await store.close()
+
+
+async def test_a_database_at_schema_version_2_with_runs_migrates_to_this_version_keeping_them(
+        pg_url, monkeypatch):
+    monkeypatch.setattr(pg_store, "MIGRATIONS", MIGRATIONS[:2])
+    monkeypatch.setattr(pg_store, "VERSION", 2)
+    assert await migrate_store(pg_url) == (0, 2)
+    monkeypatch.undo()
+    first, first_event = step(start())
+    second, second_event = step(first, step="check_policy")
+
+    async def append_as_version_2(conn: Any) -> None:
+        # what a version-2 store sent: stepguard_append inside BEGIN ... COMMIT
+        for envelope, event, escalation, keys in (
+                (first, first_event, None, ["call:c1"]),
+                (second, second_event, {"reason": "r"}, ["call:c2", "resp:r1"])):
+            op = pg_store._Append.of(envelope, event, escalation, keys)
+            async with conn.transaction():
+                assert await conn.fetchval(
+                    "SELECT stepguard_append($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
+                    *op.values, op.keys, op.escalation) == -1
+
+    on_server(pg_url, append_as_version_2)
+    store = await opened(pg_url)
+    try:
+        assert store.schema_version == VERSION >= 3
+        assert await versions(pg_url) == list(range(1, VERSION + 1))
+        assert await store.load("run-1") == second
+        assert [e["seq"] for e in await store.history("run-1")] == [1, 2]
+        assert await store.escalations("run-1") == [{"reason": "r"}]
+        for key in ("call:c1", "call:c2", "resp:r1"):
+            assert await store.find_run(key) == "run-1"
+        assert await advance(store, second, step_name="confirm") is not None
     finally:
         await store.close()
