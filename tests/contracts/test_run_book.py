@@ -84,6 +84,12 @@ async def committed(book: RunBook, contract: Contract, run_id: str, times: int =
     return envelope
 
 
+async def moved_elsewhere(mine: RunBook, theirs: RunBook, contract: Contract) -> None:
+    """Run r1 committed here (cached at seq 1), then advanced by the other process (seq 2)."""
+    await committed(mine, contract, "r1")
+    await committed(theirs, contract, "r1")
+
+
 async def test_an_optimistic_boundary_of_a_run_cached_here_reads_nothing_from_the_store(
         two_books, make_contract):
     mine, _, reads = two_books
@@ -110,8 +116,7 @@ async def test_a_commit_on_an_envelope_another_process_advanced_is_stale_and_sto
         two_books, make_contract):
     mine, theirs, _ = two_books
     contract = make_contract()
-    await committed(mine, contract, "r1")
-    await committed(theirs, contract, "r1")          # seq 2, written elsewhere
+    await moved_elsewhere(mine, theirs, contract)
     envelope = await mine.envelope(contract, "r1", optimistic=True)
     assert envelope.seq == 1                          # the cached copy, not read
     with pytest.raises(StaleEnvelope) as stale:
@@ -126,8 +131,7 @@ async def test_a_run_found_stale_is_read_from_the_store_at_its_next_optimistic_b
         two_books, make_contract):
     mine, theirs, reads = two_books
     contract = make_contract()
-    await committed(mine, contract, "r1")
-    await committed(theirs, contract, "r1")
+    await moved_elsewhere(mine, theirs, contract)
     with pytest.raises(StaleEnvelope):
         await mine.commit(await mine.envelope(contract, "r1", optimistic=True), dict(FIELDS))
     reads.loads = 0
@@ -141,8 +145,7 @@ async def test_a_boundary_that_stores_nothing_on_a_stale_envelope_fails_as_its_l
         two_books, make_contract):
     mine, theirs, _ = two_books
     contract = make_contract()
-    await committed(mine, contract, "r1")
-    await committed(theirs, contract, "r1")
+    await moved_elsewhere(mine, theirs, contract)
     acted = False
     with pytest.raises(StaleEnvelope):
         async with mine.locked("r1"):
@@ -167,8 +170,7 @@ async def test_a_refusal_raised_on_a_stale_envelope_gives_way_to_the_stale_envel
         two_books, make_contract):
     mine, theirs, _ = two_books
     contract = make_contract()
-    await committed(mine, contract, "r1")
-    await committed(theirs, contract, "r1")
+    await moved_elsewhere(mine, theirs, contract)
     with pytest.raises(StaleEnvelope):
         async with mine.locked("r1"):
             await mine.envelope(contract, "r1", optimistic=True)
@@ -178,8 +180,7 @@ async def test_a_refusal_raised_on_a_stale_envelope_gives_way_to_the_stale_envel
 async def test_a_store_failure_inside_the_lock_is_not_confirmed_again(two_books, make_contract):
     mine, theirs, reads = two_books
     contract = make_contract()
-    await committed(mine, contract, "r1")
-    await committed(theirs, contract, "r1")
+    await moved_elsewhere(mine, theirs, contract)
     reads.loads = 0
     with pytest.raises(ConflictError) as raised:
         async with mine.locked("r1"):
@@ -192,8 +193,7 @@ async def test_the_plain_envelope_of_a_shared_store_is_read_at_every_boundary(
         two_books, make_contract):
     mine, theirs, reads = two_books
     contract = make_contract()
-    await committed(mine, contract, "r1")
-    await committed(theirs, contract, "r1")
+    await moved_elsewhere(mine, theirs, contract)
     reads.loads = 0
     envelope = await mine.envelope(contract, "r1")
     assert envelope.seq == 2 and reads.loads == 1

@@ -13,7 +13,9 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -243,7 +245,7 @@ def test_a_replica_opening_the_file_while_a_sibling_holds_its_write_lock_waits_a
 
 
 @contextlib.contextmanager
-def writer_turn_held(path: Path):
+def writer_turn_held(path: Path) -> Iterator[None]:
     """Another process's writer in the middle of its turn (`<store>.writer` held)."""
     fd = os.open(f"{path}.writer", os.O_RDWR | os.O_CREAT, 0o600)
     try:
@@ -251,6 +253,16 @@ def writer_turn_held(path: Path):
         yield
     finally:
         os.close(fd)
+
+
+@contextlib.asynccontextmanager
+async def opened(path: Path, **options: Any) -> AsyncIterator[SQLiteStore]:
+    store = SQLiteStore(path, **options)
+    await store.open()
+    try:
+        yield store
+    finally:
+        await store.close()
 
 
 def first_event(run_id: str) -> tuple[Envelope, dict[str, object]]:
@@ -262,9 +274,7 @@ def first_event(run_id: str) -> tuple[Envelope, dict[str, object]]:
 async def test_a_shared_writer_waits_for_its_turn_and_writes_as_soon_as_it_comes(
         tmp_path: Path) -> None:
     path = tmp_path / "runs.db"
-    store = SQLiteStore(path, shared=True, timeout_s=5.0)
-    await store.open()
-    try:
+    async with opened(path, shared=True, timeout_s=5.0) as store:
         with writer_turn_held(path):
             append = asyncio.ensure_future(store.append(*first_event("r1")))
             await asyncio.sleep(0.3)
@@ -274,17 +284,13 @@ async def test_a_shared_writer_waits_for_its_turn_and_writes_as_soon_as_it_comes
         assert time.monotonic() - released < 0.1      # looked again within half a millisecond
         stored = await store.load("r1")
         assert stored is not None and stored.seq == 1
-    finally:
-        await store.close()
 
 
 @pytest.mark.timeout(20)
 async def test_a_shared_writer_whose_turn_never_comes_fails_within_its_deadline(
         tmp_path: Path) -> None:
     path = tmp_path / "runs.db"
-    store = SQLiteStore(path, shared=True, timeout_s=0.3)
-    await store.open()
-    try:
+    async with opened(path, shared=True, timeout_s=0.3) as store:
         with writer_turn_held(path):
             started = time.monotonic()
             with pytest.raises(StoreError, match="store deadline"):
@@ -293,17 +299,11 @@ async def test_a_shared_writer_whose_turn_never_comes_fails_within_its_deadline(
             assert not store.healthy() and await store.load("r1") is None
         await asyncio.wait_for(store.append(*first_event("r2")), 5)
         assert store.healthy()
-    finally:
-        await store.close()
 
 
 @pytest.mark.timeout(20)
 async def test_a_single_store_takes_no_turns(tmp_path: Path) -> None:
     path = tmp_path / "runs.db"
-    store = SQLiteStore(path, timeout_s=0.3)
-    await store.open()
-    try:
+    async with opened(path, timeout_s=0.3) as store:
         with writer_turn_held(path):
             await asyncio.wait_for(store.append(*first_event("r1")), 5)
-    finally:
-        await store.close()
