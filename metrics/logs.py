@@ -320,10 +320,7 @@ class LogWriter:
         parts: list[bytes] = []
         size = lines = queued = 0
         for item in batch:
-            if isinstance(item, _Gap):
-                part = self.notice(item.lines)
-            else:
-                part = item
+            part = self.notice(item.lines) if isinstance(item, _Gap) else item
             if parts and size + len(part) > _ATOMIC_WRITE:
                 chunks.append((b"".join(parts), lines, queued))
                 parts, size, lines, queued = [], 0, 0, 0

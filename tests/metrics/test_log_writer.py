@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,6 +74,13 @@ class Reader:
         while chunk := os.read(self.fd, 65536):
             self.data += chunk
 
+    async def until(self, text: bytes, timeout: float = 10.0) -> None:
+        """Wait until `text` has been read."""
+        deadline = time.monotonic() + timeout
+        while text not in self.data:
+            assert time.monotonic() < deadline, f"{text!r} not written"
+            await asyncio.sleep(0.02)
+
     def lines(self, timeout: float = 10.0) -> list[dict[str, Any]]:
         """Every line to the end of the stream (the writers gone), parsed; blank lines (the
         filler) skipped, any line that is not JSON fails the test."""
@@ -124,11 +131,8 @@ async def tools_url(aiohttp_server: Any) -> str:
     return str((await aiohttp_server(tools.create_app())).make_url("")).rstrip("/")
 
 
-@asynccontextmanager
-async def serving(tmp_path: Path, tools_url: str, queue_bytes: int = 0) -> AsyncIterator[Served]:
-    """`stepguard serve --log-format json --log-level info` whose stdout is a pipe that is
-    full once it is ready, and read by nobody until the test starts its reader."""
-    read_fd, write_fd = os.pipe()
+def start(tmp_path: Path, tools_url: str, queue_bytes: int, read_fd: int,
+          write_fd: int) -> Served:
     port, admin = free_port(), free_port()
     stderr = tmp_path / "stderr"
     with stderr.open("wb") as err:
@@ -138,13 +142,22 @@ async def serving(tmp_path: Path, tools_url: str, queue_bytes: int = 0) -> Async
              "--port", str(port), "--admin-port", str(admin), "--store", str(tmp_path / "s.db"),
              "--log-format", "json", "--log-level", "info"],
             stdout=write_fd, stderr=err, stdin=subprocess.DEVNULL)
-    served = Served(proc, Reader(read_fd), f"http://127.0.0.1:{port}",
-                    f"http://127.0.0.1:{admin}", stderr)
+    return Served(proc, Reader(read_fd), f"http://127.0.0.1:{port}",
+                  f"http://127.0.0.1:{admin}", stderr)
+
+
+@asynccontextmanager
+async def serving(tmp_path: Path, tools_url: str, queue_bytes: int = 0) -> AsyncIterator[Served]:
+    """`stepguard serve --log-format json --log-level info` whose stdout is a pipe that is
+    full once it is ready, and read by nobody until the test starts its reader."""
+    read_fd, write_fd = os.pipe()
+    served = start(tmp_path, tools_url, queue_bytes, read_fd, write_fd)
+    proc = served.proc
     try:
         async with aiohttp.ClientSession() as http:
             deadline = time.monotonic() + 30
             while True:
-                assert proc.poll() is None, stderr.read_text()
+                assert proc.poll() is None, served.stderr.read_text()
                 assert time.monotonic() < deadline, "not ready within 30 s"
                 try:
                     async with http.get(f"{served.admin}/readyz") as reply:
@@ -163,7 +176,7 @@ async def serving(tmp_path: Path, tools_url: str, queue_bytes: int = 0) -> Async
         if proc.poll() is None:
             proc.kill()     # the old code: stuck in write(2), deaf to SIGTERM
             proc.wait(10)
-        if not served.reader.thread.is_alive() and served.reader.thread.ident is None:
+        if served.reader.thread.ident is None:      # never started
             served.reader.start()   # so the read end is drained and closed with the stream
         served.reader.thread.join(10)
         os.close(read_fd)
@@ -188,7 +201,7 @@ async def test_calls_are_answered_while_nobody_reads_stdout(tmp_path: Path,
         assert max(times) < CALL_TIMEOUT_S
         assert await served.dropped(http) == 0     # 40 lines: the queue holds them
         served.reader.start()
-        served.stop()
+        await asyncio.to_thread(served.stop)
     assert runs_of(served.reader.lines()) == [run for run in served.runs for _ in (1, 2)]
 
 
@@ -200,22 +213,29 @@ async def test_lines_dropped_on_a_full_queue_are_counted_and_noticed_where_they_
         stalled = [f"stalled-{i}" for i in range(60)]
         for run in stalled:
             await served.call(http, run)
-        dropped = await served.dropped(http)
-        assert dropped > 0
+        assert await served.dropped(http) > 0      # 120 lines, a queue of ~30
         served.reader.start()                     # the reader is back
+        await served.reader.until(DROPPED_EVENT.encode())
         after = [f"after-{i}" for i in range(3)]
         for run in after:
             await served.call(http, run)
-        served.stop()
+        dropped = await served.dropped(http)
+        await asyncio.to_thread(served.stop)
     lines = served.reader.lines()
-    [notice] = [n for n, line in enumerate(lines) if line["event"] == DROPPED_EVENT]
-    assert lines[notice]["dropped"] == dropped and lines[notice]["level"] == "warning"
-    before, behind = runs_of(lines[:notice]), runs_of(lines[notice + 1:])
-    # the lines of the first calls, in order; then, where the rest are missing, the notice
-    kept = len(before) // 2
-    assert before == [run for run in stalled[:kept] for _ in (1, 2)]
-    assert len(before) + dropped == 2 * len(stalled)
-    assert behind == [run for run in after for _ in (1, 2)]
+    notices = [n for n, line in enumerate(lines) if line["event"] == DROPPED_EVENT]
+    assert sum(lines[n]["dropped"] for n in notices) == dropped
+    assert {lines[n]["level"] for n in notices} == {"warning"}
+    expected = [run for run in stalled + after for _ in (1, 2)]
+    written = runs_of(lines)
+    assert len(written) + dropped == len(expected)
+    # the lines of the first calls, in order; where the rest are missing, the notice; then
+    # what came once the reader was back (the lines a queue still full on its return took
+    # count in the same notice)
+    before = runs_of(lines[:notices[0]])
+    assert before == expected[:len(before)]
+    rest = iter(expected[len(before):])
+    assert all(run in rest for run in written[len(before):])       # in order
+    assert written[-2:] == ["after-2", "after-2"]
     assert [line["event"] for line in lines[-2:]] == ["stopping", "stopped"]
 
 
@@ -227,7 +247,7 @@ async def test_stepguard_and_library_lines_share_one_queue_in_order(tmp_path: Pa
         await asyncio.to_thread(send_malformed, int(served.proxy.rsplit(":", 1)[1]))
         await served.call(http, "second")
         served.reader.start()
-        served.stop()
+        await asyncio.to_thread(served.stop)
     events = [(line["event"], line.get("run_id")) for line in served.reader.lines()
               if line["event"] in ("boundary", "bad_request")]
     assert events == [("boundary", "first"), ("boundary", "first"), ("bad_request", None),
@@ -243,7 +263,7 @@ async def test_a_clean_stop_writes_its_last_lines_to_a_reader_that_comes_late(
         await asyncio.sleep(1.0)
         assert served.proc.poll() is None          # still waiting for its lines to be read
         served.reader.start()
-        assert served.proc.wait(DRAIN_TIMEOUT_S + 5) == 0
+        assert await asyncio.to_thread(served.proc.wait, DRAIN_TIMEOUT_S + 5) == 0
     lines = served.reader.lines()
     assert runs_of(lines) == ["last", "last"]
     assert [line["event"] for line in lines[-2:]] == ["stopping", "stopped"]
@@ -254,7 +274,7 @@ async def test_a_clean_stop_waits_for_a_reader_that_never_comes_only_so_long(
         tmp_path: Path, tools_url: str) -> None:
     async with serving(tmp_path, tools_url) as served, aiohttp.ClientSession() as http:
         await served.call(http, "unread")
-        took = served.stop()
+        took = await asyncio.to_thread(served.stop)
         served.reader.start()
     assert DRAIN_TIMEOUT_S - 0.5 < took < DRAIN_TIMEOUT_S + 5
 
@@ -273,10 +293,8 @@ def pipe() -> Iterator[tuple[int, int]]:
         yield read_fd, write_fd
     finally:
         for fd in (read_fd, write_fd):
-            try:
+            with suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
 
 
 def read_available(fd: int, until: bytes, timeout: float = 5.0) -> bytes:
@@ -299,6 +317,7 @@ def test_a_full_queue_drops_without_waiting_and_the_notice_stands_in_for_the_lin
         assert counted == [1, 1, 1]
         assert not writer.drain(0.2)
         data = read_available(read_fd, b'"dropped":3}\n')     # the reader is back
+        assert writer.drain(2)       # (a line counts against the bound until it is written)
         writer.put(b"line 6\n")
         data += read_available(read_fd, b"line 6\n")
         assert writer.close(2)
