@@ -74,12 +74,12 @@ class Reader:
         while chunk := os.read(self.fd, 65536):
             self.data += chunk
 
-    async def until(self, text: bytes, timeout: float = 10.0) -> None:
+    def until(self, text: bytes, timeout: float = 10.0) -> None:
         """Wait until `text` has been read."""
         deadline = time.monotonic() + timeout
         while text not in self.data:
             assert time.monotonic() < deadline, f"{text!r} not written"
-            await asyncio.sleep(0.02)
+            time.sleep(0.02)
 
     def lines(self, timeout: float = 10.0) -> list[dict[str, Any]]:
         """Every line to the end of the stream (the writers gone), parsed; blank lines (the
@@ -215,7 +215,7 @@ async def test_lines_dropped_on_a_full_queue_are_counted_and_noticed_where_they_
             await served.call(http, run)
         assert await served.dropped(http) > 0      # 120 lines, a queue of ~30
         served.reader.start()                     # the reader is back
-        await served.reader.until(DROPPED_EVENT.encode())
+        await asyncio.to_thread(served.reader.until, DROPPED_EVENT.encode())
         after = [f"after-{i}" for i in range(3)]
         for run in after:
             await served.call(http, run)
