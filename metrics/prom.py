@@ -32,6 +32,14 @@ ADDED_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.0
 UPSTREAM_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 RUN_STATUSES = STATUSES
 
+# Log lines this process dropped because its log writer's queue was full (stdout's reader
+# stalled; metrics/logs.py). One per process, not per `Metrics`: the writer is the process's,
+# and `serve` counts into it before any `Metrics` exists. Every `Metrics` registry exposes it;
+# a worker's value goes to the multiprocess files like any counter and is summed over workers.
+LOG_LINES_DROPPED = Counter(
+    "stepguard_log_lines_dropped", "Log lines dropped, never written, because the log queue was "
+    "full (stdout's reader stalled) or the write failed.", registry=None)
+
 
 def status_class(status: int | None) -> str:
     return "error" if status is None else f"{status // 100}xx"
@@ -120,6 +128,8 @@ class Metrics:
         self.contract_info = Info(
             "stepguard_contract", "Each loaded contract: workflow, version and content hash.",
             ["workflow", "contract_version", "sha256"], registry=r)
+        self.log_lines_dropped = LOG_LINES_DROPPED
+        r.register(LOG_LINES_DROPPED)
 
     def contracts_loaded(self, contracts: Iterable[tuple[str, str, str, Iterable[str]]]) -> None:
         """Record the loaded contracts, and create the series that alerts watch with

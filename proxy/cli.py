@@ -276,9 +276,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from stepguard.metrics.logs import configure
-    from stepguard.proxy.admin import AdminTokens
-    from stepguard.proxy.app import serve, shadowed
+    from stepguard.metrics.logs import configure, drain
+    from stepguard.metrics.prom import LOG_LINES_DROPPED
 
     try:
         settings = Settings.from_env(**{k: v for k, v in vars(args).items()
@@ -287,7 +286,21 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"stepguard serve: {exc}", file=sys.stderr)
         return 2
-    configure(settings.log_format, settings.log_level)
+    # lines are written by a thread of their own, never on the event loop (metrics/logs.py);
+    # whatever way serving ends, the lines still queued are written first (the last ones say
+    # how it ended), for at most logs.DRAIN_TIMEOUT_S if nobody reads them
+    configure(settings.log_format, settings.log_level, queued=True,
+              dropped=LOG_LINES_DROPPED.inc)
+    try:
+        return _serve_configured(args, settings)
+    finally:
+        drain()
+
+
+def _serve_configured(args: argparse.Namespace, settings: Settings) -> int:
+    from stepguard.proxy.admin import AdminTokens
+    from stepguard.proxy.app import serve, shadowed
+
     try:
         AdminTokens.load(settings.admin_token, settings.admin_token_file)
     except ConfigError as exc:

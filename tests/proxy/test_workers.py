@@ -133,7 +133,9 @@ async def test_two_workers_serve_one_port_and_both_take_calls(tmp_path: Path,
     async with serving(tmp_path, write_contract(tmp_path / "c.yaml", tools_url)) as served:
         assert len(set(served.pids)) == 2 and served.proc.pid not in served.pids
         assert await _calls(served, "spread", 40) == [200] * 40
-        seen = _workers_of(served, "spread-")
+    # read once the supervisor is gone: a call's lines are written by each worker's log
+    # writer thread, a moment after its answer, and every line before its exit
+    seen = _workers_of(served, "spread-")
     assert set(seen) == {0, 1}, seen
     assert sum(seen.values()) == 40 * 2          # an entry and an exit line per call
     assert served.proc.returncode == 0
@@ -144,7 +146,6 @@ async def test_metrics_on_the_admin_port_sum_the_counters_of_every_worker(
         tmp_path: Path, tools_url: str) -> None:
     async with serving(tmp_path, write_contract(tmp_path / "c.yaml", tools_url)) as served:
         assert await _calls(served, "count", 30) == [200] * 30
-        seen = _workers_of(served, "count-")
         samples = {}
         for _ in range(4):     # whichever worker answers the scrape, the same sums
             status, body = await _get(f"http://{served.admin}/metrics")
@@ -157,6 +158,7 @@ async def test_metrics_on_the_admin_port_sum_the_counters_of_every_worker(
             assert samples[("stepguard_added_seconds_count", (("traffic", "http"),))] == 30
             assert samples[("stepguard_runs", (("status", "active"),
                                                ("workflow", "order-confirmation")))] == 30
+    seen = _workers_of(served, "count-")         # every line written, the supervisor gone
     assert set(seen) == {0, 1}, seen             # both workers counted a share of the 30
 
 
@@ -183,9 +185,9 @@ async def test_sighup_reloads_the_contract_in_every_worker(tmp_path: Path,
         await served.until(lambda: {line["worker"] for line in
                                     served.events("contracts_reloaded")} == {0, 1})
         statuses = await _calls(served, "after", 30, "/tools/check_policy")
-        seen = _workers_of(served, "after-")
-        versions = {line["contract_version"] for line in served.events("boundary")
-                    if line["run_id"].startswith("after-")}
+    seen = _workers_of(served, "after-")       # every line written, the supervisor gone
+    versions = {line["contract_version"] for line in served.events("boundary")
+                if line["run_id"].startswith("after-")}
     assert statuses == [200] * 30       # observe mode in every worker: recorded, not refused
     assert set(seen) == {0, 1} and versions == {"2"}
 
@@ -212,10 +214,10 @@ async def test_sigterm_drains_every_worker_and_the_supervisor_exits_0(
         calls = asyncio.ensure_future(asyncio.gather(
             *(_calls(served, f"drain{i}", 1) for i in range(12))))
         await served.until(lambda: len(arrived) == 12)       # every call at the upstream
-        in_flight = _workers_of(served, "drain")
         served.proc.send_signal(signal.SIGTERM)
         statuses = await asyncio.wait_for(calls, 30)
         code = await asyncio.wait_for(served.proc.wait(), 30)
+    in_flight = _workers_of(served, "drain")    # every line written, the supervisor gone
     assert [s for [s] in statuses] == [200] * 12        # every call in flight completed
     assert set(in_flight) == {0, 1}, in_flight          # ... on both workers
     assert code == 0
@@ -235,8 +237,8 @@ async def test_a_worker_killed_is_started_again_and_the_port_keeps_serving(
                                        for line in served.events("worker_started")))
         await served.until(lambda: _get_ready(served))
         assert await _calls(served, "again", 40) == [200] * 40
-        seen = _workers_of(served, "again-")
         [exited] = served.events("worker_exited")
+    seen = _workers_of(served, "again-")        # every line written, the supervisor gone
     assert (exited["worker"], exited["pid"], exited["exit"]) == (0, victim, "killed by SIGKILL")
     assert set(seen) == {0, 1}, seen
     assert served.proc.returncode == 0
