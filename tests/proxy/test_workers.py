@@ -18,25 +18,12 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
-import yaml
 from aiohttp import web
+from sgtest import write_example_contract
 
 from stepguard.examples.order_confirmation import contract_path, tools
 
 CALL = {"order_id": "ord-1"}
-
-
-def write_contract(path: Path, tools_url: str, **changes: Any) -> str:
-    doc = yaml.safe_load(contract_path().read_text())
-    doc["upstreams"]["tools"]["url"] = tools_url
-    doc.update(changes)
-    path.write_text(yaml.safe_dump(doc))
-    return str(path)
-
-
-@pytest.fixture
-async def tools_url(aiohttp_server: Any) -> str:
-    return str((await aiohttp_server(tools.create_app())).make_url("")).rstrip("/")
 
 
 @dataclass
@@ -131,7 +118,7 @@ async def _get(url: str) -> tuple[int, bytes]:
 @pytest.mark.timeout(150)
 async def test_two_workers_serve_one_port_and_both_take_calls(tmp_path: Path,
                                                               tools_url: str) -> None:
-    async with serving(tmp_path, write_contract(tmp_path / "c.yaml", tools_url)) as served:
+    async with serving(tmp_path, write_example_contract(tmp_path / "c.yaml", tools_url)) as served:
         assert len(set(served.pids)) == 2 and served.proc.pid not in served.pids
         assert await _calls(served, "spread", 40) == [200] * 40
         seen = _workers_of(served, "spread-")
@@ -143,7 +130,7 @@ async def test_two_workers_serve_one_port_and_both_take_calls(tmp_path: Path,
 @pytest.mark.timeout(150)
 async def test_metrics_on_the_admin_port_sum_the_counters_of_every_worker(
         tmp_path: Path, tools_url: str) -> None:
-    async with serving(tmp_path, write_contract(tmp_path / "c.yaml", tools_url)) as served:
+    async with serving(tmp_path, write_example_contract(tmp_path / "c.yaml", tools_url)) as served:
         assert await _calls(served, "count", 30) == [200] * 30
         seen = _workers_of(served, "count-")
         samples = {}
@@ -175,11 +162,11 @@ def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 @pytest.mark.timeout(150)
 async def test_sighup_reloads_the_contract_in_every_worker(tmp_path: Path,
                                                            tools_url: str) -> None:
-    path = write_contract(tmp_path / "c.yaml", tools_url)
+    path = write_example_contract(tmp_path / "c.yaml", tools_url)
     async with serving(tmp_path, path) as served:
         # check_policy before lookup_order: refused (409) under the enforcing contract
         assert set(await _calls(served, "before", 10, "/tools/check_policy")) == {409}
-        write_contract(tmp_path / "c.yaml", tools_url, contract_version=2, mode="observe")
+        write_example_contract(tmp_path / "c.yaml", tools_url, contract_version=2, mode="observe")
         os.kill(served.proc.pid, signal.SIGHUP)
         await served.until(lambda: {line["worker"] for line in
                                     served.events("contracts_reloaded")} == {0, 1})
@@ -209,7 +196,7 @@ async def test_sigterm_drains_every_worker_and_the_supervisor_exits_0(
     arrived: list[float] = []
     slow = await aiohttp_server(_slow_tools(arrived, 1.5))
     url = str(slow.make_url("")).rstrip("/")
-    async with serving(tmp_path, write_contract(tmp_path / "c.yaml", url)) as served:
+    async with serving(tmp_path, write_example_contract(tmp_path / "c.yaml", url)) as served:
         calls = asyncio.ensure_future(asyncio.gather(
             *(_calls(served, f"drain{i}", 1) for i in range(12))))
         await served.until(lambda: len(arrived) == 12)       # every call at the upstream
@@ -226,7 +213,7 @@ async def test_sigterm_drains_every_worker_and_the_supervisor_exits_0(
 @pytest.mark.timeout(150)
 async def test_a_worker_killed_is_started_again_and_the_port_keeps_serving(
         tmp_path: Path, tools_url: str) -> None:
-    async with serving(tmp_path, write_contract(tmp_path / "c.yaml", tools_url)) as served:
+    async with serving(tmp_path, write_example_contract(tmp_path / "c.yaml", tools_url)) as served:
         victim = served.pids[0]
         os.kill(victim, signal.SIGKILL)
         await served.until(lambda: bool(served.events("worker_exited")))
@@ -266,7 +253,7 @@ async def _serve_once(tmp_path: Path, contract: str, *extra: str) -> tuple[int, 
 @pytest.mark.parametrize("workers", ["1", "2"])
 async def test_a_second_serve_on_the_same_store_is_refused(tmp_path: Path, tools_url: str,
                                                            workers: str) -> None:
-    contract = write_contract(tmp_path / "c.yaml", tools_url)
+    contract = write_example_contract(tmp_path / "c.yaml", tools_url)
     async with serving(tmp_path, contract) as served:
         code, out = await _serve_once(tmp_path, contract, "--port", "0", "--admin-port", "0",
                                       "--workers", workers)
@@ -278,7 +265,7 @@ async def test_a_second_serve_on_the_same_store_is_refused(tmp_path: Path, tools
 @pytest.mark.timeout(150)
 async def test_a_second_serve_on_the_workers_port_is_refused(tmp_path: Path,
                                                              tools_url: str) -> None:
-    contract = write_contract(tmp_path / "c.yaml", tools_url)
+    contract = write_example_contract(tmp_path / "c.yaml", tools_url)
     async with serving(tmp_path, contract) as served:
         port = served.proxy.rsplit(":", 1)[1]
         (tmp_path / "other").mkdir()
@@ -291,7 +278,7 @@ async def test_a_second_serve_on_the_workers_port_is_refused(tmp_path: Path,
 @pytest.mark.timeout(150)
 async def test_workers_stop_when_their_supervisor_is_killed(tmp_path: Path,
                                                             tools_url: str) -> None:
-    async with serving(tmp_path, write_contract(tmp_path / "c.yaml", tools_url)) as served:
+    async with serving(tmp_path, write_example_contract(tmp_path / "c.yaml", tools_url)) as served:
         metrics_dir = _metrics_dir_of(served.pids[0])
         assert metrics_dir.is_dir()
         served.proc.kill()
@@ -398,12 +385,32 @@ async def _answered(connections: list[Raw], expected: int,
     return answers
 
 
+async def _sent_apart(served: Served, heads: list[bytes], body: bytes,
+                      answering: int) -> tuple[list[tuple[int, bytes]], int]:
+    """A POST to /tools/lookup_order with `body` (the whole or its start) after each of
+    `heads`, each on a connection of its own: the answers that came (waiting for `answering`
+    of them) and how many the serve still holds."""
+    connections = []
+    try:
+        for head in heads:
+            raw = await Raw.open(served.proxy)
+            raw.writer.write(b"POST /tools/lookup_order HTTP/1.1\r\nHost: stepguard\r\n"
+                             b"Content-Type: application/json\r\n" + head + b"\r\n" + body)
+            connections.append(raw)
+        found = await _answered(connections, answering)
+    finally:
+        for raw in connections:
+            await raw.close()
+    answers = [answer for answer in found if answer is not None]
+    return answers, len(found) - len(answers)
+
+
 @pytest.mark.timeout(150)
 async def test_the_connection_limit_holds_for_the_serve_as_a_whole(tmp_path: Path,
                                                                    tools_url: str) -> None:
     # 4 connections for the serve, 2 for each worker; SO_REUSEPORT spreads the 20 over both
     limit, opened = 4, 20
-    async with serving(tmp_path, write_contract(tmp_path / "c.yaml", tools_url),
+    async with serving(tmp_path, write_example_contract(tmp_path / "c.yaml", tools_url),
                        "--max-connections", str(limit)) as served:
         connections = [await Raw.open(served.proxy) for _ in range(opened)]
         try:
@@ -431,25 +438,14 @@ async def test_the_body_budget_holds_for_the_serve_as_a_whole(tmp_path: Path,
                                                               tools_url: str) -> None:
     # 2000 bytes for the serve, 1000 for each worker: one stalled 1000-byte body each
     opened = 12
-    async with serving(tmp_path, write_contract(tmp_path / "c.yaml", tools_url),
+    async with serving(tmp_path, write_example_contract(tmp_path / "c.yaml", tools_url),
                        "--max-request-bytes", "1000",
                        "--max-inflight-body-bytes", "2000") as served:
-        connections = []
-        try:
-            for i in range(opened):     # each announces 1000 bytes and sends 10 of them
-                raw = await Raw.open(served.proxy)
-                raw.writer.write(b"POST /tools/lookup_order HTTP/1.1\r\nHost: stepguard\r\n"
-                                 b"Content-Type: application/json\r\nContent-Length: 1000\r\n"
-                                 b"x-stepguard-run: body-" + str(i).encode() + b"\r\n\r\n"
-                                 b'{"order_id')
-                connections.append(raw)
-            found = await _answered(connections, opened - 2)
-        finally:
-            for raw in connections:
-                await raw.close()
+        # each announces 1000 bytes and sends 10 of them
+        answers, held = await _sent_apart(
+            served, [b"Content-Length: 1000\r\nx-stepguard-run: body-%d\r\n" % i
+                     for i in range(opened)], b'{"order_id', opened - 2)
         shares = _limit_of(served, "max_inflight_body_bytes")
-    answers = [answer for answer in found if answer is not None]
-    held = len(found) - len(answers)
     assert held == 2
     assert [status for status, _ in answers] == [503] * (opened - 2)
     assert all(b"Too many bodies in flight" in body for _, body in answers)
@@ -461,26 +457,13 @@ async def test_the_held_calls_limit_holds_for_the_serve_as_a_whole(tmp_path: Pat
                                                                    tools_url: str) -> None:
     # every lookup_order waits for an approval; 2 held calls for the serve, 1 for each worker
     opened = 12
-    contract = write_contract(tmp_path / "c.yaml", tools_url, approval=["lookup_order"])
+    contract = write_example_contract(tmp_path / "c.yaml", tools_url, approval=["lookup_order"])
     async with serving(tmp_path, contract, "--max-holds", "2") as served:
-        connections = []
-        try:
-            for i in range(opened):
-                body = orjson.dumps(CALL)
-                raw = await Raw.open(served.proxy)
-                raw.writer.write(b"POST /tools/lookup_order HTTP/1.1\r\nHost: stepguard\r\n"
-                                 b"Content-Type: application/json\r\n"
-                                 b"Content-Length: " + str(len(body)).encode() + b"\r\n"
-                                 b"x-stepguard-run: held-" + str(i).encode() + b"\r\n\r\n"
-                                 + body)
-                connections.append(raw)
-            found = await _answered(connections, opened - 2)
-        finally:
-            for raw in connections:
-                await raw.close()
+        body = orjson.dumps(CALL)
+        answers, held = await _sent_apart(
+            served, [b"Content-Length: %d\r\nx-stepguard-run: held-%d\r\n" % (len(body), i)
+                     for i in range(opened)], body, opened - 2)
         shares = _limit_of(served, "max_holds")
-    answers = [answer for answer in found if answer is not None]
-    held = len(found) - len(answers)
     assert held == 2
     assert [status for status, _ in answers] == [503] * (opened - 2)
     assert all(orjson.loads(body)["title"] == "Too many held calls" for _, body in answers)
@@ -501,7 +484,7 @@ async def test_the_held_calls_limit_holds_for_the_serve_as_a_whole(tmp_path: Pat
 ])
 async def test_a_limit_too_small_for_every_worker_is_refused_at_start(
         tmp_path: Path, tools_url: str, given: tuple[str, ...], named: str) -> None:
-    code, out = await _serve_once(tmp_path, write_contract(tmp_path / "c.yaml", tools_url),
+    code, out = await _serve_once(tmp_path, write_example_contract(tmp_path / "c.yaml", tools_url),
                                   "--port", "0", "--admin-port", "0", "--workers", "2", *given)
     assert code == 2
     assert named.encode() in out, out
@@ -510,7 +493,7 @@ async def test_a_limit_too_small_for_every_worker_is_refused_at_start(
 @pytest.mark.timeout(150)
 async def test_no_held_calls_stays_no_held_calls_in_every_worker(tmp_path: Path,
                                                                   tools_url: str) -> None:
-    async with serving(tmp_path, write_contract(tmp_path / "c.yaml", tools_url),
+    async with serving(tmp_path, write_example_contract(tmp_path / "c.yaml", tools_url),
                        "--max-holds", "0") as served:
         shares = _limit_of(served, "max_holds")
     assert shares == {0: 0, 1: 0}
@@ -519,7 +502,7 @@ async def test_no_held_calls_stays_no_held_calls_in_every_worker(tmp_path: Path,
 @pytest.mark.timeout(150)
 async def test_a_connection_limit_derived_from_the_fd_limit_is_the_serves_divided(
         tmp_path: Path, tools_url: str) -> None:
-    async with serving(tmp_path, write_contract(tmp_path / "c.yaml", tools_url)) as served:
+    async with serving(tmp_path, write_example_contract(tmp_path / "c.yaml", tools_url)) as served:
         [started] = served.events("started")
         shares = _limit_of(served, "max_connections")
     total = started["max_connections"]
