@@ -481,7 +481,7 @@ async def test_the_held_calls_limit_holds_for_the_serve_as_a_whole(tmp_path: Pat
     (("--max-holds", "1"),
      "--max-holds=1 cannot be divided among 2 workers: each needs at least 1 held call, so "
      "at least 2"),
-])
+], ids=["connections", "body budget", "held calls"])
 async def test_a_limit_too_small_for_every_worker_is_refused_at_start(
         tmp_path: Path, tools_url: str, given: tuple[str, ...], named: str) -> None:
     code, out = await _serve_once(tmp_path, write_example_contract(tmp_path / "c.yaml", tools_url),
