@@ -33,13 +33,8 @@ from stepguard.proxy.escalation import Escalator
 from stepguard.proxy.forward import BodyBudget, Forwarder
 from stepguard.proxy.holds import Holds
 from stepguard.proxy.http_adapter import HttpToolAdapter
-from stepguard.proxy.listener import (
-    ADMIN_CONNECTIONS,
-    Gate,
-    GuardedRunner,
-    connection_limit,
-    raise_fd_limit,
-)
+from stepguard.proxy.limits import Limits, serve_limits, worker_limits
+from stepguard.proxy.listener import Gate, GuardedRunner, raise_fd_limit
 from stepguard.proxy.mcp_adapter import McpAdapter
 from stepguard.proxy.model_adapter import ModelAdapter
 from stepguard.proxy.routing import Router
@@ -114,6 +109,8 @@ class Stepguard:
     contracts: list[Contract]
     store: Store
     observer: Observer
+    # what this process may hold at once: the serve's limits, or a worker's share of them
+    limits: Limits
     ready: bool = False
     shadows: list[Contract] = field(default_factory=list)
     # a worker of `serve --workers N`: its link to the supervisor (None: a single process)
@@ -134,7 +131,7 @@ class Stepguard:
         self.boundaries = Boundaries(self.runs, self.observer, self.escalator, self.contracts,
                                      self.settings.payload_history_bytes)
         self.boundaries.shadows = shadowed(self.contracts, self.shadows)
-        self.boundaries.holds = Holds(self.observer, self.settings.max_holds,
+        self.boundaries.holds = Holds(self.observer, self.limits.max_holds,
                                       self.settings.admin_url or f"http://{self.settings.admin_host}"
                                       f":{self.settings.admin_port}")
         http = HttpToolAdapter(self.runs, self.forwarder, self.settings, self.observer,
@@ -145,7 +142,7 @@ class Stepguard:
                                           self.observer, self.boundaries, http)
         adapters["mcp"] = McpAdapter(self.runs, self.forwarder, self.settings, self.observer,
                                      self.boundaries, http)
-        self.budget = BodyBudget(self.settings.max_inflight_body_bytes)
+        self.budget = BodyBudget(self.limits.max_inflight_body_bytes)
         self.dispatcher = Dispatcher(Router(self.contracts), adapters, self.observer,
                                      self.settings.max_request_bytes, self.budget,
                                      self.settings.body_timeout_s,
@@ -188,12 +185,17 @@ def build(settings: Settings, contracts: list[Contract], store: Store | None = N
           tracing: Tracing | None = None, worker: WorkerLink | None = None) -> Stepguard:
     """A Stepguard on the settings' store (a SQLite file or PostgreSQL; or `store`), with a
     fresh metrics registry (and `tracing`, when trace export is on). A worker (`worker`) shares
-    the store with its siblings and reports their metrics."""
+    the store with its siblings, reports their metrics and holds its share of the serve's
+    limits (proxy/limits.py). A connection limit derived from the open-file limit (0) is derived
+    from this process's: raise it first (`listener.raise_fd_limit`)."""
     metrics = metrics or Metrics(multiprocess_dir=worker.metrics_dir if worker else None)
     observer = Observer(metrics, settings.log_payloads, settings.payload_log_bytes,
                         settings.log_level, tracing)
     store = store or settings_store(settings, shared=worker is not None)
-    return Stepguard(settings, contracts, store, observer, shadows=shadows or [], worker=worker)
+    limits = worker_limits(settings, worker.workers)[worker.index] if worker is not None \
+        else serve_limits(settings)
+    return Stepguard(settings, contracts, store, observer, limits, shadows=shadows or [],
+                     worker=worker)
 
 
 def settings_store(settings: Settings, migrate: bool = True, shared: bool = False) -> Store:
@@ -321,6 +323,7 @@ async def serve(settings: Settings, contracts: list[Contract],
     log = get_logger("stepguard")
     if worker is not None:
         structlog.contextvars.bind_contextvars(worker=worker.index)
+    raise_fd_limit()      # before the limits are taken: a derived connection limit follows it
     sg = build(settings, contracts, shadows=shadows, tracing=tracing, worker=worker)
     await sg.start()
     gc.freeze()   # what start-up built lives as long as the process: keep it out of GC passes
@@ -330,10 +333,10 @@ async def serve(settings: Settings, contracts: list[Contract],
     # Measured with the bench contract: 1.25 → 1.06 ms CPU per call. Cycles are still
     # collected, only less often.
     gc.set_threshold(*GC_THRESHOLDS)
-    raise_fd_limit()
-    proxy_gate = Gate(connection_limit(settings.max_connections), settings.header_timeout_s,
+    proxy_gate = Gate(sg.limits.max_connections, settings.header_timeout_s,
                       settings.body_timeout_s)
-    admin_gate = Gate(ADMIN_CONNECTIONS, settings.header_timeout_s, settings.body_timeout_s)
+    admin_gate = Gate(sg.limits.admin_connections, settings.header_timeout_s,
+                      settings.body_timeout_s)
     proxy_runner = GuardedRunner(create_app(sg, manage=False), proxy_gate,
                                  settings.idle_timeout_s, access_log=None, handle_signals=False)
     admin_runner = GuardedRunner(create_admin_app(sg), admin_gate, settings.idle_timeout_s,
@@ -373,8 +376,10 @@ async def serve(settings: Settings, contracts: list[Contract],
                                       proxy_gate.max_connections,
                                       f"OTLP/HTTP to {tracing.endpoint}" if tracing else "off"))
         else:
+            # the one place that tells what this worker may hold: its share of the serve's limits
             log.info("worker_started", pid=os.getpid(), proxy=f"{settings.host}:{settings.port}",
-                     admin=f"{settings.admin_host}:{settings.admin_port}")
+                     admin=f"{settings.admin_host}:{settings.admin_port}",
+                     limits=sg.limits.fields(), of_workers=worker.workers)
             worker.ready()
         await stop.wait()
         log.info("stopping")

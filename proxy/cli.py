@@ -333,7 +333,15 @@ def _serve_configured(args: argparse.Namespace, settings: Settings) -> int:
         if worker is None and settings.workers > 1:
             if requested():
                 check_env()       # each worker sets up its own export; refused here at once
+            from stepguard.proxy.limits import worker_limits
+            from stepguard.proxy.listener import raise_fd_limit
             from stepguard.proxy.workers import supervise
+            raise_fd_limit()      # the workers inherit it: a derived connection limit follows it
+            try:       # every worker's share of the serve's limits, checked before any starts
+                worker_limits(settings, settings.workers)
+            except ConfigError as exc:
+                print(f"stepguard serve: {exc}", file=sys.stderr)
+                return 2
             return supervise(settings, contracts, shadows, args.argv)
         tracing = from_env()
     except TracingError as exc:

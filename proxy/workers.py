@@ -56,7 +56,8 @@ from stepguard.metrics.tracing import requested
 from stepguard.proxy.admin import AdminTokens
 from stepguard.proxy.app import started_fields
 from stepguard.proxy.config import Settings
-from stepguard.proxy.listener import connection_limit, raise_fd_limit, reserve_port
+from stepguard.proxy.limits import serve_limits
+from stepguard.proxy.listener import reserve_port
 from stepguard.proxy.worker_link import MULTIPROC_ENV, READY_MARK, WorkerLink
 
 RESTART_DELAY_S = 0.5        # the first restart's delay, doubled per failure in a row ...
@@ -283,12 +284,11 @@ class Supervisor:
 
     def _announce(self) -> None:
         settings = self.settings
-        raise_fd_limit()      # as each worker did: the limit it derives its connections from
         tokens = AdminTokens.load(settings.admin_token, settings.admin_token_file)
         self.log.info("started", proxy=f"{settings.host}:{self.ports[0]}",
                       admin=f"{settings.admin_host}:{self.ports[1]}",
                       **started_fields(settings, self.contracts, self.shadows, tokens,
-                                       connection_limit(settings.max_connections),
+                                       serve_limits(settings).max_connections,
                                        "OTLP/HTTP, from each worker" if requested() else "off"),
                       workers=len(self.workers),
                       pids=[w.proc.pid for w in self.workers if w.proc is not None])
@@ -296,7 +296,8 @@ class Supervisor:
     # --- acting on workers ---------------------------------------------------------------
 
     def _start(self, worker: _Worker, now: float) -> None:
-        link = WorkerLink(worker.index, self.status_w, self.life_r, self.metrics_dir)
+        link = WorkerLink(worker.index, len(self.workers), self.status_w, self.life_r,
+                          self.metrics_dir)
         command = [sys.executable, "-m", "stepguard.proxy.cli", *self.argv,
                    "--port", str(self.ports[0]), "--admin-port", str(self.ports[1]),
                    "--workers", "1", "--worker-link", link.text()]

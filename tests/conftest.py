@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from pgtest import Database, execute, require_postgres
+from pgtest import Cuttable, Database, execute, require_postgres
 
 
 @pytest.fixture(scope="session")
@@ -29,3 +29,13 @@ def pg_url(pg_database: Database) -> Iterator[str]:
     name, url = pg_database.schema()
     yield url
     execute(pg_database.url, f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+
+
+@pytest.fixture
+async def relay() -> AsyncIterator[Cuttable]:
+    """A relay on loopback to the real server, which a test cuts and restores (`relay.url(pg_url)`
+    reaches the database through it)."""
+    relay = Cuttable()
+    await relay.start()
+    yield relay
+    await relay.close()

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import Awaitable
 from typing import Any
 
 import asyncpg
 import pytest
-from pgtest import Cuttable, on_server
+from pgtest import on_server
 from storetest import BOUND_S, advance, start, step
 
 from stepguard.contracts import pg_store
@@ -26,14 +26,6 @@ TIMEOUT_S = 0.5
 # a failure is answered within the deadline plus this (a 2-core machine under load)
 MARGIN_S = 1.5
 RECOVERY_S = 5.0
-
-
-@pytest.fixture
-async def relay() -> AsyncIterator[Cuttable]:
-    relay = Cuttable()
-    await relay.start()
-    yield relay
-    await relay.close()
 
 
 async def opened(url: str, **options: Any) -> PostgresStore:

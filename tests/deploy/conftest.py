@@ -3,7 +3,6 @@ free loopback ports, and the series stepguard's metrics registry declares."""
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -11,32 +10,17 @@ import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
+from pgtest import in_ci
+from programs import require_binary
 from prometheus_client.metrics import MetricWrapperBase
 
 from stepguard.bench import harness
 from stepguard.metrics.prom import Metrics
 
-INSTALL_HINT = "run deploy/install-test-deps.sh (Debian packages `prometheus`, `haproxy`)"
 # labels Prometheus adds to every scraped series
 TARGET_LABELS = frozenset({"job", "instance"})
 _SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"),
              "gauge": ("",), "info": ("_info",)}
-
-
-def in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
-
-
-def require_binary(name: str) -> str:
-    """The path of `name` (on PATH, or in /usr/sbin where Debian puts haproxy); a skip with the
-    reason when missing, a failure when CI is set."""
-    path = shutil.which(name, path=os.pathsep.join([os.environ.get("PATH", os.defpath), "/usr/sbin"]))
-    if path is None:
-        reason = f"{name} is not installed: {INSTALL_HINT}"
-        if in_ci():
-            pytest.fail(f"{reason}. CI is set, so this test may not be skipped.")
-        pytest.skip(reason)
-    return path
 
 
 @pytest.fixture(scope="session")

@@ -10,16 +10,15 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import shutil
-import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import Callable
+from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 import pytest
 from aiohttp import web
+from programs import answers_200, logged_process, stepguard_command, until
 
 from stepguard.bench.harness import running
 from stepguard.examples.order_confirmation import agent as agent_mod
@@ -40,11 +39,6 @@ class Replica:
     proc: asyncio.subprocess.Process | None = None
 
 
-def _stepguard_command() -> list[str]:
-    script = shutil.which("stepguard", path=str(Path(sys.executable).parent))
-    return [script, "serve"] if script else [sys.executable, "-m", "stepguard.proxy.cli", "serve"]
-
-
 def _config(lb_port: int, replicas: dict[str, Replica]) -> str:
     """The shipped config with the frontend on `lb_port` and each server (and its readiness check)
     at its replica's loopback ports. Everything else is as shipped."""
@@ -56,43 +50,6 @@ def _config(lb_port: int, replicas: dict[str, Replica]) -> str:
                           rf"\1 127.0.0.1:{replica.proxy_port} port {replica.admin_port}", text)
         assert n == 1, name
     return text
-
-
-@asynccontextmanager
-async def _process(args: list[str], log: Path, env: dict[str, str] | None = None
-                   ) -> AsyncIterator[asyncio.subprocess.Process]:
-    with log.open("wb") as out:
-        proc = await asyncio.create_subprocess_exec(*args, stdin=asyncio.subprocess.DEVNULL,
-                                                    stdout=out, stderr=out, env=env)
-    try:
-        yield proc
-    finally:
-        if proc.returncode is None:
-            proc.terminate()
-            try:
-                await asyncio.wait_for(proc.wait(), 10)
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
-
-
-async def _until(probe: Callable[[], Awaitable[object]], seconds: float, what: str, log: Path) -> None:
-    deadline = asyncio.get_running_loop().time() + seconds
-    while True:
-        try:
-            if await probe():
-                return
-        except aiohttp.ClientError:
-            pass
-        if asyncio.get_running_loop().time() > deadline:
-            tail = (await asyncio.to_thread(log.read_text))[-3000:]
-            pytest.fail(f"{what} within {seconds}s; {log.name}:\n{tail}")
-        await asyncio.sleep(0.1)
-
-
-async def _status(session: aiohttp.ClientSession, url: str) -> bool:
-    async with session.get(url) as resp:
-        return resp.status == 200
 
 
 async def _listening(port: int) -> bool:
@@ -127,8 +84,8 @@ async def _start_replica(stack: AsyncExitStack, replica: Replica, tools_url: str
                STEPGUARD_ADMIN_HOST="127.0.0.1", STEPGUARD_ADMIN_PORT=str(replica.admin_port),
                STEPGUARD_LOG_FORMAT="json", STEPGUARD_STORE=store or str(tmp_path / f"{name}.db"))
     log = tmp_path / f"{name}.log"
-    replica.proc = await stack.enter_async_context(_process(_stepguard_command(), log, env))
-    await _until(lambda: _status(session, f"http://127.0.0.1:{replica.admin_port}/readyz"), 30,
+    replica.proc = await stack.enter_async_context(logged_process(stepguard_command(), log, env))
+    await until(lambda: answers_200(session, f"http://127.0.0.1:{replica.admin_port}/readyz"), 30,
                  f"{name} not ready", log)
 
 
@@ -145,8 +102,8 @@ async def test_balancer_spreads_calls_over_replicas_and_routes_around_a_stopped_
         for name, replica in replicas.items():
             await _start_replica(stack, replica, tools_url, tmp_path, name, session)
         await stack.enter_async_context(
-            _process([haproxy, "-db", "-f", str(tmp_path / "haproxy.cfg")], lb_log))
-        await _until(lambda: _lookup(session, lb, "warm-up"), 30, "haproxy not serving", lb_log)
+            logged_process([haproxy, "-db", "-f", str(tmp_path / "haproxy.cfg")], lb_log))
+        await until(lambda: _lookup(session, lb, "warm-up"), 30, "haproxy not serving", lb_log)
 
         statuses = [await _lookup(session, lb, f"spread-{n}") for n in range(10)]
         assert statuses == [200] * 10
@@ -205,8 +162,8 @@ async def test_balancer_never_sends_a_call_that_reached_a_replica_to_another(
         (tmp_path / "haproxy.cfg").write_text(
             _config(lb_port, {"stepguard-1": real, "stepguard-2": dropping}))
         await stack.enter_async_context(
-            _process([haproxy, "-db", "-f", str(tmp_path / "haproxy.cfg")], lb_log))
-        await _until(lambda: _listening(lb_port), 30, "haproxy not listening", lb_log)
+            logged_process([haproxy, "-db", "-f", str(tmp_path / "haproxy.cfg")], lb_log))
+        await until(lambda: _listening(lb_port), 30, "haproxy not listening", lb_log)
 
         statuses = []
         for n in range(10):
@@ -237,8 +194,8 @@ async def test_a_run_spread_over_replicas_on_one_postgresql_store_is_checked_as_
         for name, replica in replicas.items():
             await _start_replica(stack, replica, tools_url, tmp_path, name, session, store)
         await stack.enter_async_context(
-            _process([haproxy, "-db", "-f", str(tmp_path / "haproxy.cfg")], lb_log))
-        await _until(lambda: _listening(lb_port), 30, "haproxy not listening", lb_log)
+            logged_process([haproxy, "-db", "-f", str(tmp_path / "haproxy.cfg")], lb_log))
+        await until(lambda: _listening(lb_port), 30, "haproxy not listening", lb_log)
 
         clean = await agent_mod.run_agent(session, f"{lb}/tools", "spread-clean", 17)
         before = [await _forwarded(session, r) for r in replicas.values()]

@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
-import sys
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 import yaml
+from programs import answers_200, logged_process, prometheus, stepguard_command, until
 
 from stepguard.bench.harness import contract_with_upstreams, running
 from stepguard.examples.order_confirmation import agent as agent_mod
@@ -125,45 +123,6 @@ async def test_promtool_accepts_the_exposition_after_a_drift(promtool: str, tmp_
 
 # --- a real Prometheus server scraping a `stepguard serve` subprocess
 
-@asynccontextmanager
-async def _process(args: list[str], log: Path, env: dict[str, str] | None = None
-                   ) -> AsyncIterator[asyncio.subprocess.Process]:
-    with log.open("wb") as out:
-        proc = await asyncio.create_subprocess_exec(*args, stdin=asyncio.subprocess.DEVNULL,
-                                                    stdout=out, stderr=out, env=env)
-    try:
-        yield proc
-    finally:
-        if proc.returncode is None:
-            proc.terminate()
-            try:
-                await asyncio.wait_for(proc.wait(), 10)
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
-
-
-async def _until(probe: Callable[[], Any], seconds: float, what: str, log: Path) -> Any:
-    """Calls the async `probe` until it returns something truthy; fails after `seconds`."""
-    deadline = asyncio.get_running_loop().time() + seconds
-    while True:
-        try:
-            result = await probe()
-        except aiohttp.ClientError:
-            result = None
-        if result:
-            return result
-        if asyncio.get_running_loop().time() > deadline:
-            tail = (await asyncio.to_thread(log.read_text))[-3000:]
-            pytest.fail(f"{what} within {seconds}s; {log.name}:\n{tail}")
-        await asyncio.sleep(0.25)
-
-
-def _stepguard_command() -> list[str]:
-    script = shutil.which("stepguard", path=str(Path(sys.executable).parent))
-    return [script, "serve"] if script else [sys.executable, "-m", "stepguard.proxy.cli", "serve"]
-
-
 def _prometheus_config(admin_port: int) -> dict[str, Any]:
     """The shipped prometheus.yml, scraping the test's stepguard every second."""
     config: dict[str, Any] = yaml.safe_load(CONFIG.read_text())
@@ -177,10 +136,7 @@ def _prometheus_config(admin_port: int) -> dict[str, Any]:
 @pytest.mark.timeout(120)
 async def test_prometheus_scraping_stepguard_counts_a_drift_by_class_and_step(
         prometheus_binary: str, free_port: Callable[[], int], tmp_path: Path) -> None:
-    proxy_port, admin_port, prom_port = free_port(), free_port(), free_port()
-    (tmp_path / "prometheus").mkdir()
-    (tmp_path / "prometheus" / "prometheus.yml").write_text(yaml.safe_dump(_prometheus_config(admin_port)))
-    shutil.copy(ALERTS, tmp_path / "prometheus" / ALERTS.name)
+    proxy_port, admin_port = free_port(), free_port()
     sg_log, prom_log = tmp_path / "stepguard.log", tmp_path / "prometheus.log"
 
     async with running(tools_mod.create_app()) as tools_url:
@@ -192,29 +148,23 @@ async def test_prometheus_scraping_stepguard_counts_a_drift_by_class_and_step(
                    STEPGUARD_PORT=str(proxy_port), STEPGUARD_ADMIN_HOST="127.0.0.1",
                    STEPGUARD_ADMIN_PORT=str(admin_port), STEPGUARD_LOG_FORMAT="json",
                    STEPGUARD_STORE=str(tmp_path / "stepguard.db"))
-        prometheus = [prometheus_binary, f"--config.file={tmp_path / 'prometheus' / 'prometheus.yml'}",
-                      f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                      f"--web.listen-address=127.0.0.1:{prom_port}"]
-        async with (_process(_stepguard_command(), sg_log, env),
-                    _process(prometheus, prom_log),
+        async with (logged_process(stepguard_command(), sg_log, env),
                     aiohttp.ClientSession() as session):
+            await until(lambda: answers_200(session, f"http://127.0.0.1:{admin_port}/readyz"),
+                        20, "stepguard not ready", sg_log)
+            async with prometheus(prometheus_binary, _prometheus_config(admin_port), tmp_path,
+                                  files=[ALERTS]) as prom:
 
-            async def ready(url: str) -> bool:
-                async with session.get(url) as resp:
-                    return resp.status == 200
+                async def drift_counted() -> list[dict[str, Any]]:
+                    async with session.get(f"{prom}/api/v1/query",
+                                           params={"query": DRIFT_QUERY}) as resp:
+                        result: list[dict[str, Any]] = (await resp.json())["data"]["result"]
+                        return result
 
-            async def drift_counted() -> list[dict[str, Any]]:
-                async with session.get(f"http://127.0.0.1:{prom_port}/api/v1/query",
-                                       params={"query": DRIFT_QUERY}) as resp:
-                    result: list[dict[str, Any]] = (await resp.json())["data"]["result"]
-                    return result
-
-            await _until(lambda: ready(f"http://127.0.0.1:{admin_port}/readyz"), 20,
-                         "stepguard not ready", sg_log)
-            await _until(lambda: ready(f"http://127.0.0.1:{prom_port}/-/ready"), 20,
-                         "prometheus not ready", prom_log)
-            await _drive_clean_and_drifting_run(session, f"http://127.0.0.1:{proxy_port}/tools")
-            result = await _until(drift_counted, 30, "prometheus did not count the drift", prom_log)
+                await _drive_clean_and_drifting_run(session,
+                                                    f"http://127.0.0.1:{proxy_port}/tools")
+                result = await until(drift_counted, 30, "prometheus did not count the drift",
+                                     prom_log)
 
     assert [(r["metric"], r["value"][1]) for r in result] == [
         ({"drift": "freshness", "step": "check_policy"}, "1")]

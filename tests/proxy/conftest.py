@@ -33,6 +33,12 @@ async def tools(aiohttp_server: Any) -> Upstream:
 
 
 @pytest.fixture
+async def tools_url(aiohttp_server: Any) -> str:
+    """The example's fake tool service (nothing recorded), for a stepguard in another process."""
+    return str((await aiohttp_server(tools_mod.create_app())).make_url("")).rstrip("/")
+
+
+@pytest.fixture
 def make_upstream(aiohttp_server: Any) -> Callable[..., Awaitable[Upstream]]:
     """make_upstream(handler) -> a recording server answering every method and path with
     `handler` (default: 200 {"id": "item-1", "status": "ok"})."""

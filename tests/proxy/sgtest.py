@@ -306,6 +306,16 @@ class ExitsNotStored(SQLiteStore):
 # --- stepguard as a process --------------------------------------------------------------------
 
 
+def write_example_contract(path: Path, tools_url: str, **changes: Any) -> str:
+    """The example contract with its tools at `tools_url` and top-level `changes`, written to
+    `path` (for a `stepguard serve --contract`); the path."""
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["upstreams"]["tools"]["url"] = tools_url
+    doc.update(changes)
+    path.write_text(yaml.safe_dump(doc))
+    return str(path)
+
+
 async def started(*argv: str) -> asyncio.subprocess.Process:
     """`python -m ARGV...` (a `stepguard.proxy.cli serve ...`, an upstream), output discarded."""
     return await asyncio.create_subprocess_exec(
@@ -313,10 +323,13 @@ async def started(*argv: str) -> asyncio.subprocess.Process:
         stderr=asyncio.subprocess.DEVNULL)
 
 
-async def wait_ready(session: aiohttp.ClientSession, url: str) -> None:
-    """Until `url` answers with anything below 500 (20 s at most)."""
+async def wait_ready(session: aiohttp.ClientSession, url: str,
+                     proc: asyncio.subprocess.Process | None = None) -> None:
+    """Until `url` answers with anything below 500 (20 s at most; a /readyz answers 200 only
+    once ready). `proc`: the process serving it, which must not exit meanwhile."""
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
+        assert proc is None or proc.returncode is None, "the process exited; see its log"
         try:
             async with session.get(url) as reply:
                 if reply.status < 500:

@@ -16,6 +16,7 @@ from typing import Any
 import orjson
 import pytest
 import structlog
+from programs import stop
 from sgtest import EXAMPLE, free_port
 
 from stepguard.contracts.sqlite_store import connect
@@ -244,12 +245,7 @@ async def test_serve_with_log_format_in_capitals_logs_json(tmp_path: Path) -> No
         assert proc.stdout is not None
         first = await asyncio.wait_for(proc.stdout.readline(), 30)
     finally:
-        proc.terminate()
-        try:
-            await asyncio.wait_for(proc.wait(), 10)
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
+        await stop(proc)
     line = orjson.loads(first)
     assert (line["event"], line["level"]) == ("started", "info")
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -22,14 +21,6 @@ pytestmark = pytest.mark.fault
 STORE_TIMEOUT_S = 0.5
 ANSWER_MARGIN_S = 1.5
 RECOVERY_S = 5.0
-
-
-@pytest.fixture
-async def relay() -> AsyncIterator[Cuttable]:
-    relay = Cuttable()
-    await relay.start()
-    yield relay
-    await relay.close()
 
 
 @pytest.fixture

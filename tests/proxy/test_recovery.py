@@ -22,6 +22,7 @@ from sgtest import (
     free_port,
     problem,
     trail,
+    wait_ready,
 )
 
 from stepguard.contracts.sqlite_store import SQLiteStore
@@ -97,17 +98,7 @@ async def serving(contract: Path, store: Path, log: IO[bytes]
         "--log-format", "json", stdout=log, stderr=log)
     try:
         async with aiohttp.ClientSession() as session:
-            for _ in range(300):
-                assert proc.returncode is None, "stepguard serve exited; see serve.log"
-                try:
-                    async with session.get(f"http://127.0.0.1:{admin}/readyz") as resp:
-                        if resp.status == 200 and (await resp.json())["ready"]:
-                            break
-                except aiohttp.ClientConnectionError:
-                    pass
-                await asyncio.sleep(0.05)
-            else:
-                pytest.fail("stepguard serve did not become ready in 15 s")
+            await wait_ready(session, f"http://127.0.0.1:{admin}/readyz", proc)
             yield proc, Remote(session, f"http://127.0.0.1:{port}")
     finally:
         if proc.returncode is None:

@@ -9,40 +9,25 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import pytest
-import yaml
 from prometheus_client import CollectorRegistry
+from sgtest import wait_ready, write_example_contract
 
 from stepguard.bench.harness import free_port
 from stepguard.contracts.loader import load_contract
-from stepguard.examples.order_confirmation import contract_path, tools
 from stepguard.metrics.prom import Metrics
 from stepguard.proxy.app import build, create_app, reload_contracts
 from stepguard.proxy.config import Settings
 
 
-def write_contract(path: Path, tools_url: str, **changes: Any) -> str:
-    doc = yaml.safe_load(contract_path().read_text())
-    doc["upstreams"]["tools"]["url"] = tools_url
-    doc.update(changes)
-    path.write_text(yaml.safe_dump(doc))
-    return str(path)
-
-
-@pytest.fixture
-async def tools_url(aiohttp_server: Any) -> str:
-    return str((await aiohttp_server(tools.create_app())).make_url("")).rstrip("/")
-
-
 async def test_a_valid_reload_puts_the_new_contract_in_force(tmp_path, aiohttp_client, tools_url):
-    path = write_contract(tmp_path / "c.yaml", tools_url)
+    path = write_example_contract(tmp_path / "c.yaml", tools_url)
     metrics = Metrics(CollectorRegistry())
     sg = build(Settings(store=str(tmp_path / "s.db")), [load_contract(path)], metrics=metrics)
     client = await aiohttp_client(create_app(sg))
-    write_contract(tmp_path / "c.yaml", tools_url, contract_version=2, mode="observe")
+    write_example_contract(tmp_path / "c.yaml", tools_url, contract_version=2, mode="observe")
 
     assert await reload_contracts(sg, [path])
 
@@ -58,7 +43,7 @@ async def test_a_valid_reload_puts_the_new_contract_in_force(tmp_path, aiohttp_c
 
 async def test_a_broken_reload_keeps_the_contracts_in_force_and_is_counted(
         tmp_path, aiohttp_client, tools_url):
-    path = write_contract(tmp_path / "c.yaml", tools_url)
+    path = write_example_contract(tmp_path / "c.yaml", tools_url)
     metrics = Metrics(CollectorRegistry())
     sg = build(Settings(store=str(tmp_path / "s.db")), [load_contract(path)], metrics=metrics)
     client = await aiohttp_client(create_app(sg))
@@ -76,7 +61,7 @@ async def test_a_broken_reload_keeps_the_contracts_in_force_and_is_counted(
 
 @pytest.mark.timeout(60)
 async def test_sighup_reloads_a_running_sidecar(tmp_path, tools_url):
-    path = write_contract(tmp_path / "c.yaml", tools_url)
+    path = write_example_contract(tmp_path / "c.yaml", tools_url)
     port, admin = free_port(), free_port()
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "stepguard.proxy.cli", "serve", "--contract", path, "--port",
@@ -84,8 +69,8 @@ async def test_sighup_reloads_a_running_sidecar(tmp_path, tools_url):
         "--log-format", "json", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
     try:
         async with aiohttp.ClientSession() as session:
-            await _ready(session, admin)
-            write_contract(tmp_path / "c.yaml", tools_url, contract_version=7)
+            await wait_ready(session, f"http://127.0.0.1:{admin}/readyz", proc)
+            write_example_contract(tmp_path / "c.yaml", tools_url, contract_version=7)
             os.kill(proc.pid, signal.SIGHUP)
             deadline = time.monotonic() + 20
             while time.monotonic() < deadline:
@@ -93,7 +78,7 @@ async def test_sighup_reloads_a_running_sidecar(tmp_path, tools_url):
                     versions = [c["contract_version"] for c in (await reply.json())["contracts"]]
                 if versions == ["7"]:
                     break
-                await _sleep()
+                await asyncio.sleep(0.1)
             assert versions == ["7"]
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -102,28 +87,10 @@ async def test_sighup_reloads_a_running_sidecar(tmp_path, tools_url):
     assert b"contracts_reloaded" in out
 
 
-async def _sleep() -> None:
-
-    await asyncio.sleep(0.1)
-
-
-async def _ready(session: aiohttp.ClientSession, admin: int) -> None:
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        try:
-            async with session.get(f"http://127.0.0.1:{admin}/readyz") as reply:
-                if reply.status == 200:
-                    return
-        except aiohttp.ClientError:
-            pass
-        await _sleep()
-    raise AssertionError("stepguard did not become ready")
-
-
 def test_a_call_in_flight_across_a_reload_is_redacted_by_the_contract_it_started_under(
         tmp_path: Path) -> None:
-    before = load_contract(write_contract(tmp_path / "a.yaml", "http://127.0.0.1:9"))
-    after = load_contract(write_contract(tmp_path / "b.yaml", "http://127.0.0.1:9",
+    before = load_contract(write_example_contract(tmp_path / "a.yaml", "http://127.0.0.1:9"))
+    after = load_contract(write_example_contract(tmp_path / "b.yaml", "http://127.0.0.1:9",
                                          redact=["note"]))
     sg = build(Settings(store=str(tmp_path / "s.db")), [before])
     sg.boundaries.use([after])                              # what a reload does

@@ -23,7 +23,7 @@ import orjson
 import pytest
 import yaml
 from aiohttp import web
-from sgtest import contract_doc, free_port
+from sgtest import contract_doc, free_port, wait_ready
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(90)]
 
@@ -93,17 +93,7 @@ async def serving(sidecar: Sidecar) -> AsyncIterator[asyncio.subprocess.Process]
             stdout=log, stderr=log)
     try:
         async with aiohttp.ClientSession() as session:
-            for _ in range(400):
-                assert proc.returncode is None, "stepguard serve exited; see serve.log"
-                try:
-                    async with session.get(f"http://127.0.0.1:{sidecar.admin}/readyz") as resp:
-                        if resp.status == 200 and (await resp.json())["ready"]:
-                            break
-                except aiohttp.ClientConnectionError:
-                    pass
-                await asyncio.sleep(0.05)
-            else:
-                pytest.fail("stepguard serve did not become ready in 20 s")
+            await wait_ready(session, f"http://127.0.0.1:{sidecar.admin}/readyz", proc)
         yield proc
     finally:
         if proc.returncode is None:

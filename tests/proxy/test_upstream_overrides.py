@@ -15,9 +15,8 @@ import aiohttp
 import orjson
 import pytest
 import yaml
-from sgtest import contract_doc
+from sgtest import contract_doc, wait_ready
 from test_cli import stepguard
-from test_reload import _ready
 
 from stepguard.bench.harness import free_port
 from stepguard.contracts.errors import ContractError
@@ -145,7 +144,7 @@ async def test_serve_logs_the_effective_upstream_urls_at_start(tmp_path: Path) -
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
     try:
         async with aiohttp.ClientSession() as session:
-            await _ready(session, admin)
+            await wait_ready(session, f"http://127.0.0.1:{admin}/readyz", proc)
     finally:
         proc.send_signal(signal.SIGTERM)
         out, _ = await asyncio.wait_for(proc.communicate(), 20)

@@ -4,6 +4,7 @@ a real HTTP upstream on loopback, signals sent as an operator would."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -17,25 +18,12 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
-import yaml
 from aiohttp import web
+from sgtest import write_example_contract
 
 from stepguard.examples.order_confirmation import contract_path, tools
 
 CALL = {"order_id": "ord-1"}
-
-
-def write_contract(path: Path, tools_url: str, **changes: Any) -> str:
-    doc = yaml.safe_load(contract_path().read_text())
-    doc["upstreams"]["tools"]["url"] = tools_url
-    doc.update(changes)
-    path.write_text(yaml.safe_dump(doc))
-    return str(path)
-
-
-@pytest.fixture
-async def tools_url(aiohttp_server: Any) -> str:
-    return str((await aiohttp_server(tools.create_app())).make_url("")).rstrip("/")
 
 
 @dataclass
@@ -130,7 +118,7 @@ async def _get(url: str) -> tuple[int, bytes]:
 @pytest.mark.timeout(150)
 async def test_two_workers_serve_one_port_and_both_take_calls(tmp_path: Path,
                                                               tools_url: str) -> None:
-    async with serving(tmp_path, write_contract(tmp_path / "c.yaml", tools_url)) as served:
+    async with serving(tmp_path, write_example_contract(tmp_path / "c.yaml", tools_url)) as served:
         assert len(set(served.pids)) == 2 and served.proc.pid not in served.pids
         assert await _calls(served, "spread", 40) == [200] * 40
     # read once the supervisor is gone: a call's lines are written by each worker's log
@@ -144,7 +132,7 @@ async def test_two_workers_serve_one_port_and_both_take_calls(tmp_path: Path,
 @pytest.mark.timeout(150)
 async def test_metrics_on_the_admin_port_sum_the_counters_of_every_worker(
         tmp_path: Path, tools_url: str) -> None:
-    async with serving(tmp_path, write_contract(tmp_path / "c.yaml", tools_url)) as served:
+    async with serving(tmp_path, write_example_contract(tmp_path / "c.yaml", tools_url)) as served:
         assert await _calls(served, "count", 30) == [200] * 30
         samples = {}
         for _ in range(4):     # whichever worker answers the scrape, the same sums
@@ -176,11 +164,11 @@ def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 @pytest.mark.timeout(150)
 async def test_sighup_reloads_the_contract_in_every_worker(tmp_path: Path,
                                                            tools_url: str) -> None:
-    path = write_contract(tmp_path / "c.yaml", tools_url)
+    path = write_example_contract(tmp_path / "c.yaml", tools_url)
     async with serving(tmp_path, path) as served:
         # check_policy before lookup_order: refused (409) under the enforcing contract
         assert set(await _calls(served, "before", 10, "/tools/check_policy")) == {409}
-        write_contract(tmp_path / "c.yaml", tools_url, contract_version=2, mode="observe")
+        write_example_contract(tmp_path / "c.yaml", tools_url, contract_version=2, mode="observe")
         os.kill(served.proc.pid, signal.SIGHUP)
         await served.until(lambda: {line["worker"] for line in
                                     served.events("contracts_reloaded")} == {0, 1})
@@ -210,7 +198,7 @@ async def test_sigterm_drains_every_worker_and_the_supervisor_exits_0(
     arrived: list[float] = []
     slow = await aiohttp_server(_slow_tools(arrived, 1.5))
     url = str(slow.make_url("")).rstrip("/")
-    async with serving(tmp_path, write_contract(tmp_path / "c.yaml", url)) as served:
+    async with serving(tmp_path, write_example_contract(tmp_path / "c.yaml", url)) as served:
         calls = asyncio.ensure_future(asyncio.gather(
             *(_calls(served, f"drain{i}", 1) for i in range(12))))
         await served.until(lambda: len(arrived) == 12)       # every call at the upstream
@@ -227,7 +215,7 @@ async def test_sigterm_drains_every_worker_and_the_supervisor_exits_0(
 @pytest.mark.timeout(150)
 async def test_a_worker_killed_is_started_again_and_the_port_keeps_serving(
         tmp_path: Path, tools_url: str) -> None:
-    async with serving(tmp_path, write_contract(tmp_path / "c.yaml", tools_url)) as served:
+    async with serving(tmp_path, write_example_contract(tmp_path / "c.yaml", tools_url)) as served:
         victim = served.pids[0]
         os.kill(victim, signal.SIGKILL)
         await served.until(lambda: bool(served.events("worker_exited")))
@@ -267,7 +255,7 @@ async def _serve_once(tmp_path: Path, contract: str, *extra: str) -> tuple[int, 
 @pytest.mark.parametrize("workers", ["1", "2"])
 async def test_a_second_serve_on_the_same_store_is_refused(tmp_path: Path, tools_url: str,
                                                            workers: str) -> None:
-    contract = write_contract(tmp_path / "c.yaml", tools_url)
+    contract = write_example_contract(tmp_path / "c.yaml", tools_url)
     async with serving(tmp_path, contract) as served:
         code, out = await _serve_once(tmp_path, contract, "--port", "0", "--admin-port", "0",
                                       "--workers", workers)
@@ -279,7 +267,7 @@ async def test_a_second_serve_on_the_same_store_is_refused(tmp_path: Path, tools
 @pytest.mark.timeout(150)
 async def test_a_second_serve_on_the_workers_port_is_refused(tmp_path: Path,
                                                              tools_url: str) -> None:
-    contract = write_contract(tmp_path / "c.yaml", tools_url)
+    contract = write_example_contract(tmp_path / "c.yaml", tools_url)
     async with serving(tmp_path, contract) as served:
         port = served.proxy.rsplit(":", 1)[1]
         (tmp_path / "other").mkdir()
@@ -292,7 +280,7 @@ async def test_a_second_serve_on_the_workers_port_is_refused(tmp_path: Path,
 @pytest.mark.timeout(150)
 async def test_workers_stop_when_their_supervisor_is_killed(tmp_path: Path,
                                                             tools_url: str) -> None:
-    async with serving(tmp_path, write_contract(tmp_path / "c.yaml", tools_url)) as served:
+    async with serving(tmp_path, write_example_contract(tmp_path / "c.yaml", tools_url)) as served:
         metrics_dir = _metrics_dir_of(served.pids[0])
         assert metrics_dir.is_dir()
         served.proc.kill()
@@ -330,7 +318,7 @@ async def test_readyz_of_a_worker_is_503_until_every_worker_serves(tmp_path: Pat
     from stepguard.proxy.config import Settings
     from stepguard.proxy.worker_link import READY_MARK, WorkerLink
 
-    link = WorkerLink(0, -1, -1, tmp_path)
+    link = WorkerLink(0, 1, -1, -1, tmp_path)
     sg = build(Settings(store=str(tmp_path / "s.db")), [load_contract(contract_path())],
                metrics=Metrics(CollectorRegistry()), worker=link)
     await sg.start()
@@ -344,3 +332,194 @@ async def test_readyz_of_a_worker_is_503_until_every_worker_serves(tmp_path: Pat
         assert sg.store.shared
     finally:
         await sg.stop()
+
+
+# --- the serve's limits, divided among its workers ----------------------------------------
+
+
+@dataclass
+class Raw:
+    """One client connection to a serve, spoken to byte by byte."""
+
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+
+    @classmethod
+    async def open(cls, address: str) -> Raw:
+        host, port = address.rsplit(":", 1)
+        return cls(*await asyncio.open_connection(host, int(port)))
+
+    async def answer(self) -> tuple[int, bytes]:
+        """The status and body of the next answer on this connection."""
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        status = int(head.split(b" ", 2)[1])
+        length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))
+        return status, await self.reader.readexactly(length)
+
+    async def close(self) -> None:
+        self.writer.close()
+        with contextlib.suppress(OSError):
+            await self.writer.wait_closed()
+
+
+def _limit_of(served: Served, name: str) -> dict[int, int]:
+    """The share of limit `name` each worker says it got (its `worker_started` line)."""
+    return {line["worker"]: line.get("limits", {}).get(name)
+            for line in served.events("worker_started")}
+
+
+async def _answered(connections: list[Raw], expected: int,
+                    seconds: float = 15.0) -> list[tuple[int, bytes] | None]:
+    """The first answer on each of `connections`, None where none came (held by the serve):
+    waiting until `expected` of them have answered (at most `seconds`) and half a second longer
+    for any more."""
+    reads = [asyncio.ensure_future(c.answer()) for c in connections]
+    deadline, pending = time.monotonic() + seconds, set(reads)
+    while pending and len(reads) - len(pending) < expected and time.monotonic() < deadline:
+        _, pending = await asyncio.wait(pending, timeout=deadline - time.monotonic(),
+                                        return_when=asyncio.FIRST_COMPLETED)
+    await asyncio.sleep(0.5)
+    answers = [r.result() if r.done() else None for r in reads]
+    for r in reads:
+        r.cancel()
+    await asyncio.gather(*reads, return_exceptions=True)
+    return answers
+
+
+async def _sent_apart(served: Served, heads: list[bytes], body: bytes,
+                      answering: int) -> tuple[list[tuple[int, bytes]], int]:
+    """A POST to /tools/lookup_order with `body` (the whole or its start) after each of
+    `heads`, each on a connection of its own: the answers that came (waiting for `answering`
+    of them) and how many the serve still holds."""
+    connections = []
+    try:
+        for head in heads:
+            raw = await Raw.open(served.proxy)
+            raw.writer.write(b"POST /tools/lookup_order HTTP/1.1\r\nHost: stepguard\r\n"
+                             b"Content-Type: application/json\r\n" + head + b"\r\n" + body)
+            connections.append(raw)
+        found = await _answered(connections, answering)
+    finally:
+        for raw in connections:
+            await raw.close()
+    answers = [answer for answer in found if answer is not None]
+    return answers, len(found) - len(answers)
+
+
+@pytest.mark.timeout(150)
+async def test_the_connection_limit_holds_for_the_serve_as_a_whole(tmp_path: Path,
+                                                                   tools_url: str) -> None:
+    # 4 connections for the serve, 2 for each worker; SO_REUSEPORT spreads the 20 over both
+    limit, opened = 4, 20
+    async with serving(tmp_path, write_example_contract(tmp_path / "c.yaml", tools_url),
+                       "--max-connections", str(limit)) as served:
+        connections = [await Raw.open(served.proxy) for _ in range(opened)]
+        try:
+            # a connection past the limit is answered 503 at once and closed; an admitted one
+            # waits for its request
+            answers = await _answered(connections, opened - limit)
+            kept = [c for c, answer in zip(connections, answers, strict=True) if answer is None]
+            for raw in kept:        # each admitted connection serves, and keeps serving
+                for _ in range(2):
+                    raw.writer.write(b"GET /nowhere HTTP/1.1\r\nHost: stepguard\r\n\r\n")
+                    assert (await raw.answer())[0] == 404
+        finally:
+            for raw in connections:
+                await raw.close()
+        shares = _limit_of(served, "max_connections")
+    refused = [answer for answer in answers if answer is not None]
+    assert len(kept) == limit
+    assert [status for status, _ in refused] == [503] * (opened - limit)
+    assert all(b"too-many-connections" in body for _, body in refused)
+    assert shares == {0: 2, 1: 2}
+
+
+@pytest.mark.timeout(150)
+async def test_the_body_budget_holds_for_the_serve_as_a_whole(tmp_path: Path,
+                                                              tools_url: str) -> None:
+    # 2000 bytes for the serve, 1000 for each worker: one stalled 1000-byte body each
+    opened = 12
+    async with serving(tmp_path, write_example_contract(tmp_path / "c.yaml", tools_url),
+                       "--max-request-bytes", "1000",
+                       "--max-inflight-body-bytes", "2000") as served:
+        # each announces 1000 bytes and sends 10 of them
+        answers, held = await _sent_apart(
+            served, [b"Content-Length: 1000\r\nx-stepguard-run: body-%d\r\n" % i
+                     for i in range(opened)], b'{"order_id', opened - 2)
+        shares = _limit_of(served, "max_inflight_body_bytes")
+    assert held == 2
+    assert [status for status, _ in answers] == [503] * (opened - 2)
+    assert all(b"Too many bodies in flight" in body for _, body in answers)
+    assert shares == {0: 1000, 1: 1000}
+
+
+@pytest.mark.timeout(150)
+async def test_the_held_calls_limit_holds_for_the_serve_as_a_whole(tmp_path: Path,
+                                                                   tools_url: str) -> None:
+    # every lookup_order waits for an approval; 2 held calls for the serve, 1 for each worker
+    opened = 12
+    contract = write_example_contract(tmp_path / "c.yaml", tools_url, approval=["lookup_order"])
+    async with serving(tmp_path, contract, "--max-holds", "2") as served:
+        body = orjson.dumps(CALL)
+        answers, held = await _sent_apart(
+            served, [b"Content-Length: %d\r\nx-stepguard-run: held-%d\r\n" % (len(body), i)
+                     for i in range(opened)], body, opened - 2)
+        shares = _limit_of(served, "max_holds")
+    assert held == 2
+    assert [status for status, _ in answers] == [503] * (opened - 2)
+    assert all(orjson.loads(body)["title"] == "Too many held calls" for _, body in answers)
+    assert shares == {0: 1, 1: 1}
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(("given", "named"), [
+    (("--max-connections", "1"),
+     "--max-connections=1 cannot be divided among 2 workers: each needs at least 1 "
+     "connection, so at least 2"),
+    (("--max-request-bytes", "1000", "--max-inflight-body-bytes", "1500"),
+     "--max-inflight-body-bytes=1500 cannot be divided among 2 workers: each needs at least "
+     "1000 bytes (one body of --max-request-bytes), so at least 2000"),
+    (("--max-holds", "1"),
+     "--max-holds=1 cannot be divided among 2 workers: each needs at least 1 held call, so "
+     "at least 2"),
+], ids=["connections", "body budget", "held calls"])
+async def test_a_limit_too_small_for_every_worker_is_refused_at_start(
+        tmp_path: Path, tools_url: str, given: tuple[str, ...], named: str) -> None:
+    code, out = await _serve_once(tmp_path, write_example_contract(tmp_path / "c.yaml", tools_url),
+                                  "--port", "0", "--admin-port", "0", "--workers", "2", *given)
+    assert code == 2
+    assert named.encode() in out, out
+
+
+@pytest.mark.timeout(150)
+async def test_no_held_calls_stays_no_held_calls_in_every_worker(tmp_path: Path,
+                                                                  tools_url: str) -> None:
+    async with serving(tmp_path, write_example_contract(tmp_path / "c.yaml", tools_url),
+                       "--max-holds", "0") as served:
+        shares = _limit_of(served, "max_holds")
+    assert shares == {0: 0, 1: 0}
+
+
+@pytest.mark.timeout(150)
+async def test_a_connection_limit_derived_from_the_fd_limit_is_the_serves_divided(
+        tmp_path: Path, tools_url: str) -> None:
+    async with serving(tmp_path, write_example_contract(tmp_path / "c.yaml", tools_url)) as served:
+        [started] = served.events("started")
+        shares = _limit_of(served, "max_connections")
+    total = started["max_connections"]
+    assert shares == {0: total - total // 2, 1: total // 2}
+
+
+def test_a_remainder_goes_one_apiece_to_the_first_workers() -> None:
+    from stepguard.proxy.config import Settings
+    from stepguard.proxy.limits import Limits, worker_limits
+
+    settings = Settings(max_connections=7, max_request_bytes=100, max_inflight_body_bytes=302,
+                        max_holds=5)
+    assert worker_limits(settings, 3) == [Limits(3, 11, 101, 2), Limits(2, 11, 101, 2),
+                                          Limits(2, 10, 100, 1)]
+    # the admin listener's 32 is stepguard's own: past 32 workers each keeps one
+    many = worker_limits(Settings(max_connections=64, max_holds=64,
+                                  max_request_bytes=1, max_inflight_body_bytes=64), 64)
+    assert {limits.admin_connections for limits in many} == {1}
