@@ -198,6 +198,7 @@ class Contention:
     seconds: float
     p50_ms: float
     p99_ms: float
+    max_ms: float       # the slowest call: how long the unluckiest client waited
     load: str           # `uptime`'s load averages as the phase ended
 
     @property
@@ -282,7 +283,7 @@ async def _phase(urls: Sequence[str], path: str, body: bytes, n: int, locks: str
     latencies.sort()
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     return Contention(n, locks, phase, len(latencies) - failed, failed, took,
-                      _pct(latencies, 50), _pct(latencies, 99), load)
+                      _pct(latencies, 50), _pct(latencies, 99), _pct(latencies, 100), load)
 
 
 def _pct(ordered: Sequence[float], pct: float) -> float:
@@ -293,11 +294,13 @@ def _pct(ordered: Sequence[float], pct: float) -> float:
 
 def render_contention(results: Sequence[Contention]) -> str:
     """Every phase, then per (replicas, run locks, phase) the range over the rounds."""
-    lines = ["replicas  run_locks  phase    calls/s  p50 ms  p99 ms  failed  load"]
+    lines = ["replicas  run_locks  phase    calls/s  p50 ms  p99 ms  max ms  failed  load"]
     lines += [f"{r.replicas:>8}  {r.run_locks:<9}  {r.phase:<7}  {r.rate:>7.0f}  "
-              f"{r.p50_ms:>6.1f}  {r.p99_ms:>6.1f}  {r.failed:>6}  {r.load}" for r in results]
+              f"{r.p50_ms:>6.1f}  {r.p99_ms:>6.1f}  {r.max_ms:>6.0f}  {r.failed:>6}  {r.load}"
+              for r in results]
     lines.append("")
-    lines.append("replicas  run_locks  phase    calls/s     p50 ms       p99 ms         failed")
+    lines.append("replicas  run_locks  phase    calls/s     p50 ms       p99 ms         "
+                 "max ms         failed")
     groups: dict[tuple[int, str, str], list[Contention]] = {}
     for r in results:
         groups.setdefault((r.replicas, r.run_locks, r.phase), []).append(r)
@@ -309,5 +312,6 @@ def render_contention(results: Sequence[Contention]) -> str:
     for (n, locks, phase), rs in sorted(groups.items()):
         lines.append(f"{n:>8}  {locks:<9}  {phase:<7}  {span([r.rate for r in rs], '.0f'):<10}  "
                      f"{span([r.p50_ms for r in rs], '.0f'):<11}  "
-                     f"{span([r.p99_ms for r in rs], '.0f'):<13}  {sum(r.failed for r in rs)}")
+                     f"{span([r.p99_ms for r in rs], '.0f'):<13}  "
+                     f"{span([r.max_ms for r in rs], '.0f'):<13}  {sum(r.failed for r in rs)}")
     return "\n".join(lines)
