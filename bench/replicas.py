@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+import orjson
 from aiohttp import web
 
 from stepguard.bench.harness import free_port, running
@@ -175,3 +176,142 @@ async def balanced(backends: Sequence[str]) -> AsyncIterator[tuple[str, list[int
     app = round_robin(backends)
     async with running(app) as url:
         yield url, app[SENT]
+
+
+# --- contention: one hot run, or many runs, over N replicas on PostgreSQL ---------------------
+
+HOT = "one run"
+SPREAD = "32 runs"
+
+
+@dataclass
+class Contention:
+    """One phase of `contend`: `clients` closed-loop clients for `seconds` over `replicas`
+    replicas serialising runs by `run_locks`, all on one run (HOT) or each on its own
+    (SPREAD)."""
+
+    replicas: int
+    run_locks: str
+    phase: str
+    calls: int
+    failed: int
+    seconds: float
+    p50_ms: float
+    p99_ms: float
+    max_ms: float       # the slowest call: how long the unluckiest client waited
+    load: str           # `uptime`'s load averages as the phase ended
+
+    @property
+    def rate(self) -> float:
+        return self.calls / self.seconds
+
+
+async def contend(server: str, workdir: Path, replica_counts: Sequence[int] = (1, 2, 3),
+                  run_locks: Sequence[str] = ("cas", "advisory"), rounds: int = 3,
+                  clients: int = 32, seconds: float = 4.0) -> list[Contention]:
+    """`rounds` rounds of every (replicas, run_locks) pair, interleaved (each round runs every
+    pair once, in turn, so the machine's other load falls on all of them alike), each pair on a
+    fresh database of the PostgreSQL `server` with the bench contract (bench/proxy.py: one
+    `lookup_order` step, schemas and conditions) and the bench upstream (bench/upstream.py, a
+    ~10 KB answer). Each pair runs both phases: `clients` clients on one run, then on a run
+    each. A client sends its calls one after another, each to the next replica in turn (a
+    round-robin balancer without its hop: the bench process's own CPU stays with the clients),
+    so consecutive calls of a run reach different replicas. A call that is not answered 200 is
+    counted failed and the client goes on."""
+    from stepguard.bench.proxy import MOUNT, TOOL_PATH, PgDatabase, bench_contract
+    from stepguard.bench.upstream import order_request
+
+    upstream = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "stepguard.bench.upstream", "--port", "0",
+        stdout=asyncio.subprocess.PIPE)
+    assert upstream.stdout is not None
+    port = int((await upstream.stdout.readline()).split()[1])
+    contract = workdir / "contention.yaml"
+    contract.write_text(orjson.dumps(bench_contract(f"http://127.0.0.1:{port}")).decode())
+    body = order_request()
+    results: list[Contention] = []
+    try:
+        for _ in range(rounds):
+            for n in replica_counts:
+                for locks in run_locks:
+                    database = await asyncio.to_thread(PgDatabase.create, server)
+                    try:
+                        async with replicas(n, contract, database.url, workdir,
+                                            more=["--run-locks", locks]) as members:
+                            for phase in (HOT, SPREAD):
+                                results.append(await _phase(
+                                    members.urls, MOUNT + TOOL_PATH, body, n, locks, phase,
+                                    clients, seconds))
+                    finally:
+                        await asyncio.to_thread(database.drop)
+    finally:
+        upstream.terminate()
+        await upstream.wait()
+    return results
+
+
+async def _phase(urls: Sequence[str], path: str, body: bytes, n: int, locks: str, phase: str,
+                 clients: int, seconds: float) -> Contention:
+    latencies: list[float] = []
+    failed = 0
+    tag = f"{phase.replace(' ', '-')}-{time.monotonic_ns()}"
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        started = time.monotonic()
+        stop = started + seconds
+
+        async def client(i: int) -> None:
+            nonlocal failed
+            run = tag if phase == HOT else f"{tag}-{i}"
+            headers = {"content-type": "application/json", "x-stepguard-run": run}
+            k = i
+            while time.monotonic() < stop:
+                sent = time.perf_counter()
+                try:
+                    async with session.post(urls[k % len(urls)] + path, data=body,
+                                            headers=headers) as resp:
+                        await resp.read()
+                        ok = resp.status == 200
+                except aiohttp.ClientError:
+                    ok = False
+                latencies.append(time.perf_counter() - sent)
+                failed += not ok
+                k += 1
+
+        await asyncio.gather(*(client(i) for i in range(clients)))
+        took = time.monotonic() - started
+    latencies.sort()
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return Contention(n, locks, phase, len(latencies) - failed, failed, took,
+                      _pct(latencies, 50), _pct(latencies, 99), _pct(latencies, 100), load)
+
+
+def _pct(ordered: Sequence[float], pct: float) -> float:
+    if not ordered:
+        return 0.0
+    return round(ordered[min(len(ordered) - 1, int(len(ordered) * pct / 100))] * 1000, 1)
+
+
+def render_contention(results: Sequence[Contention]) -> str:
+    """Every phase, then per (replicas, run locks, phase) the range over the rounds."""
+    lines = ["replicas  run_locks  phase    calls/s  p50 ms  p99 ms  max ms  failed  load"]
+    lines += [f"{r.replicas:>8}  {r.run_locks:<9}  {r.phase:<7}  {r.rate:>7.0f}  "
+              f"{r.p50_ms:>6.1f}  {r.p99_ms:>6.1f}  {r.max_ms:>6.0f}  {r.failed:>6}  {r.load}"
+              for r in results]
+    lines.append("")
+    lines.append("replicas  run_locks  phase    calls/s     p50 ms       p99 ms         "
+                 "max ms         failed")
+    groups: dict[tuple[int, str, str], list[Contention]] = {}
+    for r in results:
+        groups.setdefault((r.replicas, r.run_locks, r.phase), []).append(r)
+
+    def span(values: list[float], fmt: str) -> str:
+        low, high = min(values), max(values)
+        return format(low, fmt) if low == high else f"{low:{fmt}}-{high:{fmt}}"
+
+    for (n, locks, phase), rs in sorted(groups.items()):
+        lines.append(f"{n:>8}  {locks:<9}  {phase:<7}  {span([r.rate for r in rs], '.0f'):<10}  "
+                     f"{span([r.p50_ms for r in rs], '.0f'):<11}  "
+                     f"{span([r.p99_ms for r in rs], '.0f'):<13}  "
+                     f"{span([r.max_ms for r in rs], '.0f'):<13}  {sum(r.failed for r in rs)}")
+    return "\n".join(lines)

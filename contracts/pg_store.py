@@ -41,6 +41,16 @@ commit was then `BEGIN`, a statement per append, `COMMIT` (N + 2 round trips); a
 (one round trip) it takes 1.4-2.5x the appends/s at 16 concurrent runs, 1.9-3.3x at 64 and
 2.1-3.1x at 256, and a lone append's p50 is 0.70-0.87x (6 rounds, docs/postgresql.md).
 
+Concurrent boundaries of one run on several processes are serialised by the append's
+compare-and-set (the loser reads the run and checks again: proxy/boundaries.py
+`retrying_conflicts`), and with `run_locks="advisory"` (`--run-locks`) also by a per-run
+advisory lock held across the boundary (`run_lock`): a session lock, `pg_advisory_lock` on a
+64-bit hash of the run id, taken on a connection of a pool of its own (a held lock holds its
+connection; the boundary's read and append take theirs from the main pool, so held locks never
+starve them), waited for within the store deadline (`lock_timeout` on the server, the deadline
+on the client), released by `pg_advisory_unlock`, and by the server when the connection dies.
+Which is the default, and why, is measured in docs/replicas.md.
+
 The schema is versioned (pg_schema.py): `open` applies missing migrations under an advisory
 lock, and refuses a database whose schema is newer than this code.
 """
@@ -49,8 +59,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from typing import Any, cast
 
 import asyncpg
@@ -59,6 +71,7 @@ import orjson
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.errors import ConflictError, StoreError
 from stepguard.contracts.pg_schema import MIGRATION_LOCK, MIGRATIONS, VERSION
+from stepguard.contracts.store import ADVISORY, DEFAULT_RUN_LOCKS, RunLock
 from stepguard.contracts.store_urls import redacted
 
 DEFAULT_TIMEOUT_S = 1.0
@@ -90,7 +103,8 @@ class PostgresStore:
 
     def __init__(self, url: str, retention_s: float = 0.0, purge_interval_s: float = 300.0,
                  timeout_s: float = DEFAULT_TIMEOUT_S, pool_size: int = DEFAULT_POOL_SIZE,
-                 migrate: bool = True, group_commit: bool = GROUP_COMMIT) -> None:
+                 migrate: bool = True, group_commit: bool = GROUP_COMMIT,
+                 run_locks: str = DEFAULT_RUN_LOCKS) -> None:
         self.url = url
         self.shown = redacted(url)      # the only spelling of the URL in messages
         self.retention_s = retention_s
@@ -99,8 +113,10 @@ class PostgresStore:
         self.pool_size = pool_size
         self.migrate = migrate
         self.group_commit = group_commit
+        self.run_locks = run_locks
         self.schema_version: int | None = None
         self._pool: Any = None
+        self._lock_pool: Any = None    # connections holding run locks (run_locks="advisory")
         self._closing = False
         self._healthy = True
         self._inflight = 0
@@ -114,6 +130,12 @@ class PostgresStore:
     def healthy(self) -> bool:
         """False from a failed write or read until a write (or the probe) succeeds."""
         return self._healthy
+
+    @property
+    def run_lock(self) -> RunLock | None:
+        """The per-run advisory lock with `run_locks="advisory"`; None with "cas" (the
+        compare-and-set alone serialises a run's boundaries across processes)."""
+        return self._advisory if self.run_locks == ADVISORY else None
 
     # --- opening and closing ---------------------------------------------------------------
 
@@ -142,6 +164,12 @@ class PostgresStore:
         except DB_ERRORS as exc:
             await _close_pool(pool, self.timeout_s)
             raise StoreError(f"cannot open store {self.shown}: {explain(exc)}") from None
+        if self.run_locks == ADVISORY:
+            try:
+                self._lock_pool = await self._create_lock_pool()
+            except (ValueError, *DB_ERRORS) as exc:
+                await _close_pool(pool, self.timeout_s)
+                raise StoreError(f"cannot open store {self.shown}: {explain(exc)}") from None
         self._pool = pool
         self._closing, self._healthy = False, True
         self._idle = asyncio.Event()
@@ -168,6 +196,77 @@ class PostgresStore:
         self._prober = self._purger = None
         pool, self._pool = self._pool, None
         await _close_pool(pool, self.timeout_s)
+        if self._lock_pool is not None:
+            lock_pool, self._lock_pool = self._lock_pool, None
+            await _close_pool(lock_pool, self.timeout_s)
+
+    # --- run locks -------------------------------------------------------------------------
+
+    async def _create_lock_pool(self) -> Any:
+        """The run locks' own pool, as large as the main one: one connection per run with a
+        boundary in progress in this process (the run book takes a run's lock once per
+        process). Its sessions wait for a lock no longer than the store deadline
+        (`lock_timeout`): a wait cut short there leaves the connection usable."""
+        return await asyncpg.create_pool(
+            self.url, min_size=0, max_size=self.pool_size, timeout=self.timeout_s,
+            reset=_no_reset, server_settings={
+                "application_name": "stepguard-run-locks",
+                "lock_timeout": f"{max(1, round(self.timeout_s * 1000))}ms"})
+
+    def _advisory(self, run_id: str) -> AbstractAsyncContextManager[None]:
+        return self._holding(run_id)
+
+    @contextlib.asynccontextmanager
+    async def _holding(self, run_id: str) -> AsyncIterator[None]:
+        """The run's advisory lock, held until the block ends. Taking it (a connection of the
+        lock pool, then the lock) fits in the store deadline, or StoreError."""
+        self._check_open()
+        pool, key = self._lock_pool, run_lock_key(run_id)
+        self._inflight_enter()
+        try:
+            conn = await self._lock(pool, key, time.monotonic() + self.timeout_s)
+            try:
+                yield
+            finally:
+                await self._unlock(pool, conn, key)
+        finally:
+            self._inflight_leave()
+
+    async def _lock(self, pool: Any, key: int, deadline: float) -> _Conn:
+        conn = None
+        try:
+            async with asyncio.timeout(deadline - time.monotonic()):
+                conn = await pool.acquire()
+                await conn.fetchval("SELECT pg_advisory_lock($1)", key)
+            return conn
+        except asyncpg.exceptions.LockNotAvailableError:
+            # the server's lock_timeout: nothing held, the session is fine
+            await pool.release(conn)
+            raise self._timed_out() from None
+        except BaseException as exc:
+            if conn is not None:
+                # a lock granted as the client gave up goes with the session
+                conn.terminate()
+                await pool.release(conn)
+            if isinstance(exc, TimeoutError):
+                raise self._timed_out() from None
+            if isinstance(exc, (ValueError, *DB_ERRORS)):
+                raise StoreError(f"store {self.shown}: {explain(exc)}") from None
+            raise
+
+    async def _unlock(self, pool: Any, conn: _Conn, key: int) -> None:
+        """Release the lock; when that fails, end the session (the server releases its locks
+        as it ends), so no lock outlives its boundary. The boundary's outcome is stored by
+        now: a failed release never fails the call."""
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await conn.fetchval("SELECT pg_advisory_unlock($1)", key)
+        except BaseException as exc:
+            conn.terminate()
+            if not isinstance(exc, (TimeoutError, *DB_ERRORS)):
+                raise
+        finally:
+            await pool.release(conn)
 
     # --- reads -----------------------------------------------------------------------------
 
@@ -456,6 +555,13 @@ class PostgresStore:
         deleted: int = await self._tracked(self._on_connection(
             work, time.monotonic() + self.timeout_s * 10))
         return deleted
+
+
+def run_lock_key(run_id: str) -> int:
+    """The advisory lock key of a run: a signed 64-bit hash of its id (two runs that share a
+    key only wait for each other)."""
+    return int.from_bytes(hashlib.blake2b(run_id.encode(), digest_size=8).digest(), "big",
+                          signed=True)
 
 
 class _BatchRefused(StoreError):

@@ -22,6 +22,13 @@ Envelopes are read in one of two ways:
   caller act. So nothing is ever acted on from a stale envelope, and a checked call of a run
   that stays on one process (a sidecar, a sticky replica, a worker) reads nothing. A run found
   moving between processes is remembered as such and read at every boundary from then on.
+
+A store with a cross-process run lock (`Store.run_lock`: PostgreSQL with `--run-locks
+advisory`) has it taken by `locked` after the process's own lock of the run, so a process
+waits for the run at most once and holds at most one lock per run. Under that lock the
+envelope is always read from the store, optimistic or not: another process may have advanced
+the run just before this one got the lock, and a read under the lock is the stored state (the
+commit's compare-and-set stays, for any writer that does not take the lock).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import asyncio
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from stepguard.contracts.envelope import Envelope
@@ -56,11 +64,14 @@ class RunBook:
         self._unconfirmed: dict[str, int] = {}
         # runs another writer advanced under a served envelope: read at their next boundaries
         self._moving: OrderedDict[str, None] = OrderedDict()
+        # the store's cross-process lock of a run, taken inside this process's (None: none)
+        self.run_lock = store.run_lock
 
     def locked(self, run_id: str) -> _RunLock:
-        """`async with runs.locked(run_id):` one boundary of a run at a time. Leaving it
-        confirms an envelope served without a read and not committed (StaleEnvelope if the
-        store has moved on)."""
+        """`async with runs.locked(run_id):` one boundary of a run at a time (across processes
+        too when the store has a run lock: it is taken second, within the store deadline, or
+        StoreError). Leaving it confirms an envelope served without a read and not committed
+        (StaleEnvelope if the store has moved on)."""
         return _RunLock(self, run_id)
 
     async def envelope(self, contract: Contract, run_id: str, *,
@@ -71,7 +82,7 @@ class RunBook:
         whose every outcome is committed before it is acted on, inside `retrying_conflicts`."""
         shared = self.store.shared
         envelope = self._cache.get(run_id)
-        if optimistic and run_id not in self._moving:
+        if optimistic and self.run_lock is None and run_id not in self._moving:
             if envelope is None:
                 envelope = Envelope(run_id, contract.workflow, contract.version)
                 self._unconfirmed[run_id] = 0
@@ -143,9 +154,10 @@ class RunBook:
 
 
 class _RunLock:
-    """The run's lock, created on first use and dropped when nobody holds or waits for it."""
+    """The run's lock, created on first use and dropped when nobody holds or waits for it;
+    with it, the store's lock of the run (`held`) when the store has one."""
 
-    __slots__ = ("book", "lock", "run_id")
+    __slots__ = ("book", "held", "lock", "run_id")
 
     def __init__(self, book: RunBook, run_id: str) -> None:
         self.book, self.run_id = book, run_id
@@ -153,6 +165,7 @@ class _RunLock:
         if lock is None:
             lock = book._locks[run_id] = asyncio.Lock()
         self.lock = lock
+        self.held: AbstractAsyncContextManager[None] | None = None
 
     async def __aenter__(self) -> None:
         waiters = self.book._waiters
@@ -162,6 +175,16 @@ class _RunLock:
         except BaseException:
             self._leave()
             raise
+        if self.book.run_lock is None:
+            return
+        held = self.book.run_lock(self.run_id)
+        try:
+            await held.__aenter__()
+        except BaseException:
+            self.lock.release()
+            self._leave()
+            raise
+        self.held = held
 
     async def __aexit__(self, kind: type[BaseException] | None, *exc: object) -> None:
         try:
@@ -171,8 +194,12 @@ class _RunLock:
                     kind, (StoreError, asyncio.CancelledError))):
                 await self.book._confirm(self.run_id, seq)
         finally:
-            self.lock.release()
-            self._leave()
+            try:
+                if self.held is not None:
+                    await self.held.__aexit__(None, None, None)
+            finally:
+                self.lock.release()
+                self._leave()
 
     def _leave(self) -> None:
         waiters = self.book._waiters

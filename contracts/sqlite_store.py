@@ -65,6 +65,7 @@ import orjson
 
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.errors import ConflictError, StoreError
+from stepguard.contracts.store import RunLock
 
 DEFAULT_TIMEOUT_S = 1.0
 DEFAULT_WAL_LIMIT_BYTES = 64 * 1024 * 1024
@@ -152,6 +153,9 @@ def connect(path: str | Path, synchronous: str = "NORMAL",
 
 class SQLiteStore:
     shared: bool = False   # one process per file (its lock): nobody else writes these runs
+    # processes sharing a file take turns on its writer flock; a run's boundaries across
+    # them are serialised by the append's compare-and-set (`--run-locks` is PostgreSQL's)
+    run_lock: RunLock | None = None
 
     def __init__(self, path: str | Path, synchronous: str = "NORMAL",
                  checkpoint_interval_s: float = 1.0, retention_s: float = 0.0,

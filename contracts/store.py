@@ -6,10 +6,21 @@ can never both advance it. Nothing in the engine knows which store it talks to.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol
 
 from stepguard.contracts.envelope import Envelope
+
+# how one run's boundaries on several processes are serialised (PostgreSQL: `--run-locks`):
+# the append's compare-and-set and a re-check on a lost race, or a per-run advisory lock held
+# across the boundary as well (docs/replicas.md has the measurements behind the default)
+CAS = "cas"
+ADVISORY = "advisory"
+RUN_LOCKS = (CAS, ADVISORY)
+DEFAULT_RUN_LOCKS = CAS
+# a lock of one run held across processes for a boundary: `async with run_lock(run_id):`
+RunLock = Callable[[str], AbstractAsyncContextManager[None]]
 
 
 class Store(Protocol):
@@ -19,6 +30,13 @@ class Store(Protocol):
         `--shared-store`, replicas or workers on one file): nothing read from the store may be
         kept and acted on later without reading it again (the run book reads envelopes at every
         boundary; held calls poll for decisions). docs/replicas.md."""
+        ...
+
+    @property
+    def run_lock(self) -> RunLock | None:
+        """A lock that serialises one run's boundaries across processes, taken by the run book
+        after its own lock (PostgreSQL with `--run-locks advisory`); None: the append's
+        compare-and-set alone does (and is kept as the safety net under a lock)."""
         ...
 
     async def open(self) -> None: ...

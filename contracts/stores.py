@@ -6,17 +6,20 @@ from __future__ import annotations
 
 from stepguard.contracts.errors import StoreError
 from stepguard.contracts.sqlite_store import DEFAULT_TIMEOUT_S, DEFAULT_WAL_LIMIT_BYTES, SQLiteStore
-from stepguard.contracts.store import Store
+from stepguard.contracts.store import DEFAULT_RUN_LOCKS, Store
 from stepguard.contracts.store_urls import check_location, is_postgres, redacted
 
 
 def make_store(location: str, *, timeout_s: float = DEFAULT_TIMEOUT_S, retention_s: float = 0.0,
                synchronous: str = "NORMAL", wal_limit_bytes: int = DEFAULT_WAL_LIMIT_BYTES,
-               migrate: bool = True, shared: bool = False) -> Store:
+               migrate: bool = True, shared: bool = False,
+               run_locks: str = DEFAULT_RUN_LOCKS) -> Store:
     """The store at `location`, not yet open. `synchronous` and `wal_limit_bytes` are SQLite's;
     `migrate=False` opens a PostgreSQL store without changing its schema (a reader: it refuses a
-    schema of another version). `shared=True`: a SQLite file other processes write too (the
-    workers of one `serve --workers N`); a PostgreSQL store always is."""
+    schema of another version). `run_locks` is PostgreSQL's (store.py RUN_LOCKS); a SQLite
+    store's runs are serialised by compare-and-set whatever it says. `shared=True`: a SQLite
+    file other processes write too (the workers of one `serve --workers N`); a PostgreSQL
+    store always is."""
     problem = check_location(location)
     if problem is not None:
         raise StoreError(f"store {redacted(location)}: {problem}")
@@ -27,6 +30,6 @@ def make_store(location: str, *, timeout_s: float = DEFAULT_TIMEOUT_S, retention
             raise StoreError(f"store {redacted(location)}: PostgreSQL needs its driver ({exc}): "
                              "pip install 'stepguard[postgres]'") from None
         return PostgresStore(location, retention_s=retention_s, timeout_s=timeout_s,
-                             migrate=migrate)
+                             migrate=migrate, run_locks=run_locks)
     return SQLiteStore(location, synchronous, retention_s=retention_s, timeout_s=timeout_s,
                        wal_limit_bytes=wal_limit_bytes, shared=shared)

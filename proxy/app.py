@@ -205,7 +205,7 @@ def settings_store(settings: Settings, migrate: bool = True, shared: bool = Fals
                       retention_s=settings.retention_hours * 3600,
                       synchronous=settings.sqlite_synchronous,
                       wal_limit_bytes=settings.wal_limit_bytes, migrate=migrate,
-                      shared=shared or settings.shared_store)
+                      shared=shared or settings.shared_store, run_locks=settings.run_locks)
 
 
 def create_app(sg: Stepguard, manage: bool = True) -> web.Application:

@@ -23,7 +23,7 @@ from stepguard.contracts.sqlite_store import (
     read_history,
     read_runs,
 )
-from stepguard.contracts.store import Store
+from stepguard.contracts.store import DEFAULT_RUN_LOCKS, RUN_LOCKS, Store
 from stepguard.contracts.store_urls import check_location, is_postgres, redacted
 from stepguard.contracts.stores import make_store
 from stepguard.metrics.logs import LOG_FORMATS, LOG_LEVELS
@@ -76,6 +76,11 @@ def _parser() -> argparse.ArgumentParser:
                        help="other stepguard processes write this SQLite file too (replicas on "
                             "one file): no exclusive lock, envelopes read at every boundary "
                             "(STEPGUARD_SHARED_STORE); a PostgreSQL store is always shared")
+    serve.add_argument("--run-locks", choices=RUN_LOCKS, type=str.lower,
+                       help="how calls of one run on several processes are serialised on "
+                            "PostgreSQL: cas (compare-and-set, the loser checks again) or "
+                            "advisory (a per-run advisory lock as well); SQLite ignores it "
+                            f"(STEPGUARD_RUN_LOCKS, {DEFAULT_RUN_LOCKS})")
     serve.add_argument("--store-timeout", type=float,
                        help="seconds a write may wait for a locked or slow store before the "
                             "call is refused with 503 (STEPGUARD_STORE_TIMEOUT, 1)")
@@ -223,6 +228,19 @@ def _parser() -> argparse.ArgumentParser:
                             "stepguard in the bench process)")
     drift.add_argument("--json", action="store_true")
     drift.set_defaults(func=_bench_drift)
+
+    contention = bench_sub.add_parser(
+        "replicas", help="one hot run and many runs over N `stepguard serve` replicas on "
+                         "PostgreSQL, by --run-locks (docs/replicas.md)")
+    contention.add_argument("--pg-url", default="postgresql://postgres@127.0.0.1:5432/postgres",
+                            help="the server: a database is made (and dropped) per measurement")
+    contention.add_argument("--replicas", default="1,2,3", help="replica counts, comma-separated")
+    contention.add_argument("--run-locks", default="cas,advisory",
+                            help="run lock modes to compare, comma-separated")
+    contention.add_argument("--rounds", type=int, default=3)
+    contention.add_argument("--clients", type=int, default=32)
+    contention.add_argument("--seconds", type=float, default=4.0, help="per phase")
+    contention.set_defaults(func=_bench_replicas)
 
     tail = sub.add_parser("tail", help="follow stepguard's JSON log as aligned, coloured lines")
     tail.add_argument("file", nargs="?", default="-", metavar="FILE|-",
@@ -603,6 +621,24 @@ def _bench_drift(args: argparse.Namespace) -> int:
                                    args.replicas))
     print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode() if args.json
           else render_table(result))
+    return 0
+
+
+def _bench_replicas(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from stepguard.bench.replicas import contend, render_contention
+
+    counts = [int(n) for n in args.replicas.split(",") if n.strip()]
+    modes = [m.strip().lower() for m in args.run_locks.split(",") if m.strip()]
+    if not counts or min(counts) < 1 or any(m not in RUN_LOCKS for m in modes) or not modes:
+        print("stepguard bench replicas: --replicas takes counts >= 1, --run-locks modes of "
+              + ", ".join(RUN_LOCKS), file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="stepguard-replicas-") as workdir:
+        results = asyncio.run(contend(args.pg_url, Path(workdir), counts, modes, args.rounds,
+                                      args.clients, args.seconds))
+    print(render_contention(results))
     return 0
 
 

@@ -20,6 +20,7 @@ from stepguard.contracts.sqlite_store import (
     DEFAULT_WAL_LIMIT_BYTES,
     SYNCHRONOUS_MODES,
 )
+from stepguard.contracts.store import DEFAULT_RUN_LOCKS, RUN_LOCKS
 from stepguard.contracts.store_urls import check_location, redacted
 from stepguard.metrics.logs import LOG_FORMATS, LOG_LEVELS
 from stepguard.proxy.bodies import JSON_DEPTH_CEILING, MAX_JSON_DEPTH
@@ -185,6 +186,7 @@ _PARSERS: dict[str, _Parse] = {
     "sqlite_synchronous": _choice(SYNCHRONOUS_MODES, str.upper),
     "store_timeout": _number(0.01, "a number of seconds"),
     "shared_store": _boolean,
+    "run_locks": _choice(RUN_LOCKS, str.lower),
     "wal_limit_bytes": _bytes(65536),
     "max_request_bytes": _bytes(1),
     "max_response_bytes": _bytes(1),
@@ -258,6 +260,9 @@ class Settings:
     store_timeout: float = DEFAULT_TIMEOUT_S
     # other stepguard processes write the same store (replicas): docs/replicas.md
     shared_store: bool = False
+    # how a run's boundaries on several processes are serialised on PostgreSQL: the append's
+    # compare-and-set alone, or a per-run advisory lock as well (docs/replicas.md)
+    run_locks: str = DEFAULT_RUN_LOCKS
     wal_limit_bytes: int = DEFAULT_WAL_LIMIT_BYTES
     max_request_bytes: int = 10 * 1024 * 1024
     max_response_bytes: int = 10 * 1024 * 1024

@@ -58,6 +58,8 @@ BAD_VALUES = [
     ("LOG_PAYLOADS", "2", "true/false"),
     ("HOST", " ", "non-empty string"),
     ("STORE", "", "non-empty string"),
+    ("RUN_LOCKS", "row", "one of cas, advisory"),
+    ("RUN_LOCKS", "", "one of cas, advisory"),
 ]
 
 
@@ -84,6 +86,8 @@ def test_a_bad_variable_is_an_error_naming_it_its_value_and_what_is_allowed(
     ("RETENTION_HOURS", "0", "retention_hours", 0.0),
     ("RETENTION_HOURS", "1.5", "retention_hours", 1.5),
     ("PORT", "0", "port", 0),
+    ("RUN_LOCKS", " Advisory ", "run_locks", "advisory"),
+    ("RUN_LOCKS", "CAS", "run_locks", "cas"),
     ("CONTRACTS", "a.yaml, b.yaml,,", "contracts", ["a.yaml", "b.yaml"]),
 ])
 def test_good_values_are_read_case_insensitively_and_normalized(

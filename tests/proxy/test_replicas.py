@@ -7,6 +7,7 @@ state) on one store in shared mode, parametrized by store kind (`STORES`)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import asyncpg
 import pytest
 import yaml
 from aiohttp import web
@@ -21,6 +23,7 @@ from sgtest import Remote, Reply, Upstream, clean, contract_doc, send, trail
 
 from stepguard.bench.replicas import Replicas, balanced, replicas
 from stepguard.contracts.envelope import Envelope
+from stepguard.contracts.pg_store import run_lock_key
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -29,6 +32,7 @@ SECRET = TOKEN.partition(":")[2]
 ORDER = ("lookup_order", "check_policy", "reserve_slot", "confirm")
 # store kinds the replicas share
 STORES = ("sqlite", "postgresql")
+ADVISORY = ("--run-locks", "advisory")
 
 
 @pytest.fixture(params=STORES)
@@ -63,8 +67,9 @@ class Cluster:
 
 
 @asynccontextmanager
-async def cluster(n: int, contract: Path, store: str, workdir: Path) -> AsyncIterator[Cluster]:
-    async with replicas(n, contract, store, workdir,
+async def cluster(n: int, contract: Path, store: str, workdir: Path,
+                  more: tuple[str, ...] = ()) -> AsyncIterator[Cluster]:
+    async with replicas(n, contract, store, workdir, more=more,
                         env={"STEPGUARD_ADMIN_TOKEN": TOKEN}) as members, \
             aiohttp.ClientSession() as session:
         yield Cluster(members, session)
@@ -126,6 +131,91 @@ async def test_two_replicas_racing_calls_of_one_run_never_both_advance_from_one_
     contiguous(history)
     assert len(history) == 2 * (calls + 1) == envelope.seq
     assert sorted(trail(history)) == sorted(clean(*["lookup_order"] * (calls + 1)))
+    assert folded(history, envelope).to_dict() == envelope.to_dict()
+
+
+async def test_with_advisory_run_locks_two_replicas_hammering_one_run_lose_no_call(
+        tmp_path: Path, contract_file: Path, pg_url: str) -> None:
+    calls = 60
+    async with cluster(2, contract_file, pg_url, tmp_path, ADVISORY) as c:
+        replies = await asyncio.gather(*(
+            c.remotes[i % 2].call("/tools/lookup_order", payload("lookup_order"), run="lock-1")
+            for i in range(calls)))
+        envelope, history = await c.stored("lock-1", via=1)
+    assert [r.status for r in replies] == [200] * calls, [r.body[:200] for r in replies
+                                                         if r.status != 200][:3]
+    contiguous(history)
+    assert len(history) == 2 * calls == envelope.seq
+    assert sorted(trail(history)) == sorted(clean(*["lookup_order"] * calls))
+    assert folded(history, envelope).to_dict() == envelope.to_dict()
+
+
+async def holding(url: str, run: str) -> asyncpg.Connection:
+    """Another session holding the run's advisory lock (what a replica in a boundary holds)."""
+    conn = await asyncpg.connect(url)
+    await conn.fetchval("SELECT pg_advisory_lock($1)", run_lock_key(run))
+    return conn
+
+
+async def test_a_run_lock_held_past_the_store_deadline_answers_503_retry_and_forwards_nothing(
+        tmp_path: Path, make_upstream: Any, pg_url: str) -> None:
+    tools = await make_upstream()
+    path = tmp_path / "act.yaml"
+    path.write_text(yaml.safe_dump(contract_doc(tools.url), sort_keys=False))
+    other = await holding(pg_url, "busy-1")
+    try:
+        async with cluster(1, path, pg_url, tmp_path,
+                           (*ADVISORY, "--store-timeout", "0.5")) as c:
+            started = time.monotonic()
+            reply = await c.remotes[0].call("/tools/act", {"n": 1}, run="busy-1")
+            took = time.monotonic() - started
+    finally:
+        await other.close()
+    assert reply.status == 503, reply.body[:300]
+    assert reply.headers.get("x-should-retry") == "true"
+    assert took < 3.0, took
+    assert tools.hits() == 0
+
+
+async def test_a_replica_killed_holding_a_run_lock_leaves_it_to_the_other_within_the_deadline(
+        tmp_path: Path, contract_file: Path, pg_url: str) -> None:
+    # replica 0's append waits on the run's row (locked here), so it sits in its boundary with
+    # the run lock held; it is killed there, and replica 1's call of the run goes through
+    async with cluster(2, contract_file, pg_url, tmp_path,
+                       (*ADVISORY, "--store-timeout", "3")) as c:
+        first = await c.remotes[1].call("/tools/lookup_order", payload("lookup_order"),
+                                        run="kill-1")
+        assert first.status == 200, first.body[:300]
+        row = await asyncpg.connect(pg_url)
+        tx = row.transaction()
+        await tx.start()
+        await row.execute("SELECT 1 FROM runs WHERE run_id = 'kill-1' FOR UPDATE")
+        stuck = asyncio.ensure_future(c.remotes[0].call(
+            "/tools/lookup_order", payload("lookup_order"), run="kill-1"))
+        probe = await asyncpg.connect(pg_url)
+        key = run_lock_key("kill-1")
+        for _ in range(200):          # replica 0 is in its boundary: the run lock is taken
+            if not await probe.fetchval("SELECT pg_try_advisory_lock($1)", key):
+                break
+            await probe.fetchval("SELECT pg_advisory_unlock($1)", key)
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("replica 0 never took the run lock")
+        c.members.members[0].process.kill()
+        await c.members.members[0].process.wait()
+        await tx.rollback()
+        await row.close()
+        await probe.close()
+        started = time.monotonic()
+        went = await c.remotes[1].call("/tools/lookup_order", payload("lookup_order"),
+                                       run="kill-1")
+        took = time.monotonic() - started
+        with contextlib.suppress(aiohttp.ClientError):
+            await stuck
+        envelope, history = await c.stored("kill-1", via=1)
+    assert went.status == 200, went.body[:300]
+    assert took < 3.0, took
+    contiguous(history)
     assert folded(history, envelope).to_dict() == envelope.to_dict()
 
 
