@@ -18,7 +18,9 @@ REPEATED := tests/contracts/test_store.py tests/contracts/test_sqlite_store_coun
 	tests/proxy/test_mcp_resumption.py tests/proxy/test_recovery.py \
 	tests/proxy/test_correlation.py tests/proxy/test_reload.py tests/metrics/test_runs_gauge.py \
 	tests/proxy/test_replay_recorded_crash.py tests/proxy/test_joining.py \
-	tests/proxy/test_holds.py tests/contracts/test_sqlite_store_shared.py
+	tests/proxy/test_holds.py tests/contracts/test_sqlite_store_shared.py \
+	tests/contracts/test_run_book.py tests/contracts/test_pg_run_locks.py \
+	tests/metrics/test_log_writer.py
 # ... and the multi-process ones (worker processes, replicas on one store: ~75 s a pass, each
 # test starting two or three stepguard processes) REPEAT_PROCESSES more times, so the repeat
 # pass stays within a few minutes of CI
