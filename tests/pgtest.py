@@ -68,6 +68,36 @@ def require_postgres() -> None:
     pytest.skip(reason)
 
 
+def sweep_orphans() -> list[str]:
+    """Drop the databases of test sessions on this machine that were killed before they could
+    drop their own (their process is gone): a CI run cut short must not leave them behind for
+    every run after it. A session whose process lives (another suite on the same server) is
+    left alone."""
+
+    async def names(conn: Any) -> list[str]:
+        rows = await conn.fetch("SELECT datname FROM pg_database WHERE datname LIKE "
+                                "'stepguard\\_test\\_%'")
+        return [r["datname"] for r in rows]
+
+    dropped = []
+    for name in on_server(ADMIN_URL, names):
+        pid = name.removeprefix("stepguard_test_").partition("_")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            execute(ADMIN_URL, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+            dropped.append(name)
+    return dropped
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class Database:
     """A database made for one test session; `schema()` a fresh schema in it, as a store URL."""
 
@@ -76,6 +106,7 @@ class Database:
         self.url = with_database(ADMIN_URL, self.name)
 
     def create(self) -> None:
+        sweep_orphans()
         execute(ADMIN_URL, f'CREATE DATABASE "{self.name}"')
 
     def drop(self) -> None:

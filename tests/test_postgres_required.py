@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pgtest import require_postgres
+from pgtest import ADMIN_URL, execute, on_server, require_postgres, sweep_orphans
 
 from stepguard.bench.harness import free_port
 
@@ -46,3 +46,20 @@ def test_ensure_postgres_leaves_a_running_server_as_it_is() -> None:
     assert ran.returncode == 0, ran.stderr
     assert "accepting connections on 127.0.0.1:5432" in ran.stdout
     assert "apt-get" not in ran.stdout + ran.stderr
+
+
+def test_a_killed_sessions_database_is_dropped_by_the_next_session_and_a_live_ones_kept(
+        pg_database) -> None:
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True, timeout=30)
+    orphan = f"stepguard_test_{gone.stdout.strip()}_deadbeef"
+    execute(ADMIN_URL, f'CREATE DATABASE "{orphan}"')
+    try:
+        dropped = sweep_orphans()
+        assert orphan in dropped and pg_database.name not in dropped
+        assert not on_server(ADMIN_URL, lambda c: c.fetchval(
+            "SELECT 1 FROM pg_database WHERE datname = $1", orphan))
+        assert on_server(ADMIN_URL, lambda c: c.fetchval(
+            "SELECT 1 FROM pg_database WHERE datname = $1", pg_database.name))
+    finally:
+        execute(ADMIN_URL, f'DROP DATABASE IF EXISTS "{orphan}" WITH (FORCE)')
