@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import random
 import socket
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,14 @@ from stepguard.contracts.loader import parse_contract
 from stepguard.contracts.model import Contract
 
 _recent_ports: deque[int] = deque(maxlen=64)
+
+
+def percentile(ordered: Sequence[float], pct: float) -> float:
+    """Nearest-rank percentile of an ascending sequence (NaN for an empty one)."""
+    if not ordered:
+        return math.nan
+    rank = max(1, math.ceil(pct / 100 * len(ordered)))
+    return ordered[min(rank, len(ordered)) - 1]
 
 
 def _ephemeral_range() -> tuple[int, int]:

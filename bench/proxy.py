@@ -79,7 +79,7 @@ import orjson
 import yaml
 
 from stepguard.bench import upstream as bench_upstream
-from stepguard.bench.harness import free_port
+from stepguard.bench.harness import free_port, percentile
 from stepguard.contracts.engine import check_entry, check_exit
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.events import ToolResult
@@ -288,7 +288,7 @@ async def _micro(n: int) -> dict[str, Any]:
     us = {name: sorted(v * 1e6 for v in values) for name, values in parts.items()}
     result: dict[str, Any] = {"n": n, "body_bytes": len(response),
                               "median_us": round(statistics.median(us["total"]), 1),
-                              "p90_us": round(_percentile(us["total"], 90), 1)}
+                              "p90_us": round(percentile(us["total"], 90), 1)}
     for name in ("parse", "checks", "events", "store"):
         result[f"{name}_median_us"] = round(statistics.median(us[name]), 1)
     return result
@@ -302,14 +302,6 @@ def _event(boundary: str, version: str, payload: dict[str, Any]) -> dict[str, An
 
 
 # --- the open-loop client (a process of its own) -------------------------------------------
-
-
-def _percentile(ordered: Sequence[float], pct: float) -> float:
-    """Nearest-rank percentile of an ascending sequence."""
-    if not ordered:
-        return math.nan
-    rank = max(1, math.ceil(pct / 100 * len(ordered)))
-    return ordered[min(rank, len(ordered)) - 1]
 
 
 @dataclass(slots=True)
@@ -387,7 +379,7 @@ async def loadgen(url: str, rate: float, duration_s: float, body: bytes,
     errors = sorted({s.error for s in samples if s.error})
 
     def ms(values: list[float], pct: float) -> float | None:
-        return round(_percentile(values, pct) * 1000, 3) if values else None
+        return round(percentile(values, pct) * 1000, 3) if values else None
 
     return {"sent": len(samples), "completed": len(done), "ok": len(ok),
             "failed": len(samples) - len(ok), "errors": errors[:5],
@@ -515,9 +507,9 @@ def closed_loop(port: int, path: str, body: bytes, n: int, run_prefix: str | Non
     latencies.sort()
     ttfbs.sort()
     return {"n": n, "connections": len(sockets),
-            "p50_ms": round(_percentile(latencies, 50) * 1000, 3),
-            "p99_ms": round(_percentile(latencies, 99) * 1000, 3),
-            "ttfb_p50_ms": round(_percentile(ttfbs, 50) * 1000, 3)}
+            "p50_ms": round(percentile(latencies, 50) * 1000, 3),
+            "p99_ms": round(percentile(latencies, 99) * 1000, 3),
+            "ttfb_p50_ms": round(percentile(ttfbs, 50) * 1000, 3)}
 
 
 def _peak_rss_mb(pids: Sequence[int]) -> float | None:

@@ -25,7 +25,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from stepguard.bench.harness import free_port, running
+from stepguard.bench.harness import free_port, percentile, running
 
 READY_TIMEOUT_S = 30.0
 SENT = web.AppKey("sent", list[int])
@@ -287,9 +287,8 @@ async def _phase(urls: Sequence[str], path: str, body: bytes, n: int, locks: str
 
 
 def _pct(ordered: Sequence[float], pct: float) -> float:
-    if not ordered:
-        return 0.0
-    return round(ordered[min(len(ordered) - 1, int(len(ordered) * pct / 100))] * 1000, 1)
+    """The percentile in ms, 0 when no call completed."""
+    return round(percentile(ordered, pct) * 1000, 1) if ordered else 0.0
 
 
 def render_contention(results: Sequence[Contention]) -> str:

@@ -62,7 +62,6 @@ import contextlib
 import hashlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import AbstractAsyncContextManager
 from typing import Any, cast
 
 import asyncpg
@@ -135,7 +134,7 @@ class PostgresStore:
     def run_lock(self) -> RunLock | None:
         """The per-run advisory lock with `run_locks="advisory"`; None with "cas" (the
         compare-and-set alone serialises a run's boundaries across processes)."""
-        return self._advisory if self.run_locks == ADVISORY else None
+        return self._holding if self.run_locks == ADVISORY else None
 
     # --- opening and closing ---------------------------------------------------------------
 
@@ -212,9 +211,6 @@ class PostgresStore:
             reset=_no_reset, server_settings={
                 "application_name": "stepguard-run-locks",
                 "lock_timeout": f"{max(1, round(self.timeout_s * 1000))}ms"})
-
-    def _advisory(self, run_id: str) -> AbstractAsyncContextManager[None]:
-        return self._holding(run_id)
 
     @contextlib.asynccontextmanager
     async def _holding(self, run_id: str) -> AsyncIterator[None]:

@@ -38,12 +38,14 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
-from typing import Any
+from typing import Any, TypeVar
 
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.errors import ConflictError, RunOfAnotherWorkflow, StoreError
 from stepguard.contracts.model import Contract
 from stepguard.contracts.store import Store
+
+V = TypeVar("V")
 
 
 class StaleEnvelope(ConflictError):
@@ -141,16 +143,18 @@ class RunBook:
             raise StaleEnvelope(run_id, seq, actual)
 
     def _moved(self, run_id: str) -> None:
-        self._moving[run_id] = None
-        self._moving.move_to_end(run_id)
-        while len(self._moving) > self._cache_size:
-            self._moving.popitem(last=False)
+        _keep(self._moving, run_id, None, self._cache_size)
 
     def _remember(self, envelope: Envelope) -> None:
-        self._cache[envelope.run_id] = envelope
-        self._cache.move_to_end(envelope.run_id)
-        while len(self._cache) > self._cache_size:
-            self._cache.popitem(last=False)
+        _keep(self._cache, envelope.run_id, envelope, self._cache_size)
+
+
+def _keep(lru: OrderedDict[str, V], key: str, value: V, size: int) -> None:
+    """`key` stored as the newest entry of `lru`, the oldest ones dropped past `size`."""
+    lru[key] = value
+    lru.move_to_end(key)
+    while len(lru) > size:
+        lru.popitem(last=False)
 
 
 class _RunLock:

@@ -28,8 +28,9 @@ class Store(Protocol):
     def shared(self) -> bool:
         """Whether another process may write these runs (PostgreSQL: True; a SQLite file:
         `--shared-store`, replicas or workers on one file): nothing read from the store may be
-        kept and acted on later without reading it again (the run book reads envelopes at every
-        boundary; held calls poll for decisions). docs/replicas.md."""
+        kept and acted on later without reading it again or having a compare-and-set validate
+        it (the run book serves a cached envelope only where the commit validates it; held
+        calls poll for decisions). docs/replicas.md."""
         ...
 
     @property

@@ -253,20 +253,22 @@ class LogWriter:
                 self._queue.append(line)
                 self._lines += 1
                 self._bytes += len(line)
-                if self._idle:
-                    self._idle = False
-                    self._more.notify()
+                self._wake()
                 return
             last = self._queue[-1] if self._queue else None
             if isinstance(last, _Gap):
                 last.lines += 1
             else:
                 self._queue.append(_Gap())
-                if self._idle:
-                    self._idle = False
-                    self._more.notify()
+                self._wake()
         if self.on_dropped is not None:
             self.on_dropped(1)
+
+    def _wake(self) -> None:
+        """The writer, if it waits for lines (called holding the lock)."""
+        if self._idle:
+            self._idle = False
+            self._more.notify()
 
     def drain(self, timeout_s: float) -> bool:
         """Wait until every line queued so far is written (or lost), at most `timeout_s`;

@@ -74,8 +74,9 @@ def _parser() -> argparse.ArgumentParser:
                                        "(STEPGUARD_STORE, stepguard.db)")
     serve.add_argument("--shared-store", action="store_true", default=None,
                        help="other stepguard processes write this SQLite file too (replicas on "
-                            "one file): no exclusive lock, envelopes read at every boundary "
-                            "(STEPGUARD_SHARED_STORE); a PostgreSQL store is always shared")
+                            "one file): no exclusive lock, cached envelopes trusted only where a "
+                            "compare-and-set validates them (STEPGUARD_SHARED_STORE); a "
+                            "PostgreSQL store is always shared")
     serve.add_argument("--run-locks", choices=RUN_LOCKS, type=str.lower,
                        help="how calls of one run on several processes are serialised on "
                             "PostgreSQL: cas (compare-and-set, the loser checks again) or "
@@ -629,7 +630,10 @@ def _bench_replicas(args: argparse.Namespace) -> int:
 
     from stepguard.bench.replicas import contend, render_contention
 
-    counts = [int(n) for n in args.replicas.split(",") if n.strip()]
+    try:
+        counts = [int(n) for n in args.replicas.split(",") if n.strip()]
+    except ValueError:
+        counts = []
     modes = [m.strip().lower() for m in args.run_locks.split(",") if m.strip()]
     if not counts or min(counts) < 1 or any(m not in RUN_LOCKS for m in modes) or not modes:
         print("stepguard bench replicas: --replicas takes counts >= 1, --run-locks modes of "

@@ -26,7 +26,7 @@ from aiohttp import web
 from pgtest import ADMIN_URL, on_server, require_postgres
 
 from stepguard.bench import upstream as bench_upstream
-from stepguard.bench.harness import free_port
+from stepguard.bench.harness import free_port, percentile
 from stepguard.bench.proxy import (
     ROWS,
     BenchError,
@@ -36,7 +36,6 @@ from stepguard.bench.proxy import (
     _children,
     _noise_notes,
     _parse_wrk,
-    _percentile,
     _plan,
     _render_bounds,
     boundary_micro,
@@ -456,8 +455,8 @@ Transfer/sec:     15.02MB
 
 def test_percentile_is_nearest_rank() -> None:
     values = [float(v) for v in range(1, 101)]
-    assert _percentile(values, 50) == 50 and _percentile(values, 99) == 99
-    assert _percentile(values, 100) == 100 and _percentile([3.0], 99) == 3.0
+    assert percentile(values, 50) == 50 and percentile(values, 99) == 99
+    assert percentile(values, 100) == 100 and percentile([3.0], 99) == 3.0
 
 
 # --- the closed-loop phase and steal ------------------------------------------------------------
