@@ -4,10 +4,16 @@ aiohttp bounds an idle keep-alive connection (`keepalive_timeout`, here the idle
 not the time a client takes to send a request's head once it has started, and not the number
 of connections. `GuardedRunner` serves an application with both:
 
-- a head timeout: from the first byte of a request until its head is parsed; a connection that
-  has not finished its head by then is closed;
+- a head timeout: from the first byte of a request (of a new connection's first request: from
+  its accept, so a connection that never sends a byte is a head that never arrives) until its
+  head is parsed; a connection that has not finished its head by then is closed;
 - a connection limit: a connection accepted beyond it gets a fixed 503 (`x-should-retry:
-  true`) and is closed at once, so stalled sockets cannot use up the process's descriptors;
+  true`) and is closed at once, so stalled sockets cannot use up the process's descriptors.
+  A gate that `reclaims` (the admin listener's) first makes room instead, when it can: it
+  closes the connection that has waited longest without a request in progress (silent since
+  its accept, part-way through a head, or idle between keep-alive requests), so connections
+  that send nothing cannot shut out a probe, a scraper or an operator whose request follows
+  its connection at once; it refuses only when every connection is being served;
 - a write timeout: a response the client reads nothing of (the transport's write buffer stays
   above its high-water mark and does not shrink) for `write_timeout_s` aborts the connection,
   so a client that sends requests and never reads the answers cannot hold it for ever.
@@ -24,7 +30,7 @@ import contextlib
 import resource
 import socket
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 from aiohttp import web
@@ -71,17 +77,35 @@ class Gate:
     max_connections: int
     head_timeout_s: float
     write_timeout_s: float | None = None
+    # when full, close the longest-waiting connection with no request in progress to admit a
+    # new one, instead of refusing it (the admin listener)
+    reclaims: bool = False
     open: int = 0
+    reclaimed: int = 0      # connections closed to make room, since the start
+    # the admitted connections with no request in progress, longest waiting first
+    waiting: dict[_Handler, None] = field(default_factory=dict)
+
+    def make_room(self) -> bool:
+        """Whether a new connection fits: there is a free slot, or (`reclaims`) one was freed
+        by closing the longest-waiting connection."""
+        if self.open < self.max_connections:
+            return True
+        if not self.reclaims or not self.waiting:
+            return False
+        next(iter(self.waiting)).reclaim()
+        self.reclaimed += 1
+        return True
 
 
 class _Handler(web.RequestHandler):
-    __slots__ = ("_admitted", "_awaiting_head", "_gate", "_head_timer", "_write_left",
-                 "_write_timer")
+    __slots__ = ("_admitted", "_awaiting_head", "_counted", "_gate", "_head_timer",
+                 "_write_left", "_write_timer")
 
     def __init__(self, manager: web.Server, *, gate: Gate, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
         self._gate = gate
-        self._admitted = False
+        self._admitted = False      # served: aiohttp's connection_made ran
+        self._counted = False       # holds one of the gate's slots
         self._awaiting_head = True
         self._head_timer: asyncio.TimerHandle | None = None
         self._write_timer: asyncio.TimerHandle | None = None
@@ -89,22 +113,39 @@ class _Handler(web.RequestHandler):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         gate = self._gate
-        if gate.open >= gate.max_connections:
+        if not gate.make_room():
             cast(asyncio.Transport, transport).write(BUSY)
             transport.close()       # flushes the 503 first
             return
         gate.open += 1
-        self._admitted = True
+        self._admitted = self._counted = True
+        if gate.reclaims:
+            gate.waiting[self] = None
         super().connection_made(transport)
+        # the first request's head is due from the accept on: a connection that sends nothing
+        # is cut as one that stops part-way through its head
+        self._arm_head_timer()
 
     def connection_lost(self, exc: BaseException | None) -> None:
         if not self._admitted:
             return
         self._admitted = False
-        self._gate.open -= 1
+        self._release()
         self._cancel_head_timer()
         self._cancel_write_timer()
         super().connection_lost(exc)
+
+    def _release(self) -> None:
+        if self._counted:
+            self._counted = False
+            self._gate.open -= 1
+            self._gate.waiting.pop(self, None)
+
+    def reclaim(self) -> None:
+        """Give up this connection's slot (it has no request in progress) to a new
+        connection: the slot is free at once, the connection closed."""
+        self._release()
+        self.force_close()
 
     def pause_writing(self) -> None:
         super().pause_writing()
@@ -147,17 +188,22 @@ class _Handler(web.RequestHandler):
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
         if self._awaiting_head and self._head_timer is None and not self._messages:
-            self._head_timer = self._loop.call_later(self._gate.head_timeout_s,
-                                                     self._head_expired)
+            self._arm_head_timer()
+
+    def _arm_head_timer(self) -> None:
+        self._head_timer = self._loop.call_later(self._gate.head_timeout_s, self._head_expired)
 
     async def _handle_request(self, request: BaseRequest, start_time: float | None,
                               request_handler: Any) -> tuple[web.StreamResponse, bool]:
         self._awaiting_head = False
         self._cancel_head_timer()
+        self._gate.waiting.pop(self, None)      # served: not to be reclaimed
         try:
             return await super()._handle_request(request, start_time, request_handler)
         finally:
             self._awaiting_head = True
+            if self._counted and self._gate.reclaims:   # waiting for its next request: the
+                self._gate.waiting[self] = None             # newest waiter
 
     def _head_expired(self) -> None:
         self._head_timer = None
@@ -181,7 +227,8 @@ class _Server(web.Server):
 
 class GuardedRunner(web.AppRunner):
     """An AppRunner whose connections obey `gate`; `idle_timeout_s` is aiohttp's keep-alive
-    timeout (it also closes a connection that never sends a byte)."""
+    timeout (between requests; a connection that never sends a byte is cut at the head timeout,
+    sooner)."""
 
     def __init__(self, app: web.Application, gate: Gate, idle_timeout_s: float,
                  **kwargs: Any) -> None:
