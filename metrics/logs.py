@@ -45,7 +45,9 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 CLIENT_ERROR_BURST = 5             # lines per kind and client ...
 CLIENT_ERROR_INTERVAL_S = 10.0     # ... per interval
 _TRACKED_SOURCES = 4096            # rate-limit state kept for at most this many kinds x clients
-CLIENT_EVENTS = frozenset({"bad_request", "client_disconnected", "request_refused"})
+# a request refused for a missing or wrong admin token too: a flood of bad tokens is a client's
+CLIENT_EVENTS = frozenset({"bad_request", "client_disconnected", "request_refused",
+                           "operator_refused"})
 _CLIENT_GONE = (ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
 _QUOTE = re.compile(r"""b?['"]""")
 

@@ -105,8 +105,8 @@ class Metrics:
             "stepguard_operator_actions", "Operator actions on runs through the admin API or "
             "the CLI (resume, approve, reject), by workflow and action.", ["workflow", "action"], registry=r)
         self.operator_refusals = Counter(
-            "stepguard_operator_refusals", "State-changing admin requests refused for a missing "
-            "or wrong token.", registry=r)
+            "stepguard_operator_refusals", "Admin API requests (to read or act on runs) refused "
+            "for a missing or wrong token.", registry=r)
         self.held_calls = Gauge(
             "stepguard_held_calls", "Calls held at their entry, waiting for an operator's "
             "approval (this process).", ["workflow"], registry=r, multiprocess_mode="livesum")

@@ -7,16 +7,24 @@
     POST /runs/{id}/approve          {"digest" or "decision_id": "...", "reason": "..."}
     POST /runs/{id}/reject           {"digest" or "decision_id": "...", "reason": "..."}
 
-Reads are open, like /metrics (the admin listener binds loopback by default). Anything that
-changes state needs `Authorization: Bearer <token>`, a token from `STEPGUARD_ADMIN_TOKEN` or
-the file `--admin-token-file`; with no token configured those endpoints are off and say so.
-Every action is an event of the run: who (the token's name), what, when and why (`reason`).
+Anything that changes state needs `Authorization: Bearer <token>`, an operator token from
+`STEPGUARD_ADMIN_TOKEN` or the file `--admin-token-file`; with no token configured those
+endpoints are off and say so. Every action is an event of the run: who (the token's name),
+what, when and why (`reason`).
+
+Reads show a run's state, history, escalations, hold digests and decision ids. They are open
+only while the admin listener is bound to loopback (the default), where only this host reaches
+them. Bound anywhere else (a container's or pod's `0.0.0.0`, for probes and scrapers), reads
+need a token too: an operator's, or a viewer's (`STEPGUARD_ADMIN_VIEWER_TOKEN`,
+`--admin-viewer-token-file`), which reads and cannot act; with neither configured, reads are
+off and say so. /healthz, /readyz and /metrics stay open.
 """
 
 from __future__ import annotations
 
 import getpass
 import hmac
+import ipaddress
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -41,11 +49,12 @@ from stepguard.contracts.runs import RunBook
 from stepguard.metrics.observer import Observer
 from stepguard.metrics.report import shown
 from stepguard.proxy.boundaries import new_decision_id, retrying_conflicts
-from stepguard.proxy.config import ConfigError
+from stepguard.proxy.config import ConfigError, Settings
 from stepguard.proxy.holds import Holds
 
 TOKEN_MIN_LENGTH = 16
 STEPGUARD_ADMIN_TOKEN = "STEPGUARD_ADMIN_TOKEN"
+STEPGUARD_ADMIN_VIEWER_TOKEN = "STEPGUARD_ADMIN_VIEWER_TOKEN"
 DEFAULT_TOKEN_NAME = "admin"
 LIST_LIMIT_MAX = 1000
 
@@ -56,58 +65,100 @@ class TokenError(ConfigError):
 
 @dataclass(frozen=True, slots=True)
 class AdminTokens:
-    """Operator tokens by name. A token is `NAME:SECRET`, or a bare secret named `admin`."""
+    """Operator tokens (read and act) and viewer tokens (read) by name. A token is
+    `NAME:SECRET`, or a bare secret named `admin` (an operator's) or `viewer`."""
 
     tokens: tuple[tuple[str, bytes], ...] = ()
+    viewers: tuple[tuple[str, bytes], ...] = ()
 
     @property
     def enabled(self) -> bool:
         return bool(self.tokens)
 
+    @property
+    def readable(self) -> bool:
+        """Whether any token may read runs."""
+        return bool(self.tokens or self.viewers)
+
+    @classmethod
+    def of(cls, settings: Settings) -> AdminTokens:
+        """The operator and viewer tokens `settings` name."""
+        return cls(cls.load(settings.admin_token, settings.admin_token_file).tokens,
+                   _entries(settings.admin_viewer_token, settings.admin_viewer_token_file,
+                            STEPGUARD_ADMIN_VIEWER_TOKEN, "--admin-viewer-token-file",
+                            "viewer"))
+
     @classmethod
     def load(cls, token: str | None, token_file: str | None) -> AdminTokens:
-        """From `STEPGUARD_ADMIN_TOKEN` (one token) and a file of one token per line (`#`
-        comments and blank lines skipped). Each secret is at least 16 characters."""
-        entries: list[tuple[str, str]] = []
-        if token:
-            entries.append((STEPGUARD_ADMIN_TOKEN, token))
-        if token_file:
-            try:
-                text = Path(token_file).read_text()
-            except OSError as exc:
-                raise TokenError(f"--admin-token-file {token_file}: cannot be read "
-                                 f"({exc.strerror or exc})") from None
-            for number, line in enumerate(text.splitlines(), 1):
-                line = line.strip()
-                if line and not line.startswith("#"):
-                    entries.append((f"--admin-token-file {token_file} line {number}", line))
-        tokens: list[tuple[str, bytes]] = []
-        for source, entry in entries:
-            name, sep, secret = entry.partition(":")
-            if not sep:
-                name, secret = DEFAULT_TOKEN_NAME, entry
-            name = name.strip()
-            if not name or len(secret) < TOKEN_MIN_LENGTH:
-                raise TokenError(f"{source}: expected NAME:SECRET or a bare secret, the secret "
-                                 f"at least {TOKEN_MIN_LENGTH} characters (the value is not "
-                                 "shown)")
-            tokens.append((name, secret.encode()))
-        return cls(tuple(tokens))
+        """Operator tokens from `STEPGUARD_ADMIN_TOKEN` (one token) and a file of one token per
+        line (`#` comments and blank lines skipped). Each secret is at least 16 characters."""
+        return cls(_entries(token, token_file, STEPGUARD_ADMIN_TOKEN, "--admin-token-file",
+                            DEFAULT_TOKEN_NAME))
 
     def name_of(self, authorization: str | None) -> str | None:
-        """The name of the token an `Authorization: Bearer` header carries, else None. Every
-        token is compared, in constant time, whichever matches."""
-        if not authorization:
-            return None
-        scheme, _, given = authorization.partition(" ")
-        if scheme.lower() != "bearer" or not given.strip():
-            return None
-        offered = given.strip().encode()
-        found = None
-        for name, secret in self.tokens:
-            if hmac.compare_digest(offered, secret) and found is None:
-                found = name
-        return found
+        """The name of the operator token an `Authorization: Bearer` header carries, else
+        None. Every token is compared, in constant time, whichever matches."""
+        return _matching(self.tokens, authorization)
+
+    def reader_of(self, authorization: str | None) -> str | None:
+        """The name of the operator or viewer token the header carries, else None."""
+        return _matching(self.tokens + self.viewers, authorization)
+
+
+def _entries(token: str | None, token_file: str | None, variable: str, flag: str,
+             default_name: str) -> tuple[tuple[str, bytes], ...]:
+    entries: list[tuple[str, str]] = []
+    if token:
+        entries.append((variable, token))
+    if token_file:
+        try:
+            text = Path(token_file).read_text()
+        except OSError as exc:
+            raise TokenError(f"{flag} {token_file}: cannot be read "
+                             f"({exc.strerror or exc})") from None
+        for number, line in enumerate(text.splitlines(), 1):
+            line = line.strip()
+            if line and not line.startswith("#"):
+                entries.append((f"{flag} {token_file} line {number}", line))
+    tokens: list[tuple[str, bytes]] = []
+    for source, entry in entries:
+        name, sep, secret = entry.partition(":")
+        if not sep:
+            name, secret = default_name, entry
+        name = name.strip()
+        if not name or len(secret) < TOKEN_MIN_LENGTH:
+            raise TokenError(f"{source}: expected NAME:SECRET or a bare secret, the secret "
+                             f"at least {TOKEN_MIN_LENGTH} characters (the value is not "
+                             "shown)")
+        tokens.append((name, secret.encode()))
+    return tuple(tokens)
+
+
+def _matching(tokens: tuple[tuple[str, bytes], ...], authorization: str | None) -> str | None:
+    if not authorization:
+        return None
+    scheme, _, given = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not given.strip():
+        return None
+    # a header's bytes that are not UTF-8 come as surrogates: they are sent back as they came,
+    # so such a token is wrong like any other (it could match no configured secret)
+    offered = given.strip().encode("utf-8", "surrogateescape")
+    found = None
+    for name, secret in tokens:
+        if hmac.compare_digest(offered, secret) and found is None:
+            found = name
+    return found
+
+
+def loopback(host: str) -> bool:
+    """Whether a listener bound to `host` is reachable from this host only: a loopback address
+    or `localhost`. Anything else (all interfaces, a name, an interface's address) is not."""
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def local_operator() -> str:
@@ -211,9 +262,33 @@ Handler = Callable[[web.Request], Coroutine[Any, Any, web.StreamResponse]]
 
 
 def run_routes(runs: RunBook, observer: Observer, tokens: AdminTokens,
-               holds: Holds | None = None) -> list[web.RouteDef]:
+               holds: Holds | None = None, open_reads: bool = False) -> list[web.RouteDef]:
+    """The runs API; `open_reads`: reads need no token (the admin listener is on loopback)."""
     operations = Operations(runs, observer, holds)
     store = runs.store
+
+    def refused(request: web.Request, role: str) -> web.StreamResponse:
+        why = (f"a wrong {role} token" if request.headers.get("Authorization")
+               else f"no {role} token")
+        observer.operator_refused(request.path, why, request.remote or "-")
+        return _error(401, f"{why}: send Authorization: Bearer <token>")
+
+    def reading(read: Handler) -> Handler:
+        """A read: open on a loopback listener, else for an operator or viewer token."""
+        if open_reads:
+            return read
+
+        async def handle(request: web.Request) -> web.StreamResponse:
+            if not tokens.readable:
+                return _error(403, "reading runs is off: the admin listener is not bound to "
+                              "loopback and no token may read (set "
+                              f"{STEPGUARD_ADMIN_VIEWER_TOKEN} or --admin-viewer-token-file, "
+                              f"or an operator token: {STEPGUARD_ADMIN_TOKEN} or "
+                              "--admin-token-file)")
+            if tokens.reader_of(request.headers.get("Authorization")) is None:
+                return refused(request, "viewer or admin")
+            return await read(request)
+        return handle
 
     async def list_runs(request: web.Request) -> web.StreamResponse:
         status = request.query.get("status")
@@ -253,10 +328,7 @@ def run_routes(runs: RunBook, observer: Observer, tokens: AdminTokens,
                               "configured (set STEPGUARD_ADMIN_TOKEN or --admin-token-file)")
             operator = tokens.name_of(request.headers.get("Authorization"))
             if operator is None:
-                why = ("a wrong admin token" if request.headers.get("Authorization")
-                       else "no admin token")
-                observer.operator_refused(request.path, why, request.remote or "-")
-                return _error(401, f"{why}: send Authorization: Bearer <token>")
+                return refused(request, "admin")
             raw = await request.read()
             try:
                 body = orjson.loads(raw) if raw.strip() else {}
@@ -307,7 +379,7 @@ def run_routes(runs: RunBook, observer: Observer, tokens: AdminTokens,
             return _json({"envelope": after.to_dict(), "event": event})
         return acting(decide)
 
-    return [web.get("/runs", list_runs), web.get("/runs/{run_id}", show_run),
+    return [web.get("/runs", reading(list_runs)), web.get("/runs/{run_id}", reading(show_run)),
             web.post("/runs/{run_id}/resume", acting(resume)),
             web.post("/runs/{run_id}/cancel", acting(cancel)),
             web.post("/runs/{run_id}/approve", deciding(APPROVE)),

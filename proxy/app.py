@@ -25,7 +25,7 @@ from stepguard.metrics.logs import get_logger
 from stepguard.metrics.observer import Observer
 from stepguard.metrics.prom import Metrics
 from stepguard.metrics.tracing import Tracing
-from stepguard.proxy.admin import AdminTokens, run_routes
+from stepguard.proxy.admin import AdminTokens, loopback, run_routes
 from stepguard.proxy.boundaries import Boundaries
 from stepguard.proxy.config import Settings
 from stepguard.proxy.dispatch import Adapter, Dispatcher
@@ -125,7 +125,7 @@ class Stepguard:
         self.tracing = self.observer.tracing      # None: trace export off (metrics/tracing.py)
         self.forwarder.tracing = self.tracing
         self.runs = RunBook(self.store)
-        self.tokens = AdminTokens.load(self.settings.admin_token, self.settings.admin_token_file)
+        self.tokens = AdminTokens.of(self.settings)
         self.run_counts = RunCounts(self.store)
         self.escalator = Escalator(self.observer)
         self.boundaries = Boundaries(self.runs, self.observer, self.escalator, self.contracts,
@@ -231,7 +231,8 @@ def create_admin_app(sg: Stepguard) -> web.Application:
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)
-    app.router.add_routes(run_routes(sg.runs, sg.observer, sg.tokens, sg.boundaries.holds))
+    app.router.add_routes(run_routes(sg.runs, sg.observer, sg.tokens, sg.boundaries.holds,
+                                     open_reads=loopback(sg.settings.admin_host)))
     return app
 
 
@@ -310,6 +311,9 @@ def started_fields(settings: Settings, contracts: list[Contract], shadows: list[
                      for c in contracts for v in c.vars.values()},
             "max_connections": max_connections,
             "admin_actions": [name for name, _ in tokens.tokens] or "off (no admin token)",
+            "run_reads": ("open (admin listener on loopback)" if loopback(settings.admin_host)
+                          else [name for name, _ in tokens.tokens + tokens.viewers]
+                          or "off (admin listener not on loopback, no viewer or admin token)"),
             "passthrough": settings.passthrough,
             "traces": traces}
 

@@ -118,6 +118,11 @@ def _parser() -> argparse.ArgumentParser:
                        help="operator tokens (NAME:SECRET per line) for the admin API's "
                             "state-changing endpoints (STEPGUARD_ADMIN_TOKEN_FILE; one token: "
                             "STEPGUARD_ADMIN_TOKEN); without any, those endpoints are off")
+    serve.add_argument("--admin-viewer-token-file", metavar="FILE",
+                       help="viewer tokens (NAME:SECRET per line) that may read runs (GET /runs*) "
+                            "but not act (STEPGUARD_ADMIN_VIEWER_TOKEN_FILE; one token: "
+                            "STEPGUARD_ADMIN_VIEWER_TOKEN); reads off loopback need one of these "
+                            "or an operator token")
     serve.add_argument("--admin-url", metavar="URL",
                        help="the admin API's URL as operators reach it, named in a held call's "
                             "escalation webhook (STEPGUARD_ADMIN_URL; default "
@@ -321,7 +326,7 @@ def _serve_configured(args: argparse.Namespace, settings: Settings) -> int:
     from stepguard.proxy.app import serve, shadowed
 
     try:
-        AdminTokens.load(settings.admin_token, settings.admin_token_file)
+        AdminTokens.of(settings)
     except ConfigError as exc:
         print(f"stepguard serve: {exc}", file=sys.stderr)
         return 2

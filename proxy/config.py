@@ -211,6 +211,8 @@ _PARSERS: dict[str, _Parse] = {
     "log_level": _choice(LOG_LEVELS, str.lower),
     "admin_token": _optional(_text),
     "admin_token_file": _optional(_text),
+    "admin_viewer_token": _optional(_text),
+    "admin_viewer_token_file": _optional(_text),
     "admin_url": _optional(_text),
     "max_holds": _integer(0, what="a number of held calls", hint=" (0: no call can be held)"),
     "workers": _integer(1, MAX_WORKERS, "a number of worker processes"),
@@ -289,6 +291,10 @@ class Settings:
     # operator tokens for the admin API's state-changing endpoints (proxy/admin.py)
     admin_token: str | None = field(default=None, repr=False)
     admin_token_file: str | None = None
+    # tokens that may read runs (GET /runs*) but not act, needed (these or an operator token)
+    # when the admin listener is not bound to loopback
+    admin_viewer_token: str | None = field(default=None, repr=False)
+    admin_viewer_token_file: str | None = None
     # where operators reach the admin API, as the escalation webhook of a held call names it
     # (default: http://ADMIN_HOST:ADMIN_PORT)
     admin_url: str | None = None

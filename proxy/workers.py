@@ -284,7 +284,7 @@ class Supervisor:
 
     def _announce(self) -> None:
         settings = self.settings
-        tokens = AdminTokens.load(settings.admin_token, settings.admin_token_file)
+        tokens = AdminTokens.of(settings)
         self.log.info("started", proxy=f"{settings.host}:{self.ports[0]}",
                       admin=f"{settings.admin_host}:{self.ports[1]}",
                       **started_fields(settings, self.contracts, self.shadows, tokens,
