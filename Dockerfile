@@ -4,7 +4,9 @@
 #
 # The proxy listens on 127.0.0.1 unless told otherwise: it forwards to the contract's tools, so
 # it is opened to other hosts only on purpose. The admin listener (health, readiness, metrics;
-# no tool traffic) listens on all interfaces for probes and scrapers. To reach the proxy from
+# no tool traffic) listens on all interfaces for probes and scrapers; off loopback, its runs API
+# needs a token even to read (STEPGUARD_ADMIN_VIEWER_TOKEN, or STEPGUARD_ADMIN_TOKEN to act too):
+# without one, reading runs is off (403). To reach the proxy from
 # outside the container (another container, or a published port), bind it explicitly and
 # publish it on loopback:
 #

@@ -19,8 +19,9 @@ of connections. `GuardedRunner` serves an application with both:
   so a client that sends requests and never reads the answers cannot hold it for ever.
 
 The body timeout (a request body that stalls between reads) is `forward.read_body`'s.
-This leans on three of aiohttp's private names (`_handle_request`, `_messages`, `Server`'s
-`_kwargs`/`_loop`), checked by tests/proxy/test_connection_faults.py.
+This leans on aiohttp's private names (`_handle_request`, `_messages`, `Server`'s
+`_kwargs`/`_loop`, `AppRunner._make_server`), checked by tests/proxy/test_dependency_guards.py
+(pyproject.toml bounds aiohttp below its next minor release).
 """
 
 from __future__ import annotations

@@ -391,6 +391,17 @@ def test_served_image_is_ready_with_the_mounted_contract(serve: Callable[[], Ser
 
 
 @pytest.mark.timeout(180)
+def test_served_image_shows_no_run_without_a_token(serve: Callable[[], Served]) -> None:
+    """The image binds its admin listener to all interfaces, so its runs API reads for a
+    token only; the image configures none, so reading runs is off."""
+    admin = serve().admin
+    for path in ("/runs", "/runs/any-run"):
+        status, body = _get(admin + path)
+        assert status == 403 and "not bound to loopback" in body["error"], (path, body)
+    assert _get(admin + "/readyz")[0] == 200
+
+
+@pytest.mark.timeout(180)
 def test_healthcheck_command_passes_against_the_served_image(
         image: Image, serve: Callable[[], Served]) -> None:
     served = serve()

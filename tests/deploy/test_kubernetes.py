@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from stepguard.contracts.loader import load_contract, parse_contract
+from stepguard.proxy.admin import loopback
 from stepguard.proxy.app import build, create_admin_app
 from stepguard.proxy.config import Settings
 
@@ -61,7 +62,7 @@ def _admin_paths() -> set[str]:
 
 
 def test_manifest_holds_a_contract_configmap_and_a_deployment(manifests: dict[str, dict[str, Any]]) -> None:
-    assert set(manifests) == {"ConfigMap", "Deployment"}
+    assert set(manifests) == {"ConfigMap", "Deployment", "NetworkPolicy"}
 
 
 def test_configmap_holds_the_example_contract_verbatim(manifests: dict[str, dict[str, Any]]) -> None:
@@ -102,6 +103,27 @@ def test_probe_paths_are_served_by_the_admin_listener(sidecar: dict[str, Any]) -
 
 def test_admin_listener_is_reachable_from_the_kubelet(sidecar: dict[str, Any]) -> None:
     assert _env(sidecar)["STEPGUARD_ADMIN_HOST"] == "0.0.0.0"
+
+
+def test_network_policy_admits_only_prometheus_and_only_to_the_admin_port(
+        manifests: dict[str, dict[str, Any]], pod: dict[str, Any], sidecar: dict[str, Any]) -> None:
+    """The admin listener is on the pod IP for the kubelet's probes (from the node, which a
+    NetworkPolicy always admits) and the scraper; every other source is refused."""
+    policy = manifests["NetworkPolicy"]["spec"]
+    assert policy["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert policy["policyTypes"] == ["Ingress"]
+    (rule,) = policy["ingress"]
+    assert [_port(sidecar, p["port"]) for p in rule["ports"]] == [_port(sidecar, "admin")]
+    assert rule["from"] == [{
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}]
+
+
+def test_reading_runs_off_loopback_needs_a_token_from_an_optional_secret(
+        manifests: dict[str, dict[str, Any]], sidecar: dict[str, Any]) -> None:
+    assert not loopback(_env(sidecar)["STEPGUARD_ADMIN_HOST"])
+    assert sidecar["envFrom"] == [{"secretRef": {"name": "stepguard-admin", "optional": True}}]
+    assert "Secret" not in manifests     # until you create it, reads are off (403), never open
 
 
 def test_sidecar_starts_before_the_agent_as_a_native_sidecar(pod: dict[str, Any]) -> None:

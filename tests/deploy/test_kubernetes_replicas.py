@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from stepguard.contracts.loader import load_contract, parse_contract
+from stepguard.proxy.admin import loopback
 from stepguard.proxy.app import build, create_admin_app
 from stepguard.proxy.config import Settings
 
@@ -65,6 +66,11 @@ def migrate(pod: dict[str, Any]) -> dict[str, Any]:
     return container
 
 
+# who may reach the admin port: Prometheus' pods in the monitoring namespace (both must match)
+SCRAPER = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+           "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
+
+
 def _env(container: dict[str, Any]) -> dict[str, str]:
     return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
 
@@ -75,6 +81,8 @@ def _from(documents: list[dict[str, Any]], container: dict[str, Any]) -> dict[st
     for source in container.get("envFrom", []):
         kind, ref = (("Secret", source["secretRef"]) if "secretRef" in source
                      else ("ConfigMap", source["configMapRef"]))
+        if ref.get("optional"):         # yours to create (the admin tokens): not in this file
+            continue
         document = _one(documents, kind, ref["name"])
         env.update(document.get("stringData", document.get("data", {})))
     return env
@@ -148,7 +156,19 @@ def test_network_policy_opens_the_proxy_to_agent_pods_only_and_admin_to_scrapers
     proxy, admin = int(env["STEPGUARD_PORT"]), int(env["STEPGUARD_ADMIN_PORT"])
     assert set(by_port) == {proxy, admin}
     assert by_port[proxy]["from"] == [{"podSelector": {"matchLabels": {"stepguard.dev/client": "true"}}}]
-    assert "from" not in by_port[admin]
+    # the admin port: Prometheus' pods only (the kubelet's probes come from the node, which a
+    # NetworkPolicy cannot refuse), never every source
+    assert by_port[admin]["from"] == [SCRAPER]
+
+
+def test_reading_runs_on_the_exposed_admin_port_needs_a_token_from_an_optional_secret(
+        documents: list[dict[str, Any]], stepguard: dict[str, Any]) -> None:
+    assert not loopback(_env(stepguard)["STEPGUARD_ADMIN_HOST"])
+    optional = [s["secretRef"] for s in stepguard["envFrom"]
+                if "secretRef" in s and s["secretRef"].get("optional")]
+    assert optional == [{"name": "stepguard-admin", "optional": True}]
+    # not shipped: until it is created, reads are off (403), never open
+    assert not [d for d in documents if d["metadata"]["name"] == "stepguard-admin"]
 
 
 def test_store_secret_is_a_postgresql_url_template_without_a_real_password(
@@ -164,7 +184,8 @@ def test_server_and_migrate_read_the_store_url_from_the_secret(
         documents: list[dict[str, Any]], stepguard: dict[str, Any], migrate: dict[str, Any]) -> None:
     secret = _one(documents, "Secret", "stepguard-store")
     for container in (stepguard, migrate):
-        refs = [s["secretRef"]["name"] for s in container["envFrom"] if "secretRef" in s]
+        refs = [s["secretRef"]["name"] for s in container["envFrom"]
+                if "secretRef" in s and not s["secretRef"].get("optional")]
         assert refs == [secret["metadata"]["name"]], container["name"]
         assert "STEPGUARD_STORE" not in _env(container), container["name"]
         assert _from(documents, container)["STEPGUARD_STORE"] == secret["stringData"]["STEPGUARD_STORE"]
