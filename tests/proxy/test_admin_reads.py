@@ -16,8 +16,8 @@ import pytest
 from sgtest import Upstream, make_contract, send
 from structlog.testing import capture_logs
 
-from stepguard.proxy.admin import loopback
-from stepguard.proxy.app import build, create_admin_app, create_app
+from stepguard.proxy.admin import AdminTokens, loopback
+from stepguard.proxy.app import build, create_admin_app, create_app, started_fields
 from stepguard.proxy.config import Settings
 
 OPERATOR = "alice:0123456789abcdef-operator"
@@ -134,3 +134,15 @@ async def test_an_authorization_header_that_is_not_utf8_is_a_401_not_a_500(start
     writer.close()
     assert status.startswith(b"HTTP/1.1 401 ")
     assert (await sg.store.load("r1")).status == "active"
+
+
+@pytest.mark.parametrize(("settings", "said"), [
+    ({}, "open (admin listener on loopback)"),
+    ({"admin_host": EXPOSED, "admin_token": OPERATOR, "admin_viewer_token": VIEWER},
+     ["alice", "grafana"]),
+    ({"admin_host": EXPOSED}, "off (admin listener not on loopback, no viewer or admin token)")],
+    ids=["loopback", "tokens", "off"])
+def test_the_started_line_says_who_may_read_runs(settings, said):
+    configured = Settings(store="unused.db", **settings)
+    fields = started_fields(configured, [], [], AdminTokens.of(configured), 16, "off")
+    assert fields["run_reads"] == said
