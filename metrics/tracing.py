@@ -88,6 +88,7 @@ def check_env(env: Mapping[str, str] | None = None) -> None:
         if protocol and protocol != "http/protobuf":
             raise TracingError(f"{name}={protocol!r}: stepguard exports traces over OTLP/HTTP "
                                "with protobuf bodies only (http/protobuf)")
+    _check_endpoint(env)
     sampler = env.get("OTEL_TRACES_SAMPLER", "").strip().lower()
     if sampler and sampler not in _SAMPLERS:
         raise TracingError(f"OTEL_TRACES_SAMPLER={sampler!r}: not a sampler the SDK knows "
@@ -101,6 +102,23 @@ def check_env(env: Mapping[str, str] | None = None) -> None:
         if not 0.0 <= ratio <= 1.0:
             raise TracingError(f"OTEL_TRACES_SAMPLER_ARG={arg!r}: sampler {sampler} needs a "
                                "ratio between 0 and 1")
+
+
+def _check_endpoint(env: Mapping[str, str]) -> None:
+    """The endpoint spans go to (the traces one first, as the exporter reads them) must be an
+    http(s) URL with a host: anything else would be accepted, and every export then fail."""
+    name = next((n for n in ENDPOINT_VARS if env.get(n, "").strip()), None)
+    if name is None:
+        return       # OTEL_TRACES_EXPORTER=otlp alone: the SDK's default endpoint
+    value = env[name]
+    try:
+        url = urlsplit(value.strip())
+        url.port     # noqa: B018 (a port that is not a number raises here)
+    except ValueError:
+        url = None
+    if url is None or url.scheme.lower() not in ("http", "https") or not url.hostname:
+        raise TracingError(f"{name}={value!r}: not an http:// or https:// URL with a host "
+                           "(such as http://otel-collector:4318)")
 
 
 def from_env() -> Tracing | None:
