@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import sys
 from collections.abc import Iterator
 from dataclasses import fields
@@ -236,6 +237,29 @@ async def test_serve_exits_2_naming_a_bad_flag(tmp_path: Path) -> None:
     assert code == 2
     assert err.splitlines() == ["stepguard serve: --max-response-bytes='0' is not valid: expected "
                                 "a whole number of bytes >= 1 (10 MiB is 10485760)"]
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+@pytest.mark.parametrize(("setting", "listener", "named"), [
+    ("PORT", "proxy", "--port / STEPGUARD_PORT"),
+    ("ADMIN_PORT", "admin", "--admin-port / STEPGUARD_ADMIN_PORT"),
+])
+async def test_a_port_in_use_is_one_line_naming_its_setting_and_nothing_is_logged_as_stopped(
+        tmp_path: Path, setting: str, listener: str, named: str, workers: str) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, out, err = await _serve(_serve_env(tmp_path, **{setting: str(port)},
+                                                 LOG_FORMAT="json", WORKERS=workers))
+
+    assert code == 1, (out, err)
+    assert err.splitlines() == [
+        f"stepguard serve: cannot listen on 127.0.0.1:{port}, the {listener} listener "
+        f"({named}): Address already in use (another program listens there: choose another "
+        "port, or 0 for a free one)"]
+    events = [orjson.loads(line)["event"] for line in out.splitlines()]
+    assert "stopped" not in events and "started" not in events
 
 
 async def test_serve_with_log_format_in_capitals_logs_json(tmp_path: Path) -> None:
