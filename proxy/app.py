@@ -14,6 +14,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
+from stepguard.contracts.conditions import var_text
 from stepguard.contracts.errors import ContractError, ContractIssue, StepguardError
 from stepguard.contracts.loader import load_contracts
 from stepguard.contracts.model import Contract
@@ -306,7 +307,7 @@ def started_fields(settings: Settings, contracts: list[Contract], shadows: list[
                                                      "source": u.url_source}
                           for c in contracts for u in c.upstreams.values()},
             "vars": {f"{c.workflow}.{v.name}": {"kind": v.kind, "source": v.source,
-                                                "value": str(v.value)}
+                                                "value": var_text(v.value)}
                      for c in contracts for v in c.vars.values()},
             "max_connections": max_connections,
             "admin_actions": [name for name, _ in tokens.tokens] or "off (no admin token)",

@@ -17,6 +17,7 @@ from typing import Any
 import orjson
 import pytest
 import structlog
+import yaml
 from programs import stop
 from sgtest import EXAMPLE, free_port
 
@@ -276,6 +277,32 @@ async def test_serve_with_log_format_in_capitals_logs_json(tmp_path: Path) -> No
         await stop(proc)
     line = orjson.loads(first)
     assert (line["event"], line["level"]) == ("started", "info")
+
+
+async def test_the_started_line_shows_a_duration_var_as_check_shows_it(tmp_path: Path) -> None:
+    doc = yaml.safe_load(EXAMPLE.read_bytes())
+    doc["vars"] = {"max_age": "90s", "region": {"type": "string", "value": "5m"}}
+    contract = tmp_path / "c.yaml"
+    contract.write_text(yaml.safe_dump(doc))
+    env = _serve_env(tmp_path, CONTRACTS=str(contract), LOG_FORMAT="json")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "stepguard.proxy.cli", "serve", env=env,
+        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        started = orjson.loads(await asyncio.wait_for(proc.stdout.readline(), 30))
+    finally:
+        await stop(proc)
+    check = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "stepguard.proxy.cli", "check", str(contract),
+        stdout=asyncio.subprocess.PIPE, env=env)
+    out, _ = await asyncio.wait_for(check.communicate(), 30)
+
+    workflow = doc["workflow"]
+    assert started["vars"][f"{workflow}.max_age"]["value"] == "1m30s"
+    assert started["vars"][f"{workflow}.region"]["value"] == '"5m"'
+    assert "  var max_age = 1m30s (duration, from contract)" in out.decode().splitlines()
 
 
 def test_an_in_flight_body_budget_below_the_request_cap_is_a_config_error_naming_both() -> None:
