@@ -269,10 +269,19 @@ def _schema_issue(source: str, error: jsonschema.ValidationError) -> ContractIss
         # the alternative the author meant is the one that got furthest, rarely one failing on type
         error = min(error.context, key=lambda e: (e.validator == "type", -len(e.absolute_path),
                                                   len(e.message)))
-    path = [str(p) for p in error.absolute_path]
-    step = path[1] if len(path) > 1 and path[0] == "steps" else None
-    field = ".".join(path[2:] if step else path)
-    return ContractIssue(source, step, field, _schema_message(error))
+    path = list(error.absolute_path)
+    step = str(path[1]) if len(path) > 1 and path[0] == "steps" else None
+    return ContractIssue(source, step, _field_path(path[2:] if step else path),
+                         _schema_message(error))
+
+
+def _field_path(parts: Iterable[str | int]) -> str:
+    """A contract field's path as every issue writes it: `precondition[0].drift` (an index in
+    brackets after its list, as the loader's own issues and duplicate keys write it)."""
+    path: tuple[str, ...] = ()
+    for part in parts:
+        path = _indexed(path, part) if isinstance(part, int) else (*path, str(part))
+    return ".".join(path)
 
 
 def _schema_message(error: jsonschema.ValidationError) -> str:
