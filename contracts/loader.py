@@ -532,14 +532,22 @@ class _Compiler:
         for var, *path in cond.paths:
             if var != "output" or not path:
                 continue
-            missing = _undeclared(spec, path)
-            if missing is not None:
-                self.issue(step, f"record.{key}",
-                           f"records output.{missing}, which the step's output schema does not "
-                           "declare (it lists its properties and allows no others): a result "
-                           "that passes the schema cannot carry it; declare it under "
-                           "`properties`, or allow it with `additionalProperties`")
-                return
+            undeclared = _undeclared(spec, path)
+            if undeclared is None:
+                continue
+            missing, closed = undeclared
+            if closed:
+                why = ("(it lists its properties and allows no others: `additionalProperties: "
+                       "false`): a result that passes the schema cannot carry it")
+            else:
+                why = ("(it lists its properties; it sets no `additionalProperties`, so a result "
+                       "could carry it, but a field the schema does not name is taken for a "
+                       "typo or a schema out of date)")
+            self.issue(step, f"record.{key}",
+                       f"records output.{missing}, which the step's output schema does not "
+                       f"declare {why}; declare it under `properties`, or allow it with "
+                       "`additionalProperties: true`")
+            return
 
     def redacted(self, step: str, key: str) -> bool:
         """A recorded key that redaction covers would enter the state as "[REDACTED]" (the
@@ -641,9 +649,10 @@ class _Compiler:
         )
 
 
-def _undeclared(schema: Any, path: list[str]) -> str | None:
+def _undeclared(schema: Any, path: list[str]) -> tuple[str, bool] | None:
     """The dotted prefix of `path` that `schema` declares no property for, walking `properties`
-    of plain object schemas; None when declared, or when the schema cannot tell (a reference, a
+    of plain object schemas, and whether that object says `additionalProperties: false` (True)
+    or says nothing (False); None when declared, or when the schema cannot tell (a reference, a
     combinator, additional or pattern properties allowed)."""
     walked: list[str] = []
     node = schema
@@ -657,8 +666,8 @@ def _undeclared(schema: Any, path: list[str]) -> str | None:
             return None
         walked.append(key)
         if key not in node["properties"]:
-            extra = node.get("additionalProperties", False)
-            return None if extra is not False else ".".join(walked)
+            extra = node.get("additionalProperties")
+            return (".".join(walked), extra is False) if extra is None or extra is False else None
         node = node["properties"][key]
     return None
 
