@@ -287,6 +287,9 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="fake tools, stepguard in front, one clean and one "
                                        "drifting agent run")
     demo.add_argument("--store", default="stepguard-demo.db")
+    demo.add_argument("--log", metavar="FILE", help="where stepguard's own log lines go, as "
+                                                    "JSON (the store's name with .log), out "
+                                                    "of the printed story")
     demo.set_defaults(func=_demo)
 
     from stepguard.proxy import replay_cli  # `stepguard replay`: its flags live beside it
@@ -664,9 +667,12 @@ def _demo(args: argparse.Namespace) -> int:
     from stepguard.examples.order_confirmation.demo import fresh_store, run_demo
     from stepguard.metrics.logs import configure
 
-    configure("auto", "warning")
-    fresh_store(Path(args.store))
-    return asyncio.run(run_demo(Path(args.store)))
+    store = Path(args.store)
+    log = Path(args.log) if args.log else store.with_suffix(".log")
+    fresh_store(store)
+    with log.open("w", encoding="utf-8") as to:     # the story alone on stdout
+        configure("json", "info", to=to)
+        return asyncio.run(run_demo(store, log))
 
 
 if __name__ == "__main__":
