@@ -16,8 +16,9 @@ writes it to stdout. A reader that stalls (a log shipper, `kubectl logs`, `| tee
 disk) then fills the pipe and blocks that thread only, never a call. A line that finds the
 queue full is dropped, never waited for, and counted (`dropped`: serve counts it in
 `stepguard_log_lines_dropped_total`); where the missing lines were, the writer writes one
-`log_lines_dropped` line saying how many. The commands that log briefly around their own
-printed output (`demo`, `bench drift`) keep writing in place, in order with what they print."""
+`log_lines_dropped` line saying how many. `bench drift`, which logs briefly around its own
+printed output, keeps writing in place, in order with what it prints; `demo` writes its log in
+place to a file of its own (`configure(to=...)`)."""
 
 from __future__ import annotations
 

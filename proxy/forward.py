@@ -222,7 +222,7 @@ def ask_for_identity(headers: CIMultiDict[str]) -> None:
 def client_gone(request: web.Request, exc: BaseException) -> None:
     """A client that hung up while stepguard relayed an answer to it: one info line."""
     get_logger().info("client_disconnected", client=request.remote or "-",
-                      method=request.method, path=request.path[:200], detail=str(exc))
+                      method=request.method, path=redacted_path(request.path), detail=str(exc))
 
 
 class ClientEnd:
