@@ -13,6 +13,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from stepguard.contracts.redact import redacted_path
 from stepguard.metrics.logs import get_logger
 from stepguard.metrics.tracing import Tracing
 from stepguard.proxy.h1client import (

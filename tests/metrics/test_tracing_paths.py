@@ -45,10 +45,10 @@ async def test_a_path_is_exported_with_the_values_its_redacted_keys_name_hidden(
         contract = parse_contract(yaml.safe_dump(doc).encode(), "c.yaml")
         sg = build(Settings(store=str(tmp_path / "s.db")), [contract],
                    metrics=Metrics(CollectorRegistry()), tracing=Tracing(provider))
-        async with running(create_app(sg)) as proxy_url, aiohttp.ClientSession() as session:
-            async with session.post(proxy_url + path, json={},
-                                    headers={"x-stepguard-run": "r-paths"}) as resp:
-                assert resp.status == 404       # the tools know no such path: forwarded
+        async with running(create_app(sg)) as proxy_url, aiohttp.ClientSession() as session, \
+                session.post(proxy_url + path, json={},
+                             headers={"x-stepguard-run": "r-paths"}) as resp:
+            assert resp.status == 404       # the tools know no such path: forwarded
     provider.shutdown()
     spans = exporter.get_finished_spans()
     [server] = [s for s in spans if s.kind is SpanKind.SERVER]
