@@ -10,9 +10,10 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import orjson
 from cel_expr_python import cel
 
 ENTRY_VARIABLES = ("input", "state")
@@ -65,6 +66,45 @@ def parse_time(kind: str, text: str) -> Any:
     or None when CEL refuses it."""
     result = _PARSE[kind].eval(data={"text": text})
     return None if result.type() == cel.Type.ERROR else result.plain_value()
+
+
+def duration_text(value: timedelta) -> str:
+    """A duration as Go writes one, which CEL's duration() reads back: `3s`, `1m30s`,
+    `1h0m0s`, `1.5s`, `500ms`, `2us` (`us`: CEL does not read `µs`), `-1m30s`, `0s`."""
+    micros = value // timedelta(microseconds=1)
+    sign, micros = ("-" if micros < 0 else ""), abs(micros)
+    if micros == 0:
+        return "0s"
+    if micros < 1000:
+        return f"{sign}{micros}us"
+    if micros < 1_000_000:
+        return f"{sign}{_decimal(micros, 1000)}ms"
+    hours, rest = divmod(micros, 3_600_000_000)
+    minutes, rest = divmod(rest, 60_000_000)
+    seconds = f"{_decimal(rest, 1_000_000)}s"
+    if hours:
+        return f"{sign}{hours}h{minutes}m{seconds}"
+    return f"{sign}{minutes}m{seconds}" if minutes else f"{sign}{seconds}"
+
+
+def _decimal(count: int, unit: int) -> str:
+    """`count` of a 1/`unit` part as a decimal of units, without trailing zeros: 1500, 1000: 1.5."""
+    whole, part = divmod(count, unit)
+    digits = f"{part:0{len(str(unit)) - 1}d}".rstrip("0")
+    return f"{whole}.{digits}" if digits else str(whole)
+
+
+def var_text(value: Any) -> str:
+    """A var's value as a contract would write it, the one form `check` and the `started` log
+    line show: durations as `duration_text`, timestamps in RFC 3339 (`Z` for UTC), strings
+    quoted (`"5m"` is a string, `5m` a duration), lists as `[a, b]`."""
+    if isinstance(value, timedelta):
+        return duration_text(value)
+    if isinstance(value, datetime):
+        return value.isoformat().replace("+00:00", "Z")
+    if isinstance(value, list):
+        return "[" + ", ".join(var_text(v) for v in value) + "]"
+    return orjson.dumps(value).decode()
 
 
 def _env(variables: tuple[str, ...], constants: Mapping[str, Var]) -> Any:

@@ -205,7 +205,7 @@ def _tool_error(step: Step, result: ToolResult, context: dict[str, Any]) -> Viol
             continue
         if outcome.ok:
             return Violation("tool_error", "tool_error",
-                             cond.message or f"tool reported an error: {cond.expr!r}", "exit",
+                             cond.message or f"error_when matched: {cond.expr!r}", "exit",
                              expression=cond.expr)
         return _condition_violation(cond, outcome, "tool_error", "exit", drift="tool_error")
     return None

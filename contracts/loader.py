@@ -269,10 +269,19 @@ def _schema_issue(source: str, error: jsonschema.ValidationError) -> ContractIss
         # the alternative the author meant is the one that got furthest, rarely one failing on type
         error = min(error.context, key=lambda e: (e.validator == "type", -len(e.absolute_path),
                                                   len(e.message)))
-    path = [str(p) for p in error.absolute_path]
-    step = path[1] if len(path) > 1 and path[0] == "steps" else None
-    field = ".".join(path[2:] if step else path)
-    return ContractIssue(source, step, field, _schema_message(error))
+    path = list(error.absolute_path)
+    step = str(path[1]) if len(path) > 1 and path[0] == "steps" else None
+    return ContractIssue(source, step, _field_path(path[2:] if step else path),
+                         _schema_message(error))
+
+
+def _field_path(parts: Iterable[str | int]) -> str:
+    """A contract field's path as every issue writes it: `precondition[0].drift` (an index in
+    brackets after its list, as the loader's own issues and duplicate keys write it)."""
+    path: tuple[str, ...] = ()
+    for part in parts:
+        path = _indexed(path, part) if isinstance(part, int) else (*path, str(part))
+    return ".".join(path)
 
 
 def _schema_message(error: jsonschema.ValidationError) -> str:
@@ -523,14 +532,22 @@ class _Compiler:
         for var, *path in cond.paths:
             if var != "output" or not path:
                 continue
-            missing = _undeclared(spec, path)
-            if missing is not None:
-                self.issue(step, f"record.{key}",
-                           f"records output.{missing}, which the step's output schema does not "
-                           "declare (it lists its properties and allows no others): a result "
-                           "that passes the schema cannot carry it; declare it under "
-                           "`properties`, or allow it with `additionalProperties`")
-                return
+            undeclared = _undeclared(spec, path)
+            if undeclared is None:
+                continue
+            missing, closed = undeclared
+            if closed:
+                why = ("(it lists its properties and allows no others: `additionalProperties: "
+                       "false`): a result that passes the schema cannot carry it")
+            else:
+                why = ("(it lists its properties; it sets no `additionalProperties`, so a result "
+                       "could carry it, but a field the schema does not name is taken for a "
+                       "typo or a schema out of date)")
+            self.issue(step, f"record.{key}",
+                       f"records output.{missing}, which the step's output schema does not "
+                       f"declare {why}; declare it under `properties`, or allow it with "
+                       "`additionalProperties: true`")
+            return
 
     def redacted(self, step: str, key: str) -> bool:
         """A recorded key that redaction covers would enter the state as "[REDACTED]" (the
@@ -632,9 +649,10 @@ class _Compiler:
         )
 
 
-def _undeclared(schema: Any, path: list[str]) -> str | None:
+def _undeclared(schema: Any, path: list[str]) -> tuple[str, bool] | None:
     """The dotted prefix of `path` that `schema` declares no property for, walking `properties`
-    of plain object schemas; None when declared, or when the schema cannot tell (a reference, a
+    of plain object schemas, and whether that object says `additionalProperties: false` (True)
+    or says nothing (False); None when declared, or when the schema cannot tell (a reference, a
     combinator, additional or pattern properties allowed)."""
     walked: list[str] = []
     node = schema
@@ -648,8 +666,8 @@ def _undeclared(schema: Any, path: list[str]) -> str | None:
             return None
         walked.append(key)
         if key not in node["properties"]:
-            extra = node.get("additionalProperties", False)
-            return None if extra is not False else ".".join(walked)
+            extra = node.get("additionalProperties")
+            return (".".join(walked), extra is False) if extra is None or extra is False else None
         node = node["properties"][key]
     return None
 

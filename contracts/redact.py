@@ -37,6 +37,29 @@ class Redactor:
         something changed, so a clean payload comes back as the same object."""
         return _redacted(value, self.keys)
 
+    def path(self, path: str) -> str:
+        """A URL path as logs and spans show it: a value a segment names by a sensitive key,
+        the next segment (`/reset/token/abc` -> `/reset/token/[REDACTED]`) or after `=` in the
+        same one (`/token=abc` -> `/token=[REDACTED]`), replaced; at most `PATH_CHARS`."""
+        return redacted_path(path, self.keys)
+
+
+PATH_CHARS = 200      # a path longer than this is cut (logs and spans bound what they carry)
+
+
+def redacted_path(path: str, keys: frozenset[str] = ALWAYS) -> str:
+    """`path` as `Redactor.path` shows it, for the credentials always redacted (`keys`)."""
+    segments = path.split("/")
+    named = False          # the previous segment was a sensitive key: this one is its value
+    for i, segment in enumerate(segments):
+        key, equals, _ = segment.partition("=")
+        if named and segment:
+            segments[i] = REDACTED
+        elif equals and is_redacted(key, keys):
+            segments[i] = f"{key}={REDACTED}"
+        named = bool(segment) and is_redacted(segment, keys)
+    return "/".join(segments)[:PATH_CHARS]
+
 
 def _redacted(value: Any, keys: frozenset[str]) -> Any:
     kind = type(value)

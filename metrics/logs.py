@@ -16,8 +16,9 @@ writes it to stdout. A reader that stalls (a log shipper, `kubectl logs`, `| tee
 disk) then fills the pipe and blocks that thread only, never a call. A line that finds the
 queue full is dropped, never waited for, and counted (`dropped`: serve counts it in
 `stepguard_log_lines_dropped_total`); where the missing lines were, the writer writes one
-`log_lines_dropped` line saying how many. The commands that log briefly around their own
-printed output (`demo`, `bench drift`) keep writing in place, in order with what they print."""
+`log_lines_dropped` line saying how many. `bench drift`, which logs briefly around its own
+printed output, keeps writing in place, in order with what it prints; `demo` writes its log in
+place to a file of its own (`configure(to=...)`)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TextIO
 
 import orjson
 import structlog
@@ -422,13 +423,14 @@ def _notice(renderer: Any) -> Callable[[int], bytes]:
 
 
 def configure(fmt: str = "auto", level: str = "info", queued: bool = False,
-              dropped: Callable[[int], None] | None = None) -> None:
+              dropped: Callable[[int], None] | None = None, to: TextIO | None = None) -> None:
     """Configure structlog and route the standard library's logging through it. `fmt` and
     `level` are read case-insensitively; any other value is a ValueError naming it and the
     allowed ones (never a silent fallback to console output). `queued`: lines are written to
     stdout's descriptor by a `LogWriter` (module docstring), lines it drops counted through
     `dropped`; else each is written in place, on whatever sys.stdout is then. A writer of an
-    earlier call is drained (at most `DRAIN_TIMEOUT_S`) and stopped first."""
+    earlier call is drained (at most `DRAIN_TIMEOUT_S`) and stopped first. `to`: lines are
+    written in place to that text stream instead (a file of their own, beside printed output)."""
     global _writer
     fmt, level = fmt.strip().lower(), level.strip().lower()
     if fmt not in LOG_FORMATS:
@@ -439,7 +441,7 @@ def configure(fmt: str = "auto", level: str = "info", queued: bool = False,
         _writer.close(DRAIN_TIMEOUT_S)
         _writer = None
     if fmt == "auto":
-        fmt = "console" if sys.stdout.isatty() else "json"
+        fmt = "console" if (to or sys.stdout).isatty() else "json"
     renderer: Any
     text_renderer: Any
     if fmt == "json":
@@ -450,7 +452,11 @@ def configure(fmt: str = "auto", level: str = "info", queued: bool = False,
         renderer = text_renderer = structlog.dev.ConsoleRenderer()
         factory = structlog.PrintLoggerFactory()
     handler: logging.Handler
-    if queued:
+    if to is not None:
+        factory = structlog.BytesLoggerFactory(to.buffer) if fmt == "json" \
+            else structlog.PrintLoggerFactory(to)
+        handler = logging.StreamHandler(to)
+    elif queued:
         _writer = LogWriter(sys.stdout.fileno(), _notice(renderer), dropped,
                             QUEUE_MAX_LINES, QUEUE_MAX_BYTES)
         factory = _QueuedLoggerFactory(_writer)

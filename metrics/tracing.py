@@ -34,6 +34,8 @@ from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from stepguard.contracts.redact import Redactor
+
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.trace import Span
@@ -41,6 +43,7 @@ if TYPE_CHECKING:
     from stepguard.contracts.model import Contract
 
 INSTRUMENTATION = "stepguard"
+_ALWAYS = Redactor()      # the credentials always redacted, for a path of no known contract
 
 # the variables that turn export on, and the ones that keep it off whatever else is set
 ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
@@ -88,6 +91,7 @@ def check_env(env: Mapping[str, str] | None = None) -> None:
         if protocol and protocol != "http/protobuf":
             raise TracingError(f"{name}={protocol!r}: stepguard exports traces over OTLP/HTTP "
                                "with protobuf bodies only (http/protobuf)")
+    _check_endpoint(env)
     sampler = env.get("OTEL_TRACES_SAMPLER", "").strip().lower()
     if sampler and sampler not in _SAMPLERS:
         raise TracingError(f"OTEL_TRACES_SAMPLER={sampler!r}: not a sampler the SDK knows "
@@ -101,6 +105,23 @@ def check_env(env: Mapping[str, str] | None = None) -> None:
         if not 0.0 <= ratio <= 1.0:
             raise TracingError(f"OTEL_TRACES_SAMPLER_ARG={arg!r}: sampler {sampler} needs a "
                                "ratio between 0 and 1")
+
+
+def _check_endpoint(env: Mapping[str, str]) -> None:
+    """The endpoint spans go to (the traces one first, as the exporter reads them) must be an
+    http(s) URL with a host: anything else would be accepted, and every export then fail."""
+    name = next((n for n in ENDPOINT_VARS if env.get(n, "").strip()), None)
+    if name is None:
+        return       # OTEL_TRACES_EXPORTER=otlp alone: the SDK's default endpoint
+    value = env[name]
+    try:
+        url = urlsplit(value.strip())
+        url.port     # noqa: B018 (a port that is not a number raises here)
+    except ValueError:
+        url = None
+    if url is None or url.scheme.lower() not in ("http", "https") or not url.hostname:
+        raise TracingError(f"{name}={value!r}: not an http:// or https:// URL with a host "
+                           "(such as http://otel-collector:4318)")
 
 
 def from_env() -> Tracing | None:
@@ -154,11 +175,14 @@ class Tracing:
     @contextmanager
     def serve(self, method: str, path: str, headers: Mapping[str, str], *, traffic: str,
               upstream: str, mount: str, host: str | None = None, client: str | None = None,
-              meta_traceparent: str | None = None,
-              meta_tracestate: str | None = None) -> Iterator[Served]:
+              meta_traceparent: str | None = None, meta_tracestate: str | None = None,
+              redactor: Redactor | None = None) -> Iterator[Served]:
         """The SERVER span of one proxied call, current (context attached) while the block
         runs. Its parent is the caller's W3C trace context: `meta_traceparent` (MCP
-        `params._meta`) when given, else the `traceparent` header."""
+        `params._meta`) when given, else the `traceparent` header. Its `url.path`, and its
+        client spans' `url.full`, are redacted as logs are (`redactor`: the contract's, else
+        the credentials always redacted)."""
+        redactor = redactor or _ALWAYS
         carrier: Mapping[str, str] = headers
         if meta_traceparent is not None:
             carrier = {"traceparent": meta_traceparent}
@@ -166,7 +190,8 @@ class Tracing:
                 carrier["tracestate"] = meta_tracestate
         parent = self.propagator.extract(carrier)
         attributes: dict[str, Any] = {
-            "http.request.method": method, "url.path": path, "stepguard.traffic": traffic,
+            "http.request.method": method, "url.path": redactor.path(path),
+            "stepguard.traffic": traffic,
             "stepguard.upstream": upstream, "http.route": mount,
         }
         if host:
@@ -175,7 +200,7 @@ class Tracing:
             attributes["client.address"] = client
         span = self.tracer.start_span(f"{method} {mount}", context=parent, kind=self._server,
                                       attributes=attributes)
-        served = Served(span, self._error)
+        served = Served(span, self._error, redactor)
         token = self._context.attach(self._trace.set_span_in_context(span, parent))
         mark = _SERVED.set(served)
         try:
@@ -245,8 +270,11 @@ class Tracing:
                                       "server.address": parts.hostname or ""}
         port = parts.port or (443 if parts.scheme == "https" else 80)
         attributes["server.port"] = port
-        # no userinfo, no query: a query string may carry values (docs: never exported)
-        attributes["url.full"] = f"{parts.scheme}://{parts.hostname}:{port}{parts.path or '/'}"
+        # no userinfo, no query: a query string may carry values (docs: never exported); the
+        # path redacted as the call's server span redacts it
+        served = self.served()
+        path = (served.redactor if served is not None else _ALWAYS).path(parts.path or "/")
+        attributes["url.full"] = f"{parts.scheme}://{parts.hostname}:{port}{path}"
         span = self.tracer.start_span(method, kind=self._client, attributes=attributes)
         headers.popall("tracestate", None)
         self.propagator.inject(headers, context=self._trace.set_span_in_context(span))
@@ -262,11 +290,12 @@ class Served:
     attributes are gathered in `attributes` and set once, when the span ends (each
     `set_attribute` of the SDK validates and locks: one call costs less than a dozen)."""
 
-    __slots__ = ("_error", "_steps", "_weight", "attributes", "span")
+    __slots__ = ("_error", "_steps", "_weight", "attributes", "redactor", "span")
 
-    def __init__(self, span: Span, error: Any) -> None:
+    def __init__(self, span: Span, error: Any, redactor: Redactor) -> None:
         self.span = span
         self._error = error
+        self.redactor = redactor
         self._weight = -1
         self._steps: list[str] = []
         self.attributes: dict[str, Any] = {}

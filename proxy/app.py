@@ -14,6 +14,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
+from stepguard.contracts.conditions import var_text
 from stepguard.contracts.errors import ContractError, ContractIssue, StepguardError
 from stepguard.contracts.loader import load_contracts
 from stepguard.contracts.model import Contract
@@ -27,7 +28,7 @@ from stepguard.metrics.prom import Metrics
 from stepguard.metrics.tracing import Tracing
 from stepguard.proxy.admin import AdminTokens, loopback, run_routes
 from stepguard.proxy.boundaries import Boundaries
-from stepguard.proxy.config import Settings
+from stepguard.proxy.config import Settings, listen_error
 from stepguard.proxy.dispatch import Adapter, Dispatcher
 from stepguard.proxy.escalation import Escalator
 from stepguard.proxy.forward import BodyBudget, Forwarder
@@ -307,7 +308,7 @@ def started_fields(settings: Settings, contracts: list[Contract], shadows: list[
                                                      "source": u.url_source}
                           for c in contracts for u in c.upstreams.values()},
             "vars": {f"{c.workflow}.{v.name}": {"kind": v.kind, "source": v.source,
-                                                "value": str(v.value)}
+                                                "value": var_text(v.value)}
                      for c in contracts for v in c.vars.values()},
             "max_connections": max_connections,
             "admin_actions": [name for name, _ in tokens.tokens] or "off (no admin token)",
@@ -371,10 +372,16 @@ async def serve(settings: Settings, contracts: list[Contract],
     if worker is not None:      # the supervisor gone (its end of the life pipe closed): drain
         loop.add_reader(worker.life_fd, on_orphaned)
     reuse = True if worker is not None else None
+    served = False
     try:
-        await web.TCPSite(proxy_runner, settings.host, settings.port, reuse_port=reuse).start()
-        await web.TCPSite(admin_runner, settings.admin_host, settings.admin_port,
-                          reuse_port=reuse).start()
+        for listener, runner, host, port in (
+                ("proxy", proxy_runner, settings.host, settings.port),
+                ("admin", admin_runner, settings.admin_host, settings.admin_port)):
+            try:
+                await web.TCPSite(runner, host, port, reuse_port=reuse).start()
+            except OSError as exc:
+                raise listen_error(listener, host, port, exc) from None
+        served = True
         if worker is None:
             log.info("started", proxy=f"{settings.host}:{settings.port}",
                      admin=f"{settings.admin_host}:{settings.admin_port}",
@@ -401,4 +408,5 @@ async def serve(settings: Settings, contracts: list[Contract],
             # nobody else will remove the metrics directory (another worker may have already;
             # one still running keeps its files mapped)
             shutil.rmtree(worker.metrics_dir, ignore_errors=True)
-        log.info("stopped")
+        if served:      # a listener that could not open: not started, so not stopped either
+            log.info("stopped")

@@ -8,12 +8,12 @@ import os
 import sqlite3
 import sys
 from collections.abc import Awaitable, Callable, Sequence
-from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import orjson
 
+from stepguard.contracts.conditions import var_text
 from stepguard.contracts.envelope import STATUSES as RUN_STATUSES
 from stepguard.contracts.errors import ContractError, StepguardError, StoreError
 from stepguard.contracts.loader import load_contracts
@@ -292,6 +292,9 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="fake tools, stepguard in front, one clean and one "
                                        "drifting agent run")
     demo.add_argument("--store", default="stepguard-demo.db")
+    demo.add_argument("--log", metavar="FILE", help="where stepguard's own log lines go, as "
+                                                    "JSON (the store's name with .log), out "
+                                                    "of the printed story")
     demo.set_defaults(func=_demo)
 
     from stepguard.proxy import replay_cli  # `stepguard replay`: its flags live beside it
@@ -403,7 +406,7 @@ def _check(args: argparse.Namespace) -> int:
         for up in c.upstreams.values():
             print(f"  upstream {up.name} ({up.kind}) {up.mount} -> {up.shown_url} (from {up.url_source})")
         for var in c.vars.values():
-            print(f"  var {var.name} = {_shown(var.value)} ({var.kind}, from {var.source})")
+            print(f"  var {var.name} = {var_text(var.value)} ({var.kind}, from {var.source})")
         for line in _holds(c):
             print(f"  {line}")
         for line in _recorded(c):
@@ -439,17 +442,6 @@ def _holds(contract: Any) -> list[str]:
             lines.append(f"hold {step.name}: an entry violation waits for an operator ({wait}); "
                          "an exit violation escalates (the tool has run, nothing to hold back)")
     return lines
-
-
-def _shown(value: Any) -> str:
-    """A var's value as it would be written: durations and timestamps as CEL reads them."""
-    if isinstance(value, timedelta):
-        return f"{value.total_seconds():g}s"
-    if isinstance(value, datetime):
-        return value.isoformat().replace("+00:00", "Z")
-    if isinstance(value, list):
-        return "[" + ", ".join(_shown(v) for v in value) + "]"
-    return orjson.dumps(value).decode()
 
 
 def _store_location(args: argparse.Namespace, command: str) -> str | None:
@@ -680,9 +672,12 @@ def _demo(args: argparse.Namespace) -> int:
     from stepguard.examples.order_confirmation.demo import fresh_store, run_demo
     from stepguard.metrics.logs import configure
 
-    configure("auto", "warning")
-    fresh_store(Path(args.store))
-    return asyncio.run(run_demo(Path(args.store)))
+    store = Path(args.store)
+    log = Path(args.log) if args.log else store.with_suffix(".log")
+    fresh_store(store)
+    with log.open("w", encoding="utf-8") as to:     # the story alone on stdout
+        configure("json", "info", to=to)
+        return asyncio.run(run_demo(store, log))
 
 
 if __name__ == "__main__":

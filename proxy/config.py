@@ -8,6 +8,7 @@ mode) and booleans are read case-insensitively.
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 from collections.abc import Callable
@@ -227,6 +228,26 @@ def env_name(name: str) -> str:
 
 def flag_name(name: str) -> str:
     return _FLAGS.get(name, "--" + name.replace("_", "-"))
+
+
+class ListenError(OSError):
+    """A listener could not be opened on its address (a port in use, an address not this
+    host's). The message is one line naming the address and the settings that chose it."""
+
+
+def listen_error(listener: str, host: str, port: int, exc: OSError) -> ListenError:
+    """`exc`, met opening the `listener` ("proxy" or "admin") on `host:port`, as one line naming
+    the setting to change: the port's when it is taken or not allowed, else the address's too."""
+    prefix = "" if listener == "proxy" else "admin_"
+    names = [f"{prefix}port"]
+    if exc.errno not in (errno.EADDRINUSE, errno.EACCES):
+        names.insert(0, f"{prefix}host")
+    settings = ", ".join(f"{flag_name(n)} / {env_name(n)}" for n in names)
+    why = os.strerror(exc.errno) if exc.errno and exc.errno > 0 else str(exc)
+    hint = " (another program listens there: choose another port, or 0 for a free one)" \
+        if exc.errno == errno.EADDRINUSE else ""
+    return ListenError(f"cannot listen on {host}:{port}, the {listener} listener ({settings}): "
+                       f"{why}{hint}")
 
 
 def parse_setting(name: str, value: object, source: str) -> Any:

@@ -4,6 +4,7 @@ call to the adapter for that upstream's kind. Stamps every answer with the time 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from typing import Protocol
 
@@ -11,6 +12,7 @@ import aiohttp
 import aiohttp.http_exceptions
 from aiohttp import web
 
+from stepguard.contracts.redact import Redactor
 from stepguard.metrics.observer import Observer
 from stepguard.metrics.tracing import Tracing
 from stepguard.proxy.forward import (
@@ -24,6 +26,13 @@ from stepguard.proxy.forward import (
 from stepguard.proxy.mcp_rpc import mcp_trace_meta
 from stepguard.proxy.problems import problem
 from stepguard.proxy.routing import Route, Router, UnsafePath, refuse_method_override
+
+
+@functools.lru_cache(maxsize=64)
+def _redactor(fields: tuple[str, ...]) -> Redactor:
+    """A contract's redaction (its `redact` list and the credentials always redacted), made
+    once per list: a span's paths are redacted as its logs are."""
+    return Redactor(fields)
 
 
 class Adapter(Protocol):
@@ -116,7 +125,8 @@ class Dispatcher:
                            mount=route.upstream.mount, host=_host_name(request.host),
                            client=request.remote,
                            meta_traceparent=meta[0] if meta else None,
-                           meta_tracestate=meta[1] if meta else None) as served:
+                           meta_tracestate=meta[1] if meta else None,
+                           redactor=_redactor(route.contract.redact)) as served:
             response = await adapter.handle(request, route, body, timing)
             served.answered(response.status)
             if not response.prepared:

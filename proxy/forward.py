@@ -13,6 +13,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from stepguard.contracts.redact import redacted_path
 from stepguard.metrics.logs import get_logger
 from stepguard.metrics.tracing import Tracing
 from stepguard.proxy.h1client import (
@@ -222,7 +223,7 @@ def ask_for_identity(headers: CIMultiDict[str]) -> None:
 def client_gone(request: web.Request, exc: BaseException) -> None:
     """A client that hung up while stepguard relayed an answer to it: one info line."""
     get_logger().info("client_disconnected", client=request.remote or "-",
-                      method=request.method, path=request.path[:200], detail=str(exc))
+                      method=request.method, path=redacted_path(request.path), detail=str(exc))
 
 
 class ClientEnd:

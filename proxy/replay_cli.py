@@ -167,7 +167,8 @@ def _difference(difference: Difference) -> str:
 
 
 def _where(seq: int, step: str | None, boundary: str | None) -> str:
-    return f"#{seq} {step} {boundary}"
+    """`#3 lookup_order entry`; an operator's event names no step or boundary: `#3`."""
+    return " ".join([f"#{seq}", *(part for part in (step, boundary) if part is not None)])
 
 
 def _outcome(outcome: Outcome) -> str:

@@ -55,7 +55,7 @@ from stepguard.metrics.logs import get_logger
 from stepguard.metrics.tracing import requested
 from stepguard.proxy.admin import AdminTokens
 from stepguard.proxy.app import started_fields
-from stepguard.proxy.config import Settings
+from stepguard.proxy.config import Settings, listen_error
 from stepguard.proxy.limits import serve_limits
 from stepguard.proxy.listener import reserve_port
 from stepguard.proxy.worker_link import MULTIPROC_ENV, READY_MARK, WorkerLink
@@ -122,12 +122,12 @@ class Supervisor:
         if not is_postgres(settings.store):    # a PostgreSQL store is shared by design
             self.lock_fd = lock_store(settings.store)
         asyncio.run(_open_and_close(settings))
-        for host, port in ((settings.host, settings.port),
-                           (settings.admin_host, settings.admin_port)):
+        for listener, host, port in (("proxy", settings.host, settings.port),
+                                     ("admin", settings.admin_host, settings.admin_port)):
             try:
                 self.sockets.append(reserve_port(host, port))
             except OSError as exc:
-                raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+                raise listen_error(listener, host, port, exc) from None
         self.ports = (self.sockets[0].getsockname()[1], self.sockets[1].getsockname()[1])
 
     def _release(self) -> None:

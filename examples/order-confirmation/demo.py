@@ -51,7 +51,7 @@ def fresh_store(store: Path) -> None:
         Path(f"{store}{suffix}").unlink(missing_ok=True)
 
 
-async def run_demo(store: Path) -> int:
+async def run_demo(store: Path, log: Path | None = None) -> int:
     async with running(tools_mod.create_app()) as tools_url:
         contract = load_contract(contract_path(), upstreams={"tools": Override(tools_url, "demo")})
         sg = build(Settings(store=str(store)), [contract])
@@ -68,4 +68,6 @@ async def run_demo(store: Path) -> int:
         print()
         print(render_run(orjson.loads(row[0]), read_history(conn, run_id), []))
     print(f"\ninspect again with: stepguard runs --store {store} show demo-stale")
+    if log is not None:
+        print(f"stepguard's log of both runs: stepguard tail {log}")
     return 0

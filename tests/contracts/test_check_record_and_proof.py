@@ -56,6 +56,17 @@ def test_recording_a_field_the_output_schema_does_not_declare_is_an_issue() -> N
     assert "steps.a.record.id" in issue and "output.order_ID" in issue
 
 
+def test_the_issue_says_no_others_are_allowed_only_when_the_schema_says_so() -> None:
+    [closed] = compile({"output": {"schema": {**ORDER, "additionalProperties": False}},
+                        "record": {"id": "output.order_ID"}})
+    [silent] = compile({"output": {"schema": ORDER}, "record": {"id": "output.order_ID"}})
+
+    assert "allows no others: `additionalProperties: false`" in closed
+    assert "cannot carry it" in closed
+    assert "allows no others" not in silent and "cannot carry it" not in silent
+    assert "it sets no `additionalProperties`, so a result could carry it" in silent
+
+
 def test_a_nested_undeclared_field_is_named_by_its_path() -> None:
     [issue] = compile({"output": {"schema": "order"}, "record": {"c": "output.customer.name"}},
                       schemas={"order": ORDER})

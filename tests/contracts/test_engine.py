@@ -189,7 +189,7 @@ def test_error_when_true_is_a_tool_error_naming_the_expression(example):
                    ok(output)).violation
     assert (v.check, v.drift, v.boundary) == ("tool_error", "tool_error", "exit")
     assert v.expression == "has(output.partial) && output.partial == true"
-    assert v.detail == "tool reported an error: 'has(output.partial) && output.partial == true'"
+    assert v.detail == "error_when matched: 'has(output.partial) && output.partial == true'"
 
 
 @pytest.mark.parametrize("output", [RESERVATION, {**RESERVATION, "partial": False}])

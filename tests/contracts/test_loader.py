@@ -175,7 +175,11 @@ def test_step_for_finds_the_step_by_upstream_method_and_path(make_contract):
                  "first", "match.method", "'FETCH' is not one of", id="unknown-method"),
     pytest.param({"steps": {"first": {"precondition": [{"expr": "input.x == 1",
                                                         "drift": "staleness"}]}}},
-                 "first", "precondition.0.drift", "staleness", id="bad-drift-tag"),
+                 "first", "precondition[0].drift", "staleness", id="bad-drift-tag"),
+    pytest.param({"steps": {"first": {"match": [
+        {"upstream": "tools", "path": "/a"},
+        {"upstream": "tools", "method": "FETCH", "path": "/b"}]}}},
+                 "first", "match[1].method", "'FETCH' is not one of", id="index-in-brackets"),
     pytest.param({"steps": {"first": {"on_failure": "retry"}}}, "first", "on_failure",
                  "'retry'", id="bad-on-failure-action"),
     pytest.param({"steps": {"first": {"on_failure": {"then": "explode"}}}}, "first",

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
+from stepguard.contracts.conditions import duration_text, parse_time, var_text
 from stepguard.contracts.engine import check_entry, check_exit
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.errors import ContractError
@@ -95,6 +96,30 @@ def test_now_can_be_recorded_and_read_back_as_a_timestamp() -> None:
 def test_each_kind_of_var_reaches_conditions_with_its_type(value: Any, expr: str) -> None:
     c = contract({"a": {"precondition": [expr]}}, {"v": value})
     assert entry(c, {}, NOON) is None
+
+
+@pytest.mark.parametrize(("duration", "text"), [
+    (timedelta(0), "0s"),
+    (timedelta(seconds=3), "3s"),
+    (timedelta(seconds=90), "1m30s"),
+    (timedelta(hours=1), "1h0m0s"),
+    (timedelta(hours=26, seconds=1.5), "26h0m1.5s"),
+    (timedelta(milliseconds=500), "500ms"),
+    (timedelta(microseconds=1500), "1.5ms"),
+    (timedelta(microseconds=2), "2us"),
+    (-timedelta(seconds=90), "-1m30s"),
+])
+def test_a_duration_is_written_as_go_writes_it_and_cel_reads_it_back(
+        duration: timedelta, text: str) -> None:
+    assert duration_text(duration) == text
+    assert parse_time("duration", text) == duration
+
+
+def test_a_var_is_shown_as_a_contract_would_write_it() -> None:
+    assert var_text(timedelta(minutes=5)) == "5m0s"
+    assert var_text("5m") == '"5m"'      # a string that reads like a duration stays a string
+    assert var_text(datetime(2026, 1, 1, tzinfo=UTC)) == "2026-01-01T00:00:00Z"
+    assert var_text([timedelta(seconds=3), "eu", 2]) == '[3s, "eu", 2]'
 
 
 def test_an_override_replaces_the_contract_s_value_and_names_its_source() -> None:

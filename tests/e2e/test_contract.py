@@ -32,7 +32,7 @@ def test_stepguard_check_accepts_the_contract(capsys: pytest.CaptureFixture[str]
     assert main(["check", str(CONTRACT)]) == 0
     out = capsys.readouterr().out
     assert "ok: workflow 'support-refund' version 1, 5 steps" in out
-    assert "var max_identity_age = 3600s (duration, from contract)" in out
+    assert "var max_identity_age = 1h0m0s (duration, from contract)" in out
 
 
 def test_stepguard_check_shows_overrides_set_at_start(
@@ -41,7 +41,7 @@ def test_stepguard_check_shows_overrides_set_at_start(
     assert main(["check", str(CONTRACT), "--var", "max_identity_age=10m",
                  "--upstream", "http=http://desk.internal:8000/api"]) == 0
     out = capsys.readouterr().out
-    assert "var max_identity_age = 600s (duration, from --var max_identity_age)" in out
+    assert "var max_identity_age = 10m0s (duration, from --var max_identity_age)" in out
     assert "var max_refund_cents = 20000 (int, from STEPGUARD_VAR_MAX_REFUND_CENTS)" in out
     assert "upstream http (http) /tools -> http://desk.internal:8000/api (from --upstream http)" in out
 

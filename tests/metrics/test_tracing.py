@@ -44,10 +44,30 @@ def test_export_is_on_only_when_an_otlp_endpoint_or_exporter_is_named(env, on):
     ({"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}, "OTEL_EXPORTER_OTLP_PROTOCOL='grpc'"),
     ({"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/json"},
      "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL='http/json'"),
-], ids=["sampler", "ratio-text", "ratio-range", "exporter", "grpc", "json"])
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "not-a-url"}, "OTEL_EXPORTER_OTLP_ENDPOINT='not-a-url'"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "otel-collector:4318"},
+     "OTEL_EXPORTER_OTLP_ENDPOINT='otel-collector:4318'"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://:4318"}, "OTEL_EXPORTER_OTLP_ENDPOINT='http://:4318'"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x:port"},
+     "OTEL_EXPORTER_OTLP_ENDPOINT='http://x:port'"),
+    ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "ftp://x/v1/traces",
+      "OTEL_EXPORTER_OTLP_ENDPOINT": "http://x:4318"},
+     "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT='ftp://x/v1/traces'"),
+], ids=["sampler", "ratio-text", "ratio-range", "exporter", "grpc", "json", "endpoint-word",
+        "endpoint-no-scheme", "endpoint-no-host", "endpoint-bad-port", "traces-endpoint-ftp"])
 def test_a_setting_the_sdk_would_replace_by_a_default_is_refused_by_name(env, named):
     with pytest.raises(TracingError, match="^" + named.replace("(", r"\(")):
         check_env(env)
+
+
+@pytest.mark.parametrize("env", [
+    {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://otel-collector:4318"},
+    {"OTEL_EXPORTER_OTLP_ENDPOINT": "HTTPS://[::1]:4318/base"},
+    {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "https://collector.example/v1/traces"},
+    {"OTEL_TRACES_EXPORTER": "otlp"},
+], ids=["http", "https-ipv6", "traces-endpoint", "sdk-default"])
+def test_an_http_endpoint_with_a_host_is_accepted(env):
+    check_env(env)
 
 
 def test_a_valid_ratio_sampler_is_accepted():
@@ -107,6 +127,14 @@ def test_serve_refuses_to_start_with_a_sampler_the_sdk_does_not_know(tmp_path):
 
     assert done.returncode == 2
     assert done.stderr.startswith("stepguard serve: OTEL_TRACES_SAMPLER='sometimes'")
+
+
+def test_serve_refuses_to_start_with_an_endpoint_that_is_not_a_url(tmp_path):
+    done = _serve(tmp_path, {"OTEL_EXPORTER_OTLP_ENDPOINT": "not-a-url"})
+
+    assert done.returncode == 2
+    assert done.stderr.startswith("stepguard serve: OTEL_EXPORTER_OTLP_ENDPOINT='not-a-url': "
+                                  "not an http:// or https:// URL with a host")
 
 
 CHECK_OFF = """

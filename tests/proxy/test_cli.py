@@ -252,7 +252,7 @@ async def test_check_lists_each_var_with_its_type_value_and_source(tmp_path):
         del os.environ["STEPGUARD_VAR_LIMIT"]
 
     assert ran.code == 0, ran.out + ran.err
-    assert "  var max_age = 5400s (duration, from --var max_age)" in ran.lines
+    assert "  var max_age = 1h30m0s (duration, from --var max_age)" in ran.lines
     assert "  var limit = 5 (int, from STEPGUARD_VAR_LIMIT)" in ran.lines
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import sys
 from collections.abc import Iterator
 from dataclasses import fields
@@ -16,6 +17,7 @@ from typing import Any
 import orjson
 import pytest
 import structlog
+import yaml
 from programs import stop
 from sgtest import EXAMPLE, free_port
 
@@ -238,6 +240,29 @@ async def test_serve_exits_2_naming_a_bad_flag(tmp_path: Path) -> None:
                                 "a whole number of bytes >= 1 (10 MiB is 10485760)"]
 
 
+@pytest.mark.parametrize("workers", ["1", "2"])
+@pytest.mark.parametrize(("setting", "listener", "named"), [
+    ("PORT", "proxy", "--port / STEPGUARD_PORT"),
+    ("ADMIN_PORT", "admin", "--admin-port / STEPGUARD_ADMIN_PORT"),
+])
+async def test_a_port_in_use_is_one_line_naming_its_setting_and_nothing_is_logged_as_stopped(
+        tmp_path: Path, setting: str, listener: str, named: str, workers: str) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, out, err = await _serve(_serve_env(tmp_path, **{setting: str(port)},
+                                                 LOG_FORMAT="json", WORKERS=workers))
+
+    assert code == 1, (out, err)
+    assert err.splitlines() == [
+        f"stepguard serve: cannot listen on 127.0.0.1:{port}, the {listener} listener "
+        f"({named}): Address already in use (another program listens there: choose another "
+        "port, or 0 for a free one)"]
+    events = [orjson.loads(line)["event"] for line in out.splitlines()]
+    assert "stopped" not in events and "started" not in events
+
+
 async def test_serve_with_log_format_in_capitals_logs_json(tmp_path: Path) -> None:
     """STEPGUARD_LOG_FORMAT=JSON used to fall through to the console renderer."""
     env = _serve_env(tmp_path, LOG_FORMAT="JSON", LOG_LEVEL="INFO")
@@ -252,6 +277,32 @@ async def test_serve_with_log_format_in_capitals_logs_json(tmp_path: Path) -> No
         await stop(proc)
     line = orjson.loads(first)
     assert (line["event"], line["level"]) == ("started", "info")
+
+
+async def test_the_started_line_shows_a_duration_var_as_check_shows_it(tmp_path: Path) -> None:
+    doc = yaml.safe_load(EXAMPLE.read_bytes())
+    doc["vars"] = {"max_age": "90s", "region": {"type": "string", "value": "5m"}}
+    contract = tmp_path / "c.yaml"
+    contract.write_text(yaml.safe_dump(doc))
+    env = _serve_env(tmp_path, CONTRACTS=str(contract), LOG_FORMAT="json")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "stepguard.proxy.cli", "serve", env=env,
+        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        started = orjson.loads(await asyncio.wait_for(proc.stdout.readline(), 30))
+    finally:
+        await stop(proc)
+    check = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "stepguard.proxy.cli", "check", str(contract),
+        stdout=asyncio.subprocess.PIPE, env=env)
+    out, _ = await asyncio.wait_for(check.communicate(), 30)
+
+    workflow = doc["workflow"]
+    assert started["vars"][f"{workflow}.max_age"]["value"] == "1m30s"
+    assert started["vars"][f"{workflow}.region"]["value"] == '"5m"'
+    assert "  var max_age = 1m30s (duration, from contract)" in out.decode().splitlines()
 
 
 def test_an_in_flight_body_budget_below_the_request_cap_is_a_config_error_naming_both() -> None:

@@ -30,7 +30,9 @@ from stepguard.contracts.events import Decision, Violation
 from stepguard.contracts.loader import load_contract, parse_contract
 from stepguard.contracts.pg_recorded import PostgresRecorded
 from stepguard.contracts.pg_store import migrate_store
-from stepguard.contracts.recorded import RecordedStore
+from stepguard.contracts.recorded import RecordedRun, RecordedStore
+from stepguard.contracts.replay import replay as replay_runs
+from stepguard.proxy.replay_cli import render
 
 CONTROLS_FROM_130 = [f"control-{i}" for i in range(5, 10)]   # orders ord-130 .. ord-134
 FALSE_COMPLETIONS = [f"false_completion-{i}" for i in range(5)]
@@ -292,6 +294,23 @@ def test_a_decision_does_what_the_proxy_settles_it_with(mode, decision, attempt,
     observed = "observe" if mode == "observe" and decision.violation is not None else enforced
 
     assert action_of(contract, decision, attempt, safe) == observed
+
+
+def test_an_operator_event_that_stops_the_replay_is_shown_by_its_seq_alone():
+    # an operator's event (resume, cancel) names no step or boundary: no "None None"
+    contract = load_contract(EXAMPLE)
+    event = {"seq": 3, "ts": 1_796_000_003.0, "kind": "operator", "action": "resume",
+             "operator": "ops", "reason": "checked by hand"}
+    report = replay_runs(contract, [RecordedRun("pg3", contract.workflow, "active", 1_796_000_000.0,
+                                           [event])])
+    head = {"store": "s.db", "candidate": {"source": "c.yaml", "version": 1}, "since": None,
+            "other_workflows": 0}
+
+    text = render(report, head)
+
+    assert "  pg3 at #3: not_checkable: an event replay does not re-check (action 'resume')" \
+        in text
+    assert "None" not in text
 
 
 # --- usage errors -------------------------------------------------------------------------------
