@@ -155,6 +155,25 @@ def _issued_at(stamp: str) -> float:
     return (_STAMP_BASE - int(stamp)) / 1000
 
 
+def alias_key(contract: Contract, run_id: str) -> str:
+    """The stored key that makes `run_id`, named by a run header, an alias of the run it is
+    stored with (`RunKeys._header_run`)."""
+    return f"alias:{contract.workflow}:{run_id}"
+
+
+def issues_calls(contract: Contract) -> bool:
+    """Whether a model of the workflow issues tool calls that its tools' calls may execute."""
+    return any(u.kind in MODEL_KINDS for u in contract.upstreams.values())
+
+
+def _remember(lru: OrderedDict[tuple[str, str], str], key: tuple[str, str], value: str,
+              limit: int) -> None:
+    lru[key] = value
+    lru.move_to_end(key)
+    while len(lru) > limit:
+        lru.popitem(last=False)
+
+
 def issued_key(contract: Contract, step: str, arguments: Any, call_id: str) -> str | None:
     """The correlation key a model's tool call is stored with on a shared store, so that its
     execution through another process joins it (`RunKeys._stored_issue`)."""
@@ -176,7 +195,12 @@ class RunKeys:
     as any call of a halted run); a value naming no live run (none yet, or its run completed)
     starts a new run only at a first step (a step with no `after`), else the call is refused
     (`no_live_run`). Claims made by calls whose first event is not stored yet are kept in memory
-    (bounded), so two first calls with one value race to one run."""
+    (bounded), so two first calls with one value race to one run.
+
+    A run header naming a run with no history, on a call that executes a tool call a model
+    issued (same step, same canonical arguments), joins the model's run, and the header becomes
+    that run's alias (`alias_key`, stored): a tool client that names a run of its own lands in
+    the model's run with every call. A header naming a run with history is never joined."""
 
     def __init__(self, store: Store, pending: PendingCalls | None = None,
                  limit: int = 65536) -> None:
@@ -185,6 +209,10 @@ class RunKeys:
         self.limit = limit
         self._claims: OrderedDict[str, str] = OrderedDict()
         self._lock = asyncio.Lock()
+        # (workflow, run named by a header) -> the run it is an alias of; runs named by a header
+        # found with history of their own (never an alias). Both bounded; the store has them.
+        self._aliases: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._own: OrderedDict[tuple[str, str], str] = OrderedDict()
 
     async def resolve(self, contract: Contract, step: Step, headers: Mapping[str, str],
                       arguments: Any, traceparent: object = None, call_input: Any = None) -> Keyed:
@@ -193,6 +221,13 @@ class RunKeys:
         named = keyed_by(contract, headers, traceparent)
         known = named[0] if named is not None else None
         joined = None
+        if named is not None and named[1] not in _TRANSPORT_KEYS and issues_calls(contract):
+            try:    # a run header: an alias, or naming no run yet on a call a model issued?
+                known, joined = await self._header_run(
+                    contract, step, named[0], arguments if call_input is None else call_input)
+            except StoreError as exc:
+                return Keyed(None, STORE, f"the run header of step {step.name!r} cannot be "
+                             f"looked up: {exc}")
         if named is None or named[1] in _TRANSPORT_KEYS:   # is it a call a model issued?
             call = arguments if call_input is None else call_input
             issued = self.pending.take(contract.workflow, step.name, call)
@@ -230,11 +265,51 @@ class RunKeys:
         except StoreError as exc:
             return Keyed(None, STORE, f"the run key of step {step.name!r} cannot be looked up: {exc}")
 
-    async def _stored_issue(self, contract: Contract, step: Step, call: Any) -> Issued | None:
+    async def _header_run(self, contract: Contract, step: Step, run_id: str,
+                          call: Any) -> tuple[str, str | None]:
+        """(run, the model's call id it executes or None) of a call whose run header names
+        `run_id`: the run `run_id` is an alias of, joined to its pending call when it executes
+        one; else the model's run whose pending call this call executes, when `run_id` has no
+        history (the header is then stored as that run's alias); else `run_id` itself."""
+        key = (contract.workflow, run_id)
+        target = self._aliases.get(key)
+        if target is None and key not in self._own:
+            target = await self.store.find_run(alias_key(contract, run_id))
+            if target is not None:
+                _remember(self._aliases, key, target, self.limit)
+        if target is not None:
+            issued = await self._issue_of(contract, step, call, target)
+            return target, issued.call_id if issued is not None else None
+        if key in self._own or not (self.store.shared
+                                    or self.pending.waiting(contract.workflow, step.name)):
+            return run_id, None
+        if await self.store.load(run_id) is not None:     # a run with history of its own
+            _remember(self._own, key, run_id, self.limit)
+            return run_id, None
+        issued = await self._issue_of(contract, step, call, None)
+        if issued is None:
+            return run_id, None
+        await self.store.add_keys(issued.run_id, [alias_key(contract, run_id)])
+        _remember(self._aliases, key, issued.run_id, self.limit)
+        return issued.run_id, issued.call_id
+
+    async def _issue_of(self, contract: Contract, step: Step, call: Any,
+                        run_id: str | None) -> Issued | None:
+        """The model's pending tool call this call executes (of run `run_id`, if given)."""
+        issued = self.pending.take(contract.workflow, step.name, call, run_id)
+        if issued is None and await self.pending.settled(contract.workflow):
+            issued = self.pending.take(contract.workflow, step.name, call, run_id)
+        if issued is None and self.store.shared:
+            issued = await self._stored_issue(contract, step, call, run_id)
+        return issued
+
+    async def _stored_issue(self, contract: Contract, step: Step, call: Any,
+                            run_id: str | None = None) -> Issued | None:
         """A tool call a model response issued through another process on the shared store
         (`issued_key`), still pending in its run's envelope: the newest `ISSUES_READ` issues of
         this step with these arguments within `PendingCalls.ttl_s`, as `take` would see them in
-        memory. None when there is none, or when calls of more than one run wait with them.
+        memory (of run `run_id` only, if given). None when there is none, or when calls of
+        more than one run wait with them.
         Nothing is consumed: a second execution of the same call arriving while the first is
         still pending joins too (docs/replicas.md). A store failure is no join."""
         args = digest(call if call is not None else {})
@@ -256,6 +331,8 @@ class RunKeys:
                     found.append(Issued(envelope.run_id, call_id, 0.0))
         except StoreError:
             return None
+        if run_id is not None:
+            found = [issued for issued in found if issued.run_id == run_id]
         if len({issued.run_id for issued in found}) != 1:
             return None
         return found[-1]        # the oldest pending, as `take` gives the oldest
