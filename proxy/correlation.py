@@ -4,12 +4,14 @@ arguments (`arg:NAME`), or the contract's implicit run."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import re
 import time
 import uuid
+import zlib
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -184,6 +186,18 @@ def issued_key(contract: Contract, step: str, arguments: Any, call_id: str) -> s
     return f"{_issued_prefix(contract, step, args)}{stamp:013d}:{call_id}"
 
 
+# shards of the argument-key lock (`RunKeys._sharded`)
+LOCK_SHARDS = 64
+
+
+class _Relock(Exception):
+    """`_resolve` must write keys of a run whose lock it does not hold: taken, and again."""
+
+    def __init__(self, run_id: str) -> None:
+        super().__init__(run_id)
+        self.run_id = run_id
+
+
 class RunKeys:
     """Run keys read from a call's arguments (`arg:NAME`), stored in the store's correlation keys
     so a restart keeps them: `arg:<workflow>:<NAME>=<value>` finds the run a value names, and
@@ -208,7 +222,9 @@ class RunKeys:
         self.pending = pending if pending is not None else PendingCalls()
         self.limit = limit
         self._claims: OrderedDict[str, str] = OrderedDict()
-        self._lock = asyncio.Lock()
+        # argument keys are resolved under the locks of their values' shards (and of the run
+        # the call is known to belong to): calls of different values never wait for each other
+        self._shards = [asyncio.Lock() for _ in range(LOCK_SHARDS)]
         # (workflow, run named by a header) -> the run it is an alias of; runs named by a header
         # found with history of their own (never an alias). Both bounded; the store has them.
         self._aliases: OrderedDict[tuple[str, str], str] = OrderedDict()
@@ -259,8 +275,7 @@ class RunKeys:
                              f"{describe_keys(contract)}")
             return Keyed(run_id)
         try:
-            async with self._lock:
-                keyed = await self._resolve(contract, step, known, values)
+            keyed = await self._resolve_locked(contract, step, known, values)
             return replace(keyed, joined=joined) if joined and keyed.run_id == known else keyed
         except StoreError as exc:
             return Keyed(None, STORE, f"the run key of step {step.name!r} cannot be looked up: {exc}")
@@ -362,11 +377,39 @@ class RunKeys:
         values = [(n, v) for n in arg_names(contract) if (v := arg_value(arguments, n)) is not None]
         if not values:
             return Keyed(run_id)
-        async with self._lock:
-            return await self._resolve(contract, step, run_id, values)
+        return await self._resolve_locked(contract, step, run_id, values)
+
+    @contextlib.asynccontextmanager
+    async def _sharded(self, names: list[str]) -> AsyncIterator[None]:
+        """The shard locks of `names`, taken in shard order (no two callers deadlock)."""
+        shards = sorted({zlib.crc32(name.encode()) % len(self._shards) for name in names})
+        taken: list[asyncio.Lock] = []
+        try:
+            for shard in shards:
+                lock = self._shards[shard]
+                await lock.acquire()
+                taken.append(lock)
+            yield
+        finally:
+            for lock in reversed(taken):
+                lock.release()
+
+    async def _resolve_locked(self, contract: Contract, step: Step, known: str | None,
+                              values: list[tuple[str, str]]) -> Keyed:
+        """`_resolve` under the locks of the values and of the runs it writes keys for: the
+        run it knows, or the live run the values name (found under the values' locks, then
+        taken with them and looked for again)."""
+        runs = {known} if known is not None else set()
+        while True:
+            names = [_forward(contract, n, v) for n, v in values] + [f"run:{r}" for r in runs]
+            async with self._sharded(names):
+                try:
+                    return await self._resolve(contract, step, known, values, frozenset(runs))
+                except _Relock as more:
+                    runs.add(more.run_id)
 
     async def _resolve(self, contract: Contract, step: Step, known: str | None,
-                       values: list[tuple[str, str]]) -> Keyed:
+                       values: list[tuple[str, str]], held: frozenset[str]) -> Keyed:
         seen: dict[str, str] = {}
         owners = [await self._owner(contract, n, v, seen) for n, v in values]
         if known is not None:
@@ -386,6 +429,8 @@ class RunKeys:
                          f"{len(live)} different live runs")
         if live:
             run_id = live.pop()
+            if run_id not in held and any(o != run_id for o in owners):
+                raise _Relock(run_id)    # keys to add to a run whose lock is not held
             await self._register(contract, run_id, values, owners)
             return Keyed(run_id)
         if step.after:
