@@ -60,12 +60,15 @@ async def agent(s: Stack, ticket: str, tool_run: str, *, stream: bool = False) -
     raise AssertionError("no final answer")
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize(("stream", "shared"), [(False, False), (True, False), (False, True)],
+                         ids=["whole", "streamed", "shared-store"])
 async def test_a_tool_client_naming_its_own_run_joins_the_models_run_on_every_clean_run(
-        stack: StartStack, tool_header_contract: Path, stream: bool) -> None:
+        stack: StartStack, tool_header_contract: Path, stream: bool, shared: bool) -> None:
+    """`shared`: the store as replicas share it (`--shared-store`), where a call the model
+    issued is also looked for in the store."""
     tickets = {"T-81": f"tools-{uuid.uuid4().hex}", "T-82": f"tools-{uuid.uuid4().hex}",
                "T-83": f"tools-{uuid.uuid4().hex}"}
-    async with stack(contract=tool_header_contract) as s:
+    async with stack(contract=tool_header_contract, shared_store=shared) as s:
         for ticket in tickets:
             s.model.work_on(ticket)
         answers = await asyncio.gather(*(agent(s, t, h, stream=stream)
