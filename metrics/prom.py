@@ -90,6 +90,11 @@ class Metrics:
             "stepguard_requests_refused", "Requests refused before their upstream saw them: "
             "ambiguous paths and method-override headers, and calls refused for a reason in "
             "observer.REFUSAL_REASONS, by reason.", ["reason"], registry=r)
+        self.refusals_counted = Counter(
+            "stepguard_refusals_counted", "Calls of a stopped run refused at entry as a repeat "
+            "of a refusal already stored: counted, and written as one tally event per run, "
+            "step and halt (`repeats`) at most every 10 s, not stored each.", ["workflow"],
+            registry=r)
         self.shadow_checks = Counter(
             "stepguard_shadow_checks", "Boundary checks by a shadow contract (serve --shadow), "
             "never acted on: its verdict, and whether it agrees with the contract in force.",

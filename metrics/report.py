@@ -45,6 +45,11 @@ def render_run(envelope: dict[str, Any], history: list[dict[str, Any]],
     for digest, approval in (envelope.get("approvals") or {}).items():
         lines.append(f"  approved, not used yet: {approval['step']} (digest {digest}) until "
                      f"{timestamp(approval['until'])}, by {approval.get('operator')}")
+    refused = [e for e in history if e.get("action") == "refuse"]
+    if refused:
+        calls = sum(int(e.get("repeats") or 1) for e in refused)
+        lines.append(f"  refused:  {calls} call(s) of the stopped run, {len(refused)} event(s) "
+                     "(repeats counted, not stored each)")
     lines += ["", "  history:"]
     gone = superseded(history)
     first_bad = next((e["seq"] for e in history
@@ -63,6 +68,9 @@ def render_run(envelope: dict[str, Any], history: list[dict[str, Any]],
                 f"{e.get('action', '-'):<8}")
         if violation:
             line += f" {violation['check']} ({violation['drift']}): {violation['detail']}"
+        elif e.get("repeats"):
+            line += (f" {e['repeats']} more like decision {e.get('repeat_of')}, "
+                     f"{timestamp(e.get('first_ts'))} to {timestamp(e.get('last_ts'))}")
         elif "replayed_from" in e:
             line += f" answered from the record of seq {e['replayed_from']}"
         elif e.get("verdict") == "rejected" and e.get("detail"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import os
 import shutil
@@ -132,6 +133,7 @@ class Stepguard:
         self.boundaries = Boundaries(self.runs, self.observer, self.escalator, self.contracts,
                                      self.settings.payload_history_bytes)
         self.boundaries.shadows = shadowed(self.contracts, self.shadows)
+        self._tallies: asyncio.Task[None] | None = None   # writes counted refusals (start)
         self.boundaries.holds = Holds(self.observer, self.limits.max_holds,
                                       self.settings.admin_url or f"http://{self.settings.admin_host}"
                                       f":{self.settings.admin_port}")
@@ -163,6 +165,8 @@ class Stepguard:
     async def start(self) -> None:
         await self.store.open()
         await self.escalator.start()
+        self._tallies = asyncio.get_running_loop().create_task(
+            self.boundaries.keep_flushing_refusals())
         self.ready = True
 
     async def stop(self) -> None:
@@ -170,6 +174,12 @@ class Stepguard:
         await self.boundaries.holds.close()
         await self.escalator.close()
         await self.forwarder.close()
+        tallies, self._tallies = self._tallies, None
+        if tallies is not None:
+            tallies.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await tallies
+        await self.boundaries.flush_refusals()   # counted refusals, written before the store closes
         try:
             await self.store.close()
         except StepguardError as exc:   # a final checkpoint on a full disk: logged, not fatal

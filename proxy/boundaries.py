@@ -14,7 +14,7 @@ import orjson
 
 from stepguard.contracts.engine import action_of, check_shadow
 from stepguard.contracts.envelope import Envelope
-from stepguard.contracts.errors import ConflictError, StoreError
+from stepguard.contracts.errors import ConflictError, RunOfAnotherWorkflow, StoreError
 from stepguard.contracts.events import (
     ESCALATE,
     FORWARD,
@@ -43,6 +43,7 @@ from stepguard.proxy.escalation import Escalator
 from stepguard.proxy.forward import Timing
 from stepguard.proxy.holds import Held, HoldRefused, Holds, refused_for_room
 from stepguard.proxy.joining import PendingCalls
+from stepguard.proxy.refusals import FLUSH_S, Count, Key, RefusalTally
 from stepguard.proxy.routing import Route
 
 CONFLICT_RETRIES = 10
@@ -130,6 +131,7 @@ class Boundaries:
         self.run_keys = RunKeys(runs.store, self.pending)   # shared by every adapter
         self.shadows: dict[str, Contract] = {}  # workflow -> candidate contract (--shadow)
         self.holds = Holds(observer)            # calls held for an operator (app.py sets it up)
+        self.refusals = RefusalTally()          # repeated refusals of stopped runs, counted
         self.use(contracts)
 
     def use(self, contracts: list[Contract]) -> None:
@@ -312,15 +314,60 @@ class Boundaries:
                      *, timing: Timing, traffic: str, boundary: str = "entry",
                      extra: dict[str, Any] | None = None) -> Settled:
         """Record that a call of a stopped run was refused (at entry, or at exit when the run
-        was halted while the call was at the upstream)."""
+        was halted while the call was at the upstream). A refusal at entry that repeats one
+        this process stored (same run, halt and step) is counted instead (`proxy/refusals.py`)
+        and answered with the stored refusal's decision id."""
+        halted_by = (envelope.halt or {}).get("seq")
+        key: Key = (run_id, halted_by, step, boundary)
+        countable = boundary == "entry" and self.refusals.countable(extra)
+        stored = self.refusals.stored_as(key) if countable else None
+        metrics = self.observer.metrics
+        if stored is not None:
+            self.refusals.count(key, contract, stored)
+            event = {"step": step, "boundary": boundary, "verdict": "refused", "action": REFUSE,
+                     "decision_id": stored, "halted_by": halted_by, "counted": True}
+            self.observer.verdict(contract, run_id, event, timing.added_s(), traffic)
+            metrics.requests_refused.labels("halted_run").inc()
+            metrics.refusals_counted.labels(contract.workflow).inc()
+            return Settled(REFUSE, stored, event, envelope)
         decision_id = new_decision_id()
         fields = {"step": step, "boundary": boundary, "verdict": "refused", "action": REFUSE,
-                  "decision_id": decision_id, "halted_by": (envelope.halt or {}).get("seq"),
-                  **(extra or {})}
+                  "decision_id": decision_id, "halted_by": halted_by, **(extra or {})}
         after, event = await self._commit(envelope, fields)
+        if countable:
+            self.refusals.stored(key, decision_id)
         self.observer.verdict(contract, run_id, event, timing.added_s(), traffic)
-        self.observer.metrics.requests_refused.labels("halted_run").inc()
+        metrics.requests_refused.labels("halted_run").inc()
         return Settled(REFUSE, decision_id, event, after)
+
+    async def flush_refusals(self) -> int:
+        """Write the refusals counted and not written yet, one tally event per run, halt, step
+        and boundary; how many events were written. A count that cannot be written (store
+        failure) is kept for the next flush."""
+        written = 0
+        for key, count in self.refusals.take():
+            try:
+                await retrying_conflicts(key[0], lambda: self._tally(key, count))  # noqa: B023
+                written += 1
+            except StoreError as exc:
+                self.refusals.give_back(key, count)
+                self.observer.store_error("append", str(exc), run_id=key[0],
+                                          workflow=count.contract.workflow, step=key[2])
+            except RunOfAnotherWorkflow:
+                pass     # the run id now names another workflow's run: nothing to count in it
+        return written
+
+    async def _tally(self, key: Key, count: Count) -> None:
+        async with self.runs.locked(key[0]):
+            envelope = await self.runs.envelope(count.contract, key[0])
+            await self._commit(envelope, {**count.fields(key),
+                                          "decision_id": new_decision_id()})
+
+    async def keep_flushing_refusals(self, every_s: float = FLUSH_S) -> None:
+        """`flush_refusals` every `every_s`, until cancelled (app.py runs it)."""
+        while True:
+            await asyncio.sleep(every_s)
+            await self.flush_refusals()
 
     async def unreachable(self, contract: Contract, run_id: str, envelope: Envelope, step: str,
                           detail: str, *, timing: Timing, traffic: str, attempt: int = 1,

@@ -4,12 +4,14 @@ arguments (`arg:NAME`), or the contract's implicit run."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import re
 import time
 import uuid
+import zlib
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -155,6 +157,25 @@ def _issued_at(stamp: str) -> float:
     return (_STAMP_BASE - int(stamp)) / 1000
 
 
+def alias_key(contract: Contract, run_id: str) -> str:
+    """The stored key that makes `run_id`, named by a run header, an alias of the run it is
+    stored with (`RunKeys._header_run`)."""
+    return f"alias:{contract.workflow}:{run_id}"
+
+
+def issues_calls(contract: Contract) -> bool:
+    """Whether a model of the workflow issues tool calls that its tools' calls may execute."""
+    return any(u.kind in MODEL_KINDS for u in contract.upstreams.values())
+
+
+def _remember(lru: OrderedDict[tuple[str, str], str], key: tuple[str, str], value: str,
+              limit: int) -> None:
+    lru[key] = value
+    lru.move_to_end(key)
+    while len(lru) > limit:
+        lru.popitem(last=False)
+
+
 def issued_key(contract: Contract, step: str, arguments: Any, call_id: str) -> str | None:
     """The correlation key a model's tool call is stored with on a shared store, so that its
     execution through another process joins it (`RunKeys._stored_issue`)."""
@@ -163,6 +184,18 @@ def issued_key(contract: Contract, step: str, arguments: Any, call_id: str) -> s
         return None
     stamp = _STAMP_BASE - int(time.time() * 1000)
     return f"{_issued_prefix(contract, step, args)}{stamp:013d}:{call_id}"
+
+
+# shards of the argument-key lock (`RunKeys._sharded`)
+LOCK_SHARDS = 64
+
+
+class _Relock(Exception):
+    """`_resolve` must write keys of a run whose lock it does not hold: taken, and again."""
+
+    def __init__(self, run_id: str) -> None:
+        super().__init__(run_id)
+        self.run_id = run_id
 
 
 class RunKeys:
@@ -176,7 +209,12 @@ class RunKeys:
     as any call of a halted run); a value naming no live run (none yet, or its run completed)
     starts a new run only at a first step (a step with no `after`), else the call is refused
     (`no_live_run`). Claims made by calls whose first event is not stored yet are kept in memory
-    (bounded), so two first calls with one value race to one run."""
+    (bounded), so two first calls with one value race to one run.
+
+    A run header naming a run with no history, on a call that executes a tool call a model
+    issued (same step, same canonical arguments), joins the model's run, and the header becomes
+    that run's alias (`alias_key`, stored): a tool client that names a run of its own lands in
+    the model's run with every call. A header naming a run with history is never joined."""
 
     def __init__(self, store: Store, pending: PendingCalls | None = None,
                  limit: int = 65536) -> None:
@@ -184,7 +222,13 @@ class RunKeys:
         self.pending = pending if pending is not None else PendingCalls()
         self.limit = limit
         self._claims: OrderedDict[str, str] = OrderedDict()
-        self._lock = asyncio.Lock()
+        # argument keys are resolved under the locks of their values' shards (and of the run
+        # the call is known to belong to): calls of different values never wait for each other
+        self._shards = [asyncio.Lock() for _ in range(LOCK_SHARDS)]
+        # (workflow, run named by a header) -> the run it is an alias of; runs named by a header
+        # found with history of their own (never an alias). Both bounded; the store has them.
+        self._aliases: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._own: OrderedDict[tuple[str, str], str] = OrderedDict()
 
     async def resolve(self, contract: Contract, step: Step, headers: Mapping[str, str],
                       arguments: Any, traceparent: object = None, call_input: Any = None) -> Keyed:
@@ -193,6 +237,13 @@ class RunKeys:
         named = keyed_by(contract, headers, traceparent)
         known = named[0] if named is not None else None
         joined = None
+        if named is not None and named[1] not in _TRANSPORT_KEYS and issues_calls(contract):
+            try:    # a run header: an alias, or naming no run yet on a call a model issued?
+                known, joined = await self._header_run(
+                    contract, step, named[0], arguments if call_input is None else call_input)
+            except StoreError as exc:
+                return Keyed(None, STORE, f"the run header of step {step.name!r} cannot be "
+                             f"looked up: {exc}")
         if named is None or named[1] in _TRANSPORT_KEYS:   # is it a call a model issued?
             call = arguments if call_input is None else call_input
             issued = self.pending.take(contract.workflow, step.name, call)
@@ -224,17 +275,56 @@ class RunKeys:
                              f"{describe_keys(contract)}")
             return Keyed(run_id)
         try:
-            async with self._lock:
-                keyed = await self._resolve(contract, step, known, values)
+            keyed = await self._resolve_locked(contract, step, known, values)
             return replace(keyed, joined=joined) if joined and keyed.run_id == known else keyed
         except StoreError as exc:
             return Keyed(None, STORE, f"the run key of step {step.name!r} cannot be looked up: {exc}")
 
-    async def _stored_issue(self, contract: Contract, step: Step, call: Any) -> Issued | None:
+    async def _header_run(self, contract: Contract, step: Step, run_id: str,
+                          call: Any) -> tuple[str, str | None]:
+        """(run, the model's call id it executes or None) of a call whose run header names
+        `run_id`: the run `run_id` is an alias of, joined to its pending call when it executes
+        one; else the model's run whose pending call this call executes, when `run_id` has no
+        history (the header is then stored as that run's alias); else `run_id` itself."""
+        key = (contract.workflow, run_id)
+        target = self._aliases.get(key)
+        if target is None and key not in self._own:
+            target = await self.store.find_run(alias_key(contract, run_id))
+            if target is not None:
+                _remember(self._aliases, key, target, self.limit)
+        if target is not None:
+            issued = await self._issue_of(contract, step, call, target)
+            return target, issued.call_id if issued is not None else None
+        if key in self._own or not (self.store.shared
+                                    or self.pending.waiting(contract.workflow, step.name)):
+            return run_id, None
+        if await self.store.load(run_id) is not None:     # a run with history of its own
+            _remember(self._own, key, run_id, self.limit)
+            return run_id, None
+        issued = await self._issue_of(contract, step, call, None)
+        if issued is None:
+            return run_id, None
+        await self.store.add_keys(issued.run_id, [alias_key(contract, run_id)])
+        _remember(self._aliases, key, issued.run_id, self.limit)
+        return issued.run_id, issued.call_id
+
+    async def _issue_of(self, contract: Contract, step: Step, call: Any,
+                        run_id: str | None) -> Issued | None:
+        """The model's pending tool call this call executes (of run `run_id`, if given)."""
+        issued = self.pending.take(contract.workflow, step.name, call, run_id)
+        if issued is None and await self.pending.settled(contract.workflow):
+            issued = self.pending.take(contract.workflow, step.name, call, run_id)
+        if issued is None and self.store.shared:
+            issued = await self._stored_issue(contract, step, call, run_id)
+        return issued
+
+    async def _stored_issue(self, contract: Contract, step: Step, call: Any,
+                            run_id: str | None = None) -> Issued | None:
         """A tool call a model response issued through another process on the shared store
         (`issued_key`), still pending in its run's envelope: the newest `ISSUES_READ` issues of
         this step with these arguments within `PendingCalls.ttl_s`, as `take` would see them in
-        memory. None when there is none, or when calls of more than one run wait with them.
+        memory (of run `run_id` only, if given). None when there is none, or when calls of
+        more than one run wait with them.
         Nothing is consumed: a second execution of the same call arriving while the first is
         still pending joins too (docs/replicas.md). A store failure is no join."""
         args = digest(call if call is not None else {})
@@ -256,6 +346,8 @@ class RunKeys:
                     found.append(Issued(envelope.run_id, call_id, 0.0))
         except StoreError:
             return None
+        if run_id is not None:
+            found = [issued for issued in found if issued.run_id == run_id]
         if len({issued.run_id for issued in found}) != 1:
             return None
         return found[-1]        # the oldest pending, as `take` gives the oldest
@@ -285,11 +377,39 @@ class RunKeys:
         values = [(n, v) for n in arg_names(contract) if (v := arg_value(arguments, n)) is not None]
         if not values:
             return Keyed(run_id)
-        async with self._lock:
-            return await self._resolve(contract, step, run_id, values)
+        return await self._resolve_locked(contract, step, run_id, values)
+
+    @contextlib.asynccontextmanager
+    async def _sharded(self, names: list[str]) -> AsyncIterator[None]:
+        """The shard locks of `names`, taken in shard order (no two callers deadlock)."""
+        shards = sorted({zlib.crc32(name.encode()) % len(self._shards) for name in names})
+        taken: list[asyncio.Lock] = []
+        try:
+            for shard in shards:
+                lock = self._shards[shard]
+                await lock.acquire()
+                taken.append(lock)
+            yield
+        finally:
+            for lock in reversed(taken):
+                lock.release()
+
+    async def _resolve_locked(self, contract: Contract, step: Step, known: str | None,
+                              values: list[tuple[str, str]]) -> Keyed:
+        """`_resolve` under the locks of the values and of the runs it writes keys for: the
+        run it knows, or the live run the values name (found under the values' locks, then
+        taken with them and looked for again)."""
+        runs = {known} if known is not None else set()
+        while True:
+            names = [_forward(contract, n, v) for n, v in values] + [f"run:{r}" for r in runs]
+            async with self._sharded(names):
+                try:
+                    return await self._resolve(contract, step, known, values, frozenset(runs))
+                except _Relock as more:
+                    runs.add(more.run_id)
 
     async def _resolve(self, contract: Contract, step: Step, known: str | None,
-                       values: list[tuple[str, str]]) -> Keyed:
+                       values: list[tuple[str, str]], held: frozenset[str]) -> Keyed:
         seen: dict[str, str] = {}
         owners = [await self._owner(contract, n, v, seen) for n, v in values]
         if known is not None:
@@ -309,6 +429,8 @@ class RunKeys:
                          f"{len(live)} different live runs")
         if live:
             run_id = live.pop()
+            if run_id not in held and any(o != run_id for o in owners):
+                raise _Relock(run_id)    # keys to add to a run whose lock is not held
             await self._register(contract, run_id, values, owners)
             return Keyed(run_id)
         if step.after:

@@ -117,9 +117,16 @@ class PendingCalls:
             old, entries = self._issued.popitem(last=False)
             self._forget(old, len(entries))
 
-    def take(self, workflow: str, step: str, arguments: Any) -> Issued | None:
+    def waiting(self, workflow: str, step: str) -> bool:
+        """Whether a call the model issued for `step`, or a streamed turn of `workflow` being
+        checked, may be waiting for an execution: False costs nothing to look for."""
+        return (workflow, step) in self._steps or workflow in self._streaming
+
+    def take(self, workflow: str, step: str, arguments: Any,
+             run_id: str | None = None) -> Issued | None:
         """The oldest unexpired call the model issued for `step` with these arguments, consumed;
-        None when there is none, or when calls of more than one run wait with them."""
+        None when there is none, or when calls of more than one run wait with them. `run_id`:
+        only a call of that run (the others are left waiting)."""
         if (workflow, step) not in self._steps:
             return None
         args = digest(arguments if arguments is not None else {})
@@ -132,6 +139,15 @@ class PendingCalls:
         now = time.monotonic()
         live = [issued for issued in waiting if issued.expires > now]
         self._forget(key, len(waiting) - len(live))
+        if run_id is not None:
+            mine = next((i for i, issued in enumerate(live) if issued.run_id == run_id), None)
+            if mine is None:
+                self._store(key, live)
+                return None
+            issued = live.pop(mine)
+            self._forget(key, 1)
+            self._store(key, live)
+            return issued
         if len({issued.run_id for issued in live}) > 1:
             # two live runs issued this very call: which one this execution belongs to cannot
             # be told, and taking either could put it in the wrong run. Neither is taken; the
@@ -149,3 +165,8 @@ class PendingCalls:
             del self._issued[key]
         return issued
 
+    def _store(self, key: tuple[str, str, str], live: list[Issued]) -> None:
+        if live:
+            self._issued[key] = live
+        else:
+            self._issued.pop(key, None)

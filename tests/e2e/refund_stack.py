@@ -93,15 +93,16 @@ async def _serving(sg: Stepguard) -> AsyncIterator[str]:
 
 
 def stack_starter(tmp_path: Path) -> StartStack:
-    """stack(mcp=None, vars=(), **settings): the stack, torn down on exit, on a store of its
-    own. `mcp`: also serve the desk over MCP, "stateless" (handshake-era clients get no session;
-    2026-07-28 clients never do) or "session". `vars` are `--var NAME=VALUE` flags;
-    STEPGUARD_VAR_* in the environment apply as well."""
+    """stack(mcp=None, vars=(), contract=CONTRACT, **settings): the stack, torn down on exit,
+    on a store of its own. `mcp`: also serve the desk over MCP, "stateless" (handshake-era
+    clients get no session; 2026-07-28 clients never do) or "session". `vars` are `--var
+    NAME=VALUE` flags; STEPGUARD_VAR_* in the environment apply as well. `contract`: another
+    file of the workflow (a variant of refund.contract.yaml)."""
     stores = itertools.count(1)
 
     @contextlib.asynccontextmanager
     async def start(*, mcp: str | None = None, vars: tuple[str, ...] = (),
-                    **settings: Any) -> AsyncIterator[Stack]:
+                    contract: Path = CONTRACT, **settings: Any) -> AsyncIterator[Stack]:
         desk, model = Desk(), TicketModel(fragments=3)
         async with contextlib.AsyncExitStack() as parts:
             upstreams = [f"model={await parts.enter_async_context(fake_model.serve(model))}",
@@ -113,7 +114,7 @@ def stack_starter(tmp_path: Path) -> StartStack:
             config = Settings.from_env(
                 store=str(tmp_path / f"s{next(stores)}.db"), store_timeout=STORE_TIMEOUT_S,
                 vars=list(vars), upstreams=upstreams, **settings)
-            sg = build(config, load_contracts([CONTRACT], config.vars, config.upstreams))
+            sg = build(config, load_contracts([contract], config.vars, config.upstreams))
             await sg.start()
             parts.push_async_callback(sg.stop)
             url = await parts.enter_async_context(_serving(sg))

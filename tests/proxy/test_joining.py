@@ -29,6 +29,7 @@ from stepguard.examples.order_confirmation import fake_model, mcp_tools, model_a
 from stepguard.examples.order_confirmation.fake_model import FakeModel
 from stepguard.proxy.app import Stepguard, build, create_app
 from stepguard.proxy.config import Settings
+from stepguard.proxy.correlation import RunKeys
 
 CONTRACT = (Path(__file__).resolve().parents[2] / "examples" / "order-confirmation"
             / "contract.model.yaml")
@@ -273,6 +274,20 @@ def test_an_execution_that_two_live_runs_issued_alike_joins_neither() -> None:
     assert pending.take("wf", "lookup", {"order_id": "ord-1"}) is None    # still ambiguous
 
 
+def test_a_call_taken_for_one_run_leaves_another_runs_alike_call_waiting() -> None:
+    from stepguard.proxy.joining import PendingCalls
+
+    pending = PendingCalls()
+    pending.issued("wf", "a", {"n": 1}, "run-1", "c1")
+    pending.issued("wf", "a", {"n": 1}, "run-2", "c2")
+    assert pending.take("wf", "a", {"n": 1}, run_id="run-3") is None
+    taken = pending.take("wf", "a", {"n": 1}, run_id="run-2")
+    assert taken is not None and (taken.run_id, taken.call_id) == ("run-2", "c2")
+    left = pending.take("wf", "a", {"n": 1})
+    assert left is not None and left.call_id == "c1"
+    assert not pending.waiting("wf", "a")
+
+
 def test_two_alike_calls_of_one_run_are_taken_oldest_first() -> None:
     from stepguard.proxy.joining import PendingCalls
 
@@ -458,22 +473,67 @@ async def test_a_tool_call_carrying_a_session_or_trace_of_its_own_is_joined_all_
         ("final_answer", "exit", False, False)]
 
 
-async def test_a_tool_call_carrying_a_run_header_is_not_joined(tmp_path: Path,
-                                                                mcp_server: str) -> None:
+async def issue_first_call(h: Hybrid) -> Any:
+    """The model's first tool call of the example script, through stepguard: pending in a run
+    found by its conversation."""
+    model = openai.AsyncOpenAI(base_url=h.model_url, api_key="sk-test", max_retries=0)
+    async with model:
+        reply = await model.chat.completions.create(
+            model="fake-model", messages=[{"role": "user", "content": "Confirm ord-1."}],
+            tools=model_agent.TOOLS)
+    (call,) = reply.choices[0].message.tool_calls or []
+    return call
+
+
+async def call_with_run_header(h: Hybrid, run: str, tool: str, arguments: Any) -> Any:
+    http = httpx2.AsyncClient(headers={"x-stepguard-run": run})
+    async with http, Client(streamable_http_client(h.mcp_url, http_client=http),
+                            mode="auto", read_timeout_seconds=10) as tools:
+        return await tools.call_tool(tool, arguments)
+
+
+async def test_a_run_header_naming_no_run_yet_joins_the_models_call_and_becomes_its_alias(
+        tmp_path: Path, mcp_server: str) -> None:
     async with hybrid(tmp_path, mcp_server, FakeModel(model_agent.script_for(1, None))) as h:
-        model = openai.AsyncOpenAI(base_url=h.model_url, api_key="sk-test", max_retries=0)
-        async with model:
-            reply = await model.chat.completions.create(
-                model="fake-model", messages=[{"role": "user", "content": "Confirm ord-1."}],
-                tools=model_agent.TOOLS)
-        (call,) = reply.choices[0].message.tool_calls or []
-        http = httpx2.AsyncClient(headers={"x-stepguard-run": "chosen"})
-        async with http, Client(streamable_http_client(h.mcp_url, http_client=http),
-                                mode="auto", read_timeout_seconds=10) as tools:
-            await tools.call_tool(call.function.name, json.loads(call.function.arguments))
+        call = await issue_first_call(h)
+        await call_with_run_header(h, "chosen", call.function.name,
+                                   json.loads(call.function.arguments))
+        (run,) = await h.sg.store.runs()                  # no run "chosen"
+        history = await h.sg.store.history(run.run_id)
+        contract = h.sg.contracts[0]
+        # the alias is a stored key: another process on the store resolves the header with it
+        elsewhere = RunKeys(h.sg.store)
+        later = await elsewhere.resolve(contract, contract.steps["check_policy"],
+                                        {"x-stepguard-run": "chosen"}, {"order_id": "ord-1"})
+
+    assert list(run.verified) == ["lookup_order"] and run.pending == {}
+    assert [(e["boundary"], e.get("call_id")) for e in history] == [
+        ("entry", call.id), ("exit", call.id)]
+    assert alias_of(later) == run.run_id
+
+
+def alias_of(keyed: Any) -> str:
+    assert keyed.reason is None and keyed.joined is None, keyed
+    return str(keyed.run_id)
+
+
+async def test_a_run_header_naming_a_run_with_history_is_not_joined(
+        tmp_path: Path, mcp_server: str) -> None:
+    async with hybrid(tmp_path, mcp_server, FakeModel(model_agent.script_for(1, None))) as h:
+        await call_with_run_header(h, "chosen", "lookup_order", {"order_id": "ord-2"})
+        call = await issue_first_call(h)
+        await call_with_run_header(h, "chosen", call.function.name,
+                                   json.loads(call.function.arguments))
         runs = {r.run_id: r for r in await h.sg.store.runs()}
+        chosen = await h.sg.store.history("chosen")
+        found = await h.sg.store.find_run(f"alias:{h.sg.contracts[0].workflow}:chosen")
+
     assert "chosen" in runs and len(runs) == 2
-    assert list(runs["chosen"].verified) == ["lookup_order"]
+    assert [(e["step"], e["boundary"]) for e in chosen] == [("lookup_order", "entry"),
+                                                           ("lookup_order", "exit")] * 2
+    (model_run,) = [r for r in runs.values() if r.run_id != "chosen"]
+    assert call.id in model_run.pending         # the model's call was not executed in its run
+    assert found is None
 
 
 async def test_waiting_for_streamed_turns_is_bounded_and_leaves_no_waiter_behind() -> None:
