@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from stepguard.contracts.engine import action_for, held_for_approval
-from stepguard.contracts.envelope import rebuild
+from stepguard.contracts.envelope import Envelope, rebuild
 from stepguard.contracts.errors import ContractError
 from stepguard.contracts.events import Violation
 from stepguard.contracts.holds import call_digest, decision_event
@@ -147,3 +147,25 @@ def test_a_hold_stored_before_holds_showed_their_call_is_still_decided():
     assert "call" not in approve
     assert "call" not in older.holds["h1"]
     assert older.apply({"seq": 2, "ts": 121.0, **approve}).approvals["d1"]["hold"] == "h1"
+
+
+async def test_holds_stored_with_and_without_their_call_read_back_and_are_decided(store):
+    """A hold stored before holds recorded their call (no `call`) and one stored after, on
+    SQLite and PostgreSQL: both read back from the store and are decided from it."""
+    call = {**POST, "query": {"note": "x"}}
+    envelope = Envelope("r", "w", "1")
+    for seq, event in enumerate([_hold(1, "h1", "d1"),
+                                 {**_hold(2, "h2", "d2"), "call": call}], start=1):
+        event = {**event, "seq": seq}
+        envelope = envelope.apply(event)
+        await store.append(envelope, event)
+    stored = await store.load("r")
+    assert stored.holds["h2"]["call"] == call and "call" not in stored.holds["h1"]
+    for seq, hold in ((3, "h1"), (4, "h2")):
+        decided = {**decision_event(stored, "approve", operator="alice", reason="ok",
+                                    now=120.0, hold_id=hold), "seq": seq, "ts": 120.0}
+        stored = stored.apply(decided)
+        await store.append(stored, decided)
+    approvals = (await store.load("r")).approvals
+    assert (approvals["d1"]["hold"], approvals["d2"]["call"]) == ("h1", call)
+    assert "call" not in approvals["d1"]
