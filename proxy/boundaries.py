@@ -107,7 +107,8 @@ class Evidence:
     raw_input: bytes = b""
     result: ToolResult | None = None
     raw_output: bytes | None = None
-    target: Target | None = None       # at entry: what else of the call reaches the tool
+    # at entry: what else of the call reaches the tool, made only when a hold needs it
+    target: Callable[[], Target] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,10 +199,10 @@ class Boundaries:
         if not self.holds.reserve(contract.workflow):
             fields.update(action=REFUSE, refused="hold_limit")
             return None, refused_for_room(contract, run_id, step.name, self.holds.limit)
-        target = evidence.target
-        if target is None:     # a hold binds the whole call: an entry that cannot say is a bug
+        if evidence.target is None:    # a hold binds the whole call: an entry without it is a bug
             raise ValueError(f"run {run_id!r}, step {step.name!r}: a call to hold came "
                              "without its target")
+        target = evidence.target()
         hold_s = step.on_failure.hold_s
         until = time.time() + hold_s
         digest = call_digest(run_id, step.name, target.exact, evidence.input)
@@ -241,7 +242,8 @@ class Boundaries:
             self.holds.decided(after.run_id)
 
     async def approved_entry(self, contract: Contract, run_id: str, envelope: Envelope,
-                             step: str, input: Any, target: Target, *, timing: Timing,
+                             step: str, input: Any, target: Callable[[], Target], *,
+                             timing: Timing,
                              traffic: str, extra: dict[str, Any] | None = None,
                              keys: Sequence[str] = ()) -> Settled | None:
         """A call an operator approved earlier (the same digest, so the same arguments and
@@ -250,7 +252,7 @@ class Boundaries:
         is no such approval."""
         if not envelope.approvals:
             return None
-        digest = call_digest(run_id, step, target.exact, input)
+        digest = call_digest(run_id, step, target().exact, input)
         approval = approval_for(envelope, digest, time.time())
         if approval is None:
             return None

@@ -362,7 +362,7 @@ class CallLoop(Generic[C, A]):
                 call.key_drift = replace(drift, joined=None)   # no longer pending: on its own
             if await self.boundaries.approved_entry(
                     call.contract, call.run_id, envelope, call.step.name, call.input,
-                    call.target, timing=call.timing, traffic=self.traffic,
+                    lambda: call.target, timing=call.timing, traffic=self.traffic,
                     extra=self.protocol.extra(call)):
                 return None   # approved by an operator while held, and sent again: it goes on
             decision = self._entry_decision(call, envelope)
@@ -465,7 +465,7 @@ class CallLoop(Generic[C, A]):
         return await self.boundaries.settle(
             call.contract, call.run_id, envelope, decision,
             Evidence(call.input, call.body, result, answer.body if answer is not None else None,
-                     call.target if decision.boundary == "entry" else None),
+                     (lambda: call.target) if decision.boundary == "entry" else None),
             timing=call.timing, traffic=self.traffic, attempt=attempt,
             safe_to_retry=call.safe_to_retry, extra=extra)
 

@@ -145,7 +145,8 @@ class ModelEntries:
         issued = self._issued_keys(ex, step.name, arguments, call)
         if error is None and keyed.drift is None:
             approved = await self.boundaries.approved_entry(
-                contract, ex.run_id, envelope, step.name, arguments, tool_target(call.name),
+                contract, ex.run_id, envelope, step.name, arguments,
+                partial(tool_target, call.name),
                 timing=ex.timing, traffic=self.traffic, extra={**extra, "pending": True},
                 keys=[f"call:{call.call_id}", *keys, *issued])
             if approved is not None:   # approved while held, and issued again: it goes ahead
@@ -156,7 +157,7 @@ class ModelEntries:
         raw = orjson.dumps(arguments)
         settled = await self.boundaries.settle(
             contract, ex.run_id, envelope, decision,
-            Evidence(arguments, raw, target=tool_target(call.name)),
+            Evidence(arguments, raw, target=partial(tool_target, call.name)),
             timing=ex.timing, traffic=self.traffic, extra={**extra, "pending": goes_ahead},
             keys=[f"call:{call.call_id}", *keys, *(issued if goes_ahead else ())])
         if settled.held is not None or settled.refused is not None:
