@@ -196,12 +196,12 @@ class Boundaries:
         """A call to hold: its place taken and the hold's fields added to its event, or, with
         no room left, the event made a refusal (the call is not forwarded, the run unchanged)."""
         step = contract.steps[decision.step]
-        if not self.holds.reserve(contract.workflow):
-            fields.update(action=REFUSE, refused="hold_limit")
-            return None, refused_for_room(contract, run_id, step.name, self.holds.limit)
         if evidence.target is None:    # a hold binds the whole call: an entry without it is a bug
             raise ValueError(f"run {run_id!r}, step {step.name!r}: a call to hold came "
                              "without its target")
+        if not self.holds.reserve(contract.workflow):
+            fields.update(action=REFUSE, refused="hold_limit")
+            return None, refused_for_room(contract, run_id, step.name, self.holds.limit)
         target = evidence.target()
         hold_s = step.on_failure.hold_s
         until = time.time() + hold_s
@@ -243,8 +243,7 @@ class Boundaries:
 
     async def approved_entry(self, contract: Contract, run_id: str, envelope: Envelope,
                              step: str, input: Any, target: Callable[[], Target], *,
-                             timing: Timing,
-                             traffic: str, extra: dict[str, Any] | None = None,
+                             timing: Timing, traffic: str, extra: dict[str, Any] | None = None,
                              keys: Sequence[str] = ()) -> Settled | None:
         """A call an operator approved earlier (the same digest, so the same arguments and
         `target`: its client gave up waiting and sent it again) goes through on that approval,
