@@ -41,7 +41,8 @@ class Envelope:
     # call, seq of the exit event holding the answer], so an identical call is answered from it
     answers: dict[str, list[Any]] = field(default_factory=dict)
     # calls held at entry for an operator (contracts/holds.py): the hold's decision id -> step,
-    # digest of the call, deadline (unix s), hold_s, and the violation when one was held
+    # digest of the call, deadline (unix s), hold_s, the violation when one was held, and what
+    # the call is (`call`: method, path, query or tool, redacted; absent on older holds)
     holds: dict[str, dict[str, Any]] = field(default_factory=dict)
     # approvals not used yet: digest of the approved call -> the hold, step, operator, valid
     # until (unix s). One lets one call with that digest through, once
@@ -128,6 +129,8 @@ class Envelope:
                      "until": event["hold_until"], "hold_s": event["hold_s"], "seq": event["seq"]}
             if event.get("violation"):
                 entry["violation"] = event["violation"]
+            if event.get("call"):       # what the call is (redacted); older holds lack it
+                entry["call"] = event["call"]
             changes["holds"] = {**self.holds, event["decision_id"]: entry}
             return
         hold = event.get("hold")
@@ -139,9 +142,11 @@ class Envelope:
                       if action in (APPROVE, REJECT) else {hold})
             changes["holds"] = {k: v for k, v in self.holds.items() if k not in closed}
             if action == APPROVE:
-                changes["approvals"] = {**self.approvals, event["digest"]: {
-                    "hold": hold, "step": held["step"], "until": event["approval_until"],
-                    "operator": event.get("operator"), "seq": event["seq"]}}
+                approval = {"hold": hold, "step": held["step"], "until": event["approval_until"],
+                            "operator": event.get("operator"), "seq": event["seq"]}
+                if held.get("call"):
+                    approval["call"] = held["call"]
+                changes["approvals"] = {**self.approvals, event["digest"]: approval}
             elif action in (REJECT, EXPIRE) and held.get("violation") and (
                     changes.get("status", self.status) == "active"):
                 changes["status"] = "halted"

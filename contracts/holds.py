@@ -2,12 +2,12 @@
 
 A call of a step whose entry violation's action is `hold` (`on_failure: {then: hold}`), or of a
 step listed in the contract's `approval`, is held at its entry: a `hold` event names it by the
-digest of the exact call (`call_digest`: run, step and canonical arguments) and gives it a
-deadline. An operator then approves or rejects that hold (`approve_event`, `reject_event`), or
-it expires (`expire_fields`). An approval is bound to the digest and is single use: the
-envelope keeps it (`Envelope.approvals`) until one call with that digest has used it
-(`used_fields`), or until it runs out (`approval_for`): for as long as the step's holds last,
-from the approval on.
+digest of the exact call (`call_digest`: run, step, everything else that reaches the tool, and
+canonical arguments) and gives it a deadline. An operator then approves or rejects that hold
+(`approve_event`, `reject_event`), or it expires (`expire_fields`). An approval is bound to
+the digest and is single use: the envelope keeps it (`Envelope.approvals`) until one call with
+that digest has used it (`used_fields`), or until it runs out (`approval_for`): for as long as
+the step's holds last, from the approval on.
 """
 
 from __future__ import annotations
@@ -24,11 +24,13 @@ from stepguard.contracts.operations import OPERATOR, OperationRefused
 STOPPED = ("halted", "escalated", "cancelled")   # a run in these states lets no call through
 
 
-def call_digest(run_id: str, step: str, arguments: Any) -> str:
-    """sha256 of the exact call: its run, its step and its arguments as canonical JSON (keys
-    sorted), hex. The same call sent again has the same digest; any change of an argument
-    gives another."""
-    canonical = orjson.dumps({"run": run_id, "step": step, "arguments": arguments},
+def call_digest(run_id: str, step: str, call: dict[str, Any], arguments: Any) -> str:
+    """sha256 of the exact call, hex: its run, its step, `call` (everything besides the
+    arguments that reaches the tool, as the adapter names it: for HTTP the upstream, method,
+    path as forwarded and query as sent; for MCP also the tool's name; for a model's tool call
+    the tool's name) and its arguments, all as canonical JSON (keys sorted). The same call
+    sent again has the same digest; a change of any part of it gives another."""
+    canonical = orjson.dumps({"run": run_id, "step": step, "call": call, "arguments": arguments},
                              option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS)
     return hashlib.sha256(canonical).hexdigest()
 
@@ -108,6 +110,8 @@ def decision_event(envelope: Envelope, action: str, *, operator: str, reason: st
     fields: dict[str, Any] = {"kind": OPERATOR, "action": action, "operator": operator,
                               "reason": reason, "step": held["step"], "hold": hold,
                               "digest": held["digest"]}
+    if held.get("call"):      # what the call is, as its hold shows it (none on an older hold)
+        fields["call"] = held["call"]
     if action == APPROVE:
         fields["approval_until"] = now + held["hold_s"]
     elif action == REJECT and held.get("violation"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 from typing import Any
+from urllib.parse import urlencode
 
 import orjson
 
@@ -33,6 +34,25 @@ def _answer_withheld(event: dict[str, Any]) -> dict[str, Any]:
     return {**event, "answer": answer}
 
 
+def described_call(call: Any) -> str:
+    """A held call as one line reads it (`call` of a hold, as stored: already redacted):
+    `POST tools:/refund?amount=1`, `tools/call refund on tools:/mcp`, `tool call refund`.
+    Empty for a hold stored before holds recorded their call."""
+    if not isinstance(call, dict):
+        return ""
+    if call.get("traffic") == "model":
+        return f"tool call {call.get('tool')}"
+    where = f"{call.get('upstream')}:{call.get('path')}"
+    query = call.get("query")
+    if isinstance(query, dict) and query:
+        where += "?" + urlencode(query, doseq=True, safe="[]/")
+    elif isinstance(query, str) and query:
+        where += f"?{query}"
+    if call.get("traffic") == "mcp":
+        return f"tools/call {call.get('tool')} on {where}"
+    return f"{call.get('method')} {where}"
+
+
 def render_run(envelope: dict[str, Any], history: list[dict[str, Any]],
                escalations: list[dict[str, Any]]) -> str:
     lines = [f"run {envelope['run_id']}  workflow {envelope['workflow']} "
@@ -41,10 +61,11 @@ def render_run(envelope: dict[str, Any], history: list[dict[str, Any]],
              f"  state:    {orjson.dumps(envelope['state']).decode()}"]
     for hold_id, held in (envelope.get("holds") or {}).items():
         lines.append(f"  held:     {held['step']} (decision {hold_id}, digest {held['digest']}) "
-                     f"until {timestamp(held['until'])}")
+                     f"until {timestamp(held['until'])}" + _call(held))
     for digest, approval in (envelope.get("approvals") or {}).items():
         lines.append(f"  approved, not used yet: {approval['step']} (digest {digest}) until "
-                     f"{timestamp(approval['until'])}, by {approval.get('operator')}")
+                     f"{timestamp(approval['until'])}, by {approval.get('operator')}"
+                     + _call(approval))
     refused = [e for e in history if e.get("action") == "refuse"]
     if refused:
         calls = sum(int(e.get("repeats") or 1) for e in refused)
@@ -78,7 +99,8 @@ def render_run(envelope: dict[str, Any], history: list[dict[str, Any]],
         elif e.get("recorded"):
             line += f" recorded {orjson.dumps(e['recorded']).decode()}"
         if e.get("action") == "hold":
-            line += f" held for an operator: decision {e['decision_id']}, digest {e['digest']}"
+            line += (f" held for an operator: decision {e['decision_id']}, digest {e['digest']}"
+                     + _call(e))
         if e.get("trace_id"):
             line += f"  trace {e['trace_id']} span {e.get('span_id') or '-'}"
         lines.append(line.rstrip())
@@ -90,3 +112,8 @@ def render_run(envelope: dict[str, Any], history: list[dict[str, Any]],
         what = "hold" if esc.get("kind") == "hold" else "escalation"
         lines.append(f"  {what} at {esc['detection_point']} (decision {esc['decision_id']})")
     return "\n".join(lines)
+
+
+def _call(record: dict[str, Any]) -> str:
+    shown = described_call(record.get("call"))
+    return f": {shown}" if shown else ""

@@ -41,7 +41,7 @@ from stepguard.proxy.bodies import BodyError, history_payload, parse_json
 from stepguard.proxy.correlation import RunKeys
 from stepguard.proxy.escalation import Escalator
 from stepguard.proxy.forward import Timing
-from stepguard.proxy.holds import Held, HoldRefused, Holds, refused_for_room
+from stepguard.proxy.holds import Held, HoldRefused, Holds, Target, refused_for_room
 from stepguard.proxy.joining import PendingCalls
 from stepguard.proxy.refusals import FLUSH_S, Count, Key, RefusalTally
 from stepguard.proxy.routing import Route
@@ -108,6 +108,8 @@ class Evidence:
     raw_input: bytes = b""
     result: ToolResult | None = None
     raw_output: bytes | None = None
+    # at entry: what else of the call reaches the tool, made only when a hold needs it
+    target: Callable[[], Target] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,17 +198,22 @@ class Boundaries:
         """A call to hold: its place taken and the hold's fields added to its event, or, with
         no room left, the event made a refusal (the call is not forwarded, the run unchanged)."""
         step = contract.steps[decision.step]
+        if evidence.target is None:    # a hold binds the whole call: an entry without it is a bug
+            raise ValueError(f"run {run_id!r}, step {step.name!r}: a call to hold came "
+                             "without its target")
         if not self.holds.reserve(contract.workflow):
             fields.update(action=REFUSE, refused="hold_limit")
             return None, refused_for_room(contract, run_id, step.name, self.holds.limit)
+        target = evidence.target()
         hold_s = step.on_failure.hold_s
         until = time.time() + hold_s
-        digest = call_digest(run_id, step.name, evidence.input)
+        digest = call_digest(run_id, step.name, target.exact, evidence.input)
         violation = decision.violation.to_dict() if decision.violation else None
+        shown = target.shown(self.redactor(contract))
         fields.update(digest=digest, hold_s=hold_s, hold_until=until,
-                      held_for="violation" if violation else "approval")
+                      held_for="violation" if violation else "approval", call=shown)
         return Held(contract, run_id, step.name, digest, decision_id, until, hold_s,
-                    violation, evidence.input), None
+                    violation, evidence.input, shown), None
 
     def _hold_record(self, contract: Contract, run_id: str, decision: Decision, held: Held,
                      evidence: Evidence, seq: int) -> dict[str, Any]:
@@ -223,7 +230,7 @@ class Boundaries:
             "violation": violation.to_dict() if violation is not None else None,
             "held_for": "violation" if violation is not None else "approval",
             "decision_id": held.decision_id, "seq": seq, "ts": time.time(),
-            "input": self.redactor(contract)(evidence.input),
+            "call": held.call, "input": self.redactor(contract)(evidence.input),
             "digest": held.digest, "hold_s": held.hold_s, "hold_until": held.until,
             "approve": {"method": "POST", "url": urls["approve"], "body": body},
             "reject": {"method": "POST", "url": urls["reject"], "body": body},
@@ -237,15 +244,16 @@ class Boundaries:
             self.holds.decided(after.run_id)
 
     async def approved_entry(self, contract: Contract, run_id: str, envelope: Envelope,
-                             step: str, input: Any, *, timing: Timing, traffic: str,
-                             extra: dict[str, Any] | None = None,
+                             step: str, input: Any, target: Callable[[], Target], *,
+                             timing: Timing, traffic: str, extra: dict[str, Any] | None = None,
                              keys: Sequence[str] = ()) -> Settled | None:
-        """A call an operator approved earlier (the same digest: its client gave up waiting
-        and sent it again) goes through on that approval, once, unchecked: the approval is
-        used up by this call's entry event. None when there is no such approval."""
+        """A call an operator approved earlier (the same digest, so the same arguments and
+        `target`: its client gave up waiting and sent it again) goes through on that approval,
+        once, unchecked: the approval is used up by this call's entry event. None when there
+        is no such approval."""
         if not envelope.approvals:
             return None
-        digest = call_digest(run_id, step, input)
+        digest = call_digest(run_id, step, target().exact, input)
         approval = approval_for(envelope, digest, time.time())
         if approval is None:
             return None

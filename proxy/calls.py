@@ -36,7 +36,7 @@ from stepguard.proxy.boundaries import Boundaries, Evidence, Settled, back_off, 
 from stepguard.proxy.config import Settings
 from stepguard.proxy.correlation import Keyed
 from stepguard.proxy.forward import Timing, UpstreamError
-from stepguard.proxy.holds import HoldRefused
+from stepguard.proxy.holds import HoldRefused, Target, http_target, sent_as
 from stepguard.proxy.joining import digest as joining_digest
 from stepguard.proxy.joining import joined_extra
 from stepguard.proxy.routing import Route
@@ -125,8 +125,14 @@ class Call:
     def replay_key(self) -> bytes:
         """What, besides its arguments, makes two calls of the step the same call (for a
         `replay: recorded` step): method, path and query as sent."""
-        rel = self.request.rel_url
-        return f"{self.request.method} {self.route.raw_path}?{rel.raw_query_string}".encode()
+        method, path, query = sent_as(self.route, self.request)
+        return f"{method} {path}?{query}".encode()
+
+    @property
+    def target(self) -> Target:
+        """What, besides its arguments, reaches the tool, which a hold's digest covers: the
+        upstream, and method, path and query as sent (`replay_key`'s three)."""
+        return http_target(self.route, self.request)
 
 
 # -- why a call stops: the adapter renders each in its protocol --------------------------------
@@ -356,7 +362,8 @@ class CallLoop(Generic[C, A]):
                 call.key_drift = replace(drift, joined=None)   # no longer pending: on its own
             if await self.boundaries.approved_entry(
                     call.contract, call.run_id, envelope, call.step.name, call.input,
-                    timing=call.timing, traffic=self.traffic, extra=self.protocol.extra(call)):
+                    lambda: call.target, timing=call.timing, traffic=self.traffic,
+                    extra=self.protocol.extra(call)):
                 return None   # approved by an operator while held, and sent again: it goes on
             decision = self._entry_decision(call, envelope)
             settled = await self._settle(call, envelope, decision)
@@ -457,7 +464,8 @@ class CallLoop(Generic[C, A]):
             extra = {**(extra or {}), **joined}
         return await self.boundaries.settle(
             call.contract, call.run_id, envelope, decision,
-            Evidence(call.input, call.body, result, answer.body if answer is not None else None),
+            Evidence(call.input, call.body, result, answer.body if answer is not None else None,
+                     (lambda: call.target) if decision.boundary == "entry" else None),
             timing=call.timing, traffic=self.traffic, attempt=attempt,
             safe_to_retry=call.safe_to_retry, extra=extra)
 

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from aiohttp import web
+
 from stepguard.contracts.model import Contract
 from stepguard.metrics.observer import Observer
+from stepguard.proxy.bodies import query_input
+from stepguard.proxy.routing import METHOD_OVERRIDE_HEADERS, Route
 
 DEFAULT_MAX_HOLDS = 100
 T = TypeVar("T")
@@ -21,6 +25,52 @@ T = TypeVar("T")
 # how a hold ended, the `outcome` label of stepguard_holds_total
 APPROVED, REJECTED, EXPIRED, STOPPED_RUN, USED, LEFT, FULL, SHUTDOWN = (
     "approved", "rejected", "expired", "stopped", "used", "left", "full", "shutdown")
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """What of a call reaches the tool besides its arguments: with them, what a hold's digest
+    covers (`exact`, compared as written), so an approval lets through only the very call it
+    was given for. `query`: the call's query parsed, which the hold's record shows in place of
+    the query as written, so that it can be redacted as a body is."""
+
+    exact: dict[str, Any]
+    query: Mapping[str, str] | None = None
+
+    def shown(self, redact: Callable[[Any], Any]) -> dict[str, Any]:
+        """The call as its hold's record shows it."""
+        if self.query is None:
+            return self.exact
+        return {**self.exact, "query": redact(query_input(self.query))}
+
+
+def sent_as(route: Route, request: web.Request) -> tuple[str, str, str]:
+    """An HTTP call's method, path and query as they are forwarded: the path below the mount
+    as the client wrote it (not the normalised one steps match on: `//refund/` reaches the
+    upstream as `//refund/`), the query string as sent."""
+    return request.method, route.raw_path, request.rel_url.raw_query_string
+
+
+def http_target(route: Route, request: web.Request, tool: str | None = None) -> Target:
+    """An HTTP call's target: upstream, method, path and query as forwarded, and any
+    method-override header (sent on only to an upstream that allows them); `tool`: the MCP
+    tool it calls."""
+    method, path, query = sent_as(route, request)
+    exact: dict[str, Any] = {"traffic": "mcp" if tool is not None else "http",
+                             "upstream": route.upstream.name, "method": method, "path": path,
+                             "query": query}
+    overrides = {name: request.headers.getall(name) for name in METHOD_OVERRIDE_HEADERS
+                 if name in request.headers}
+    if overrides:
+        exact["method_override"] = overrides
+    if tool is not None:
+        exact["tool"] = tool
+    return Target(exact, request.query)
+
+
+def tool_target(tool: str) -> Target:
+    """A model's tool call's target: the tool it names (the arguments are hashed beside it)."""
+    return Target({"traffic": "model", "tool": tool})
 
 
 @dataclass(slots=True, eq=False)
@@ -36,6 +86,7 @@ class Held:
     hold_s: float
     violation: dict[str, Any] | None = None
     input: Any = None                    # the call's arguments, as checked
+    call: dict[str, Any] | None = None   # what else of the call reaches the tool, as shown
     woken: asyncio.Event = field(default_factory=asyncio.Event)
     verdict: str | None = None           # the operator's action on this very hold
     operator: str | None = None

@@ -33,6 +33,7 @@ from stepguard.proxy.forward import (
     end_to_end,
 )
 from stepguard.proxy.h1client import H1Response, UpstreamConnectionError
+from stepguard.proxy.holds import Target, http_target
 from stepguard.proxy.http_adapter import upstream_url
 from stepguard.proxy.mcp_cuts import Cut, Resumptions, stream_scope
 from stepguard.proxy.mcp_rpc import message_result
@@ -71,6 +72,10 @@ class McpCall(Call):
     @property
     def replay_key(self) -> bytes:
         return f"tools/call {self.tool}".encode()
+
+    @property
+    def target(self) -> Target:
+        return http_target(self.route, self.request, self.tool)
 
 
 @dataclass(slots=True)

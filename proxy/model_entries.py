@@ -22,7 +22,7 @@ from stepguard.proxy.boundaries import Boundaries, Evidence, Settled, retrying_c
 from stepguard.proxy.calls import STOPPED
 from stepguard.proxy.config import Settings
 from stepguard.proxy.correlation import issued_key
-from stepguard.proxy.holds import HoldRefused
+from stepguard.proxy.holds import HoldRefused, tool_target
 from stepguard.proxy.model_correlation import ShownCalls
 from stepguard.proxy.model_dialects import ToolCall, ToolOutput, Turn
 from stepguard.proxy.model_exchange import Exchange, Stop, raise_if_stopped, refuse_halted
@@ -145,8 +145,9 @@ class ModelEntries:
         issued = self._issued_keys(ex, step.name, arguments, call)
         if error is None and keyed.drift is None:
             approved = await self.boundaries.approved_entry(
-                contract, ex.run_id, envelope, step.name, arguments, timing=ex.timing,
-                traffic=self.traffic, extra={**extra, "pending": True},
+                contract, ex.run_id, envelope, step.name, arguments,
+                partial(tool_target, call.name),
+                timing=ex.timing, traffic=self.traffic, extra={**extra, "pending": True},
                 keys=[f"call:{call.call_id}", *keys, *issued])
             if approved is not None:   # approved while held, and issued again: it goes ahead
                 return await self._goes_ahead(ex, approved, call, step.name, arguments,
@@ -155,7 +156,8 @@ class ModelEntries:
         goes_ahead = (decision.passed or contract.mode == "observe") and not held
         raw = orjson.dumps(arguments)
         settled = await self.boundaries.settle(
-            contract, ex.run_id, envelope, decision, Evidence(arguments, raw),
+            contract, ex.run_id, envelope, decision,
+            Evidence(arguments, raw, target=partial(tool_target, call.name)),
             timing=ex.timing, traffic=self.traffic, extra={**extra, "pending": goes_ahead},
             keys=[f"call:{call.call_id}", *keys, *(issued if goes_ahead else ())])
         if settled.held is not None or settled.refused is not None:

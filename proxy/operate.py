@@ -24,6 +24,7 @@ from stepguard.contracts.operations import OperationRefused
 from stepguard.contracts.runs import RunBook
 from stepguard.contracts.store_urls import check_location, is_postgres, redacted
 from stepguard.contracts.stores import make_store
+from stepguard.metrics.report import described_call
 from stepguard.proxy.admin import Operations, local_operator
 from stepguard.proxy.config import ConfigError, env_setting
 
@@ -171,6 +172,8 @@ def _decided(result: dict[str, Any]) -> str:
              f"{event['action']}d by {event['operator']} (event {event['seq']}): now "
              f"{envelope['status']}",
              f"  digest {event['digest']}"]
+    if event.get("call"):
+        lines.append(f"  call   {described_call(event['call'])}")
     if event["action"] == "approve":
         lines.append("  the held call goes through, once; if its client has gone, the identical "
                      "call sent again does")

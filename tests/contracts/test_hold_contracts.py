@@ -10,10 +10,10 @@ import pytest
 import yaml
 
 from stepguard.contracts.engine import action_for, held_for_approval
-from stepguard.contracts.envelope import rebuild
+from stepguard.contracts.envelope import Envelope, rebuild
 from stepguard.contracts.errors import ContractError
 from stepguard.contracts.events import Violation
-from stepguard.contracts.holds import call_digest
+from stepguard.contracts.holds import call_digest, decision_event
 from stepguard.contracts.loader import parse_contract
 from stepguard.contracts.model import Contract
 
@@ -75,13 +75,26 @@ def test_a_hold_time_is_a_positive_number_of_seconds_up_to_a_day(hold_s):
     assert (step, field) == ("pay", "on_failure.hold_s")
 
 
+POST = {"traffic": "http", "upstream": "tools", "method": "POST", "path": "/pay", "query": ""}
+
+
 def test_the_digest_is_the_same_for_the_same_call_whatever_the_key_order():
-    one = call_digest("r1", "pay", {"a": 1, "b": {"y": 2, "x": 1}})
-    assert one == call_digest("r1", "pay", {"b": {"x": 1, "y": 2}, "a": 1})
-    assert one != call_digest("r1", "pay", {"a": 2, "b": {"y": 2, "x": 1}})
-    assert one != call_digest("r2", "pay", {"a": 1, "b": {"y": 2, "x": 1}})
-    assert one != call_digest("r1", "refund", {"a": 1, "b": {"y": 2, "x": 1}})
+    one = call_digest("r1", "pay", POST, {"a": 1, "b": {"y": 2, "x": 1}})
+    assert one == call_digest("r1", "pay", dict(reversed(POST.items())),
+                              {"b": {"x": 1, "y": 2}, "a": 1})
+    assert one != call_digest("r1", "pay", POST, {"a": 2, "b": {"y": 2, "x": 1}})
+    assert one != call_digest("r2", "pay", POST, {"a": 1, "b": {"y": 2, "x": 1}})
+    assert one != call_digest("r1", "refund", POST, {"a": 1, "b": {"y": 2, "x": 1}})
     assert len(one) == 64
+
+
+@pytest.mark.parametrize("changed", [{"method": "PUT"}, {"path": "//pay/"}, {"query": "a=1"},
+                                     {"upstream": "other"}, {"tool": "pay"}],
+                         ids=["method", "path", "query", "upstream", "added-part"])
+def test_the_digest_changes_with_any_part_of_the_call_besides_its_arguments(changed):
+    arguments = {"a": 1}
+    assert call_digest("r1", "pay", POST, arguments) != call_digest(
+        "r1", "pay", {**POST, **changed}, arguments)
 
 
 def _hold(seq: int, decision_id: str, digest: str, violation: bool = False) -> dict[str, Any]:
@@ -114,3 +127,45 @@ def test_a_held_violation_rejected_or_expired_halts_the_run_and_an_approval_hold
     assert (violation.halt["action"], violation.halt["decision_id"]) == (action, "h1")
     approval = rebuild("r", "w", "1", [_hold(1, "h1", "d1"), decided])
     assert approval.status == "active" and approval.holds == {}
+
+
+def test_a_hold_shows_its_call_in_the_envelope_its_approval_and_the_decision():
+    call = {**POST, "query": {"note": "x"}}
+    held = rebuild("r", "w", "1", [{**_hold(1, "h1", "d1"), "call": call}])
+    assert held.holds["h1"]["call"] == call
+    approve = decision_event(held, "approve", operator="alice", reason="ok", now=120.0,
+                             hold_id="h1")
+    assert approve["call"] == call
+    approved = held.apply({"seq": 2, "ts": 121.0, **approve})
+    assert approved.approvals["d1"]["call"] == call
+
+
+def test_a_hold_stored_before_holds_showed_their_call_is_still_decided():
+    older = rebuild("r", "w", "1", [_hold(1, "h1", "d1")])      # no `call`
+    approve = decision_event(older, "approve", operator="alice", reason="ok", now=120.0,
+                             digest="d1")
+    assert "call" not in approve
+    assert "call" not in older.holds["h1"]
+    assert older.apply({"seq": 2, "ts": 121.0, **approve}).approvals["d1"]["hold"] == "h1"
+
+
+async def test_holds_stored_with_and_without_their_call_read_back_and_are_decided(store):
+    """A hold stored before holds recorded their call (no `call`) and one stored after, on
+    SQLite and PostgreSQL: both read back from the store and are decided from it."""
+    call = {**POST, "query": {"note": "x"}}
+    envelope = Envelope("r", "w", "1")
+    for seq, event in enumerate([_hold(1, "h1", "d1"),
+                                 {**_hold(2, "h2", "d2"), "call": call}], start=1):
+        event = {**event, "seq": seq}
+        envelope = envelope.apply(event)
+        await store.append(envelope, event)
+    stored = await store.load("r")
+    assert stored.holds["h2"]["call"] == call and "call" not in stored.holds["h1"]
+    for seq, hold in ((3, "h1"), (4, "h2")):
+        decided = {**decision_event(stored, "approve", operator="alice", reason="ok",
+                                    now=120.0, hold_id=hold), "seq": seq, "ts": 120.0}
+        stored = stored.apply(decided)
+        await store.append(stored, decided)
+    approvals = (await store.load("r")).approvals
+    assert (approvals["d1"]["hold"], approvals["d2"]["call"]) == ("h1", call)
+    assert "call" not in approvals["d1"]

@@ -92,7 +92,10 @@ def start(aiohttp_client: Any, tmp_path: Any, tools: Upstream
 
 
 def digest_of(run: str, step: str, arguments: Any) -> str:
-    canonical = orjson.dumps({"run": run, "step": step, "arguments": arguments},
+    """The digest of `POST /tools/<step>` with `arguments` as its JSON body and no query."""
+    call = {"traffic": "http", "upstream": "tools", "method": "POST", "path": f"/{step}",
+            "query": ""}
+    canonical = orjson.dumps({"run": run, "step": step, "call": call, "arguments": arguments},
                              option=orjson.OPT_SORT_KEYS)
     return hashlib.sha256(canonical).hexdigest()
 

@@ -117,7 +117,8 @@ async def guarded(tmp_path: Any, server: Server) -> AsyncIterator[Guarded]:
         "upstreams": {"tools": {"url": server.base, "kind": "mcp", "mount": MOUNT,
                                 "timeout_s": 10}},
         "approval": ["lookup_order"],
-        "steps": {"lookup_order": {"match": {"tool": "lookup_order"},
+        # one step, two tools: a call of either is the step's
+        "steps": {"lookup_order": {"match": [{"tool": "lookup_order"}, {"tool": "check_policy"}],
                                    "on_failure": {"hold_s": 20}}},
     }
     contract = parse_contract(json.dumps(document).encode(), "mcp-holds.json")
@@ -202,3 +203,58 @@ async def test_a_held_call_s_event_stream_is_kept_alive_with_comments_then_answe
     assert answer["id"] == 7
     assert answer["result"]["structuredContent"]["order_id"] == "ord-7"
     assert len(server.counting.calls) == 1
+
+
+async def _approved_after_the_client_gave_up(guarded: Guarded,
+                                             server: Server) -> dict[str, Any]:
+    """A tools/call of lookup_order(ORDER) held, its client gone (its request cancelled, its
+    connection closed), then approved: the approval kept for the call sent again."""
+    call = {"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+            "params": {"name": "lookup_order", "arguments": ORDER}}
+    headers = {"x-stepguard-run": "r1", "accept": "application/json, text/event-stream",
+               "content-type": "application/json", "mcp-protocol-version": "2025-06-18"}
+    async with aiohttp.ClientSession() as impatient:
+        waiting = asyncio.ensure_future(impatient.post(guarded.url, json=call, headers=headers))
+        hold = await guarded.held()
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+    assert await guarded.decide("approve", {"digest": hold["digest"], "reason": "ok"}) == 200
+    for _ in range(1000):
+        envelope = await guarded.sg.store.load("r1")
+        if not envelope.holds and envelope.approvals:
+            break
+        await asyncio.sleep(0.01)
+    assert list(envelope.approvals) == [hold["digest"]]
+    assert server.counting.calls == []
+    return hold
+
+
+@pytest.mark.fault
+@pytest.mark.parametrize(("tool", "arguments"), [("check_policy", ORDER),
+                                                 ("lookup_order", {"order_id": "ord-8"})],
+                         ids=["tool-name", "arguments"])
+async def test_a_changed_tools_call_sent_after_the_approval_of_another_is_held_again(
+        guarded, server, tool, arguments):
+    approved = await _approved_after_the_client_gave_up(guarded, server)
+    digest = approved["digest"]
+    async with agent(guarded.url) as client:
+        changed = asyncio.ensure_future(client.call_tool(tool, arguments))
+        for _ in range(1000):
+            envelope = await guarded.sg.store.load("r1")
+            if envelope.holds or changed.done():
+                break
+            await asyncio.sleep(0.01)
+        assert not changed.done(), "the changed call went through on the approval of another"
+        ((hold_id, hold),) = envelope.holds.items()
+        assert hold["digest"] != digest and hold["call"]["tool"] == tool
+        assert list(envelope.approvals) == [digest]          # not used by the changed call
+        assert approved["call"] == {"traffic": "mcp", "upstream": "tools", "method": "POST",
+                                    "path": MCP_PATH, "query": {}, "tool": "lookup_order"}
+        assert server.counting.calls == []
+        assert await guarded.decide("reject", {"decision_id": hold_id, "reason": "no"}) == 200
+        with pytest.raises(MCPError):
+            await changed
+        again = await client.call_tool("lookup_order", ORDER)   # the approved call: at once
+    assert not again.is_error
+    assert server.counting.calls == [{"name": "lookup_order", "arguments": ORDER}]

@@ -33,16 +33,19 @@ MESSAGES = [{"role": "user", "content": "refund ticket T-1"}]
 pytestmark = pytest.mark.timeout(60)
 
 
-def tool_call(call_id: str) -> dict[str, Any]:
+def tool_call(call_id: str, name: str = "refund",
+              arguments: dict[str, Any] = ARGUMENTS) -> dict[str, Any]:
     return {"id": call_id, "type": "function",
-            "function": {"name": "refund", "arguments": json.dumps(ARGUMENTS)}}
+            "function": {"name": name, "arguments": json.dumps(arguments)}}
 
 
 class Model:
-    """Answers every Chat Completions request with a `refund` tool call, whole or streamed."""
+    """Answers every Chat Completions request with a tool call (`refund` with ARGUMENTS unless
+    told otherwise), whole or streamed."""
 
     def __init__(self) -> None:
         self.turns = 0
+        self.name, self.arguments = "refund", ARGUMENTS
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -52,14 +55,16 @@ class Model:
             return web.json_response({
                 "id": f"chatcmpl-{self.turns}", "object": "chat.completion", "created": 0,
                 "model": "m", "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
-                    "role": "assistant", "content": None, "tool_calls": [tool_call(call_id)]}}]})
+                    "role": "assistant", "content": None,
+                    "tool_calls": [tool_call(call_id, self.name, self.arguments)]}}]})
         out = web.StreamResponse(headers={"content-type": "text/event-stream"})
         await out.prepare(request)
         head = {"id": f"chatcmpl-{self.turns}", "object": "chat.completion.chunk", "created": 0,
                 "model": "m"}
         chunks = [
             {"index": 0, "delta": {"role": "assistant", "tool_calls": [
-                {"index": 0, **tool_call(call_id)}]}, "finish_reason": None},
+                {"index": 0, **tool_call(call_id, self.name, self.arguments)}]},
+             "finish_reason": None},
             {"index": 0, "delta": {}, "finish_reason": "tool_calls"},
         ]
         for choice in chunks:
@@ -104,7 +109,9 @@ async def guarded(tmp_path: Any) -> AsyncIterator[Guarded]:
             "run": {"key": ["header:x-stepguard-run"]},
             "upstreams": {"model": {"url": model_url, "kind": "openai", "mount": "/openai"}},
             "approval": ["refund"],
-            "steps": {"refund": {"match": {"tool": "refund"}, "on_failure": {"hold_s": 20}}},
+            # one step, two tools: a call of either is the step's
+            "steps": {"refund": {"match": [{"tool": "refund"}, {"tool": "refund_v2"}],
+                                 "on_failure": {"hold_s": 20}}},
         }
         contract = parse_contract(json.dumps(document).encode(), "model-holds.json")
         sg = build(Settings(store=str(tmp_path / "s.db"), admin_token=SECRET), [contract])
@@ -163,3 +170,44 @@ async def test_a_rejected_tool_call_refuses_the_answer_and_the_sdk_raises(guarde
         assert caught.value.status_code == 403
     envelope = await guarded.sg.store.load("r1")
     assert envelope.pending == {} and envelope.status == "active"
+
+
+@pytest.mark.fault
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize(("name", "arguments"), [("refund_v2", ARGUMENTS),
+                                                 ("refund", {**ARGUMENTS, "amount": 999999})],
+                         ids=["tool-name", "arguments"])
+async def test_a_changed_tool_call_issued_after_the_approval_of_another_is_held_again(
+        guarded, stream, name, arguments):
+    gave_up = asyncio.ensure_future(completion(guarded.client, stream=False))
+    hold = await guarded.held()
+    gave_up.cancel()                 # the agent gives up: its connection is closed
+    with pytest.raises(asyncio.CancelledError):
+        await gave_up
+    assert await guarded.decide("approve", {"digest": hold["digest"], "reason": "ok"}) == 200
+    for _ in range(1000):
+        envelope = await guarded.sg.store.load("r1")
+        if not envelope.holds and envelope.approvals:
+            break
+        await asyncio.sleep(0.01)
+    assert list(envelope.approvals) == [hold["digest"]]
+    guarded.model.name, guarded.model.arguments = name, arguments
+    changed = asyncio.ensure_future(completion(guarded.client, stream))
+    for _ in range(1000):
+        envelope = await guarded.sg.store.load("r1")
+        if envelope.holds or changed.done():
+            break
+        await asyncio.sleep(0.01)
+    assert not changed.done(), "the changed tool call went through on the approval of another"
+    ((hold_id, again),) = envelope.holds.items()
+    assert again["digest"] != hold["digest"]
+    assert (hold["call"], again["call"]) == ({"traffic": "model", "tool": "refund"},
+                                             {"traffic": "model", "tool": name})
+    assert list(envelope.approvals) == [hold["digest"]]     # not used by the changed call
+    assert await guarded.decide("reject", {"decision_id": hold_id, "reason": "no"}) == 200
+    with pytest.raises(openai.APIError):
+        await changed
+    guarded.model.name, guarded.model.arguments = "refund", ARGUMENTS
+    (call,) = await completion(guarded.client, stream)      # the approved call: at once
+    assert (call.function.name, json.loads(call.function.arguments)) == ("refund", ARGUMENTS)
+    assert (await guarded.sg.store.load("r1")).approvals == {}
