@@ -193,7 +193,7 @@ async def _drive_http(contract: Contract, passthrough: bool, plan: Plan,
 
 async def _drive_model(contract: Contract, passthrough: bool, plan: Plan,
                        hosting: Hosting) -> list[Observed]:
-    import openai  # the model benchmark's agent is the real SDK: `pip install stepguard[bench]`
+    import openai  # the model benchmark's agent is the real SDK: the `bench` extra
 
     from stepguard.examples.order_confirmation import model_agent
 
