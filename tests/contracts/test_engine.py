@@ -331,6 +331,30 @@ def test_a_completion_claim_before_the_required_step_is_false_completion(example
     assert decision.completed is False
 
 
+def test_a_completion_claim_whose_proof_holds_is_false_completion_while_a_required_step_is_unverified(
+        make_contract):
+    contract = make_contract(completion={"claim": "output.done", "requires": ["first", "second"],
+                                         "proof": "output.receipt != ''"})
+    decision = check_exit(contract, contract.steps["first"], envelope(), {},
+                          ok({"done": True, "receipt": "r-1"}))
+    v = decision.violation
+    assert v is not None
+    assert (v.check, v.drift, v.field) == ("completion_proof", "false_completion", "second")
+    assert v.detail == "completion claimed before 'second' was verified"
+    assert decision.completed is False
+
+
+def test_a_completion_claim_names_every_required_step_not_verified(make_contract):
+    contract = make_contract(steps={"first": {}, "second": {}, "third": {}},
+                             completion={"claim": "output.done", "requires": ["second", "third"]})
+    decision = check_exit(contract, contract.steps["first"], envelope(), {}, ok({"done": True}))
+    v = decision.violation
+    assert v is not None
+    assert (v.check, v.field) == ("completion_proof", "second")
+    assert v.detail == "completion claimed before 'second', 'third' was verified"
+    assert decision.completed is False
+
+
 def test_a_completion_claim_whose_proof_field_is_missing_is_false_completion(example):
     decision = check_exit(example, example.steps["confirm"], AT_CONFIRM, {"slot_id": "s-7"},
                           ok({"done": True}))
