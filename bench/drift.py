@@ -1,8 +1,9 @@
 """`stepguard bench drift`: the source article's drift table, reproduced through the real proxy.
 
 Each drift class is injected into 5 runs and 10 clean runs serve as controls, twice: through
-stepguard enforcing the contract, and through stepguard in pass-through (the rolling-context
-baseline, which only notices failures the agent itself sees). Every figure comes from what the
+stepguard enforcing the contract, and through stepguard in pass-through, where nothing is
+checked and the only failures counted are those the agent itself saw (an error answer, or a
+tool that said it failed). Every figure comes from what the
 proxy did: the responses the agent received and the history stepguard stored.
 
 Traffic kinds (`TRAFFIC`): `http` (plain JSON tools, run header), `model` (the real `openai` SDK,
@@ -59,7 +60,7 @@ class Observed:
 
     run_id: str | None
     stopped_by_stepguard: bool      # the agent got an error that stepguard produced
-    agent_saw_failure: bool         # ... or any failure at all: what a rolling context notices
+    agent_saw_failure: bool         # ... or any failure at all (an error answer, a tool error)
     completed: bool
     history: list[dict[str, Any]]
     status: str | None
@@ -171,7 +172,7 @@ def _stopped_by_stepguard(run: Any) -> bool:
 
 
 def _saw_failure(run: Any) -> bool:
-    """A rolling-context agent notices a failed call or a tool that said it failed."""
+    """The agent saw a failure: a call that failed, or a tool that said it failed."""
     return run.stopped_at is not None or bool(run.tool_errors)
 
 
@@ -193,7 +194,7 @@ async def _drive_http(contract: Contract, passthrough: bool, plan: Plan,
 
 async def _drive_model(contract: Contract, passthrough: bool, plan: Plan,
                        hosting: Hosting) -> list[Observed]:
-    import openai  # the model benchmark's agent is the real SDK: `pip install stepguard[bench]`
+    import openai  # the model benchmark's agent is the real SDK: the `bench` extra
 
     from stepguard.examples.order_confirmation import model_agent
 
@@ -302,7 +303,7 @@ def summarize(contract: Contract, plan: Plan, enforced: list[Observed],
                         for o in detected})
         classes[cls] = {
             "runs": len(pairs),
-            "baseline_detected": sum(b.agent_saw_failure for _, b in pairs),
+            "passthrough_agent_saw": sum(b.agent_saw_failure for _, b in pairs),
             "contract_detected": len(detected),
             "first_stop_step": stops[0] if len(stops) == 1 else stops or None,
             "action": " | ".join(sorted({_actions(o) for o in detected})),
@@ -313,7 +314,7 @@ def summarize(contract: Contract, plan: Plan, enforced: list[Observed],
     found = [o.run_id for o in enforced if o.run_id is not None and o.status is not None]
     return {"classes": classes,
             "control": {"runs": len(controls), "passed": len(clean),
-                        "baseline_passed": sum(b.completed for _, b in controls)},
+                        "passthrough_passed": sum(b.completed for _, b in controls)},
             # whose name each stored run has: the agent's own (sent as a run header) or one
             # stepguard gave it (no header: an argument key, the conversation, a joined call)
             "runs": {"agents": len(plan), "stored": len(set(found)),
@@ -355,11 +356,11 @@ async def run_bench(runs: int = 5, controls: int = 10, traffic: str = "http",
 
 
 def render_table(result: dict[str, Any]) -> str:
-    head = ("Drift class", "Rolling detection", "Contract detection", "First contract stop",
+    head = ("Drift class", "Pass-through: agent saw", "Contract detection", "First contract stop",
             "Runtime action")
     rows: list[tuple[str, ...]] = [head]
     for cls, row in result["classes"].items():
-        rows.append((LABELS[cls], f"{row['baseline_detected']}/{row['runs']}",
+        rows.append((LABELS[cls], f"{row['passthrough_agent_saw']}/{row['runs']}",
                      f"{row['contract_detected']}/{row['runs']}",
                      f"Step {row['first_stop_step']}" if row["first_stop_step"] else "-",
                      row["action"] or "-"))
@@ -367,13 +368,13 @@ def render_table(result: dict[str, Any]) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     control = result["control"]
-    missed = sum(r["runs"] - r["baseline_detected"] for r in result["classes"].values())
+    missed = sum(r["runs"] - r["passthrough_agent_saw"] for r in result["classes"].values())
     injected = sum(r["runs"] for r in result["classes"].values())
     false_neg = sum(r["runs"] - r["contract_detected"] for r in result["classes"].values())
-    lines += ["", f"Injected failures: {injected}; rolling context missed {missed}, "
-                  f"the contract missed {false_neg}.",
+    lines += ["", f"Injected failures: {injected}; through pass-through the agent saw "
+                  f"{injected - missed} and missed {missed}, the contract missed {false_neg}.",
               f"No-drift controls: {control['passed']}/{control['runs']} clean through the "
-              f"contract ({control['baseline_passed']}/{control['runs']} through pass-through)."]
+              f"contract ({control['passthrough_passed']}/{control['runs']} through pass-through)."]
     runs = result["runs"]
     lines.append(f"Runs: {runs['stored']} stored for {runs['agents']} agent runs; "
                  + (f"{runs['named_by_agent']} named by the agent's run header." if

@@ -1015,7 +1015,7 @@ class PgDatabase:
         try:
             _on_server(server, f'CREATE DATABASE "{database.name}"')
         except ImportError as exc:
-            raise Unreachable(f"asyncpg is not installed (pip install 'stepguard[postgres]'): "
+            raise Unreachable(f"asyncpg is not installed (pip install -e '.[postgres]' in the clone): "
                               f"{exc}") from None
         except Exception as exc:
             raise Unreachable(f"PostgreSQL at {redacted(server)} is not reachable: {exc}") from None

@@ -20,6 +20,6 @@ def recorded_store(location: str) -> Recorded:
             from stepguard.contracts.pg_recorded import PostgresRecorded
         except ImportError as exc:      # the driver is an extra
             raise StoreError(f"store {redacted(location)}: PostgreSQL needs its driver ({exc}): "
-                             "pip install 'stepguard[postgres]'") from None
+                             "pip install -e '.[postgres]' in stepguard's clone") from None
         return PostgresRecorded(location)
     return RecordedStore(Path(location))

@@ -28,7 +28,7 @@ def make_store(location: str, *, timeout_s: float = DEFAULT_TIMEOUT_S, retention
             from stepguard.contracts.pg_store import PostgresStore
         except ImportError as exc:      # the driver is an extra
             raise StoreError(f"store {redacted(location)}: PostgreSQL needs its driver ({exc}): "
-                             "pip install 'stepguard[postgres]'") from None
+                             "pip install -e '.[postgres]' in stepguard's clone") from None
         return PostgresStore(location, retention_s=retention_s, timeout_s=timeout_s,
                              migrate=migrate, run_locks=run_locks)
     return SQLiteStore(location, synchronous, retention_s=retention_s, timeout_s=timeout_s,

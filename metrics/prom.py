@@ -108,7 +108,8 @@ class Metrics:
             ["workflow"], registry=r)
         self.operator_actions = Counter(
             "stepguard_operator_actions", "Operator actions on runs through the admin API or "
-            "the CLI (resume, approve, reject), by workflow and action.", ["workflow", "action"], registry=r)
+            "the CLI (resume, cancel, approve, reject), by workflow and action.",
+            ["workflow", "action"], registry=r)
         self.operator_refusals = Counter(
             "stepguard_operator_refusals", "Admin API requests (to read or act on runs) refused "
             "for a missing or wrong token.", registry=r)

@@ -138,8 +138,8 @@ def from_env() -> Tracing | None:
         asked = next((f"{n}={os.environ[n]}" for n in (*ENDPOINT_VARS, "OTEL_TRACES_EXPORTER")
                       if os.environ.get(n, "").strip()), "OTEL_*")
         raise TracingError(f"{asked} asks for trace export, but the OpenTelemetry SDK is not "
-                           f"installed ({exc.name or exc}): install stepguard[otel], or unset "
-                           "the variable") from None
+                           f"installed ({exc.name or exc}): install the otel extra (pip "
+                           "install -e '.[otel]' in stepguard's clone), or unset the variable") from None
     resource = Resource.create()     # OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES
     if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
         resource = resource.merge(Resource({SERVICE_NAME: "stepguard"}))

@@ -59,6 +59,9 @@ CONFLICT_BACKOFF_MAX_S = 0.05
 STALE_RETRIES = 2
 # the action of a call that never reached its upstream: recorded, the run left where it was
 UNREACHABLE = "unreachable"
+# an escalation record's input and output: a body larger than this is kept by its size alone
+# (`{"truncated": true, "bytes": n}`, as the history keeps what is over payload_history_bytes)
+ESCALATION_PAYLOAD_BYTES = 64 * 1024
 T = TypeVar("T")
 
 
@@ -444,7 +447,7 @@ class Boundaries:
         result = evidence.result
         output: Any = None
         if result is not None and result.output is not None:
-            output = redact(result.output)
+            output = redact(_capped(result.output, evidence.raw_output))
         elif evidence.raw_output is not None:
             output = _raw(evidence.raw_output, redact)
         return {
@@ -453,12 +456,23 @@ class Boundaries:
             "detection_point": f"{decision.step}.{violation.boundary}.{violation.check}",
             "violation": violation.to_dict(), "decision_id": decision_id, "seq": seq,
             "ts": time.time(),
-            "input": redact(evidence.input) if evidence.input is not None
-            else _raw(evidence.raw_input, redact),
+            "input": redact(_capped(evidence.input, evidence.raw_input))
+            if evidence.input is not None else _raw(evidence.raw_input, redact),
             "output": output,
             "tool_result": {"status": result.status if result else None,
                             "error": result.error if result else None},
         }
+
+
+def _capped(value: Any, raw: bytes | None) -> Any:
+    """A parsed body for an escalation record, or only its size when it is over
+    ESCALATION_PAYLOAD_BYTES (its size as received, or serialized when stepguard received none:
+    a model's tool call or a tool result from a conversation)."""
+    try:
+        size = len(raw) if raw else len(orjson.dumps(value))
+    except orjson.JSONEncodeError:      # an integer past 64 bits, say: its text is as long
+        size = len(str(value))
+    return history_payload(value, size, ESCALATION_PAYLOAD_BYTES)
 
 
 def _raw(body: bytes, redact: Redactor) -> Any:
@@ -467,6 +481,8 @@ def _raw(body: bytes, redact: Redactor) -> Any:
     stepguard cannot tell which part of unparsed text is a secret."""
     if not body:
         return None
+    if len(body) > ESCALATION_PAYLOAD_BYTES:
+        return {"truncated": True, "bytes": len(body)}
     try:    # bounded like every parse: a body refused for its depth is not read here either
         return redact(parse_json(body, "body"))
     except BodyError:

@@ -468,8 +468,8 @@ def _store_migrate(args: argparse.Namespace) -> int:
 
             before, after = asyncio.run(migrate_store(location))
         except ImportError as exc:
-            print(f"stepguard store migrate: PostgreSQL needs its driver ({exc}): pip install "
-                  "'stepguard[postgres]'", file=sys.stderr)
+            print(f"stepguard store migrate: PostgreSQL needs its driver ({exc}): pip install -e "
+                  "'.[postgres]' in stepguard's clone", file=sys.stderr)
             return 1
         except StoreError as exc:
             print(f"stepguard store migrate: {exc}", file=sys.stderr)

@@ -3,8 +3,9 @@ or on the store directly when no stepguard holds it.
 
 Through the API (`--admin URL` or `STEPGUARD_ADMIN_URL`) the action is checked and committed by
 the stepguard serving the run, under the run's lock, and the operator is the name of the token
-sent. On the store directly (`--store` or `STEPGUARD_STORE`) the store's lock file keeps a
-running stepguard and this command from writing at once; the operator is the local user.
+sent. On the store directly (`--store` or `STEPGUARD_STORE`) a SQLite store's lock file keeps a
+running stepguard and this command from writing at once (a PostgreSQL store has none: each
+append is a compare-and-set on the run's sequence number); the operator is the local user.
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ from pgtest import in_ci
 
 from stepguard.bench.harness import free_port
 
-INSTALL_HINT = "run deploy/install-test-deps.sh (Debian packages `prometheus`, `haproxy`)"
+INSTALL_HINT = ("run deploy/install-test-deps.sh (Debian packages `prometheus`, `haproxy`, `wrk`, "
+                "`nginx-light`)")
 
 
 def require_binary(name: str) -> str:

@@ -21,12 +21,12 @@ EXPECTED_ACTIONS = {"shape": "halt", "freshness": "halt", "order": "escalate",
 
 def assert_the_table_holds(result: dict[str, Any], runs: int, controls: int) -> None:
     """As with one stepguard (test_bench_drift_traffic.py): every class caught at the
-    article's step, only the tool error seen by the rolling context, every control clean."""
+    article's step, only the tool error the agent saw through pass-through, every control clean."""
     for cls, row in result["classes"].items():
         assert (row["runs"], row["contract_detected"]) == (runs, runs), cls
         assert row["first_stop_step"] == EXPECTED_STOPS[cls], cls
-        assert row["baseline_detected"] == (runs if cls == "tool_error" else 0), cls
-    assert result["control"] == {"runs": controls, "passed": controls, "baseline_passed": controls}
+        assert row["passthrough_agent_saw"] == (runs if cls == "tool_error" else 0), cls
+    assert result["control"] == {"runs": controls, "passed": controls, "passthrough_passed": controls}
 
 
 def bench_drift(traffic: str, runs: int, controls: int, replicas: int,

@@ -28,12 +28,12 @@ def bench_drift(traffic: str, runs: int, controls: int, timeout: float) -> dict[
 
 def assert_the_table_holds(result: dict[str, Any], runs: int, controls: int) -> None:
     """Every class caught by the contract at the article's step, only the tool error seen by the
-    rolling context, every control clean."""
+    agent through pass-through, every control clean."""
     for cls, row in result["classes"].items():
         assert (row["runs"], row["contract_detected"]) == (runs, runs), cls
         assert row["first_stop_step"] == EXPECTED_STOPS[cls], cls
-        assert row["baseline_detected"] == (runs if cls == "tool_error" else 0), cls
-    assert result["control"] == {"runs": controls, "passed": controls, "baseline_passed": controls}
+        assert row["passthrough_agent_saw"] == (runs if cls == "tool_error" else 0), cls
+    assert result["control"] == {"runs": controls, "passed": controls, "passthrough_passed": controls}
 
 
 @pytest.mark.timeout(120)

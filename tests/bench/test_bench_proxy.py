@@ -24,6 +24,7 @@ import orjson
 import pytest
 from aiohttp import web
 from pgtest import ADMIN_URL, on_server, require_postgres
+from programs import require_binary
 
 from stepguard.bench import upstream as bench_upstream
 from stepguard.bench.harness import free_port, percentile
@@ -53,8 +54,12 @@ ALL_ROWS = ["direct", "nginx", "passthrough", "contract", "contract_traced", "co
             "contract_pg", "model_direct", "model", "model_stream_direct", "model_stream"]
 HOPS = ("nginx", "passthrough", "contract", "contract_traced", "contract_workers2", "contract_pg",
         "model", "model_stream")
-needs_tools = pytest.mark.skipif(not (Path("/usr/bin/wrk").exists() and Path("/usr/sbin/nginx").exists()),
-                                 reason="wrk and nginx are needed (apt-get install -y wrk nginx-light)")
+
+
+def wrk_and_nginx() -> dict[str, str]:
+    """The `wrk` and `nginx` the whole bench drives, wherever they are installed: a skip saying
+    which is missing, a failure when CI is set (require_binary)."""
+    return {"wrk": require_binary("wrk"), "nginx": require_binary("nginx")}
 
 
 # --- the bench upstream ------------------------------------------------------------------------
@@ -198,12 +203,11 @@ def test_loadgen_process_sends_rate_times_duration_against_a_slow_upstream(tmp_p
 # --- the whole bench, tiny ---------------------------------------------------------------------
 
 
-@needs_tools
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_quick_run_measures_every_row() -> None:
     options = BenchOptions(concurrency=4, duration_s=0.5, rate=50, rate_duration_s=0.5, micro_n=30,
-                           seq_requests=20)
+                           seq_requests=20, **wrk_and_nginx())
     result = run(options)
     orjson.dumps(result)                                    # JSON all the way down
     assert set(result) >= {"rows", "ratios", "options", "machine", "micro", "targets"}
@@ -255,11 +259,11 @@ def test_quick_run_measures_every_row() -> None:
         assert name in text
 
 
-@needs_tools
 @pytest.mark.timeout(180)
 def test_a_repeated_run_measures_every_hop_in_every_round() -> None:
     options = BenchOptions(concurrency=2, duration_s=0.5, rate=20, rate_duration_s=0.5,
-                           rows=["nginx", "contract"], micro_n=0, repeat=2, seq_requests=10)
+                           rows=["nginx", "contract"], micro_n=0, repeat=2, seq_requests=10,
+                           **wrk_and_nginx())
     rows = run(options)["rows"]
     for name in ("direct", "nginx", "contract"):
         assert rows[name]["status"] == "ok", (name, rows[name]["reason"])
@@ -275,13 +279,14 @@ def bench_databases() -> set[str]:
         f"stepguard_bench_{os.getpid()}_%"))}
 
 
-@needs_tools
 @pytest.mark.timeout(180)
 def test_the_contract_pg_row_keeps_its_history_in_a_database_of_its_own_dropped_after() -> None:
     require_postgres()
+    tools = wrk_and_nginx()
     before = bench_databases()
     options = BenchOptions(concurrency=2, duration_s=0.5, rate=20, rate_duration_s=0.5,
-                           rows=["contract_pg"], micro_n=0, seq_requests=10, pg_url=ADMIN_URL)
+                           rows=["contract_pg"], micro_n=0, seq_requests=10, pg_url=ADMIN_URL,
+                           **tools)
     result = run(options)
     row = result["rows"]["contract_pg"]
     assert row["status"] == "ok", row["reason"]
@@ -337,7 +342,6 @@ def test_missing_wrk_and_nginx_are_reported_not_fatal(tmp_path: Path) -> None:
     assert "SKIPPED" in text and "nginx not found" in text
 
 
-@needs_tools
 @pytest.mark.timeout(180)
 def test_cli_bench_proxy_json() -> None:
     done = subprocess.run([sys.executable, "-m", "stepguard.proxy.cli", "bench", "proxy", "--rows",
@@ -583,7 +587,6 @@ def test_steal_is_the_stolen_share_of_all_cpu_time() -> None:
     assert steal_pct(None, (100, 10_000)) is None                # no /proc/stat
 
 
-@needs_tools
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_the_wal_soak_reports_throughput_and_the_wal_size_under_its_limit() -> None:

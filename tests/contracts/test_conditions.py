@@ -169,9 +169,9 @@ def test_evaluating_does_not_change_the_context():
     "{'id': output.order_id, 'tags': input.tags}",
 ])
 def test_a_composite_value_comes_back_as_plain_json_data(expr):
-    # BUG (conditions.Condition.evaluate): result.value() leaves nested CEL accessor objects
-    # inside dicts and lists; they neither equal the input data nor serialize to JSON, so a
-    # `record:` of an object or list cannot be stored.
+    # Regression: Condition.evaluate once left nested CEL accessor objects (from
+    # result.value()) inside dicts and lists; they neither equalled the input data nor
+    # serialized to JSON, so a `record:` of an object or list could not be stored.
     outcome = exit_condition(expr).evaluate(CONTEXT)
     expected = cel_directly(expr, CONTEXT)
     assert outcome.value == expected
@@ -229,9 +229,9 @@ NARROWING = [
 
 @pytest.mark.parametrize("expr", NARROWING)
 def test_narrowing_the_context_does_not_change_the_result(expr):
-    # BUG for the last four (conditions._reads): `output.exists(...)`, `output.size()` look
-    # like a field access `output.<field>`, so the variable is narrowed to a map holding only a
-    # (non-existent) key "exists"/"size" and the macro or method sees an empty map.
+    # Regression, the last four: conditions._reads once took `output.exists(...)` and
+    # `output.size()` for a field access `output.<field>`, narrowed the variable to a map
+    # holding only a (non-existent) key "exists"/"size", and the macro or method saw an empty map.
     expected = cel_directly(expr, CONTEXT)
     outcome = exit_condition(expr).evaluate(CONTEXT)
     if expected is None:

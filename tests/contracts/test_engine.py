@@ -171,9 +171,9 @@ def test_a_4xx_answer_is_a_rejection_with_no_violation_and_nothing_recorded(exam
 
 @pytest.mark.parametrize("status", [400, 404])
 def test_a_4xx_answer_with_an_unparseable_body_is_still_a_rejection(make_contract, status):
-    # BUG (engine.check_exit, first line): `result.error is None` keeps a 4xx with a non-JSON
-    # body (an HTML error page) out of the rejection branch; on a step without output checks
-    # the call then passes and the step counts as verified although the tool refused it.
+    # Regression: check_exit once kept a 4xx with a non-JSON body (an HTML error page) out of
+    # the rejection branch (`result.error is None`); on a step without output checks the call
+    # then passed and the step counted as verified although the tool refused it.
     contract = make_contract()
     result = ToolResult(status, None, error="Expecting value: line 1 column 1",
                         error_kind="parse")
@@ -331,6 +331,30 @@ def test_a_completion_claim_before_the_required_step_is_false_completion(example
     assert decision.completed is False
 
 
+def test_a_completion_claim_whose_proof_holds_is_false_completion_while_a_required_step_is_unverified(
+        make_contract):
+    contract = make_contract(completion={"claim": "output.done", "requires": ["first", "second"],
+                                         "proof": "output.receipt != ''"})
+    decision = check_exit(contract, contract.steps["first"], envelope(), {},
+                          ok({"done": True, "receipt": "r-1"}))
+    v = decision.violation
+    assert v is not None
+    assert (v.check, v.drift, v.field) == ("completion_proof", "false_completion", "second")
+    assert v.detail == "completion claimed before 'second' was verified"
+    assert decision.completed is False
+
+
+def test_a_completion_claim_names_every_required_step_not_verified(make_contract):
+    contract = make_contract(steps={"first": {}, "second": {}, "third": {}},
+                             completion={"claim": "output.done", "requires": ["second", "third"]})
+    decision = check_exit(contract, contract.steps["first"], envelope(), {}, ok({"done": True}))
+    v = decision.violation
+    assert v is not None
+    assert (v.check, v.field) == ("completion_proof", "second")
+    assert v.detail == "completion claimed before 'second', 'third' was verified"
+    assert decision.completed is False
+
+
 def test_a_completion_claim_whose_proof_field_is_missing_is_false_completion(example):
     decision = check_exit(example, example.steps["confirm"], AT_CONFIRM, {"slot_id": "s-7"},
                           ok({"done": True}))
@@ -380,9 +404,9 @@ def test_completion_without_a_claim_completes_when_the_required_steps_are_verifi
 
 
 def test_a_completion_claim_on_state_recorded_at_this_exit_completes_the_run(make_contract):
-    # BUG (engine.check_exit, `completed = ...`): the claim is checked against the state
-    # *with* this exit's records for the proof, but against the old state for `completed`, so
-    # a claim such as `state.done == true` recorded by the last step never completes the run.
+    # Regression: check_exit once checked the claim against the state *with* this exit's
+    # records for the proof but against the old state for `completed`, so a claim such as
+    # `state.done == true` recorded by the last step never completed the run.
     contract = make_contract(steps={"first": {"record": {"done": "output.done"}}},
                              completion={"claim": "state.done == true", "requires": ["first"]})
     decision = check_exit(contract, contract.steps["first"], envelope(), {},

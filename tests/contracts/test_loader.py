@@ -202,7 +202,7 @@ def test_format_violations_are_contract_issues_naming_file_step_and_field(
 ])
 def test_a_bad_enum_value_inside_a_one_of_is_reported_with_the_allowed_values(
         contract_issues, spec, allowed):
-    # BUG (loader._schema_issue): the shortest oneOf sub-error is chosen, which is the type
+    # Regression: loader._schema_issue once chose the shortest oneOf sub-error, the type
     # mismatch of the branch the author did not mean ("... is not of type 'string'").
     (issue,) = contract_issues(steps={"first": spec})
     assert allowed in issue.message
@@ -338,8 +338,8 @@ def test_a_named_schema_that_fails_to_compile_is_reported_once_not_also_as_unkno
 
 
 def test_a_schema_whose_ref_cannot_be_resolved_is_a_contract_issue(contract_doc):
-    # BUG (loader._Compiler.schema): jsonschema's check_schema accepts the dangling $ref, then
-    # jsonschema_rs.validator_for raises its own ValidationError, which escapes parse_contract.
+    # Regression: jsonschema's check_schema accepts the dangling $ref, and the ValidationError
+    # that building the validator then raised once escaped parse_contract (loader._Compiler.schema).
     doc = contract_doc(steps={"first": {"output": {"schema": {"$ref": "#/$defs/missing"}}}})
     with pytest.raises(ContractError) as caught:
         parse_contract(yaml.safe_dump(doc).encode(), "test.yaml")

@@ -2,8 +2,9 @@
 
 A page marks its shell blocks: `<!-- walkthrough -->` runs in one shell, in page order, and
 `<!-- walkthrough: terminal 2 -->` in a second one alongside it; a `<!-- walkthrough: output -->`
-(or `terminal 2 output`) text block after them holds lines the output must show, in order
-(`...` stands for lines left out; times, ids and runs of spaces may differ). The commands run
+(or `terminal 2 output`) text block after them holds the output those commands show, line for
+line: `...` stands for lines left out, and only a `...` may leave lines out (times, ids and runs
+of spaces may differ, blank lines do not count). The commands run
 verbatim in a copy of the repository whose `.venv` is this checkout's, in a network namespace of
 their own: the default ports the pages use (8080, 9090, 9001-9003) are free there whatever else
 runs on this machine.
@@ -72,17 +73,49 @@ def normal(line: str) -> str:
 
 
 def missing(expected: list[str], output: str) -> list[str]:
-    """The expected lines not found, in order, in `output` (empty: all shown)."""
-    lines = [normal(line) for line in output.splitlines()]
+    """What the page shows that the run did not, as one line (empty: the page shows the output).
+
+    The page shows the whole output, line for line (blank lines aside): a `...` line stands for
+    lines left out there, and only there. So a line the page drops, or a line it shortens, is
+    as much a difference as one it makes up."""
+    if not expected:            # a block with no output shown claims nothing
+        return []
+    lines = [n for n in (normal(line) for line in output.splitlines()) if n]
+    wants = [n for n in (normal(line) for line in expected) if n]
+    segments: list[list[str]] = [[]]
+    for want in wants:
+        if want == "...":
+            segments.append([])
+        else:
+            segments[-1].append(want)
     position = 0
-    for want in (normal(e) for e in expected):
-        if not want or want == "...":
+    for k, segment in enumerate(segments):
+        last = k == len(segments) - 1
+        if not segment:
             continue
-        found = next((i for i in range(position, len(lines)) if want in lines[i]), None)
+        starts = [position] if k == 0 else range(position, len(lines) - len(segment) + 1)
+        if last:
+            starts = [s for s in starts if s == len(lines) - len(segment)]
+        found = next((s for s in starts if lines[s:s + len(segment)] == segment), None)
         if found is None:
-            return [want]
-        position = found + 1
+            return [_first_difference(segment, lines, position, anchored=k == 0)]
+        position = found + len(segment)
     return []
+
+
+def _first_difference(segment: list[str], lines: list[str], position: int, anchored: bool) -> str:
+    """The first line of `segment` the run did not show where the page puts it."""
+    if anchored:
+        for offset, want in enumerate(segment):
+            got = lines[position + offset] if position + offset < len(lines) else "(end of output)"
+            if want != got:
+                return f"{want}  (the run showed: {got})"
+        extra = lines[position + len(segment)] if position + len(segment) < len(lines) else ""
+        return f"(nothing more shown, but the run showed) {extra}"
+    for want in segment:
+        if want not in lines[position:]:
+            return want
+    return f"{segment[0]}  (these lines are not shown consecutively, or do not end the output)"
 
 
 def repository_copy(target: Path) -> None:
@@ -197,12 +230,48 @@ def test_the_pages_mark_their_walkthroughs() -> None:
         assert any(step.expected for step in steps), f"{page.relative_to(ROOT)} shows no output"
 
 
+TAIL = ("run r1  workflow order-confirmation  contract v1\n"
+        "   04:16:07.004 WARN  r1  check_policy  entry violation halt  precondition (freshness): "
+        "stale id  decision 1542fc71acd66140\n")
+
+
+def test_a_page_that_leaves_out_a_line_of_the_output_differs_from_it() -> None:
+    # the README's second terminal once showed tail's violation line without the header before it
+    shown = [TAIL.splitlines()[1]]
+    assert missing(shown, TAIL) != []
+
+
+def test_a_page_that_shortens_a_line_differs_from_the_output() -> None:
+    # a guide once showed a completion_proof refusal without its "(cannot evaluate ...)" suffix
+    output = "confirm -> 422 exit completion_proof: no id (cannot evaluate \"x\": field x is missing)\n"
+    assert missing(["confirm -> 422 exit completion_proof: no id"], output) != []
+
+
+def test_a_page_that_stops_before_the_output_ends_differs_from_it() -> None:
+    refused = "refused 422: stepguard: run 'run-7b118c695e8c42928971', step 'lookup_order'"
+    assert missing([refused], f"{refused}\nrun: run-7b118c695e8c42928971\n") != []
+
+
+def test_dots_leave_out_lines_where_they_stand_and_nowhere_else() -> None:
+    output = "{\n  \"a\": 1,\n  \"b\": 2,\n  \"c\": 3\n}\n"
+    assert missing(["{", "...", '  "c": 3', "}"], output) == []
+    assert missing(["...", '  "b": 2,', "..."], output) == []
+    assert missing(["{", '  "a": 1,', '  "c": 3', "}"], output) != []
+    assert missing(["{", "...", '  "b": 2,'], output) != []
+
+
+def test_times_ids_hex_and_runs_of_spaces_may_differ() -> None:
+    shown = TAIL.replace("04:16:07.004", "16:53:47.842").replace("1542fc71acd66140", "046153d74591fb1d")
+    assert missing(shown.replace("  ", " ").splitlines(), TAIL) == []
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_the_walkthrough_runs_as_written_and_shows_what_the_page_says(page: Path, tmp_path: Path) -> None:
     require_what_the_walkthroughs_need()
-    for step, output in run(walkthrough(page), tmp_path):
-        lost = missing(step.expected, output)
-        assert lost == [], (f"{step.block.where()}: the output does not show {lost[0]!r}; "
-                            f"it was:\n{output}")
+    differences = [f"{step.block.where()}: the page's output differs from the run's at {lost[0]!r}; "
+                   f"the run showed:\n{output}"
+                   for step, output in run(walkthrough(page), tmp_path)
+                   for lost in [missing(step.expected, output)] if lost]
+    assert differences == [], "\n\n".join(differences)

@@ -236,3 +236,12 @@ async def test_sensitive_fields_are_redacted_in_stored_history_and_escalations(
     assert "sk-live-123" not in stored and "Ada Lovelace" not in stored
     assert history[0]["input"]["api_key"] == "[REDACTED]"
     assert history[1]["output"]["customer"] == "[REDACTED]"
+
+
+def test_the_operator_actions_help_names_every_action_the_admin_api_counts(metrics: Metrics) -> None:
+    from stepguard.contracts.events import APPROVE, REJECT
+    from stepguard.contracts.operations import CANCEL, RESUME
+
+    (family,) = [f for f in metrics.registry.collect() if f.name == "stepguard_operator_actions"]
+    named = family.documentation.split("(", 1)[1].split(")", 1)[0]
+    assert [a.strip() for a in named.split(",")] == [RESUME, CANCEL, APPROVE, REJECT]

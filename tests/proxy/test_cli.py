@@ -219,7 +219,7 @@ async def test_runs_show_reads_a_store_while_a_writer_holds_its_lock(halted_stor
 # --- bench ------------------------------------------------------------------------------------
 
 
-async def test_bench_drift_reproduces_the_table_contract_catches_all_baseline_only_tool_errors():
+async def test_bench_drift_reproduces_the_table_contract_catches_all_passthrough_agent_sees_tool_errors():
     ran = await stepguard("bench", "drift", "--json")
 
     assert ran.code == 0, ran.err
@@ -228,11 +228,11 @@ async def test_bench_drift_reproduces_the_table_contract_catches_all_baseline_on
     assert list(classes) == ["shape", "freshness", "order", "tool_error", "false_completion"]
     assert {c: (r["contract_detected"], r["runs"]) for c, r in classes.items()} == {
         c: (5, 5) for c in classes}
-    assert {c: r["baseline_detected"] for c, r in classes.items()} == {
+    assert {c: r["passthrough_agent_saw"] for c, r in classes.items()} == {
         "shape": 0, "freshness": 0, "order": 0, "tool_error": 5, "false_completion": 0}
     assert [r["first_stop_step"] for r in classes.values()] == [1, 2, 3, 3, 4]
     assert (result["control"]["passed"], result["control"]["runs"]) == (10, 10)
-    assert result["control"]["baseline_passed"] == 10
+    assert result["control"]["passthrough_passed"] == 10
 
 
 # --- check: vars ------------------------------------------------------------------------------

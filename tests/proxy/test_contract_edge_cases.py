@@ -117,6 +117,27 @@ async def test_checking_the_new_objects_policy_lets_the_run_go_on(proxy, tools):
 # --- 3. a value that fails to record is not kept from an earlier call --------------------------
 
 
+async def test_a_tool_that_claims_completion_before_the_required_step_halts_the_run(
+        proxy, make_upstream):
+    async def done_early(request: web.Request) -> web.Response:
+        return web.json_response({"done": True, "receipt": "r-1"})
+
+    tool = await make_upstream(done_early)
+    px = await proxy(make_contract(tool.url, {"prepare": {}, "ship": {}}, completion={
+        "claim": "output.done == true", "requires": ["ship"], "proof": "output.receipt != ''"}))
+
+    reply = await px.call("/tools/prepare", {}, run="early-1")
+
+    body = drift_problem(reply, 422, run="early-1", step="prepare", check="completion_proof",
+                         drift="false_completion", boundary="exit", action="halt")
+    assert body["field"] == "ship"
+    assert await px.status("early-1") == "halted"
+    history = await px.history("early-1")
+    assert trail(history) == [("prepare", "entry", "pass", "forward"),
+                              ("prepare", "exit", "violation", "halt")]
+    assert history[-1].get("completed") is not True
+
+
 async def test_a_second_confirm_without_an_id_is_false_completion_not_the_old_id(proxy, tools):
     px = await proxy(example_contract(tools))
     flow = OrderFlow(px, "old-id-1")

@@ -584,6 +584,72 @@ async def test_an_escalation_record_holds_only_the_size_of_an_unparseable_answer
     assert record["output"] == {"unparsed": True, "bytes": len(answer)}
 
 
+ESCALATION_CAP = 64 * 1024     # docs/running.md: escalation records keep bodies of up to 64 KiB
+
+
+async def test_an_escalation_record_keeps_a_body_over_64_kib_by_its_size_alone(upstream, stepguard):
+    sent = orjson.dumps({"card_number": CARD, "note": "n" * ESCALATION_CAP})
+    answer = orjson.dumps({"error": "db down", "trace": "t" * ESCALATION_CAP})
+
+    async def failing(request: web.Request) -> web.Response:
+        return web.Response(status=500, body=answer, content_type="application/json")
+
+    tool = await upstream({"/pay": failing})
+    guard = await stepguard(escalating(tool.url))
+
+    resp = await guard.client.post("/t/pay", data=sent, headers={
+        RUN_HEADER: "r1", "content-type": "application/json"})
+
+    assert resp.status == 502
+    [record] = await guard.sg.store.escalations("r1")
+    assert record["input"] == {"truncated": True, "bytes": len(sent)}
+    assert record["output"] == {"truncated": True, "bytes": len(answer)}
+
+
+async def test_an_escalation_record_keeps_a_model_tool_call_over_64_kib_by_its_size_alone(
+        upstream, stepguard):
+    arguments = {"order_id": "o1", "note": "n" * ESCALATION_CAP}
+
+    async def chat(request: web.Request) -> web.Response:
+        return web.json_response(chat_answer(("call_1", "lookup", arguments)))
+
+    model = await upstream({"/v1/chat/completions": chat})
+    guard = await stepguard(model_contract(model.url, {"lookup": {
+        "output": {"schema": {"type": "object", "required": ["customer"]}},
+        "on_failure": "escalate"}}))
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "look up o1"}]
+    first = await guard.client.post(CHAT, json={"model": "m", "messages": messages})
+    run = first.headers[RUN_HEADER]
+    messages += [(await first.json())["choices"][0]["message"],
+                 tool_message("call_1", {"customer_name": "wrong shape"})]
+
+    refused = await guard.client.post(CHAT, json={"model": "m", "messages": messages})
+
+    assert refused.status == 422
+    [record] = await guard.sg.store.escalations(run)
+    assert record["input"] == {"truncated": True, "bytes": len(orjson.dumps(arguments))}
+    assert record["output"] == {"customer_name": "wrong shape"}
+
+
+async def test_an_escalation_record_keeps_a_body_of_64_kib_whole(upstream, stepguard):
+    padding = ESCALATION_CAP - len(orjson.dumps({"amount": 5, "note": ""}))
+    sent = orjson.dumps({"amount": 5, "note": "n" * padding})
+    assert len(sent) == ESCALATION_CAP
+
+    async def failing(request: web.Request) -> web.Response:
+        return web.json_response({"error": "db down"}, status=500)
+
+    tool = await upstream({"/pay": failing})
+    guard = await stepguard(escalating(tool.url))
+
+    resp = await guard.client.post("/t/pay", data=sent, headers={
+        RUN_HEADER: "r1", "content-type": "application/json"})
+
+    assert resp.status == 502
+    [record] = await guard.sg.store.escalations("r1")
+    assert record["input"] == orjson.loads(sent)
+
+
 # --- 8. a reload that removes the step of a pending model tool call --------------------------------
 
 

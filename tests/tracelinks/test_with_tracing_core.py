@@ -1,18 +1,13 @@
 """The trace links with stepguard's own tracing (metrics/tracing.py, issue 16's tracing core)
 instead of the tests' middleware: stored events, log lines and both histograms' exemplars name
-the server spans stepguard itself exported. Skipped until that module is in the tree."""
+the server spans stepguard itself exported."""
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import inspect
 import re
 from pathlib import Path
-from typing import Any
 
 import aiohttp
-import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -23,14 +18,9 @@ from tracelinks_support import Lines, ids
 from stepguard.bench.harness import contract_with_upstreams, running
 from stepguard.examples.order_confirmation import agent, contract_path, tools
 from stepguard.metrics.prom import Metrics
+from stepguard.metrics.tracing import Tracing
 from stepguard.proxy.app import build, create_admin_app, create_app
 from stepguard.proxy.config import Settings
-
-CORE = "stepguard.metrics.tracing"
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec(CORE) is None
-    or "tracing" not in inspect.signature(build).parameters,
-    reason=f"{CORE} (stepguard's own tracing) is not in this tree yet")
 
 EXEMPLAR = re.compile(r'^(\w+)_bucket\{[^}]*\} \S+ # \{span_id="([0-9a-f]{16})",'
                       r'trace_id="([0-9a-f]{32})"\}', re.MULTILINE)
@@ -41,11 +31,11 @@ async def test_stepguards_own_server_spans_are_named_by_events_logs_and_exemplar
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    tracing: Any = importlib.import_module(CORE).Tracing(provider)
+    tracing = Tracing(provider)
     async with running(tools.create_app()) as tools_url:
         contract = contract_with_upstreams(contract_path(), {"tools": tools_url})
         sg = build(Settings(store=str(tmp_path / "s.db")), [contract],
-                   metrics=Metrics(CollectorRegistry()), tracing=tracing)  # type: ignore[call-arg]
+                   metrics=Metrics(CollectorRegistry()), tracing=tracing)
         async with running(create_app(sg)) as proxy_url, \
                 running(create_admin_app(sg)) as admin_url, aiohttp.ClientSession() as session:
             run = await agent.run_agent(session, proxy_url + "/tools", "core-traced", 17)
