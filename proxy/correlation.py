@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from stepguard.contracts.argkeys import forward_key, headed_key, own_prefix, value_digest
 from stepguard.contracts.errors import StoreError
 from stepguard.contracts.model import Contract, Step
 from stepguard.contracts.store import Store
@@ -114,16 +115,17 @@ class Keyed:
 
 
 def _forward(contract: Contract, name: str, value: str) -> str:
-    return f"arg:{contract.workflow}:{name}={value}"
+    return forward_key(contract.workflow, name, value)     # `value`: the value's keyed digest
 
 
 def _own(contract: Contract, run_id: str, name: str) -> str:
-    return f"argof:{contract.workflow}:{run_id}:{name}="
+    return own_prefix(contract.workflow, run_id, name)
 
 
 def _new_run_id(contract: Contract, value: tuple[str, str], seen: dict[str, str]) -> str:
     """On a shared store, the id of the run a first call with `value` starts: derived from the
-    value and the run it named last (none, or one that has completed), so that two processes
+    value's keyed digest (nobody without the store's secret can compute it) and the run it named
+    last (none, or one that has completed), so that two processes
     starting a run for one value at once pick the same id, and the store's compare-and-set on
     the run's first event lets only one of them start it; the other re-checks its call in
     that run. A new run's id is unique, and the next run of the value after this one
@@ -167,16 +169,21 @@ def issued_key(contract: Contract, step: str, arguments: Any, call_id: str) -> s
 
 class RunKeys:
     """Run keys read from a call's arguments (`arg:NAME`), stored in the store's correlation keys
-    so a restart keeps them: `arg:<workflow>:<NAME>=<value>` finds the run a value names, and
-    `argof:<workflow>:<run>:<NAME>=<value>` the value a run was given.
+    so a restart keeps them, as keyed digests of their values (contracts/argkeys.py: never the
+    value itself): `argkey:<workflow>:<NAME>=<digest>` finds the run a value names, and
+    `argkeyof:<workflow>:<run>:<NAME>=<digest>` the value a run was given.
 
     Rules: a value names at most one live run. A call whose run is known by another source
     (header, traceparent, session) must carry its run's value: another value is a freshness
     violation in that run. Otherwise the value finds its live run (a halted one refuses the call
     as any call of a halted run); a value naming no live run (none yet, or its run completed)
     starts a new run only at a first step (a step with no `after`), else the call is refused
-    (`no_live_run`). Claims made by calls whose first event is not stored yet are kept in memory
-    (bounded), so two first calls with one value race to one run."""
+    (`no_live_run`). A run whose argument keys were stored by a call naming it by a header
+    (`argheaded:` key) is never joined by an argument alone: such a call is refused
+    (`no_run_key`). Refusal and violation details name the argument, never its value, nor
+    the id of a run the call did not name. Claims made by calls whose first event is not
+    stored yet are kept in memory (bounded), so two first calls with one value race to one
+    run."""
 
     def __init__(self, store: Store, pending: PendingCalls | None = None,
                  limit: int = 65536) -> None:
@@ -184,6 +191,8 @@ class RunKeys:
         self.pending = pending if pending is not None else PendingCalls()
         self.limit = limit
         self._claims: OrderedDict[str, str] = OrderedDict()
+        self._headed: OrderedDict[str, None] = OrderedDict()   # runs known named by a header
+        self._secret: bytes | None = None
         self._lock = asyncio.Lock()
 
     async def resolve(self, contract: Contract, step: Step, headers: Mapping[str, str],
@@ -225,7 +234,8 @@ class RunKeys:
             return Keyed(run_id)
         try:
             async with self._lock:
-                keyed = await self._resolve(contract, step, known, values)
+                keyed = await self._resolve(contract, step, known, values, headed=named is not None
+                                            and named[1].startswith("header:"))
             return replace(keyed, joined=joined) if joined and keyed.run_id == known else keyed
         except StoreError as exc:
             return Keyed(None, STORE, f"the run key of step {step.name!r} cannot be looked up: {exc}")
@@ -289,7 +299,10 @@ class RunKeys:
             return await self._resolve(contract, step, run_id, values)
 
     async def _resolve(self, contract: Contract, step: Step, known: str | None,
-                       values: list[tuple[str, str]]) -> Keyed:
+                       values: list[tuple[str, str]], headed: bool = False) -> Keyed:
+        if self._secret is None:
+            self._secret = await self.store.key_secret()
+        values = [(n, value_digest(self._secret, contract.workflow, n, v)) for n, v in values]
         seen: dict[str, str] = {}
         owners = [await self._owner(contract, n, v, seen) for n, v in values]
         if known is not None:
@@ -297,11 +310,11 @@ class RunKeys:
                 own = await self.store.find_keys(_own(contract, known, name), 1)
                 had = own[0].removeprefix(_own(contract, known, name)) if own else None
                 if (had is not None and had != value) or (owner is not None and owner != known):
-                    detail = (f"argument {name} is {value!r}, but run {known!r} was started with "
-                              f"{had!r}" if had is not None and had != value else
-                              f"argument {name} is {value!r}, which names another live run")
+                    detail = (f"argument {name} is not the value its run was started with"
+                              if had is not None and had != value else
+                              f"argument {name} names another live run")
                     return Keyed(known, drift=detail, field=f"input.{name}")
-            await self._register(contract, known, values, owners)
+            await self._register(contract, known, values, owners, headed)
             return Keyed(known)
         live = {o for o in owners if o is not None}
         if len(live) > 1:
@@ -309,11 +322,18 @@ class RunKeys:
                          f"{len(live)} different live runs")
         if live:
             run_id = live.pop()
+            if await self._was_headed(contract, run_id):
+                headers = " or ".join(k.removeprefix("header:") for k in contract.run_keys
+                                      if k.startswith("header:"))
+                return Keyed(None, NO_RUN_KEY, f"call of step {step.name!r} of workflow "
+                             f"{contract.workflow!r} carries no run header: argument "
+                             f"{', '.join(n for n, _ in values)} names a run that a header named, "
+                             f"and a call of such a run must name it by its header ({headers})")
             await self._register(contract, run_id, values, owners)
             return Keyed(run_id)
         if step.after:
-            shown = ", ".join(f"{n}={v!r}" for n, v in values)
-            return Keyed(None, NO_LIVE_RUN, f"{shown} names no live run of workflow "
+            shown = ", ".join(n for n, _ in values)
+            return Keyed(None, NO_LIVE_RUN, f"argument {shown} names no live run of workflow "
                          f"{contract.workflow!r}, and step {step.name!r} cannot start one (it "
                          f"comes after {', '.join(step.after)})")
         run_id = _new_run_id(contract, values[0], seen) if self.store.shared \
@@ -342,12 +362,28 @@ class RunKeys:
             return owner if claimed or self.store.shared else None
         return None if envelope.status in ("completed", "cancelled") else owner
 
+    async def _was_headed(self, contract: Contract, run_id: str) -> bool:
+        """Whether a call naming `run_id` by a header stored its argument keys (`_register`)."""
+        if run_id in self._headed:
+            return True
+        if await self.store.find_run(headed_key(contract.workflow, run_id)) is None:
+            return False
+        self._mark_headed(run_id)
+        return True
+
+    def _mark_headed(self, run_id: str) -> None:
+        self._headed[run_id] = None
+        self._headed.move_to_end(run_id)
+        while len(self._headed) > self.limit:
+            self._headed.popitem(last=False)
+
     async def _register(self, contract: Contract, run_id: str, values: list[tuple[str, str]],
-                        owners: list[str | None]) -> None:
+                        owners: list[str | None], headed: bool = False) -> None:
         new = [(n, v) for (n, v), o in zip(values, owners, strict=True) if o != run_id]
-        if not new:
+        mark = headed and run_id not in self._headed
+        if not new and not mark:
             return
-        keys = []
+        keys = [headed_key(contract.workflow, run_id)] if mark else []
         for name, value in new:
             forward = _forward(contract, name, value)
             self._claims[forward] = run_id
@@ -356,3 +392,5 @@ class RunKeys:
         while len(self._claims) > self.limit:
             self._claims.popitem(last=False)
         await self.store.add_keys(run_id, keys)
+        if mark:
+            self._mark_headed(run_id)
