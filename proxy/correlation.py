@@ -288,15 +288,17 @@ class RunKeys:
     def _take_local(self, contract: Contract, step: Step, call: Any) -> Issued | None:
         return self.pending.take(contract.workflow, step.name, call)
 
-    async def bind(self, contract: Contract, step: Step, run_id: str, arguments: Any) -> Keyed:
-        """A call whose run is known otherwise (a model's tool call, found by its conversation):
-        its argument keys join that run, or are a drift (`Keyed.drift`) when they name another
-        value than the run's. A store failure raises (the caller fails closed)."""
+    async def bind(self, contract: Contract, step: Step, run_id: str, arguments: Any,
+                   headed: bool = False) -> Keyed:
+        """A call whose run is known otherwise (a model's tool call, found by its conversation
+        or named by a header: `headed`): its argument keys join that run, or are a drift
+        (`Keyed.drift`) when they name another value than the run's. A store failure raises
+        (the caller fails closed)."""
         values = [(n, v) for n in arg_names(contract) if (v := arg_value(arguments, n)) is not None]
         if not values:
             return Keyed(run_id)
         async with self._lock:
-            return await self._resolve(contract, step, run_id, values)
+            return await self._resolve(contract, step, run_id, values, headed)
 
     async def _resolve(self, contract: Contract, step: Step, known: str | None,
                        values: list[tuple[str, str]], headed: bool = False) -> Keyed:
