@@ -194,3 +194,23 @@ async def test_the_run_key_table_holds_digests_of_argument_values_never_the_valu
 
     assert keys and not any(value in key for key in keys)
     assert value not in sqlite_contents(str(store_path))
+
+
+@pytest.mark.parametrize(("extra", "noted"), [
+    (REDACTED_KEY, True),
+    ({"run": REDACTED_KEY["run"], "redact": ["Ticket-ID"]}, True),
+    ({"run": REDACTED_KEY["run"]}, False),
+    ({"run": {"key": ["arg:token"]}}, True),      # always redacted
+], ids=["in-redact", "redact-spelled-otherwise", "not-redacted", "always-redacted"])
+async def test_check_notes_a_redacted_field_used_as_an_argument_run_key(tmp_path, extra, noted):
+    contract = tmp_path / "contract.yaml"
+    contract.write_text(yaml.safe_dump(contract_doc("http://127.0.0.1:9", TWO_STEPS, **extra)))
+
+    out = await cli("check", str(contract))
+
+    notes = [line.strip() for line in out.splitlines() if line.strip().startswith("run key arg:")]
+    if not noted:
+        assert notes == []
+        return
+    (note,) = notes
+    assert "keyed digests" in note and "unless a header named the run" in note
