@@ -20,6 +20,9 @@ import pytest
 import yaml
 from sgtest import Reply, Upstream, contract_doc, free_port, make_contract, problem, send, wait_ready
 
+from stepguard.contracts.sqlite_store import SQLiteStore
+from stepguard.proxy.correlation import RunKeys
+
 TWO_STEPS = {"first": {}, "second": {"after": ["first"]}}
 REDACTED_KEY = {"run": {"key": ["header:x-stepguard-run", "arg:ticket_id"]},
                 "redact": ["ticket_id"]}
@@ -214,3 +217,21 @@ async def test_check_notes_a_redacted_field_used_as_an_argument_run_key(tmp_path
         return
     (note,) = notes
     assert "keyed digests" in note and "unless a header named the run" in note
+
+
+async def test_on_a_shared_store_the_id_a_value_starts_its_run_with_comes_from_the_stores_secret(
+        tmp_path):
+    """Replicas derive a value's new run id alike (to meet at one run); from the value alone,
+    as before keyed digests, anyone could compute it and send it as a run header."""
+    contract = make_contract("http://127.0.0.1:9", TWO_STEPS, run=REDACTED_KEY["run"])
+    started = []
+    for name in ("a.db", "b.db"):
+        store = SQLiteStore(tmp_path / name, shared=True)
+        await store.open()
+        try:
+            keyed = await RunKeys(store).resolve(contract, contract.steps["first"], {},
+                                                 {"ticket_id": "T-1"})
+        finally:
+            await store.close()
+        started.append(keyed.run_id)
+    assert None not in started and started[0] != started[1]
