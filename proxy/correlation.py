@@ -99,6 +99,9 @@ def arg_value(arguments: Any, name: str) -> str | None:
 # reasons a call is refused before any upstream sees it: the `reason` label of
 # `stepguard_requests_refused` (a fixed set, with the router's own)
 NO_RUN_KEY, NO_LIVE_RUN, STORE = "no_run_key", "no_live_run", "store"
+# how answers name a run that the call reached by argument keys alone (`Call.shown_run`): not a
+# valid run id (a header carrying it names no run)
+ARGUMENT_RUN = "<the run its argument keys name>"
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +115,7 @@ class Keyed:
     drift: str | None = None
     field: str | None = None
     joined: str | None = None   # the model's call id this call executes (cross-traffic join)
+    by_argument: bool = False   # the run was reached by argument keys alone (`Call.shown_run`)
 
 
 def _forward(contract: Contract, name: str, value: str) -> str:
@@ -332,7 +336,7 @@ class RunKeys:
                              f"{', '.join(n for n, _ in values)} names a run that a header named, "
                              f"and a call of such a run must name it by its header ({headers})")
             await self._register(contract, run_id, values, owners)
-            return Keyed(run_id)
+            return Keyed(run_id, by_argument=True)
         if step.after:
             shown = ", ".join(n for n, _ in values)
             return Keyed(None, NO_LIVE_RUN, f"argument {shown} names no live run of workflow "
@@ -341,7 +345,7 @@ class RunKeys:
         run_id = _new_run_id(contract, values[0], seen) if self.store.shared \
             else f"run-{uuid.uuid4().hex}"
         await self._register(contract, run_id, values, owners)
-        return Keyed(run_id)
+        return Keyed(run_id, by_argument=True)
 
     async def _owner(self, contract: Contract, name: str, value: str,
                      seen: dict[str, str] | None = None) -> str | None:

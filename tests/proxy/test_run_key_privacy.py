@@ -21,7 +21,7 @@ import yaml
 from sgtest import Reply, Upstream, contract_doc, free_port, make_contract, problem, send, wait_ready
 
 from stepguard.contracts.sqlite_store import SQLiteStore
-from stepguard.proxy.correlation import RunKeys
+from stepguard.proxy.correlation import ARGUMENT_RUN, RunKeys
 
 TWO_STEPS = {"first": {}, "second": {"after": ["first"]}}
 REDACTED_KEY = {"run": {"key": ["header:x-stepguard-run", "arg:ticket_id"]},
@@ -235,3 +235,28 @@ async def test_on_a_shared_store_the_id_a_value_starts_its_run_with_comes_from_t
             await store.close()
         started.append(keyed.run_id)
     assert None not in started and started[0] != started[1]
+
+
+async def test_answers_to_an_argument_only_call_never_name_its_run_id(proxy, make_upstream):
+    """A run id works as a run header: a caller that named no run is not told the one its
+    argument reached, by a violation nor by the halted run's refusal."""
+    tool = await make_upstream()
+    steps = {**TWO_STEPS, "third": {"after": ["second"]}}
+    px = await proxy(make_contract(tool.url, steps, run=REDACTED_KEY["run"]))
+    assert (await px.call("/tools/first", {"ticket_id": "T-1"}, run=None)).status == 200
+    (run,) = await px.sg.store.runs()
+
+    skipped = await px.call("/tools/third", {"ticket_id": "T-1"}, run=None)
+    after = await px.call("/tools/second", {"ticket_id": "T-1"}, run=None)
+
+    assert problem(skipped, 409)["check"] == "order"
+    assert problem(after, 409)["title"] == "Run halted"
+    assert await px.status(run.run_id) == "halted"
+    for reply in (skipped, after):
+        assert reply.json["run"] == ARGUMENT_RUN
+        assert run.run_id not in reply.body.decode()
+    # what they are told instead is no run id: sent as a header, it names no run
+    named = await px.call("/tools/second", {"ticket_id": "T-1"}, run=ARGUMENT_RUN)
+    assert problem(named, 409)["run"] == ARGUMENT_RUN
+    assert [r.run_id for r in await px.sg.store.runs()] == [run.run_id]
+    assert tool.hits() == 1
