@@ -145,6 +145,17 @@ BEGIN
 END
 $$;
 """),
+    ("meta: the store's argument-key secret; argument keys as keyed digests", """
+-- `key_secret`: the secret of argument keys' digests (contracts/argkeys.py), made by the
+-- migration itself (pg_store.py `_key_digests`, which also rewrites the clear-text argument
+-- keys stored before this step as digests)
+CREATE TABLE meta (
+    name TEXT PRIMARY KEY,
+    value BYTEA NOT NULL
+);
+"""),
 )
+# the step after which `pg_store.migrate` makes the secret and rewrites clear argument keys
+KEY_DIGESTS = 4
 
 VERSION = len(MIGRATIONS)   # the schema version this code reads and writes

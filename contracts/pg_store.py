@@ -67,9 +67,10 @@ from typing import Any, cast
 import asyncpg
 import orjson
 
+from stepguard.contracts.argkeys import LEGACY_FORWARD, LEGACY_OWN, SECRET_NAME, legacy_rewrite, new_secret
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.errors import ConflictError, StoreError
-from stepguard.contracts.pg_schema import MIGRATION_LOCK, MIGRATIONS, VERSION
+from stepguard.contracts.pg_schema import KEY_DIGESTS, MIGRATION_LOCK, MIGRATIONS, VERSION
 from stepguard.contracts.store import ADVISORY, DEFAULT_RUN_LOCKS, RunLock
 from stepguard.contracts.store_urls import redacted
 
@@ -114,6 +115,7 @@ class PostgresStore:
         self.group_commit = group_commit
         self.run_locks = run_locks
         self.schema_version: int | None = None
+        self._secret: bytes | None = None    # argument keys' digest secret (`key_secret`)
         self._pool: Any = None
         self._lock_pool: Any = None    # connections holding run locks (run_locks="advisory")
         self._closing = False
@@ -157,6 +159,12 @@ class PostgresStore:
                     self.schema_version = await check_version(conn, self.shown)
                 if self.migrate:
                     await _probe_write(conn)
+                secret = await conn.fetchval("SELECT value FROM meta WHERE name = $1",
+                                             SECRET_NAME)
+                if secret is None:
+                    raise SchemaError(f"store {self.shown} has no argument-key secret (meta "
+                                      f"{SECRET_NAME!r}): it was not migrated by stepguard")
+                self._secret = bytes(secret)
         except SchemaError:
             await _close_pool(pool, self.timeout_s)
             raise
@@ -270,6 +278,11 @@ class PostgresStore:
         row = await self._read(lambda c: c.fetchval(
             "SELECT envelope FROM runs WHERE run_id = $1", run_id))
         return Envelope.from_dict(orjson.loads(row)) if row is not None else None
+
+    async def key_secret(self) -> bytes:
+        self._check_open()
+        assert self._secret is not None
+        return self._secret
 
     async def find_run(self, key: str) -> str | None:
         found = await self._read(lambda c: c.fetchval(
@@ -680,9 +693,28 @@ async def migrate(conn: _Conn, shown: str) -> int:
             if version <= found:
                 continue
             await conn.execute(sql)
+            if version == KEY_DIGESTS:
+                await _key_digests(conn)
             await conn.execute("INSERT INTO schema_migrations (version, name) VALUES ($1, $2)",
                                version, name)
     return VERSION
+
+
+async def _key_digests(conn: _Conn) -> None:
+    """Migration KEY_DIGESTS: the store's argument-key secret, and every clear-text argument
+    key stored before it rewritten as a digest (a digest key already stored is kept), the clear
+    rows deleted."""
+    await conn.execute("INSERT INTO meta (name, value) VALUES ($1, $2)", SECRET_NAME,
+                       new_secret())
+    secret = bytes(await conn.fetchval("SELECT value FROM meta WHERE name = $1", SECRET_NAME))
+    legacy = [(str(r[0]), str(r[1])) for r in await conn.fetch(
+        "SELECT key, run_id FROM run_keys WHERE key >= $1 AND key < $2", *LEGACY_FORWARD)]
+    rewritten = legacy_rewrite(secret, legacy)
+    if rewritten:
+        await conn.executemany("INSERT INTO run_keys (key, run_id) VALUES ($1, $2) "
+                               "ON CONFLICT (key) DO NOTHING", rewritten)
+    for low, high in (LEGACY_FORWARD, LEGACY_OWN):
+        await conn.execute("DELETE FROM run_keys WHERE key >= $1 AND key < $2", low, high)
 
 
 async def migrate_store(url: str, timeout_s: float = OPEN_TIMEOUT_MIN_S) -> tuple[int, int]:

@@ -63,6 +63,7 @@ from typing import Any, cast
 
 import orjson
 
+from stepguard.contracts.argkeys import LEGACY_FORWARD, LEGACY_OWN, SECRET_NAME, legacy_rewrite, new_secret
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.errors import ConflictError, StoreError
 from stepguard.contracts.store import RunLock
@@ -109,6 +110,11 @@ CREATE TABLE IF NOT EXISTS events (
 CREATE TABLE IF NOT EXISTS run_keys (
     key TEXT PRIMARY KEY,
     run_id TEXT NOT NULL
+) WITHOUT ROWID;
+-- the store's own settings: `key_secret`, the secret of argument keys' digests (argkeys.py)
+CREATE TABLE IF NOT EXISTS meta (
+    name TEXT PRIMARY KEY,
+    value BLOB NOT NULL
 ) WITHOUT ROWID;
 -- one row, rewritten by the writer's health probe (at open, and while the store is unhealthy)
 CREATE TABLE IF NOT EXISTS probe (
@@ -196,6 +202,7 @@ class SQLiteStore:
         self._lock_fd: int | None = None
         self._turn_fd: int | None = None     # shared: `<store>.writer`, the writers' turn
         self._close_problem: str | None = None   # the final checkpoint's failure, for close
+        self._secret: bytes | None = None    # argument keys' digest secret (`key_secret`)
         # point reads on one thread over `_lookup`; count_by_status on another over `_reader`
         self._lookup: sqlite3.Connection | None = None
         self._reader: sqlite3.Connection | None = None
@@ -274,6 +281,11 @@ class SQLiteStore:
     async def add_keys(self, run_id: str, keys: Sequence[str]) -> None:
         if keys:
             await self._write(lambda c: _add_keys(c, run_id, keys))
+
+    async def key_secret(self) -> bytes:
+        self._check_open()
+        assert self._secret is not None
+        return self._secret
 
     async def find_run(self, key: str) -> str | None:
         row = await self._read(lambda c: c.execute(
@@ -681,6 +693,7 @@ class SQLiteStore:
                 conn.execute("PRAGMA wal_autocheckpoint=0")   # the checkpointer thread does it
                 conn.execute(f"PRAGMA journal_size_limit={self.wal_limit_bytes}")
                 _probe_write(conn)   # a store that cannot take a write fails now, not at a call
+                self._secret = _key_secret(conn)
                 opened.append(_read_only(self.path, self.timeout_s))
                 opened.append(_read_only(self.path, self.timeout_s))
                 return opened[0], opened[1], opened[2]
@@ -778,6 +791,35 @@ def _probe_write(conn: sqlite3.Connection) -> None:
     conn.execute("BEGIN IMMEDIATE")
     conn.execute("INSERT OR REPLACE INTO probe (id, at) VALUES (1, ?)", (time.time(),))
     conn.execute("COMMIT")
+
+
+def _key_secret(conn: sqlite3.Connection) -> bytes:
+    """The store's argument-key secret, made by the first process to open the store (every
+    other one reads it); clear-text argument keys of a store written before keyed digests are
+    rewritten as digests, and deleted (a digest key already stored is kept)."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        conn.execute("INSERT OR IGNORE INTO meta (name, value) VALUES (?, ?)",
+                     (SECRET_NAME, new_secret()))
+        secret = bytes(conn.execute("SELECT value FROM meta WHERE name = ?",
+                                    (SECRET_NAME,)).fetchone()[0])
+        legacy = conn.execute("SELECT key, run_id FROM run_keys WHERE key >= ? AND key < ?",
+                              LEGACY_FORWARD).fetchall()
+        if legacy or conn.execute("SELECT 1 FROM run_keys WHERE key >= ? AND key < ? LIMIT 1",
+                                  LEGACY_OWN).fetchone():
+            conn.executemany("INSERT OR IGNORE INTO run_keys (key, run_id) VALUES (?, ?)",
+                             legacy_rewrite(secret, legacy))
+            conn.execute("PRAGMA secure_delete=ON")     # the values' bytes are zeroed too
+            try:
+                for low, high in (LEGACY_FORWARD, LEGACY_OWN):
+                    conn.execute("DELETE FROM run_keys WHERE key >= ? AND key < ?", (low, high))
+            finally:
+                conn.execute("PRAGMA secure_delete=OFF")
+        conn.execute("COMMIT")
+    except BaseException:
+        _rollback(conn)
+        raise
+    return secret
 
 
 def _rollback(conn: sqlite3.Connection) -> None:

@@ -68,6 +68,11 @@ class Store(Protocol):
         as with `append`."""
         ...
 
+    async def key_secret(self) -> bytes:
+        """The secret of argument keys' digests (contracts/argkeys.py): made once when the
+        store was created, kept in it, the same for every process using it."""
+        ...
+
     async def find_run(self, key: str) -> str | None:
         """The run a correlation key was stored with, if any."""
         ...

@@ -34,7 +34,7 @@ from stepguard.metrics.observer import Observer
 from stepguard.proxy.bodies import BodyError
 from stepguard.proxy.boundaries import Boundaries, Evidence, Settled, back_off, retrying_conflicts
 from stepguard.proxy.config import Settings
-from stepguard.proxy.correlation import Keyed
+from stepguard.proxy.correlation import ARGUMENT_RUN, Keyed
 from stepguard.proxy.forward import Timing, UpstreamError
 from stepguard.proxy.holds import HoldRefused, Target, http_target, sent_as
 from stepguard.proxy.joining import digest as joining_digest
@@ -105,6 +105,14 @@ class Call:
         """Why the request could not be read at all (no or a wrong content type, not JSON, over
         the size cap): the call is rejected with the error's 4xx, the run left as it was."""
         return None
+
+    @property
+    def shown_run(self) -> str:
+        """The run as answers name it: its id, unless the call reached it by argument keys
+        alone (nothing the caller sent named it); a run id works as a run header, so such a
+        caller is not told it (docs/contract.md, run keys from arguments)."""
+        keyed = self.key_drift
+        return ARGUMENT_RUN if keyed is not None and keyed.by_argument else self.run_id
 
     @property
     def joinable(self) -> bool:

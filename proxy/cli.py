@@ -17,6 +17,7 @@ from stepguard.contracts.conditions import var_text
 from stepguard.contracts.envelope import STATUSES as RUN_STATUSES
 from stepguard.contracts.errors import ContractError, StepguardError, StoreError
 from stepguard.contracts.loader import load_contracts
+from stepguard.contracts.redact import Redactor, is_redacted
 from stepguard.contracts.sqlite_store import (
     open_read_only,
     read_escalations,
@@ -411,7 +412,21 @@ def _check(args: argparse.Namespace) -> int:
             print(f"  {line}")
         for line in _recorded(c):
             print(f"  {line}")
+        for line in _redacted_run_keys(c):
+            print(f"  {line}")
     return 0
+
+
+def _redacted_run_keys(contract: Any) -> list[str]:
+    """The redacted fields (`redact`, or always redacted) that are also argument run keys
+    (`arg:NAME`), and what that means."""
+    keys = Redactor(contract.redact).keys
+    return [f"run key arg:{name}: {name} is also redacted: its values are kept in the store "
+            "only as keyed digests and never shown (not in answers, logs or history), but a "
+            "call carrying a value still reaches that value's run, whoever sends it, unless a "
+            "header named the run (docs/contract.md, run keys from arguments)"
+            for name in (k[4:] for k in contract.run_keys if k.startswith("arg:"))
+            if is_redacted(name, keys)]
 
 
 def _recorded(contract: Any) -> list[str]:

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from stepguard.contracts.argkeys import forward_key, headed_key, own_prefix, value_digest
 from stepguard.contracts.errors import StoreError
 from stepguard.contracts.model import Contract, Step
 from stepguard.contracts.store import Store
@@ -100,6 +101,9 @@ def arg_value(arguments: Any, name: str) -> str | None:
 # reasons a call is refused before any upstream sees it: the `reason` label of
 # `stepguard_requests_refused` (a fixed set, with the router's own)
 NO_RUN_KEY, NO_LIVE_RUN, STORE = "no_run_key", "no_live_run", "store"
+# how answers name a run that the call reached by argument keys alone (`Call.shown_run`): not a
+# valid run id (a header carrying it names no run)
+ARGUMENT_RUN = "<the run its argument keys name>"
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,19 +117,21 @@ class Keyed:
     drift: str | None = None
     field: str | None = None
     joined: str | None = None   # the model's call id this call executes (cross-traffic join)
+    by_argument: bool = False   # the run was reached by argument keys alone (`Call.shown_run`)
 
 
 def _forward(contract: Contract, name: str, value: str) -> str:
-    return f"arg:{contract.workflow}:{name}={value}"
+    return forward_key(contract.workflow, name, value)     # `value`: the value's keyed digest
 
 
 def _own(contract: Contract, run_id: str, name: str) -> str:
-    return f"argof:{contract.workflow}:{run_id}:{name}="
+    return own_prefix(contract.workflow, run_id, name)
 
 
 def _new_run_id(contract: Contract, value: tuple[str, str], seen: dict[str, str]) -> str:
     """On a shared store, the id of the run a first call with `value` starts: derived from the
-    value and the run it named last (none, or one that has completed), so that two processes
+    value's keyed digest (nobody without the store's secret can compute it) and the run it named
+    last (none, or one that has completed), so that two processes
     starting a run for one value at once pick the same id, and the store's compare-and-set on
     the run's first event lets only one of them start it; the other re-checks its call in
     that run. A new run's id is unique, and the next run of the value after this one
@@ -200,16 +206,21 @@ class _Relock(Exception):
 
 class RunKeys:
     """Run keys read from a call's arguments (`arg:NAME`), stored in the store's correlation keys
-    so a restart keeps them: `arg:<workflow>:<NAME>=<value>` finds the run a value names, and
-    `argof:<workflow>:<run>:<NAME>=<value>` the value a run was given.
+    so a restart keeps them, as keyed digests of their values (contracts/argkeys.py: never the
+    value itself): `argkey:<workflow>:<NAME>=<digest>` finds the run a value names, and
+    `argkeyof:<workflow>:<run>:<NAME>=<digest>` the value a run was given.
 
     Rules: a value names at most one live run. A call whose run is known by another source
     (header, traceparent, session) must carry its run's value: another value is a freshness
     violation in that run. Otherwise the value finds its live run (a halted one refuses the call
     as any call of a halted run); a value naming no live run (none yet, or its run completed)
     starts a new run only at a first step (a step with no `after`), else the call is refused
-    (`no_live_run`). Claims made by calls whose first event is not stored yet are kept in memory
-    (bounded), so two first calls with one value race to one run.
+    (`no_live_run`). A run whose argument keys were stored by a call naming it by a header
+    (`argheaded:` key) is never joined by an argument alone: such a call is refused
+    (`no_run_key`). Refusal and violation details name the argument, never its value, nor
+    the id of a run the call did not name. Claims made by calls whose first event is not
+    stored yet are kept in memory (bounded), so two first calls with one value race to one
+    run.
 
     A run header naming a run with no history, on a call that executes a tool call a model
     issued (same step, same canonical arguments), joins the model's run, and the header becomes
@@ -229,6 +240,8 @@ class RunKeys:
         # found with history of their own (never an alias). Both bounded; the store has them.
         self._aliases: OrderedDict[tuple[str, str], str] = OrderedDict()
         self._own: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._headed: OrderedDict[str, None] = OrderedDict()   # runs known named by a header
+        self._secret: bytes | None = None
 
     async def resolve(self, contract: Contract, step: Step, headers: Mapping[str, str],
                       arguments: Any, traceparent: object = None, call_input: Any = None) -> Keyed:
@@ -275,7 +288,8 @@ class RunKeys:
                              f"{describe_keys(contract)}")
             return Keyed(run_id)
         try:
-            keyed = await self._resolve_locked(contract, step, known, values)
+            keyed = await self._resolve_locked(contract, step, known, values, headed=named
+                                               is not None and named[1].startswith("header:"))
             return replace(keyed, joined=joined) if joined and keyed.run_id == known else keyed
         except StoreError as exc:
             return Keyed(None, STORE, f"the run key of step {step.name!r} cannot be looked up: {exc}")
@@ -370,14 +384,16 @@ class RunKeys:
     def _take_local(self, contract: Contract, step: Step, call: Any) -> Issued | None:
         return self.pending.take(contract.workflow, step.name, call)
 
-    async def bind(self, contract: Contract, step: Step, run_id: str, arguments: Any) -> Keyed:
-        """A call whose run is known otherwise (a model's tool call, found by its conversation):
-        its argument keys join that run, or are a drift (`Keyed.drift`) when they name another
-        value than the run's. A store failure raises (the caller fails closed)."""
+    async def bind(self, contract: Contract, step: Step, run_id: str, arguments: Any,
+                   headed: bool = False) -> Keyed:
+        """A call whose run is known otherwise (a model's tool call, found by its conversation
+        or named by a header: `headed`): its argument keys join that run, or are a drift
+        (`Keyed.drift`) when they name another value than the run's. A store failure raises
+        (the caller fails closed)."""
         values = [(n, v) for n in arg_names(contract) if (v := arg_value(arguments, n)) is not None]
         if not values:
             return Keyed(run_id)
-        return await self._resolve_locked(contract, step, run_id, values)
+        return await self._resolve_locked(contract, step, run_id, values, headed)
 
     @contextlib.asynccontextmanager
     async def _sharded(self, names: list[str]) -> AsyncIterator[None]:
@@ -395,21 +411,27 @@ class RunKeys:
                 lock.release()
 
     async def _resolve_locked(self, contract: Contract, step: Step, known: str | None,
-                              values: list[tuple[str, str]]) -> Keyed:
+                              values: list[tuple[str, str]], headed: bool = False) -> Keyed:
         """`_resolve` under the locks of the values and of the runs it writes keys for: the
         run it knows, or the live run the values name (found under the values' locks, then
-        taken with them and looked for again)."""
+        taken with them and looked for again). Values are replaced by their keyed digests
+        first: neither the store nor a lock's name ever holds one in clear."""
+        if self._secret is None:
+            self._secret = await self.store.key_secret()
+        values = [(n, value_digest(self._secret, contract.workflow, n, v)) for n, v in values]
         runs = {known} if known is not None else set()
         while True:
             names = [_forward(contract, n, v) for n, v in values] + [f"run:{r}" for r in runs]
             async with self._sharded(names):
                 try:
-                    return await self._resolve(contract, step, known, values, frozenset(runs))
+                    return await self._resolve(contract, step, known, values, frozenset(runs),
+                                               headed)
                 except _Relock as more:
                     runs.add(more.run_id)
 
     async def _resolve(self, contract: Contract, step: Step, known: str | None,
-                       values: list[tuple[str, str]], held: frozenset[str]) -> Keyed:
+                       values: list[tuple[str, str]], held: frozenset[str],
+                       headed: bool = False) -> Keyed:
         seen: dict[str, str] = {}
         owners = [await self._owner(contract, n, v, seen) for n, v in values]
         if known is not None:
@@ -417,11 +439,11 @@ class RunKeys:
                 own = await self.store.find_keys(_own(contract, known, name), 1)
                 had = own[0].removeprefix(_own(contract, known, name)) if own else None
                 if (had is not None and had != value) or (owner is not None and owner != known):
-                    detail = (f"argument {name} is {value!r}, but run {known!r} was started with "
-                              f"{had!r}" if had is not None and had != value else
-                              f"argument {name} is {value!r}, which names another live run")
+                    detail = (f"argument {name} is not the value its run was started with"
+                              if had is not None and had != value else
+                              f"argument {name} names another live run")
                     return Keyed(known, drift=detail, field=f"input.{name}")
-            await self._register(contract, known, values, owners)
+            await self._register(contract, known, values, owners, headed)
             return Keyed(known)
         live = {o for o in owners if o is not None}
         if len(live) > 1:
@@ -429,19 +451,26 @@ class RunKeys:
                          f"{len(live)} different live runs")
         if live:
             run_id = live.pop()
+            if await self._was_headed(contract, run_id):
+                headers = " or ".join(k.removeprefix("header:") for k in contract.run_keys
+                                      if k.startswith("header:"))
+                return Keyed(None, NO_RUN_KEY, f"call of step {step.name!r} of workflow "
+                             f"{contract.workflow!r} carries no run header: argument "
+                             f"{', '.join(n for n, _ in values)} names a run that a header named, "
+                             f"and a call of such a run must name it by its header ({headers})")
             if run_id not in held and any(o != run_id for o in owners):
                 raise _Relock(run_id)    # keys to add to a run whose lock is not held
             await self._register(contract, run_id, values, owners)
-            return Keyed(run_id)
+            return Keyed(run_id, by_argument=True)
         if step.after:
-            shown = ", ".join(f"{n}={v!r}" for n, v in values)
-            return Keyed(None, NO_LIVE_RUN, f"{shown} names no live run of workflow "
+            shown = ", ".join(n for n, _ in values)
+            return Keyed(None, NO_LIVE_RUN, f"argument {shown} names no live run of workflow "
                          f"{contract.workflow!r}, and step {step.name!r} cannot start one (it "
                          f"comes after {', '.join(step.after)})")
         run_id = _new_run_id(contract, values[0], seen) if self.store.shared \
             else f"run-{uuid.uuid4().hex}"
         await self._register(contract, run_id, values, owners)
-        return Keyed(run_id)
+        return Keyed(run_id, by_argument=True)
 
     async def _owner(self, contract: Contract, name: str, value: str,
                      seen: dict[str, str] | None = None) -> str | None:
@@ -464,12 +493,28 @@ class RunKeys:
             return owner if claimed or self.store.shared else None
         return None if envelope.status in ("completed", "cancelled") else owner
 
+    async def _was_headed(self, contract: Contract, run_id: str) -> bool:
+        """Whether a call naming `run_id` by a header stored its argument keys (`_register`)."""
+        if run_id in self._headed:
+            return True
+        if await self.store.find_run(headed_key(contract.workflow, run_id)) is None:
+            return False
+        self._mark_headed(run_id)
+        return True
+
+    def _mark_headed(self, run_id: str) -> None:
+        self._headed[run_id] = None
+        self._headed.move_to_end(run_id)
+        while len(self._headed) > self.limit:
+            self._headed.popitem(last=False)
+
     async def _register(self, contract: Contract, run_id: str, values: list[tuple[str, str]],
-                        owners: list[str | None]) -> None:
+                        owners: list[str | None], headed: bool = False) -> None:
         new = [(n, v) for (n, v), o in zip(values, owners, strict=True) if o != run_id]
-        if not new:
+        mark = headed and run_id not in self._headed
+        if not new and not mark:
             return
-        keys = []
+        keys = [headed_key(contract.workflow, run_id)] if mark else []
         for name, value in new:
             forward = _forward(contract, name, value)
             self._claims[forward] = run_id
@@ -478,3 +523,5 @@ class RunKeys:
         while len(self._claims) > self.limit:
             self._claims.popitem(last=False)
         await self.store.add_keys(run_id, keys)
+        if mark:
+            self._mark_headed(run_id)

@@ -182,8 +182,8 @@ class HttpToolAdapter:
         if answer.status is None:   # no answer at all, but the contract let it pass (observe)
             result = answer.result
             return problem(504 if result.error_kind == "timeout" else 502, "Upstream failed",
-                           f"run {call.run_id!r}, step {call.step.name!r}: {result.error}",
-                           upstream=call.route.upstream.name, run=call.run_id,
+                           f"run {call.shown_run!r}, step {call.step.name!r}: {result.error}",
+                           upstream=call.route.upstream.name, run=call.shown_run,
                            step=call.step.name)
         return web.Response(status=answer.status, headers=answer.headers, body=answer.body)
 
@@ -217,7 +217,7 @@ class HttpToolAdapter:
                                             call.timing)
 
     async def render(self, call: HttpCall, why: Stopped) -> web.StreamResponse:
-        contract, run_id, step = call.contract, call.run_id, call.step.name
+        contract, run_id, step = call.contract, call.shown_run, call.step.name
         if isinstance(why, Violated):
             return violation_problem(why.violation, run_id=run_id, workflow=contract.workflow,
                                      version=contract.version, step=step,

@@ -150,7 +150,7 @@ def withheld(rpc_id: Any, event_id: str) -> bytes:
 
 def refusal_for(call: Call, why: Stopped) -> Refusal:
     """Why a checked call stops, as the JSON-RPC error that answers it."""
-    run_id, step = call.run_id, call.step.name
+    run_id, step = call.shown_run, call.step.name
     if isinstance(why, Violated):
         violation, settled = why.violation, why.settled
         return Refusal(VIOLATION_CODE, f"stepguard: run {run_id!r}, step {step!r}, "
@@ -192,9 +192,9 @@ def refusal_for(call: Call, why: Stopped) -> Refusal:
 def _halted(call: Call, envelope: Envelope, boundary: str, decision_id: str) -> Refusal:
     halt = envelope.halt or {}
     violation = halt.get("violation") or {}
-    return Refusal(HALTED_CODE, f"stepguard: {why_stopped(call.run_id, envelope.status, halt)}; "
+    return Refusal(HALTED_CODE, f"stepguard: {why_stopped(call.shown_run, envelope.status, halt)}; "
                    f"call of step {call.step.name!r} refused",
-                   {"run": call.run_id, "workflow": call.contract.workflow,
+                   {"run": call.shown_run, "workflow": call.contract.workflow,
                     "run_status": envelope.status, "halted_by": halt, "step": halt.get("step"),
                     "check": violation.get("check"), "drift": violation.get("drift"),
                     "refused_step": call.step.name, "boundary": boundary, "action": "refuse",

@@ -12,7 +12,7 @@ from dataclasses import replace
 from typing import Any
 
 from stepguard.contracts.runs import RunBook
-from stepguard.proxy.correlation import implicit_run_id, run_id_for
+from stepguard.proxy.correlation import implicit_run_id, keyed_by
 from stepguard.proxy.model_dialects import ToolOutput
 from stepguard.proxy.model_exchange import RUN_HEADER, Exchange, Stop, parsed
 
@@ -135,7 +135,9 @@ async def correlate(runs: RunBook, shown: ShownCalls, ex: Exchange,
     contract = ex.contract
     if not contract.run_keys_declared:
         contract = replace(contract, run_keys=("header:x-stepguard-run",))
-    run_id = run_id_for(contract, ex.request.headers, implicit=False)
+    named = keyed_by(contract, ex.request.headers)
+    run_id = named[0] if named is not None else None
+    ex.headed = named is not None and named[1].startswith("header:")
     if run_id is None:
         if keys is None:
             keys = parsed(ex, lambda: ex.dialect.known_ids(ex.body))

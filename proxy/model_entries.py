@@ -131,7 +131,8 @@ class ModelEntries:
                         self.settings.max_json_depth)
         except BodyError as exc:
             error, arguments = exc.detail, None
-        keyed = await self.boundaries.run_keys.bind(contract, step, ex.run_id, arguments)
+        keyed = await self.boundaries.run_keys.bind(contract, step, ex.run_id, arguments,
+                                                    headed=ex.headed)
         if error is not None:
             decision = Decision(step.name, "entry",
                                 Violation("input_schema", "shape", error, "entry",

@@ -50,6 +50,7 @@ class Exchange:
     timing: Timing
     run_id: str = ""
     new_run: bool = False
+    headed: bool = False    # the run was named by a `header:` key (argument keys: RunKeys.bind)
     keys: list[str] = field(default_factory=list)
     stored_response: bool = False   # a GET (or cancel) of a response created earlier
     # tool calls of the answer held for an operator (ModelEntries.released), in answer order

@@ -25,6 +25,8 @@ from refund_desk import (
 )
 from refund_stack import Stack, StartStack, mcp_client
 
+from stepguard.proxy.correlation import ARGUMENT_RUN
+
 VIOLATION = -31000
 
 MODES = ["stateless", "session"]
@@ -103,8 +105,10 @@ async def caught(s: Stack, mode: str, drift: str) -> None:
                           check=check, drift=drift_class)
     assert drifting.error.code == VIOLATION
     data = drifting.error.data
+    # the client named no run (its ticket_id found it): it is not told the run's id
+    assert run.run_id not in str(data) + drifting.error.message
     assert {k: data[k] for k in ("run", "step", "check", "drift", "boundary", "decision_id")} == {
-        "run": run.run_id, "step": step, "check": check, "drift": drift_class,
+        "run": ARGUMENT_RUN, "step": step, "check": check, "drift": drift_class,
         "boundary": boundary, "decision_id": event["decision_id"]}
     # an entry violation never reached the server; nothing after the violation did
     served = [c.tool for c in s.desk.calls(ticket="T-22")]

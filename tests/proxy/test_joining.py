@@ -553,3 +553,27 @@ async def test_waiting_for_streamed_turns_is_bounded_and_leaves_no_waiter_behind
     pending.streamed("wf", checked)
     pending.streamed("other-wf", other)
     assert pending._streaming == {}
+
+
+async def test_a_stateless_call_naming_a_header_named_models_run_by_argument_alone_is_refused(
+        tmp_path: Path, mcp_server: str) -> None:
+    """The model's turn named its run by the header; its tool call's order_id binds to that run.
+    Another client with the order id and no header is refused, learns no run id, and the run
+    goes on."""
+    async with hybrid(tmp_path, mcp_server, FakeModel(model_agent.script_for(1, None)),
+                      ARG_KEY) as h:
+        model = openai.AsyncOpenAI(base_url=h.model_url, api_key="sk-test", max_retries=0)
+        async with model:
+            await model.chat.completions.create(
+                model="fake-model", messages=[{"role": "user", "content": "Confirm ord-1."}],
+                tools=model_agent.TOOLS, extra_headers={"x-stepguard-run": "victim-run"})
+        async with Client(streamable_http_client(h.mcp_url), mode="auto",
+                          read_timeout_seconds=10) as tools:
+            with pytest.raises(MCPError) as refused:
+                await tools.call_tool("check_policy", {"order_id": "ord-1"})
+        history = await h.sg.store.history("victim-run")
+        status = (await h.sg.store.load("victim-run")).status  # type: ignore[union-attr]
+    assert refused.value.error.code == -31002
+    assert "victim-run" not in str(refused.value) and "ord-1" not in str(refused.value)
+    assert [(e["step"], e["verdict"]) for e in history] == [("lookup_order", "pass")]
+    assert status == "active"

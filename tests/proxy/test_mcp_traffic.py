@@ -871,7 +871,9 @@ async def test_a_stale_argument_in_a_run_named_by_its_header_is_freshness_drift_
             error = await refused(call(client, "check_policy", {"order_id": "ord-2"}))
         data = violation_of(error, run="r-1", step="check_policy", check="run_key",
                             drift="freshness", boundary="entry", action="halt")
-        assert "ord-2" in data["detail"] and "ord-1" in data["detail"]
+        # the detail names the argument, never its values
+        assert "order_id" in data["detail"]
+        assert "ord-2" not in data["detail"] and "ord-1" not in data["detail"]
         assert await guard.run_ids() == {"r-1"}
         assert await guard.status("r-1") == "halted"
     assert [r.rpc["params"]["name"] for r in server.recorder.calls()] == ["lookup_order"]
@@ -1127,3 +1129,20 @@ async def test_an_unreadable_mcp_body_is_refused_with_a_warning_and_a_count(
     assert guard.sg.metrics.registry.get_sample_value(
         "stepguard_requests_refused_total", {"reason": "unparseable"}) == 1
     assert server.recorder.hits() == 0
+
+
+@modes(MODERN_MODES[:1])
+async def test_answers_to_a_stateless_argument_only_call_never_name_its_run_id(
+        guarded: StartGuard, tmp_path: Path, mode: Mode) -> None:
+    from stepguard.proxy.correlation import ARGUMENT_RUN
+
+    async with guarded(variant(tmp_path, ARG_KEYS)) as guard:
+        async with connect(guard.url, mode) as client:
+            await call(client, "lookup_order", {"order_id": "ord-7"})
+            skipped = await refused(call(client, "confirm", {"order_id": "ord-7"}))
+            after = await refused(call(client, "check_policy", {"order_id": "ord-7"}))
+        (run,) = await guard.run_ids()
+    data = violation_of(skipped, run=ARGUMENT_RUN, step="confirm", check="order", drift="order",
+                        boundary="entry", action="halt")
+    assert isinstance(after.data, dict) and after.data["run"] == ARGUMENT_RUN
+    assert run not in str(skipped) + str(data) and run not in str(after) + str(after.data)
