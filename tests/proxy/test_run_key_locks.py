@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from sgtest import make_contract
 
+from stepguard.contracts.argkeys import value_digest
 from stepguard.contracts.model import Contract
 from stepguard.contracts.sqlite_store import SQLiteStore
 from stepguard.proxy.correlation import Keyed, RunKeys
@@ -20,8 +21,8 @@ BOUND_S = 10.0     # a failure bound only: every wait below ends on an event
 
 
 class GatedStore(SQLiteStore):
-    """The real SQLite store, whose key look-ups for `gated` values wait for `gate`; each
-    look-up that starts is announced on `started`."""
+    """The real SQLite store, whose key look-ups for `gated` values (their keyed digests, as
+    the keys hold them) wait for `gate`; each look-up that starts is announced on `started`."""
 
     def __init__(self, path: Path) -> None:
         super().__init__(path)
@@ -48,6 +49,10 @@ def contract() -> Contract:
     return make_contract("http://127.0.0.1:9", {"first": {}}, run=ARG_RUN)
 
 
+async def ticket_digest(store: GatedStore, ticket: str) -> str:
+    return value_digest(await store.key_secret(), contract().workflow, "ticket", ticket)
+
+
 async def first_call(keys: RunKeys, ticket: str) -> Keyed:
     c = contract()
     return await keys.resolve(c, c.steps["first"], {}, {"ticket": ticket})
@@ -55,9 +60,10 @@ async def first_call(keys: RunKeys, ticket: str) -> Keyed:
 
 async def test_first_calls_of_two_values_do_not_wait_for_each_other(store: GatedStore) -> None:
     keys = RunKeys(store)
-    store.gated.add("T-1")
+    gated = await ticket_digest(store, "T-1")
+    store.gated.add(gated)
     held = asyncio.create_task(first_call(keys, "T-1"))
-    assert (await asyncio.wait_for(store.started.get(), BOUND_S)).endswith("=T-1")
+    assert (await asyncio.wait_for(store.started.get(), BOUND_S)).endswith(f"={gated}")
 
     # T-1 is inside its lock, its look-up held: T-2 resolves all the same
     other = await asyncio.wait_for(first_call(keys, "T-2"), BOUND_S)
@@ -71,9 +77,10 @@ async def test_first_calls_of_two_values_do_not_wait_for_each_other(store: Gated
 async def test_first_calls_of_one_value_resolve_one_after_the_other_to_one_run(
         store: GatedStore) -> None:
     keys = RunKeys(store)
-    store.gated.add("T-1")
+    gated = await ticket_digest(store, "T-1")
+    store.gated.add(gated)
     held = asyncio.create_task(first_call(keys, "T-1"))
-    assert (await asyncio.wait_for(store.started.get(), BOUND_S)).endswith("=T-1")
+    assert (await asyncio.wait_for(store.started.get(), BOUND_S)).endswith(f"={gated}")
     waiting = asyncio.create_task(first_call(keys, "T-1"))
     # nothing between the call's start and its lock suspends it: a few turns of the loop let it
     # reach the lock, and it must not get past it while the first call holds it
