@@ -40,11 +40,19 @@ from stepguard.proxy.model_exchange import (
     parsed,
     upstream_failed,
 )
-from stepguard.proxy.sse import EventTooLarge, SSESplitter, decode_event
+from stepguard.proxy.sse import EventTooLarge, EventUnreadable, SSESplitter, decode_event
 
 # while a tool call of the turn is held for an operator, the stream gets this comment now and
 # then (SDKs skip SSE comments; proxies and read timeouts see the stream alive)
 HELD_COMMENT = b": stepguard: a tool call is held for an operator's approval\n\n"
+
+
+class TurnCut(Exception):
+    """stepguard ends the turn itself: `reason` is a `stepguard_stream_turns_cut` label."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
 
 
 class ModelStream:
@@ -119,7 +127,7 @@ class ModelStream:
     async def _relay_events(self, ex: Exchange, resp: H1Response,
                             out: web.StreamResponse) -> None:
         """Relay each event as it completes, hold the terminator, check the assembled turn."""
-        splitter = SSESplitter(self.settings.max_response_bytes)
+        splitter = SSESplitter(self.settings.max_response_bytes, strict=True)
         assembler = ex.dialect.assembler()
         stored = asyncio.Event()
         shown: list[str] = []
@@ -136,8 +144,21 @@ class ModelStream:
         held: list[bytes] = []
         streaming_since = time.perf_counter()
         first = True
+        received = 0
+        max_bytes, max_calls = self.settings.max_stream_bytes, self.settings.max_turn_calls
+
+        def feed(event: Any) -> None:
+            parsed(ex, lambda: assembler.feed(event))
+            if assembler.calls_begun > max_calls:
+                raise TurnCut("too_many_calls", f"the turn began more than {max_calls} tool "
+                                                "calls (--max-turn-calls)")
+
         try:
             async for chunk in read_chunks(resp, ex.request, ex.route.upstream.timeout_s):
+                received += len(chunk)
+                if received > max_bytes:     # a turn's memory is bounded, however it streams
+                    raise TurnCut("too_large", f"the turn passed {max_bytes} bytes "
+                                               "(--max-stream-bytes)")
                 relayed: list[bytes] = []    # the events that arrived together leave together
                 try:
                     for raw, event in splitter.events(chunk):
@@ -147,11 +168,11 @@ class ModelStream:
                             # part of the turn the agent gets
                             held.append(raw)
                             if event is not None:
-                                parsed(ex, lambda: assembler.feed(event))  # noqa: B023
+                                feed(event)
                             continue
                         if event is not None:
-                            parsed(ex, lambda: assembler.feed(event))  # noqa: B023
-                            for call_id in assembler.call_ids():
+                            feed(event)
+                            for call_id in assembler.new_call_ids():
                                 if self.shown.show(call_id, stored):
                                     if not shown:   # its executions may come before its end
                                         self.boundaries.pending.streaming(
@@ -165,6 +186,10 @@ class ModelStream:
                 finally:        # events before one that failed are still relayed, in order
                     if relayed:
                         await client.write(b"".join(relayed))
+        except (EventUnreadable, TurnCut) as exc:
+            ex.timing.upstream(streaming_since)
+            await self._cut(ex, client, shown, exc)
+            return
         except (UpstreamConnectionError, TimeoutError, EventTooLarge) as exc:
             ex.timing.upstream(streaming_since)
             why = (f"no event for {ex.route.upstream.timeout_s:g} s"
@@ -182,18 +207,21 @@ class ModelStream:
             return
         ex.timing.upstream(streaming_since)
         rest = splitter.rest()
-        last = decode_event(rest) if rest else None
-        if last is not None and (held or assembler.is_terminal(last)):
-            held.append(rest)      # an event the upstream did not end with a blank line
-            try:
-                parsed(ex, lambda: assembler.feed(last))
-            except Stop as stop:
-                await self._failed(ex, shown)
-                await self._stopped(ex, client, stop)
-                await client.close()
-                return
-        elif rest and held:
-            held.append(rest)
+        try:
+            last = decode_event(rest, strict=True) if rest else None
+            if last is not None and (held or assembler.is_terminal(last)):
+                held.append(rest)      # an event the upstream did not end with a blank line
+                feed(last)
+            elif rest and held:
+                held.append(rest)
+        except (EventUnreadable, TurnCut) as exc:
+            await self._cut(ex, client, shown, exc)
+            return
+        except Stop as stop:
+            await self._failed(ex, shown)
+            await self._stopped(ex, client, stop)
+            await client.close()
+            return
         if not held or assembler.failure is not None:
             await self._turn_failed(ex, client, assembler.failure, shown)
             return
@@ -216,6 +244,20 @@ class ModelStream:
         else:
             for raw in held:
                 await client.write(raw)
+        await client.close()
+
+    async def _cut(self, ex: Exchange, client: ClientEnd, shown: list[str],
+                   exc: EventUnreadable | TurnCut) -> None:
+        """stepguard ends the turn itself (an event it cannot read as the SDKs read it, a turn
+        past its bounds): like an upstream failure, nothing of it is checked or stored, its
+        shown calls are refused later, and the client gets the provider's stream error."""
+        reason = exc.reason if isinstance(exc, TurnCut) else "unreadable"
+        self.observer.stream_cut(ex.route.upstream.name, ex.contract.workflow, ex.run_id,
+                                 reason, str(exc))
+        await self._failed(ex, shown)
+        await client.write(ex.dialect.stream_error(
+            f"stepguard: the model's turn was ended: {exc}; nothing in it was checked or "
+            "recorded", {"check": "upstream", "reason": reason}))
         await client.close()
 
     async def _failed(self, ex: Exchange, shown: list[str]) -> None:
