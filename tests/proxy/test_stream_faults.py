@@ -10,6 +10,8 @@ bytes and tool calls: an upstream that never stops cannot grow the sidecar witho
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,7 @@ from test_model_tool_call_shapes import CHECK_POLICY, RESPONSES_FUNCTION, TOOL_U
 from test_sse_fuzz import relay
 
 from stepguard.bench.proxy import free_port
+from stepguard.contracts.loader import parse_contract
 from stepguard.proxy.model_dialects import ChatCompletions, Messages, Responses
 
 pytestmark = pytest.mark.fault
@@ -305,3 +308,70 @@ async def test_a_never_ending_stream_is_ended_at_its_byte_bound_and_rss_stays_bo
     assert b"--max-stream-bytes" in tail and b'"reason":"too_large"' in tail, tail[-400:]
     assert 'stepguard_stream_turns_cut_total{reason="too_large",upstream="o"} 1.0' in metrics
     assert rss < RSS_BOUND_MB, f"peak RSS {rss:.1f} MB"
+
+
+# --- events that complete a tool call are held where the tools run inside the agent --------------
+
+
+def model_contract(url: str, *, tool_upstream: bool) -> Any:
+    doc: dict[str, Any] = {
+        "workflow": "w", "contract_version": 1, "unmatched": "pass",
+        "upstreams": {"o": {"url": url, "kind": "openai", "mount": "/o", "timeout_s": 5}},
+        "steps": {"lookup_order": {"match": {"tool": "lookup_order"}}}}
+    if tool_upstream:       # a tool stepguard also sees run: its calls are checked there too
+        doc["upstreams"]["t"] = {"url": "http://127.0.0.1:9", "kind": "http", "mount": "/t",
+                                 "timeout_s": 5}
+        doc["steps"]["fetch"] = {"match": {"upstream": "t", "method": "GET", "path": "/x"}}
+    return parse_contract(yaml.safe_dump(doc).encode(), "t.yaml")
+
+
+@pytest.mark.parametrize("tool_upstream", [False, True], ids=["model-only", "with-tool-upstream"])
+async def test_the_event_completing_a_tool_call_reaches_the_agent_only_after_the_turn_is_checked(
+        aiohttp_server, stepguard, tool_upstream):
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+        return sse({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0,
+                    "model": "m", "choices": [{"index": 0, "delta": delta,
+                                               "finish_reason": finish}]})
+    call = {"index": 0, "id": "call_1", "type": "function",
+            "function": {"name": "lookup_order", "arguments": '{"order_id": "ord-1"}'}}
+    release = asyncio.Event()
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        out = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await out.prepare(request)
+        await out.write(chunk({"role": "assistant", "content": "looking"})
+                        + chunk({"tool_calls": [call]}) + chunk({}, "tool_calls"))
+        await release.wait()        # the terminator comes only once the test says so
+        await out.write(sse(b"[DONE]"))
+        return out
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", answer)
+    url = str((await aiohttp_server(app)).make_url("")).rstrip("/")
+    guard = await stepguard(model_contract(url, tool_upstream=tool_upstream))
+    got_text, completed = asyncio.Event(), asyncio.Event()
+    completed_before_release: list[bool] = []
+    received = b""
+
+    async def read() -> None:
+        nonlocal received
+        async with guard.client.post("/o/v1/chat/completions", json={
+                "model": "m", "stream": True, "messages": []}) as reply:
+            async for part in reply.content.iter_any():
+                received += part
+                if b"looking" in received:
+                    got_text.set()
+                if b'"finish_reason":"tool_calls"' in received and not completed.is_set():
+                    completed_before_release.append(not release.is_set())
+                    completed.set()
+
+    reading = asyncio.create_task(read())
+    await got_text.wait()
+    # proving that something does not arrive takes a bounded wait
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(completed.wait(), 0.5)
+    release.set()
+    await reading
+
+    assert completed_before_release == [tool_upstream], received
+    assert received.endswith(b"data: [DONE]\n\n")       # the turn passed, and was all relayed
