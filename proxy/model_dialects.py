@@ -83,6 +83,11 @@ class Assembler(Protocol):
         began: a turn's are bounded (--max-turn-calls)."""
         ...
 
+    completing: bool
+    """The event fed last completes a tool call as the SDK hands it over (or may: a finish
+    reason, a block's or item's end, a call's arguments done): `ModelStream` holds it, and all
+    that follows, when the contract's tools run only inside the agent."""
+
     def feed(self, event: ServerSentEvent) -> None:
         """Read one event; EventUnreadable when its data cannot be read as the SDKs read it."""
         ...
@@ -304,12 +309,14 @@ class _ChatAssembler:
         self.failure: str | None = None
         self.unclassified: list[str] = []
         self.shown: list[str] = []
+        self.completing = False
 
     @property
     def calls_begun(self) -> int:
         return len(self.calls) + len(self.functions)
 
     def feed(self, event: ServerSentEvent) -> None:
+        self.completing = False
         chunk = model_event(event.data)
         if chunk.get("error") is not None:
             self.failure = self.failure or _failure(chunk["error"])
@@ -318,6 +325,8 @@ class _ChatAssembler:
         for choice in chunk.get("choices") or []:
             number = choice.get("index", 0)
             delta = choice.get("delta") or {}
+            if choice.get("finish_reason") is not None:
+                self.completing = True
             if delta.get("content"):
                 self.text.setdefault(number, []).append(delta["content"])
             legacy = delta.get("function_call")
@@ -340,6 +349,8 @@ class _ChatAssembler:
             if self.highest.get(number, index) > index:
                 self.unclassified.append(f"tool call index {index} of choice {number} began "
                                          f"after a higher index")
+            if number in self.highest:      # the SDK takes the call before it as complete
+                self.completing = True
             self.highest[number] = max(self.highest.get(number, index), index)
             call = self.calls[(number, index)] = {
                 "id": "", "types": set(), "name": [], "arguments": [], "custom_name": [],
@@ -499,6 +510,13 @@ class Responses:
                      "param": details.get("field"), **body}, "error")
 
 
+# the ends of text and reasoning, which complete no tool call
+_TEXT_ENDS = frozenset({
+    "response.output_text.done", "response.content_part.done", "response.refusal.done",
+    "response.reasoning_text.done", "response.reasoning_summary_text.done",
+    "response.reasoning_summary_part.done", "response.audio.done",
+    "response.audio.transcript.done"})
+
 # the streamed pieces of an output item's string field: event type -> field
 _PIECES = {"response.function_call_arguments.delta": "arguments",
            "response.custom_tool_call_input.delta": "input"}
@@ -526,6 +544,7 @@ class _ResponsesAssembler:
         self.shown: list[str] = []
         self.calls_begun = 0
         self.pieces: dict[tuple[Any, str], list[Any]] = {}     # (output_index, field): pieces
+        self.completing = False
 
     def _kept(self, index: Any, item: dict[str, Any]) -> None:
         """`item` is the output item at `index` now (added, or replaced when done)."""
@@ -540,6 +559,12 @@ class _ResponsesAssembler:
         data = model_event(event.data)
         kind = data.get("type") or event.event
         response = data.get("response")
+        item = data.get("item")
+        # the end of anything but text and reasoning may complete a call (fail closed)
+        self.completing = (isinstance(kind, str) and kind.endswith((".done", ".completed"))
+                           and kind not in _TEXT_ENDS
+                           and not (kind == "response.output_item.done" and isinstance(item, dict)
+                                    and _kind(item) in ("message", "reasoning")))
         if kind == "error":
             self.failure = self.failure or _failure(data.get("error") or data)
         elif kind == "response.failed":
@@ -548,7 +573,6 @@ class _ResponsesAssembler:
         if isinstance(response, dict) and response.get("id"):
             self.response_id = response["id"]
         index = data.get("output_index", len(self.items))
-        item = data.get("item")
         if kind == "response.output_item.added" and isinstance(item, dict):
             if index not in self.items:
                 self._kept(index, dict(item))
@@ -680,6 +704,9 @@ class Messages:
         return _sse(self.error_body(message, details), "error")
 
 
+_PROSE = ("text", "thinking", "redacted_thinking")     # content blocks that are no calls
+
+
 class _MessagesAssembler:
     """Content blocks as the anthropic SDK builds them: each `content_block_start` appends a
     block (the SDK ignores its index and later finds it by position, so a start whose index is
@@ -693,10 +720,17 @@ class _MessagesAssembler:
         self.unclassified: list[str] = []
         self.shown: list[str] = []
         self.calls_begun = 0
+        self.completing = False
 
     def feed(self, event: ServerSentEvent) -> None:
+        self.completing = False
         data = model_event(event.data)
         kind = data.get("type") or event.event
+        if kind == "content_block_stop":    # a block's end, unless it is text or thinking
+            stopped = self.blocks.get(data.get("index", -1))
+            self.completing = stopped is None or _kind(stopped) not in _PROSE
+        elif kind == "message_delta":       # the stop reason: complete, whatever it says
+            self.completing = self.calls_begun > 0
         if kind == "error":
             self.failure = self.failure or _failure(data.get("error"))
         elif kind == "message_start":
@@ -710,7 +744,7 @@ class _MessagesAssembler:
                                          f"SDK puts it at {len(self.blocks)}")
             self.blocks[len(self.blocks)] = block
             kind = _kind(block)
-            if kind not in ("text", "thinking", "redacted_thinking"):
+            if kind not in _PROSE:
                 self.calls_begun += 1
             if kind in _ANTHROPIC_CALLS and block.get("id"):
                 self.shown.append(str(block["id"]))

@@ -18,6 +18,7 @@ from stepguard.metrics.observer import Observer
 from stepguard.proxy.bodies import is_json_type
 from stepguard.proxy.boundaries import Boundaries
 from stepguard.proxy.config import Settings
+from stepguard.proxy.correlation import MODEL_KINDS
 from stepguard.proxy.forward import (
     HOP_BY_HOP,
     ClientEnd,
@@ -142,6 +143,11 @@ class ModelStream:
                           splitter: SSESplitter, assembler: Any, stored: asyncio.Event,
                           shown: list[str]) -> None:
         held: list[bytes] = []
+        ended = False       # the terminator was read
+        # tools that run only inside the agent (no HTTP or MCP upstream: stepguard sees model
+        # traffic alone): an event that completes a tool call is held, with all that follows,
+        # so nothing complete reaches the agent before it is checked
+        hold_calls = all(u.kind in MODEL_KINDS for u in ex.contract.upstreams.values())
         streaming_since = time.perf_counter()
         first = True
         received = 0
@@ -162,7 +168,10 @@ class ModelStream:
                 relayed: list[bytes] = []    # the events that arrived together leave together
                 try:
                     for raw, event in splitter.events(chunk):
-                        if held or (event is not None and assembler.is_terminal(event)):
+                        terminal = (not ended and event is not None
+                                    and assembler.is_terminal(event))
+                        ended = ended or terminal
+                        if held or terminal:
                             # held, and read: the terminator (a Responses final output) and
                             # whatever follows it (an SDK reads on to the stream's end) are
                             # part of the turn the agent gets
@@ -178,6 +187,9 @@ class ModelStream:
                                         self.boundaries.pending.streaming(
                                             ex.contract.workflow, stored)
                                     shown.append(call_id)
+                            if hold_calls and assembler.completing:
+                                held.append(raw)
+                                continue
                         if first:       # the first byte leaves at once (time to first byte)
                             first = False
                             await client.write(raw)
@@ -209,7 +221,9 @@ class ModelStream:
         rest = splitter.rest()
         try:
             last = decode_event(rest, strict=True) if rest else None
-            if last is not None and (held or assembler.is_terminal(last)):
+            terminal = not ended and last is not None and assembler.is_terminal(last)
+            ended = ended or terminal
+            if last is not None and (held or terminal):
                 held.append(rest)      # an event the upstream did not end with a blank line
                 feed(last)
             elif rest and held:
@@ -222,7 +236,7 @@ class ModelStream:
             await self._stopped(ex, client, stop)
             await client.close()
             return
-        if not held or assembler.failure is not None:
+        if not ended or assembler.failure is not None:
             await self._turn_failed(ex, client, assembler.failure, shown)
             return
         try:
