@@ -94,8 +94,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="bytes of one streamed model turn; past them it ends with a stream "
                             "error (64 MiB)")
     serve.add_argument("--max-turn-calls", type=int,
-                       help="tool calls in one streamed model turn; past them it ends with a "
-                            "stream error (1000)")
+                       help="tool calls in one model turn; past them a stream ends with a "
+                            "stream error, a whole answer gets 502 (1000)")
     serve.add_argument("--max-inflight-body-bytes", type=int,
                        help="request body bytes held at once, all calls together (503 above)")
     serve.add_argument("--header-timeout-s", type=float,

@@ -25,7 +25,17 @@ import yaml
 from aiohttp import web
 from conftest_model import SDK_ERRORS, in_stream, provider_error
 from sgtest import Guard, started, wait_ready
-from test_model_tool_call_shapes import CHECK_POLICY, RESPONSES_FUNCTION, TOOL_USE, contract, sse
+from test_model_tool_call_shapes import (
+    CHECK_POLICY,
+    RESPONSES_FUNCTION,
+    TOOL_USE,
+    ask,
+    chat_whole,
+    contract,
+    messages_whole,
+    responses_whole,
+    sse,
+)
 from test_sse_fuzz import relay
 
 from stepguard.bench.proxy import free_port
@@ -375,3 +385,33 @@ async def test_the_event_completing_a_tool_call_reaches_the_agent_only_after_the
 
     assert completed_before_release == [tool_upstream], received
     assert received.endswith(b"data: [DONE]\n\n")       # the turn passed, and was all relayed
+
+
+@pytest.mark.parametrize("api", list(TURNS))
+async def test_a_whole_answer_past_the_tool_call_bound_is_refused(aiohttp_server, stepguard, api):
+    calls = range(6)
+    whole = {
+        "chat": lambda: chat_whole({"tool_calls": [
+            {"id": f"call_{i}", "type": "function",
+             "function": {"name": "lookup_order", "arguments": "{}"}} for i in calls]}),
+        "responses": lambda: responses_whole(*[{**RESPONSES_FUNCTION, "name": "lookup_order",
+                                                "call_id": f"call_{i}"} for i in calls]),
+        "messages": lambda: messages_whole(*[{**TOOL_USE, "id": f"toolu_{i}",
+                                              "name": "lookup_order"} for i in calls]),
+    }[api]()
+
+    async def answer(request: web.Request) -> web.Response:
+        return web.json_response(whole)
+
+    app = web.Application()
+    for path in ("/v1/chat/completions", "/v1/responses", "/v1/messages"):
+        app.router.add_post(path, answer)
+    url = str((await aiohttp_server(app)).make_url("")).rstrip("/")
+    guard = await stepguard(contract(url, KINDS[api]), max_turn_calls=5)
+
+    with pytest.raises(SDK_ERRORS) as caught:
+        await ask(guard, api, False)
+
+    assert getattr(caught.value, "status_code", None) == 502
+    assert "--max-turn-calls" in provider_error(caught.value)["message"]
+    assert await guard.run_ids() == []
