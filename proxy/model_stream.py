@@ -1,7 +1,9 @@
 """Streamed model answers: the SSE byte stream cut into whole events, each fed to the dialect's
 `Assembler` and relayed at once (events that arrived in one read leave in one write, the
 stream's first at once), the terminator and everything after it held until the assembled turn's
-entries are checked, then written, or replaced by the provider's stream error."""
+entries are checked, then written, or replaced by the provider's stream error. With model
+traffic alone, the event that completes a tool call is held too. An event stepguard cannot read
+as the SDKs do, or a turn past its bounds, ends the turn (`_cut`)."""
 
 from __future__ import annotations
 
