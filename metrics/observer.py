@@ -188,6 +188,13 @@ class Observer:
         self.log.warning("model_turn_failed", upstream=upstream, workflow=workflow,
                          run_id=run_id, detail=detail)
 
+    def stream_cut(self, upstream: str, workflow: str, run_id: str, reason: str,
+                   detail: str) -> None:
+        """A streamed model turn stepguard ended itself (`Metrics.stream_turns_cut` reasons)."""
+        self.metrics.stream_turns_cut.labels(upstream, reason).inc()
+        self.log.warning("model_stream_cut", upstream=upstream, workflow=workflow,
+                         run_id=run_id, reason=reason, detail=detail)
+
     def escalation(self, record: dict[str, Any], delivered: bool | None, detail: str = "") -> None:
         if delivered is False:
             self.metrics.webhook_failures.labels(record.get("workflow", "")).inc()

@@ -122,6 +122,12 @@ _LONG_INTEGER = re.compile(rb"(?<![\d.eE+-])-?\d{19,}(?![\d.eE])")
 _STRING = re.compile(rb'"[^"]*"')
 
 
+def inexact_integer(body: bytes) -> str | None:
+    """The first integer of a valid JSON `body` that orjson cannot hold exactly (it reads it
+    as a float), else None; cheap when no run of digits is long enough."""
+    return _inexact_integer(body) if _LONG_DIGITS in body.translate(_DIGITS) else None
+
+
 def _inexact_integer(body: bytes) -> str | None:
     """The first integer of a valid JSON `body` that orjson cannot hold exactly, else None."""
     if b"\\" in body:

@@ -91,6 +91,12 @@ def _parser() -> argparse.ArgumentParser:
                             "(STEPGUARD_WAL_LIMIT_BYTES, 64 MiB)")
     serve.add_argument("--max-request-bytes", type=int)
     serve.add_argument("--max-response-bytes", type=int)
+    serve.add_argument("--max-stream-bytes", type=int,
+                       help="bytes of one streamed model turn; past them it ends with a stream "
+                            "error (64 MiB)")
+    serve.add_argument("--max-turn-calls", type=int,
+                       help="tool calls in one model turn; past them a stream ends with a "
+                            "stream error, a whole answer gets 502 (1000)")
     serve.add_argument("--max-inflight-body-bytes", type=int,
                        help="request body bytes held at once, all calls together (503 above)")
     serve.add_argument("--header-timeout-s", type=float,

@@ -191,6 +191,8 @@ _PARSERS: dict[str, _Parse] = {
     "wal_limit_bytes": _bytes(65536),
     "max_request_bytes": _bytes(1),
     "max_response_bytes": _bytes(1),
+    "max_stream_bytes": _bytes(1),
+    "max_turn_calls": _integer(1, what="a number of tool calls"),
     "max_json_depth": _integer(1, JSON_DEPTH_CEILING, "a number of nesting levels"),
     "payload_history_bytes": _bytes(0),
     "max_inflight_body_bytes": _bytes(1),
@@ -289,6 +291,10 @@ class Settings:
     wal_limit_bytes: int = DEFAULT_WAL_LIMIT_BYTES
     max_request_bytes: int = 10 * 1024 * 1024
     max_response_bytes: int = 10 * 1024 * 1024
+    # one streamed model turn: its bytes and its tool calls (past either, the turn is ended
+    # with a stream error: docs/model.md)
+    max_stream_bytes: int = 64 * 1024 * 1024
+    max_turn_calls: int = 1000
     max_json_depth: int = MAX_JSON_DEPTH
     payload_history_bytes: int = 4 * 1024
     max_inflight_body_bytes: int = 256 * 1024 * 1024

@@ -65,6 +65,11 @@ class ModelAnswers:
                        f"(a {type(response).__name__}); it cannot be checked and is refused "
                        f"(fail closed)", {"check": "upstream"})
         turn = parsed(ex, lambda: ex.dialect.turn(response))
+        calls = sum(len(choice.calls) + len(choice.unclassified) for choice in turn.choices())
+        if calls > self.settings.max_turn_calls:    # a streamed turn is bounded alike
+            raise Stop(502, f"stepguard: the model's answer holds {calls} tool calls, more than "
+                       f"{self.settings.max_turn_calls} (--max-turn-calls); it is refused",
+                       {"check": "upstream"})
         try:
             await self.entries.admitted(ex, turn)
         except StoreError as exc:

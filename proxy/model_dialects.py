@@ -17,7 +17,7 @@ from stepguard.proxy.bodies import (
     check_depth,
     parse_json,
 )
-from stepguard.proxy.sse import EventTooDeep, event_json
+from stepguard.proxy.sse import EventTooDeep, EventUnreadable, model_event
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,10 +77,24 @@ class Assembler(Protocol):
     an OpenAI `{"error": ...}` chunk, a Responses `error` or `response.failed`): the turn failed
     at the upstream, whatever follows."""
 
-    def feed(self, event: ServerSentEvent) -> None: ...
+    @property
+    def calls_begun(self) -> int:
+        """The tool calls (and the blocks or items that may be ones) the events fed so far
+        began: a turn's are bounded (--max-turn-calls)."""
+        ...
 
-    def call_ids(self) -> list[str]:
-        """The tool-call ids the events fed so far have shown the client."""
+    completing: bool
+    """The event fed last completes a tool call as the SDK hands it over (or may: a finish
+    reason, a block's or item's end, a call's arguments done): `ModelStream` holds it, and all
+    that follows, when the contract's tools run only inside the agent."""
+
+    def feed(self, event: ServerSentEvent) -> None:
+        """Read one event; EventUnreadable when its data cannot be read as the SDKs read it."""
+        ...
+
+    def new_call_ids(self) -> list[str]:
+        """The tool-call ids the events fed since the last call have shown the client (each
+        once: the cost of a turn's events is linear in its calls)."""
         ...
 
     def is_terminal(self, event: ServerSentEvent) -> bool: ...
@@ -289,13 +303,21 @@ class _ChatAssembler:
     def __init__(self) -> None:
         self.response_id: str | None = None
         self.calls: dict[tuple[int, int], dict[str, Any]] = {}
+        self.highest: dict[int, int] = {}       # per choice, its highest tool-call index yet
         self.functions: dict[int, dict[str, list[str]]] = {}     # legacy delta.function_call
         self.text: dict[int, list[str]] = {}
         self.failure: str | None = None
         self.unclassified: list[str] = []
+        self.shown: list[str] = []
+        self.completing = False
+
+    @property
+    def calls_begun(self) -> int:
+        return len(self.calls) + len(self.functions)
 
     def feed(self, event: ServerSentEvent) -> None:
-        chunk = event_json(event.data)
+        self.completing = False
+        chunk = model_event(event.data)
         if chunk.get("error") is not None:
             self.failure = self.failure or _failure(chunk["error"])
             return
@@ -303,6 +325,8 @@ class _ChatAssembler:
         for choice in chunk.get("choices") or []:
             number = choice.get("index", 0)
             delta = choice.get("delta") or {}
+            if choice.get("finish_reason") is not None:
+                self.completing = True
             if delta.get("content"):
                 self.text.setdefault(number, []).append(delta["content"])
             legacy = delta.get("function_call")
@@ -322,9 +346,12 @@ class _ChatAssembler:
             return
         call = self.calls.get((number, index))
         if call is None:
-            if any(n == number and i > index for n, i in self.calls):
+            if self.highest.get(number, index) > index:
                 self.unclassified.append(f"tool call index {index} of choice {number} began "
                                          f"after a higher index")
+            if number in self.highest:      # the SDK takes the call before it as complete
+                self.completing = True
+            self.highest[number] = max(self.highest.get(number, index), index)
             call = self.calls[(number, index)] = {
                 "id": "", "types": set(), "name": [], "arguments": [], "custom_name": [],
                 "input": []}
@@ -332,6 +359,8 @@ class _ChatAssembler:
             ids: list[str] = []
             _piece(ids, part.get("id"), "tool call id", self.unclassified)
             call["id"] = "".join(ids)
+            if call["id"]:
+                self.shown.append(call["id"])
         if part.get("type") is not None:
             call["types"].add(part["type"])
         function = part.get("function")
@@ -346,8 +375,9 @@ class _ChatAssembler:
             _piece(call["custom_name"], custom.get("name"), "custom.name", self.unclassified)
             _piece(call["input"], custom.get("input"), "custom.input", self.unclassified)
 
-    def call_ids(self) -> list[str]:
-        return [c["id"] for c in self.calls.values() if c["id"]]
+    def new_call_ids(self) -> list[str]:
+        shown, self.shown = self.shown, []
+        return shown
 
     def is_terminal(self, event: ServerSentEvent) -> bool:
         # exactly the openai SDK's test (`sse.data.startswith("[DONE]")`): it stops reading at
@@ -357,11 +387,12 @@ class _ChatAssembler:
     def turn(self) -> Turn:
         numbers = sorted({*self.text, *self.functions, *(n for n, _ in self.calls)}) or [0]
         turns = []
+        by_choice: dict[int, list[dict[str, Any]]] = {}
+        for (n, _), c in sorted(self.calls.items()):
+            by_choice.setdefault(n, []).append(c)
         for number in numbers:
             calls, unclassified = [], []
-            for (n, _), c in sorted(self.calls.items()):
-                if n != number:
-                    continue
+            for c in by_choice.get(number, []):
                 if c["types"] <= {"function"}:
                     calls.append(_arguments(c["id"], "".join(c["name"]), "".join(c["arguments"])))
                 elif c["types"] == {"custom"}:
@@ -479,6 +510,13 @@ class Responses:
                      "param": details.get("field"), **body}, "error")
 
 
+# the ends of text and reasoning, which complete no tool call
+_TEXT_ENDS = frozenset({
+    "response.output_text.done", "response.content_part.done", "response.refusal.done",
+    "response.reasoning_text.done", "response.reasoning_summary_text.done",
+    "response.reasoning_summary_part.done", "response.audio.done",
+    "response.audio.transcript.done"})
+
 # the streamed pieces of an output item's string field: event type -> field
 _PIECES = {"response.function_call_arguments.delta": "arguments",
            "response.custom_tool_call_input.delta": "input"}
@@ -503,11 +541,30 @@ class _ResponsesAssembler:
         self.completed: dict[str, Any] | None = None
         self.failure: str | None = None
         self.unclassified: list[str] = []
+        self.shown: list[str] = []
+        self.calls_begun = 0
+        self.pieces: dict[tuple[Any, str], list[Any]] = {}     # (output_index, field): pieces
+        self.completing = False
+
+    def _kept(self, index: Any, item: dict[str, Any]) -> None:
+        """`item` is the output item at `index` now (added, or replaced when done)."""
+        before = self.items.get(index)
+        self.items[index] = item
+        if before is None and _kind(item) not in ("message", "reasoning"):
+            self.calls_begun += 1
+        if item.get("call_id") and (before is None or before.get("call_id") != item["call_id"]):
+            self.shown.append(str(item["call_id"]))
 
     def feed(self, event: ServerSentEvent) -> None:
-        data = event_json(event.data)
+        data = model_event(event.data)
         kind = data.get("type") or event.event
         response = data.get("response")
+        item = data.get("item")
+        # the end of anything but text and reasoning may complete a call (fail closed)
+        self.completing = (isinstance(kind, str) and kind.endswith((".done", ".completed"))
+                           and kind not in _TEXT_ENDS
+                           and not (kind == "response.output_item.done" and isinstance(item, dict)
+                                    and _kind(item) in ("message", "reasoning")))
         if kind == "error":
             self.failure = self.failure or _failure(data.get("error") or data)
         elif kind == "response.failed":
@@ -516,26 +573,29 @@ class _ResponsesAssembler:
         if isinstance(response, dict) and response.get("id"):
             self.response_id = response["id"]
         index = data.get("output_index", len(self.items))
-        item = data.get("item")
         if kind == "response.output_item.added" and isinstance(item, dict):
-            self.items.setdefault(index, dict(item))
+            if index not in self.items:
+                self._kept(index, dict(item))
         elif kind == "response.output_item.done" and isinstance(item, dict):
-            self.items[index] = item
+            self._kept(index, item)
             self.done.add(index)
         elif kind in _PIECES and index in self.items and index not in self.done:
-            kept = self.items[index]
+            # kept as pieces, joined once by `turn` (joining at each piece is quadratic)
             field_name = _PIECES[kind]
-            before, delta = kept.get(field_name) or "", data.get("delta")
-            if isinstance(before, str) and isinstance(delta, str):
-                kept[field_name] = before + delta
+            parts = self.pieces.setdefault((index, field_name),
+                                           [self.items[index].get(field_name) or ""])
+            delta = data.get("delta")
+            if isinstance(parts[0], str) and isinstance(delta, str):
+                parts.append(delta)
             else:
                 self.unclassified.append(f"{kind} with a delta that is not a string")
         if kind in self._TERMINAL and isinstance(response, dict):
             self.completed = response
 
 
-    def call_ids(self) -> list[str]:
-        return [str(i["call_id"]) for i in self.items.values() if i.get("call_id")]
+    def new_call_ids(self) -> list[str]:
+        shown, self.shown = self.shown, []
+        return shown
 
     # response.incomplete (max_output_tokens, content filter) ends a turn too: its finished
     # items are whole and are checked; response.failed and error are failures (`failure`)
@@ -545,13 +605,16 @@ class _ResponsesAssembler:
         # the openai SDK stops reading at data that starts with [DONE], whatever the dialect
         if event.event in self._TERMINAL or event.data.startswith("[DONE]"):
             return True
-        try:    # an event too deep to read is no terminator: `feed` refuses it
+        try:    # an event too deep or odd to read is no terminator: `feed` refuses it
             return event.event in ("", "message") and \
-                event_json(event.data).get("type") in self._TERMINAL
-        except EventTooDeep:
+                model_event(event.data).get("type") in self._TERMINAL
+        except (EventTooDeep, EventUnreadable):
             return False
 
     def turn(self) -> Turn:
+        for (index, field_name), parts in self.pieces.items():
+            if index not in self.done and isinstance(parts[0], str):
+                self.items[index][field_name] = "".join(parts)
         final = self.completed.get("output") if self.completed else None
         output = list(final) if isinstance(final, list) else []
         seen = {_identity(i): i for i in output if isinstance(i, dict)}
@@ -641,6 +704,9 @@ class Messages:
         return _sse(self.error_body(message, details), "error")
 
 
+_PROSE = ("text", "thinking", "redacted_thinking")     # content blocks that are no calls
+
+
 class _MessagesAssembler:
     """Content blocks as the anthropic SDK builds them: each `content_block_start` appends a
     block (the SDK ignores its index and later finds it by position, so a start whose index is
@@ -652,10 +718,19 @@ class _MessagesAssembler:
         self.blocks: dict[int, dict[str, Any]] = {}
         self.failure: str | None = None
         self.unclassified: list[str] = []
+        self.shown: list[str] = []
+        self.calls_begun = 0
+        self.completing = False
 
     def feed(self, event: ServerSentEvent) -> None:
-        data = event_json(event.data)
+        self.completing = False
+        data = model_event(event.data)
         kind = data.get("type") or event.event
+        if kind == "content_block_stop":    # a block's end, unless it is text or thinking
+            stopped = self.blocks.get(data.get("index", -1))
+            self.completing = stopped is None or _kind(stopped) not in _PROSE
+        elif kind == "message_delta":       # the stop reason: complete, whatever it says
+            self.completing = self.calls_begun > 0
         if kind == "error":
             self.failure = self.failure or _failure(data.get("error"))
         elif kind == "message_start":
@@ -668,18 +743,24 @@ class _MessagesAssembler:
                 self.unclassified.append(f"content block started at index {index!r} where the "
                                          f"SDK puts it at {len(self.blocks)}")
             self.blocks[len(self.blocks)] = block
+            kind = _kind(block)
+            if kind not in _PROSE:
+                self.calls_begun += 1
+            if kind in _ANTHROPIC_CALLS and block.get("id"):
+                self.shown.append(str(block["id"]))
         elif kind == "content_block_delta":
             block = self.blocks.setdefault(data.get("index", 0), {"type": "text", "_json": []})
             delta = data.get("delta") or {}
             if delta.get("type") == "input_json_delta":
                 _piece(block["_json"], delta.get("partial_json"), "partial_json",
                        self.unclassified)
-            elif delta.get("type") == "text_delta":
-                block["text"] = block.get("text", "") + delta.get("text", "")
+            elif delta.get("type") == "text_delta":    # joined once by `turn`
+                _piece(block.setdefault("_text", []), delta.get("text"), "text_delta.text",
+                       self.unclassified)
 
-    def call_ids(self) -> list[str]:
-        return [str(b["id"]) for b in self.blocks.values()
-                if _kind(b) in _ANTHROPIC_CALLS and b.get("id")]
+    def new_call_ids(self) -> list[str]:
+        shown, self.shown = self.shown, []
+        return shown
 
     def is_terminal(self, event: ServerSentEvent) -> bool:
         return event.event == "message_stop"
@@ -687,7 +768,9 @@ class _MessagesAssembler:
     def turn(self) -> Turn:
         blocks = []
         for _, started in sorted(self.blocks.items()):
-            block = {k: v for k, v in started.items() if k != "_json"}
+            block = {k: v for k, v in started.items() if k not in ("_json", "_text")}
+            if "_text" in started:
+                block["text"] = block.get("text", "") + "".join(started["_text"])
             raw = "".join(started["_json"])
             if raw and _kind(block) in _ANTHROPIC_CALLS:
                 block["input"] = raw

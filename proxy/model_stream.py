@@ -1,7 +1,9 @@
 """Streamed model answers: the SSE byte stream cut into whole events, each fed to the dialect's
 `Assembler` and relayed at once (events that arrived in one read leave in one write, the
 stream's first at once), the terminator and everything after it held until the assembled turn's
-entries are checked, then written, or replaced by the provider's stream error."""
+entries are checked, then written, or replaced by the provider's stream error. With model
+traffic alone, the event that completes a tool call is held too. An event stepguard cannot read
+as the SDKs do, or a turn past its bounds, ends the turn (`_cut`)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from stepguard.metrics.observer import Observer
 from stepguard.proxy.bodies import is_json_type
 from stepguard.proxy.boundaries import Boundaries
 from stepguard.proxy.config import Settings
+from stepguard.proxy.correlation import MODEL_KINDS
 from stepguard.proxy.forward import (
     HOP_BY_HOP,
     ClientEnd,
@@ -40,11 +43,19 @@ from stepguard.proxy.model_exchange import (
     parsed,
     upstream_failed,
 )
-from stepguard.proxy.sse import EventTooLarge, SSESplitter, decode_event
+from stepguard.proxy.sse import EventTooLarge, EventUnreadable, SSESplitter, decode_event
 
 # while a tool call of the turn is held for an operator, the stream gets this comment now and
 # then (SDKs skip SSE comments; proxies and read timeouts see the stream alive)
 HELD_COMMENT = b": stepguard: a tool call is held for an operator's approval\n\n"
+
+
+class TurnCut(Exception):
+    """stepguard ends the turn itself: `reason` is a `stepguard_stream_turns_cut` label."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
 
 
 class ModelStream:
@@ -119,7 +130,7 @@ class ModelStream:
     async def _relay_events(self, ex: Exchange, resp: H1Response,
                             out: web.StreamResponse) -> None:
         """Relay each event as it completes, hold the terminator, check the assembled turn."""
-        splitter = SSESplitter(self.settings.max_response_bytes)
+        splitter = SSESplitter(self.settings.max_response_bytes, strict=True)
         assembler = ex.dialect.assembler()
         stored = asyncio.Event()
         shown: list[str] = []
@@ -134,29 +145,53 @@ class ModelStream:
                           splitter: SSESplitter, assembler: Any, stored: asyncio.Event,
                           shown: list[str]) -> None:
         held: list[bytes] = []
+        ended = False       # the terminator was read
+        # tools that run only inside the agent (no HTTP or MCP upstream: stepguard sees model
+        # traffic alone): an event that completes a tool call is held, with all that follows,
+        # so nothing complete reaches the agent before it is checked
+        hold_calls = all(u.kind in MODEL_KINDS for u in ex.contract.upstreams.values())
         streaming_since = time.perf_counter()
         first = True
+        received = 0
+        max_bytes, max_calls = self.settings.max_stream_bytes, self.settings.max_turn_calls
+
+        def feed(event: Any) -> None:
+            parsed(ex, lambda: assembler.feed(event))
+            if assembler.calls_begun > max_calls:
+                raise TurnCut("too_many_calls", f"the turn began more than {max_calls} tool "
+                                                "calls (--max-turn-calls)")
+
         try:
             async for chunk in read_chunks(resp, ex.request, ex.route.upstream.timeout_s):
+                received += len(chunk)
+                if received > max_bytes:     # a turn's memory is bounded, however it streams
+                    raise TurnCut("too_large", f"the turn passed {max_bytes} bytes "
+                                               "(--max-stream-bytes)")
                 relayed: list[bytes] = []    # the events that arrived together leave together
                 try:
                     for raw, event in splitter.events(chunk):
-                        if held or (event is not None and assembler.is_terminal(event)):
+                        terminal = (not ended and event is not None
+                                    and assembler.is_terminal(event))
+                        ended = ended or terminal
+                        if held or terminal:
                             # held, and read: the terminator (a Responses final output) and
                             # whatever follows it (an SDK reads on to the stream's end) are
                             # part of the turn the agent gets
                             held.append(raw)
                             if event is not None:
-                                parsed(ex, lambda: assembler.feed(event))  # noqa: B023
+                                feed(event)
                             continue
                         if event is not None:
-                            parsed(ex, lambda: assembler.feed(event))  # noqa: B023
-                            for call_id in assembler.call_ids():
+                            feed(event)
+                            for call_id in assembler.new_call_ids():
                                 if self.shown.show(call_id, stored):
                                     if not shown:   # its executions may come before its end
                                         self.boundaries.pending.streaming(
                                             ex.contract.workflow, stored)
                                     shown.append(call_id)
+                            if hold_calls and assembler.completing:
+                                held.append(raw)
+                                continue
                         if first:       # the first byte leaves at once (time to first byte)
                             first = False
                             await client.write(raw)
@@ -165,6 +200,10 @@ class ModelStream:
                 finally:        # events before one that failed are still relayed, in order
                     if relayed:
                         await client.write(b"".join(relayed))
+        except (EventUnreadable, TurnCut) as exc:
+            ex.timing.upstream(streaming_since)
+            await self._cut(ex, client, shown, exc)
+            return
         except (UpstreamConnectionError, TimeoutError, EventTooLarge) as exc:
             ex.timing.upstream(streaming_since)
             why = (f"no event for {ex.route.upstream.timeout_s:g} s"
@@ -182,19 +221,24 @@ class ModelStream:
             return
         ex.timing.upstream(streaming_since)
         rest = splitter.rest()
-        last = decode_event(rest) if rest else None
-        if last is not None and (held or assembler.is_terminal(last)):
-            held.append(rest)      # an event the upstream did not end with a blank line
-            try:
-                parsed(ex, lambda: assembler.feed(last))
-            except Stop as stop:
-                await self._failed(ex, shown)
-                await self._stopped(ex, client, stop)
-                await client.close()
-                return
-        elif rest and held:
-            held.append(rest)
-        if not held or assembler.failure is not None:
+        try:
+            last = decode_event(rest, strict=True) if rest else None
+            terminal = not ended and last is not None and assembler.is_terminal(last)
+            ended = ended or terminal
+            if last is not None and (held or terminal):
+                held.append(rest)      # an event the upstream did not end with a blank line
+                feed(last)
+            elif rest and held:
+                held.append(rest)
+        except (EventUnreadable, TurnCut) as exc:
+            await self._cut(ex, client, shown, exc)
+            return
+        except Stop as stop:
+            await self._failed(ex, shown)
+            await self._stopped(ex, client, stop)
+            await client.close()
+            return
+        if not ended or assembler.failure is not None:
             await self._turn_failed(ex, client, assembler.failure, shown)
             return
         try:
@@ -216,6 +260,20 @@ class ModelStream:
         else:
             for raw in held:
                 await client.write(raw)
+        await client.close()
+
+    async def _cut(self, ex: Exchange, client: ClientEnd, shown: list[str],
+                   exc: EventUnreadable | TurnCut) -> None:
+        """stepguard ends the turn itself (an event it cannot read as the SDKs read it, a turn
+        past its bounds): like an upstream failure, nothing of it is checked or stored, its
+        shown calls are refused later, and the client gets the provider's stream error."""
+        reason = exc.reason if isinstance(exc, TurnCut) else "unreadable"
+        self.observer.stream_cut(ex.route.upstream.name, ex.contract.workflow, ex.run_id,
+                                 reason, str(exc))
+        await self._failed(ex, shown)
+        await client.write(ex.dialect.stream_error(
+            f"stepguard: the model's turn was ended: {exc}; nothing in it was checked or "
+            "recorded", {"check": "upstream", "reason": reason}))
         await client.close()
 
     async def _failed(self, ex: Exchange, shown: list[str]) -> None:

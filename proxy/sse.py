@@ -11,7 +11,7 @@ import orjson
 from httpx_sse import ServerSentEvent
 from httpx_sse._decoders import SSEDecoder, SSELineDecoder
 
-from stepguard.proxy.bodies import BodyError, check_depth
+from stepguard.proxy.bodies import BodyError, check_depth, inexact_integer
 
 # an event ends at a blank line: a line terminator (CRLF, LF or a lone CR) right after another,
 # in any mix (`\n\r\n` and `\r\n\r` included); a CR followed by LF is one terminator, never two
@@ -50,13 +50,59 @@ def event_json(data: str, max_depth: int | None = None) -> dict[str, Any]:
     return value
 
 
-def decode_event(raw: bytes) -> ServerSentEvent | None:
+class EventUnreadable(Exception):
+    """A model's event that stepguard cannot read the way the provider SDKs read it: the
+    openai and anthropic SDKs parse every event's data with `json.loads`, which reads NaN,
+    Infinity, numbers past the double range and lone surrogate escapes that orjson refuses, and
+    reads integers past 64 bits exactly where orjson makes them floats. Such an event may carry
+    a tool call the agent gets and stepguard never sees: the turn is ended (fail closed).
+    Not a ValueError, so a dialect's reading (`parsed`) does not take it for a bad shape."""
+
+
+# a run of 19 digits: the shortest integer that can leave the range orjson reads exactly
+_LONG_RUN = re.compile(r"\d{19}")
+
+
+def model_event(data: str, what: str = "a server-sent event's data") -> dict[str, Any]:
+    """A model stream event's data as a JSON object, read as the SDKs read it or not at all:
+    {} for no data, the `[DONE]` terminator or JSON that is not an object; EventUnreadable for
+    data orjson refuses or reads otherwise than `json.loads` (`EventUnreadable`); EventTooDeep
+    past orjson's own depth limit."""
+    if not data or data.startswith("[DONE]"):
+        return {}
+    try:
+        value = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        if str(exc).startswith("depth limit exceeded"):
+            raise EventTooDeep(f"{what} nests JSON arrays and objects deeper than the JSON "
+                               "parser reads") from None
+        raise EventUnreadable(
+            f"{what} is not JSON stepguard can read ({exc}); the SDKs' json.loads may still "
+            "read it (NaN, Infinity, a lone surrogate escape), into tool calls stepguard "
+            "would never see") from None
+    if _LONG_RUN.search(data) is not None:
+        inexact = inexact_integer(data.encode())
+        if inexact is not None:
+            raise EventUnreadable(
+                f"{what} holds the integer {inexact[:40]!r}, which the SDKs' json.loads reads "
+                "exactly and stepguard only as a 64-bit float")
+    return value if type(value) is dict else {}
+
+
+def decode_event(raw: bytes, strict: bool = False) -> ServerSentEvent | None:
     """The event in `raw` (one event's bytes, its blank line included or not). The first event
     the decoder dispatches is the one: a decoder keeps the last event id across events (as the
-    spec says), so a further blank line would dispatch a second, empty event with that id."""
+    spec says), so a further blank line would dispatch a second, empty event with that id.
+    Bytes that are not UTF-8 are replaced, or with `strict` raise EventUnreadable (the SDKs
+    decode every line strictly: such an event is one they never read as stepguard does)."""
+    try:
+        text = raw.decode("utf-8", "strict" if strict else "replace")
+    except UnicodeDecodeError as exc:
+        raise EventUnreadable(f"a server-sent event is not UTF-8 (byte {exc.start} of the "
+                              "event); the SDKs cannot read it as stepguard would") from None
     decoder = SSEDecoder()
     lines = SSELineDecoder()
-    for line in [*lines.decode(raw.decode("utf-8", "replace")), *lines.flush(), ""]:
+    for line in [*lines.decode(text), *lines.flush(), ""]:
         event = decoder.decode(line)
         if event is not None:
             return event
@@ -74,9 +120,10 @@ class SSESplitter:
     event that grows past `limit` without ending raises EventTooLarge: an upstream cannot make
     stepguard buffer without bound."""
 
-    def __init__(self, limit: int = 10 * 1024 * 1024) -> None:
+    def __init__(self, limit: int = 10 * 1024 * 1024, strict: bool = False) -> None:
         self._buffer = b""
         self._limit = limit
+        self._strict = strict      # an event that is not UTF-8 raises EventUnreadable
 
     def feed(self, chunk: bytes) -> list[tuple[bytes, ServerSentEvent | None]]:
         return list(self.events(chunk))
@@ -91,7 +138,7 @@ class SSESplitter:
         # the next event's bytes, where a decoder reads it as an empty line
         while (m := _BOUNDARY.search(self._buffer, scan_from)) is not None:
             raw, self._buffer = self._buffer[:m.end()], self._buffer[m.end():]
-            yield raw, decode_event(raw)
+            yield raw, decode_event(raw, self._strict)
             scan_from = 0
         if len(self._buffer) > self._limit:
             raise EventTooLarge(self._limit)

@@ -336,10 +336,14 @@ async def test_a_tool_result_sent_before_the_stream_ends_is_checked_in_the_same_
         await out.prepare(request)
         call = {"index": 0, "id": "call_1", "type": "function",
                 "function": {"name": "lookup", "arguments": '{"order_id": "o1"}'}}
+        # the call's arguments are whole at once, but its finish reason comes later: with
+        # model traffic alone the event that completes a call is held (docs/guides/model.md)
         await out.write(sse({"id": "c1", "object": "chat.completion.chunk", "choices": [
             {"index": 0, "delta": {"role": "assistant", "tool_calls": [call]},
-             "finish_reason": "tool_calls"}]}))
-        await release.wait()           # the usage chunk and the terminator come later
+             "finish_reason": None}]}))
+        await release.wait()           # the finish, usage chunk and terminator come later
+        await out.write(sse({"id": "c1", "object": "chat.completion.chunk", "choices": [
+            {"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}))
         await out.write(sse({"id": "c1", "object": "chat.completion.chunk", "choices": [],
                              "usage": {"total_tokens": 5}}))
         await out.write(sse(b"[DONE]"))

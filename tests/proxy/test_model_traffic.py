@@ -358,7 +358,13 @@ async def test_a_violating_stream_ends_with_an_error_event_in_place_of_its_termi
 
     assert resp.status_code == 200          # the stream had started: the verdict comes in-band
     sent = _EVENTS[api](turn, first_request(api, stream=True), 1, 4)
-    assert _kinds(events[:-1]) == _kinds(sent[:-1])   # everything but the terminator went through
+    # the contract's tools run inside the agent: what went through is everything before the
+    # event that completes the call (a finish reason, the call's arguments done, its block's
+    # stop); that event and all after it were held, and replaced
+    completing = next(i for i, (name, data) in enumerate(sent) if isinstance(data, dict) and (
+        any(c.get("finish_reason") for c in data.get("choices") or [])
+        or name in ("response.function_call_arguments.done", "content_block_stop")))
+    assert _kinds(events[:-1]) == _kinds(sent[:completing])
     name, error = events[-1]
     assert name == (None if api == "chat" else "error")
     body = error["error"]

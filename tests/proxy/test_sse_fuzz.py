@@ -31,7 +31,7 @@ from openai.types.responses import ResponseStreamEvent
 
 from stepguard.proxy.model_dialects import ChatCompletions, Dialect, Messages, Responses, Turn
 from stepguard.proxy.model_exchange import Stop, parsed
-from stepguard.proxy.sse import EventTooLarge, SSESplitter
+from stepguard.proxy.sse import EventTooLarge, EventUnreadable, SSESplitter
 
 pytestmark = pytest.mark.fuzz
 
@@ -45,7 +45,7 @@ def relay(dialect: Dialect, chunks: list[bytes], limit: int = 1 << 20) -> Turn |
     follows it included, the call ids shown collected in a set, the turn assembled. None: no
     terminator."""
     ex: Any = SimpleNamespace(dialect=dialect)
-    splitter = SSESplitter(limit)
+    splitter = SSESplitter(limit, strict=True)
     assembler = dialect.assembler()
     held = False
     for chunk in chunks:
@@ -54,7 +54,7 @@ def relay(dialect: Dialect, chunks: list[bytes], limit: int = 1 << 20) -> Turn |
                 held = True
             if event is not None:     # held or not, every event is read
                 parsed(ex, lambda e=event: assembler.feed(e))
-                shown = set(assembler.call_ids())     # the relay keys a dict by them
+                shown = set(assembler.new_call_ids())     # the relay keys a dict by them
                 assert all(isinstance(i, str) for i in shown)
     if not held:
         return None
@@ -171,8 +171,8 @@ DIALECTS: list[Dialect] = [ChatCompletions(), Responses(), Messages()]
 
 
 def survives(dialect: Dialect, chunks: list[bytes]) -> None:
-    # the relay answers both with the dialect's stream error: a clean refusal
-    with contextlib.suppress(Stop, EventTooLarge):
+    # the relay answers all three with the dialect's stream error: a clean refusal
+    with contextlib.suppress(Stop, EventTooLarge, EventUnreadable):
         relay(dialect, chunks, limit=4096)
 
 
