@@ -523,3 +523,113 @@ def test_a_remainder_goes_one_apiece_to_the_first_workers() -> None:
     many = worker_limits(Settings(max_connections=64, max_holds=64,
                                   max_request_bytes=1, max_inflight_body_bytes=64), 64)
     assert {limits.admin_connections for limits in many} == {1}
+
+
+ENTRY_PASS = ('stepguard_boundary_checks_total', (
+    ("boundary", "entry"), ("contract_version", "1"), ("step", "lookup_order"),
+    ("traffic", "http"), ("verdict", "pass"), ("workflow", "order-confirmation")))
+ADDED_COUNT = ("stepguard_added_seconds_count", (("traffic", "http"),))
+
+
+@pytest.mark.timeout(150)
+async def test_metrics_keep_the_counts_of_a_worker_killed_with_sigkill(
+        tmp_path: Path, tools_url: str) -> None:
+    async with serving(tmp_path, write_example_contract(tmp_path / "c.yaml", tools_url)) as served:
+        assert await _calls(served, "counted", 40) == [200] * 40
+        for pid in served.pids:             # both workers die, one after the other, unwarned
+            os.kill(pid, signal.SIGKILL)
+            await served.until(lambda pid=pid: any(line["pid"] == pid                 # type: ignore[misc]
+                                                   for line in served.events("worker_exited")))
+        await served.until(lambda: _get_ready(served))
+        status, body = await _get(f"http://{served.admin}/metrics")   # the replacements answer
+        samples = _samples(body.decode())
+    assert status == 200
+    assert (samples[ENTRY_PASS], samples[ADDED_COUNT]) == (40, 40)
+
+
+# --- the contracts in force: what a restarted worker serves -----------------------------------
+
+
+async def _versions(served: Served, probes: int = 30) -> list[str]:
+    """The contract version each of `probes` /readyz answers reports, each on a connection of
+    its own (so SO_REUSEPORT spreads them over the workers)."""
+    seen = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as http:
+        for _ in range(probes):
+            async with http.get(f"http://{served.admin}/readyz") as reply:
+                assert reply.status == 200, await reply.text()
+                [contract] = (await reply.json())["contracts"]
+                seen.append(contract["contract_version"])
+    return seen
+
+
+def _break(path: str) -> None:
+    """Leave the contract file at `path` unparseable (an edit half done)."""
+    Path(path).write_text("workflow: [unclosed\n")
+
+
+async def _replaced(served: Served, victim: int) -> None:
+    """Kill worker `victim` (a pid) with SIGKILL; return once its replacement serves and the
+    serve is ready again."""
+    os.kill(victim, signal.SIGKILL)
+    index = served.pids.index(victim)
+    await served.until(lambda: any(line["pid"] != victim and line["worker"] == index
+                                   for line in served.events("worker_started")))
+    await served.until(lambda: _get_ready(served))
+
+
+@pytest.mark.timeout(150)
+async def test_a_restarted_worker_serves_the_contract_in_force_not_the_file_edited_since(
+        tmp_path: Path, tools_url: str) -> None:
+    path = write_example_contract(tmp_path / "c.yaml", tools_url)
+    async with serving(tmp_path, path) as served:
+        write_example_contract(tmp_path / "c.yaml", tools_url, contract_version=2)  # no reload
+        await _replaced(served, served.pids[0])
+        before_reload = await _versions(served)
+        os.kill(served.proc.pid, signal.SIGHUP)
+        await served.until(lambda: {line["worker"] for line in
+                                    served.events("contracts_reloaded")} == {0, 1})
+        after_reload = await _versions(served)
+    assert before_reload == ["1"] * 30
+    assert after_reload == ["2"] * 30
+
+
+@pytest.mark.timeout(150)
+async def test_a_broken_file_on_disk_does_not_keep_a_killed_worker_down(
+        tmp_path: Path, tools_url: str) -> None:
+    path = write_example_contract(tmp_path / "c.yaml", tools_url)
+    async with serving(tmp_path, path) as served:
+        _break(path)
+        await _replaced(served, served.pids[1])
+        statuses = await _calls(served, "back", 20)
+        versions = await _versions(served)
+        exits = served.events("worker_exited")
+    assert statuses == [200] * 20
+    assert versions == ["1"] * 30
+    assert [line["exit"] for line in exits] == ["killed by SIGKILL"]     # once, not again
+
+
+@pytest.mark.timeout(150)
+async def test_a_reload_of_a_broken_file_is_refused_once_and_the_contract_stays_in_force(
+        tmp_path: Path, tools_url: str) -> None:
+    path = write_example_contract(tmp_path / "c.yaml", tools_url)
+    async with serving(tmp_path, path) as served:
+        _break(path)
+        os.kill(served.proc.pid, signal.SIGHUP)
+        await served.until(lambda: bool(served.events("contract_reload_failed")))
+        await _replaced(served, served.pids[0])       # a restart after it: still version 1
+        versions = await _versions(served)
+        _, body = await _get(f"http://{served.admin}/metrics")
+        samples = _samples(body.decode())
+        write_example_contract(tmp_path / "c.yaml", tools_url, contract_version=2)
+        os.kill(served.proc.pid, signal.SIGHUP)       # the file fixed: the reload goes through
+        await served.until(lambda: len({line["worker"] for line in
+                                         served.events("contracts_reloaded")}) == 2)
+        fixed = await _versions(served)
+    [refused] = served.events("contract_reload_failed")     # by the supervisor, for the serve
+    assert "worker" not in refused and refused["kept"] == ["order-confirmation v1"]
+    assert any("c.yaml" in error for error in refused["errors"]), refused
+    assert versions == ["1"] * 30
+    assert samples[("stepguard_contract_reload_failures_total", ())] == 1
+    assert samples[("stepguard_contract_loads_total", (("result", "error"),))] == 1
+    assert fixed == ["2"] * 30
