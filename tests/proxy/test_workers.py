@@ -547,6 +547,70 @@ async def test_metrics_keep_the_counts_of_a_worker_killed_with_sigkill(
     assert (samples[ENTRY_PASS], samples[ADDED_COUNT]) == (40, 40)
 
 
+def _counted(arrived: list[float]) -> web.Application:
+    """The example's tools, noting each request's arrival."""
+    @web.middleware
+    async def note(request: web.Request, handler: Any) -> web.StreamResponse:
+        arrived.append(time.monotonic())
+        return await handler(request)   # type: ignore[no-any-return]
+
+    app = tools.create_app()
+    app.middlewares.append(note)
+    return app
+
+
+@pytest.mark.timeout(150)
+async def test_a_sigkill_under_load_loses_the_count_of_no_answered_call(
+        tmp_path: Path, aiohttp_server: Any) -> None:
+    arrived: list[float] = []
+    upstream = await aiohttp_server(_counted(arrived))
+    url = str(upstream.make_url("")).rstrip("/")
+    clients, answered, cut = 16, 0, 0
+    stop = asyncio.Event()
+
+    async def client(i: int) -> None:
+        nonlocal answered, cut
+        n = 0
+        while not stop.is_set():
+            async with aiohttp.ClientSession() as http:     # keep-alive until a call is cut
+                try:
+                    while not stop.is_set():
+                        n += 1
+                        async with http.post(f"http://{served.proxy}/tools/lookup_order",
+                                             json=CALL,
+                                             headers={"x-stepguard-run": f"load{i}-{n}"}) as reply:
+                            await reply.read()
+                            assert reply.status == 200
+                            answered += 1
+                except aiohttp.ClientError:     # in flight on the killed worker: no answer
+                    cut += 1
+
+    async with serving(tmp_path, write_example_contract(tmp_path / "c.yaml", url)) as served:
+        load = [asyncio.ensure_future(client(i)) for i in range(clients)]
+        await served.until(lambda: answered >= 300)
+        os.kill(served.pids[0], signal.SIGKILL)
+        await served.until(lambda: bool(served.events("worker_exited")))
+        after_kill = answered
+        await served.until(lambda: answered >= after_kill + 300)
+        stop.set()
+        await asyncio.gather(*load)
+        await served.until(lambda: _get_ready(served))
+        _, body = await _get(f"http://{served.admin}/metrics")
+        samples = _samples(body.decode())
+    entry, exit_ = samples[ENTRY_PASS], samples[(ENTRY_PASS[0], tuple(
+        ("boundary", "exit") if name == "boundary" else (name, value)
+        for name, value in ENTRY_PASS[1]))]
+    forwarded = samples[("stepguard_upstream_requests_total", (
+        ("status_class", "2xx"), ("upstream", "tools"), ("workflow", "order-confirmation")))]
+    # every answered call is counted, entry, exit and added time; a call cut short by the kill
+    # (at most one per client: each has one call in flight) may be counted at its entry only,
+    # or at its upstream's answer, or (killed between its count and its answer) counted whole
+    assert cut <= clients
+    assert answered <= exit_ <= entry <= answered + cut
+    assert answered <= samples[ADDED_COUNT] <= answered + cut
+    assert answered <= forwarded <= len(arrived) <= answered + cut
+
+
 # --- the contracts in force: what a restarted worker serves -----------------------------------
 
 
