@@ -627,9 +627,13 @@ async def _versions(served: Served, probes: int = 30) -> list[str]:
     return seen
 
 
-def _break(path: str) -> None:
-    """Leave the contract file at `path` unparseable (an edit half done)."""
-    Path(path).write_text("workflow: [unclosed\n")
+UNPARSEABLE = "workflow: [unclosed\n"     # an edit half done
+TOO_DEEP = "workflow: " + "[" * 100_000   # deeper than the parser recurses
+
+
+def _break(path: str, text: str = UNPARSEABLE) -> None:
+    """Leave the contract file at `path` broken."""
+    Path(path).write_text(text)
 
 
 async def _replaced(served: Served, victim: int) -> None:
@@ -659,11 +663,13 @@ async def test_a_restarted_worker_serves_the_contract_in_force_not_the_file_edit
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.parametrize("which", ["contract", "shadow"])
 async def test_a_broken_file_on_disk_does_not_keep_a_killed_worker_down(
-        tmp_path: Path, tools_url: str) -> None:
+        tmp_path: Path, tools_url: str, which: str) -> None:
     path = write_example_contract(tmp_path / "c.yaml", tools_url)
-    async with serving(tmp_path, path) as served:
-        _break(path)
+    shadow = write_example_contract(tmp_path / "s.yaml", tools_url, contract_version=3)
+    async with serving(tmp_path, path, "--shadow", shadow) as served:
+        _break(path if which == "contract" else shadow)
         await _replaced(served, served.pids[1])
         statuses = await _calls(served, "back", 20)
         versions = await _versions(served)
@@ -674,11 +680,12 @@ async def test_a_broken_file_on_disk_does_not_keep_a_killed_worker_down(
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.parametrize("broken", [UNPARSEABLE, TOO_DEEP], ids=["unparseable", "too deep"])
 async def test_a_reload_of_a_broken_file_is_refused_once_and_the_contract_stays_in_force(
-        tmp_path: Path, tools_url: str) -> None:
+        tmp_path: Path, tools_url: str, broken: str) -> None:
     path = write_example_contract(tmp_path / "c.yaml", tools_url)
     async with serving(tmp_path, path) as served:
-        _break(path)
+        _break(path, broken)
         os.kill(served.proc.pid, signal.SIGHUP)
         await served.until(lambda: bool(served.events("contract_reload_failed")))
         await _replaced(served, served.pids[0])       # a restart after it: still version 1
@@ -697,3 +704,28 @@ async def test_a_reload_of_a_broken_file_is_refused_once_and_the_contract_stays_
     assert samples[("stepguard_contract_reload_failures_total", ())] == 1
     assert samples[("stepguard_contract_loads_total", (("result", "error"),))] == 1
     assert fixed == ["2"] * 30
+
+
+def test_the_contracts_in_force_compile_from_the_bytes_read_not_the_file_now(
+        tmp_path: Path) -> None:
+    from stepguard.proxy.worker_link import InForce
+
+    path = write_example_contract(tmp_path / "c.yaml", "http://127.0.0.1:9")
+    held = InForce.read([path], [])
+    held.write(tmp_path / "in-force.json")
+    write_example_contract(tmp_path / "c.yaml", "http://127.0.0.1:9", contract_version=2)
+    [contract], shadows = InForce.load(tmp_path / "in-force.json").compile({}, {})
+    assert (contract.version, contract.source, shadows) == ("1", path, [])
+
+
+def test_a_contract_file_that_cannot_be_read_is_named(tmp_path: Path) -> None:
+    from stepguard.contracts.errors import ContractError
+    from stepguard.proxy.worker_link import InForce
+
+    with pytest.raises(ContractError) as missing:
+        InForce.read([str(tmp_path / "gone.yaml")], [])
+    with pytest.raises(ContractError) as no_supervisor:
+        InForce.load(tmp_path / "contracts-in-force.json")
+    assert [i.file for i in missing.value.issues] == [str(tmp_path / "gone.yaml")]
+    assert "cannot read" in str(missing.value.issues[0])
+    assert "cannot read the contracts in force" in str(no_supervisor.value.issues[0])
