@@ -333,9 +333,12 @@ class Supervisor:
             in_force = InForce.read(settings.contracts, settings.shadow)
             contracts, shadows = in_force.compile(settings.vars, settings.upstreams)
             shadowed(contracts, shadows)
-        except ContractError as exc:
+        except Exception as exc:    # no file, however broken, ends the serve
+            errors = [str(i) for i in exc.issues] if isinstance(exc, ContractError) else \
+                [f"{', '.join([*settings.contracts, *settings.shadow])}: cannot be compiled: "
+                 f"{type(exc).__name__}: {exc}"]     # a nesting too deep for the parser, say
             self.counts.reload_refused()
-            self.log.error("contract_reload_failed", errors=[str(i) for i in exc.issues],
+            self.log.error("contract_reload_failed", errors=errors,
                            kept=[f"{c.workflow} v{c.version}" for c in self.contracts])
             return False
         in_force.write(self.metrics_dir / IN_FORCE)
