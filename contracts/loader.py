@@ -67,16 +67,20 @@ def load_contract(path: str | Path, vars: Mapping[str, Override] = _NO_OVERRIDES
 
 def load_contracts(paths: Iterable[str | Path],
                    vars: Mapping[str, Override] = _NO_OVERRIDES,
-                   upstreams: Mapping[str, Override] = _NO_OVERRIDES) -> list[Contract]:
+                   upstreams: Mapping[str, Override] = _NO_OVERRIDES,
+                   texts: Mapping[str, bytes] | None = None) -> list[Contract]:
     """Every file, compiled with `vars` overriding the values of the vars they declare and
     `upstreams` the URLs of the upstreams they declare (set at start: `--var`,
     STEPGUARD_VAR_*, `--upstream`, STEPGUARD_UPSTREAM_*). An override that names nothing
-    declared is an issue, and so is an upstream override naming upstreams of two contracts."""
+    declared is an issue, and so is an upstream override naming upstreams of two contracts.
+    `texts`: each path's bytes, read before (the contracts a serve's supervisor holds in force,
+    proxy/worker_link.py), compiled instead of the file as it is now."""
     contracts, issues = [], []
     paths = list(paths)
     for path in paths:
         try:
-            contracts.append(load_contract(path, vars, upstreams))
+            contracts.append(load_contract(path, vars, upstreams) if texts is None else
+                             parse_contract(texts[str(path)], str(path), vars, upstreams))
         except ContractError as exc:
             issues.extend(exc.issues)
     issues.extend(_cross_contract_issues(contracts))

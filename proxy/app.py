@@ -40,7 +40,7 @@ from stepguard.proxy.listener import Gate, GuardedRunner, raise_fd_limit
 from stepguard.proxy.mcp_adapter import McpAdapter
 from stepguard.proxy.model_adapter import ModelAdapter
 from stepguard.proxy.routing import Router
-from stepguard.proxy.worker_link import WorkerLink
+from stepguard.proxy.worker_link import InForce, WorkerLink
 
 # how old the run counts a scrape reports may be (docs/operations.md, "Metrics")
 RUN_COUNTS_MAX_AGE_S = 5.0
@@ -280,15 +280,23 @@ async def _readyz(request: web.Request) -> web.Response:
 
 
 async def reload_contracts(sg: Stepguard, paths: list[str]) -> bool:
-    """Load the contract files again (SIGHUP); on any error keep the contracts in force."""
+    """Load the contract files again (SIGHUP); on any error keep the contracts in force. A
+    worker of several loads what its supervisor holds in force (proxy/worker_link.py), which
+    the supervisor moved forward only if it compiled, not the files."""
     log = get_logger("stepguard")
     try:
         # the overrides given at start (--var, --upstream, STEPGUARD_VAR_*,
         # STEPGUARD_UPSTREAM_*) apply to the new files too
-        contracts = await asyncio.to_thread(load_contracts, paths, sg.settings.vars,
-                                            sg.settings.upstreams)
-        shadows = await asyncio.to_thread(load_contracts, sg.settings.shadow, sg.settings.vars,
-                                          sg.settings.upstreams) if sg.settings.shadow else []
+        if sg.worker is not None:
+            in_force = await asyncio.to_thread(InForce.load, sg.worker.in_force)
+            contracts, shadows = await asyncio.to_thread(in_force.compile, sg.settings.vars,
+                                                         sg.settings.upstreams)
+        else:
+            contracts = await asyncio.to_thread(load_contracts, paths, sg.settings.vars,
+                                                sg.settings.upstreams)
+            shadows = await asyncio.to_thread(load_contracts, sg.settings.shadow,
+                                              sg.settings.vars, sg.settings.upstreams) \
+                if sg.settings.shadow else []
         shadowed(contracts, shadows)
     except ContractError as exc:
         sg.metrics.contract_reload_failures.inc()

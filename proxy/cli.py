@@ -344,16 +344,6 @@ def _serve_configured(args: argparse.Namespace, settings: Settings) -> int:
         print("stepguard serve: no contract given (--contract FILE or STEPGUARD_CONTRACTS)",
               file=sys.stderr)
         return 2
-    try:
-        contracts = load_contracts(settings.contracts, settings.vars, settings.upstreams)
-        shadows = load_contracts(settings.shadow, settings.vars, settings.upstreams) \
-            if settings.shadow else []
-        shadowed(contracts, shadows)
-    except ContractError as exc:
-        print(f"stepguard serve: {len(exc.issues)} contract error(s):", file=sys.stderr)
-        for issue in exc.issues:
-            print(f"  {issue}", file=sys.stderr)
-        return 2
     worker = None
     if args.worker_link is not None:
         from stepguard.proxy.worker_link import WorkerLink
@@ -362,6 +352,25 @@ def _serve_configured(args: argparse.Namespace, settings: Settings) -> int:
         except ValueError as exc:
             print(f"stepguard serve: {exc}", file=sys.stderr)
             return 2
+    in_force = None
+    try:
+        if worker is not None or settings.workers > 1:
+            # several workers: the supervisor reads the files once and holds their bytes in
+            # force; a worker compiles those, never the files as they are now
+            from stepguard.proxy.worker_link import InForce
+            in_force = InForce.load(worker.in_force) if worker is not None else \
+                InForce.read(settings.contracts, settings.shadow)
+            contracts, shadows = in_force.compile(settings.vars, settings.upstreams)
+        else:
+            contracts = load_contracts(settings.contracts, settings.vars, settings.upstreams)
+            shadows = load_contracts(settings.shadow, settings.vars, settings.upstreams) \
+                if settings.shadow else []
+        shadowed(contracts, shadows)
+    except ContractError as exc:
+        print(f"stepguard serve: {len(exc.issues)} contract error(s):", file=sys.stderr)
+        for issue in exc.issues:
+            print(f"  {issue}", file=sys.stderr)
+        return 2
     from stepguard.metrics.tracing import TracingError, check_env, from_env, requested
     try:     # OTEL_*: off unless asked for; asked for but not possible as asked, no start
         if worker is None and settings.workers > 1:
@@ -376,7 +385,8 @@ def _serve_configured(args: argparse.Namespace, settings: Settings) -> int:
             except ConfigError as exc:
                 print(f"stepguard serve: {exc}", file=sys.stderr)
                 return 2
-            return supervise(settings, contracts, shadows, args.argv)
+            assert in_force is not None
+            return supervise(settings, in_force, contracts, shadows, args.argv)
         tracing = from_env()
     except TracingError as exc:
         print(f"stepguard serve: {exc}", file=sys.stderr)

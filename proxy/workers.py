@@ -12,9 +12,14 @@ The supervisor (this module; it serves no traffic and runs no event loop):
    the workers; removed at exit) and calls `mark_process_dead` for every worker that exits;
 4. logs `started` (the same fields as a single process's, with `workers` and their `pids`)
    once every worker serves, and keeps `workers-ready` in that directory while they all do;
-5. forwards SIGHUP (reload) and SIGTERM/SIGINT (drain) to every worker; a worker still starting
-   gets its SIGHUP once it serves. After the drain it truncates the WAL (`checkpoint_store`)
-   and exits 0, or 1 if a worker did not stop cleanly;
+5. holds the contracts in force as the bytes of their files (`InForce`, read at start) in that
+   directory, and every worker, a restarted one too, compiles those, never the files as they
+   are now. On SIGHUP it reads and compiles the files itself: if they compile, they are in force
+   from then on and it forwards SIGHUP to every worker (one still starting gets it once it
+   serves); if not, it logs `contract_reload_failed`, counts it (`_Counts`) and the workers keep
+   the contracts in force. SIGTERM/SIGINT (drain) are forwarded to every worker; after the
+   drain it truncates the WAL (`checkpoint_store`) and exits 0, or 1 if a worker did not stop
+   cleanly;
 6. starts a worker that exits unexpectedly again, after 0.5 s doubling to 10 s while they keep
    failing; `MAX_RESTARTS` within `RESTART_WINDOW_S` stop every worker and exit 1, and so does
    a worker that fails before the first `started`.
@@ -44,21 +49,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
-from prometheus_client import multiprocess
+from prometheus_client import CollectorRegistry, multiprocess, values
 
-from stepguard.contracts.errors import StepguardError
+from stepguard.contracts.errors import ContractError, StepguardError
 from stepguard.contracts.model import Contract
 from stepguard.contracts.sqlite_store import checkpoint_store, lock_store
 from stepguard.contracts.store_urls import is_postgres
 from stepguard.contracts.stores import make_store
 from stepguard.metrics.logs import get_logger
+from stepguard.metrics.prom import Metrics
 from stepguard.metrics.tracing import requested
 from stepguard.proxy.admin import AdminTokens
-from stepguard.proxy.app import started_fields
+from stepguard.proxy.app import shadowed, started_fields
 from stepguard.proxy.config import Settings, listen_error
 from stepguard.proxy.limits import serve_limits
 from stepguard.proxy.listener import reserve_port
-from stepguard.proxy.worker_link import MULTIPROC_ENV, READY_MARK, WorkerLink
+from stepguard.proxy.worker_link import IN_FORCE, MULTIPROC_ENV, READY_MARK, InForce, WorkerLink
 
 RESTART_DELAY_S = 0.5        # the first restart's delay, doubled per failure in a row ...
 RESTART_DELAY_MAX_S = 10.0   # ... up to this
@@ -84,9 +90,10 @@ class _Worker:
 
 
 class Supervisor:
-    def __init__(self, settings: Settings, contracts: list[Contract], shadows: list[Contract],
-                 argv: Sequence[str]) -> None:
+    def __init__(self, settings: Settings, in_force: InForce, contracts: list[Contract],
+                 shadows: list[Contract], argv: Sequence[str]) -> None:
         self.settings = settings
+        self.in_force = in_force        # what `contracts` and `shadows` were compiled from
         self.contracts = contracts
         self.shadows = shadows
         self.argv = list(argv)
@@ -129,6 +136,8 @@ class Supervisor:
             except OSError as exc:
                 raise listen_error(listener, host, port, exc) from None
         self.ports = (self.sockets[0].getsockname()[1], self.sockets[1].getsockname()[1])
+        self.in_force.write(self.metrics_dir / IN_FORCE)
+        self.counts = _Counts(self.metrics_dir)
 
     def _release(self) -> None:
         for sock in self.sockets:
@@ -315,13 +324,37 @@ class Supervisor:
             worker.restart_at = None
             _send(worker, signal.SIGTERM)
 
+    def _reload(self) -> bool:
+        """Read and compile the contract files (SIGHUP): whether they are in force now. The
+        workers are told only of contracts that compiled; a file that does not is refused here,
+        once, and the contracts in force stay so, in every worker and every restarted one."""
+        settings = self.settings
+        try:
+            in_force = InForce.read(settings.contracts, settings.shadow)
+            contracts, shadows = in_force.compile(settings.vars, settings.upstreams)
+            shadowed(contracts, shadows)
+        except Exception as exc:    # no file, however broken, ends the serve
+            errors = [str(i) for i in exc.issues] if isinstance(exc, ContractError) else \
+                [f"{', '.join([*settings.contracts, *settings.shadow])}: cannot be compiled: "
+                 f"{type(exc).__name__}: {exc}"]     # a nesting too deep for the parser, say
+            self.counts.reload_refused()
+            self.log.error("contract_reload_failed", errors=errors,
+                           kept=[f"{c.workflow} v{c.version}" for c in self.contracts])
+            return False
+        in_force.write(self.metrics_dir / IN_FORCE)
+        self.in_force, self.contracts, self.shadows = in_force, contracts, shadows
+        return True
+
     def _forward_hangup(self) -> None:
+        if not self._reload():
+            return
         for worker in self.workers:
             if worker.alive and worker.ready:
                 _send(worker, signal.SIGHUP)
             elif worker.alive:
                 worker.reload_pending = True   # no handler yet: SIGHUP would end it
-        self.log.info("reload_forwarded", workers=[w.index for w in self.workers if w.alive])
+        self.log.info("reload_forwarded", workers=[w.index for w in self.workers if w.alive],
+                      contracts=[f"{c.workflow} v{c.version}" for c in self.contracts])
 
     def _kill_all(self) -> None:
         for worker in self.workers:
@@ -332,10 +365,33 @@ class Supervisor:
         self.unclean = True
 
 
-def supervise(settings: Settings, contracts: list[Contract], shadows: list[Contract],
-              argv: Sequence[str]) -> int:
-    """Run `stepguard serve` as `settings.workers` worker processes; the exit status."""
-    return Supervisor(settings, contracts, shadows, argv).run()
+def supervise(settings: Settings, in_force: InForce, contracts: list[Contract],
+              shadows: list[Contract], argv: Sequence[str]) -> int:
+    """Run `stepguard serve` as `settings.workers` worker processes serving `contracts` and
+    `shadows` (compiled from `in_force`); the exit status."""
+    return Supervisor(settings, in_force, contracts, shadows, argv).run()
+
+
+class _Counts:
+    """The supervisor's own counts: a reload it refused (`stepguard_contract_reload_failures`
+    and `stepguard_contract_loads{result="error"}`, the families a single process counts it
+    in). Kept in the workers' multiprocess directory as the files of a process of its own, so
+    the /metrics of any worker sums them in."""
+
+    def __init__(self, directory: Path) -> None:
+        os.environ[MULTIPROC_ENV] = str(directory)    # where prometheus-client puts the file
+        value = values.MultiProcessValue()  # type: ignore[no-untyped-call]
+        metrics = Metrics(CollectorRegistry())        # the families' names and help, declared once
+        [failures] = metrics.contract_reload_failures.describe()
+        [loads] = metrics.contract_loads.describe()
+        self.failures = value("counter", failures.name, f"{failures.name}_total", (), (),
+                              failures.documentation)
+        self.load_errors = value("counter", loads.name, f"{loads.name}_total", ("result",),
+                                 ("error",), loads.documentation)
+
+    def reload_refused(self) -> None:
+        self.failures.inc(1)
+        self.load_errors.inc(1)
 
 
 async def _open_and_close(settings: Settings) -> None:

@@ -523,3 +523,209 @@ def test_a_remainder_goes_one_apiece_to_the_first_workers() -> None:
     many = worker_limits(Settings(max_connections=64, max_holds=64,
                                   max_request_bytes=1, max_inflight_body_bytes=64), 64)
     assert {limits.admin_connections for limits in many} == {1}
+
+
+ENTRY_PASS = ('stepguard_boundary_checks_total', (
+    ("boundary", "entry"), ("contract_version", "1"), ("step", "lookup_order"),
+    ("traffic", "http"), ("verdict", "pass"), ("workflow", "order-confirmation")))
+ADDED_COUNT = ("stepguard_added_seconds_count", (("traffic", "http"),))
+
+
+@pytest.mark.timeout(150)
+async def test_metrics_keep_the_counts_of_a_worker_killed_with_sigkill(
+        tmp_path: Path, tools_url: str) -> None:
+    async with serving(tmp_path, write_example_contract(tmp_path / "c.yaml", tools_url)) as served:
+        assert await _calls(served, "counted", 40) == [200] * 40
+        for pid in served.pids:             # both workers die, one after the other, unwarned
+            os.kill(pid, signal.SIGKILL)
+            await served.until(lambda pid=pid: any(line["pid"] == pid                 # type: ignore[misc]
+                                                   for line in served.events("worker_exited")))
+        await served.until(lambda: _get_ready(served))
+        status, body = await _get(f"http://{served.admin}/metrics")   # the replacements answer
+        samples = _samples(body.decode())
+    assert status == 200
+    assert (samples[ENTRY_PASS], samples[ADDED_COUNT]) == (40, 40)
+
+
+def _counted(arrived: list[float]) -> web.Application:
+    """The example's tools, noting each request's arrival."""
+    @web.middleware
+    async def note(request: web.Request, handler: Any) -> web.StreamResponse:
+        arrived.append(time.monotonic())
+        return await handler(request)   # type: ignore[no-any-return]
+
+    app = tools.create_app()
+    app.middlewares.append(note)
+    return app
+
+
+@pytest.mark.timeout(150)
+async def test_a_sigkill_under_load_loses_the_count_of_no_answered_call(
+        tmp_path: Path, aiohttp_server: Any) -> None:
+    arrived: list[float] = []
+    upstream = await aiohttp_server(_counted(arrived))
+    url = str(upstream.make_url("")).rstrip("/")
+    clients, answered, cut = 16, 0, 0
+    stop = asyncio.Event()
+
+    async def client(i: int) -> None:
+        nonlocal answered, cut
+        n = 0
+        while not stop.is_set():
+            async with aiohttp.ClientSession() as http:     # keep-alive until a call is cut
+                try:
+                    while not stop.is_set():
+                        n += 1
+                        async with http.post(f"http://{served.proxy}/tools/lookup_order",
+                                             json=CALL,
+                                             headers={"x-stepguard-run": f"load{i}-{n}"}) as reply:
+                            await reply.read()
+                            assert reply.status == 200
+                            answered += 1
+                except aiohttp.ClientError:     # in flight on the killed worker: no answer
+                    cut += 1
+
+    async with serving(tmp_path, write_example_contract(tmp_path / "c.yaml", url)) as served:
+        load = [asyncio.ensure_future(client(i)) for i in range(clients)]
+        await served.until(lambda: answered >= 300)
+        os.kill(served.pids[0], signal.SIGKILL)
+        await served.until(lambda: bool(served.events("worker_exited")))
+        after_kill = answered
+        await served.until(lambda: answered >= after_kill + 300)
+        stop.set()
+        await asyncio.gather(*load)
+        await served.until(lambda: _get_ready(served))
+        _, body = await _get(f"http://{served.admin}/metrics")
+        samples = _samples(body.decode())
+    entry, exit_ = samples[ENTRY_PASS], samples[(ENTRY_PASS[0], tuple(
+        ("boundary", "exit") if name == "boundary" else (name, value)
+        for name, value in ENTRY_PASS[1]))]
+    forwarded = samples[("stepguard_upstream_requests_total", (
+        ("status_class", "2xx"), ("upstream", "tools"), ("workflow", "order-confirmation")))]
+    # every answered call is counted, entry, exit and added time; a call cut short by the kill
+    # (at most one per client: each has one call in flight) may be counted at its entry only,
+    # or at its upstream's answer, or (killed between its count and its answer) counted whole
+    assert cut <= clients
+    assert answered <= exit_ <= entry <= answered + cut
+    assert answered <= samples[ADDED_COUNT] <= answered + cut
+    assert answered <= forwarded <= len(arrived) <= answered + cut
+
+
+# --- the contracts in force: what a restarted worker serves -----------------------------------
+
+
+async def _versions(served: Served, probes: int = 30) -> list[str]:
+    """The contract version each of `probes` /readyz answers reports, each on a connection of
+    its own (so SO_REUSEPORT spreads them over the workers)."""
+    seen = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as http:
+        for _ in range(probes):
+            async with http.get(f"http://{served.admin}/readyz") as reply:
+                assert reply.status == 200, await reply.text()
+                [contract] = (await reply.json())["contracts"]
+                seen.append(contract["contract_version"])
+    return seen
+
+
+UNPARSEABLE = "workflow: [unclosed\n"     # an edit half done
+TOO_DEEP = "workflow: " + "[" * 100_000   # deeper than the parser recurses
+
+
+def _break(path: str, text: str = UNPARSEABLE) -> None:
+    """Leave the contract file at `path` broken."""
+    Path(path).write_text(text)
+
+
+async def _replaced(served: Served, victim: int) -> None:
+    """Kill worker `victim` (a pid) with SIGKILL; return once its replacement serves and the
+    serve is ready again."""
+    os.kill(victim, signal.SIGKILL)
+    index = served.pids.index(victim)
+    await served.until(lambda: any(line["pid"] != victim and line["worker"] == index
+                                   for line in served.events("worker_started")))
+    await served.until(lambda: _get_ready(served))
+
+
+@pytest.mark.timeout(150)
+async def test_a_restarted_worker_serves_the_contract_in_force_not_the_file_edited_since(
+        tmp_path: Path, tools_url: str) -> None:
+    path = write_example_contract(tmp_path / "c.yaml", tools_url)
+    async with serving(tmp_path, path) as served:
+        write_example_contract(tmp_path / "c.yaml", tools_url, contract_version=2)  # no reload
+        await _replaced(served, served.pids[0])
+        before_reload = await _versions(served)
+        os.kill(served.proc.pid, signal.SIGHUP)
+        await served.until(lambda: {line["worker"] for line in
+                                    served.events("contracts_reloaded")} == {0, 1})
+        after_reload = await _versions(served)
+    assert before_reload == ["1"] * 30
+    assert after_reload == ["2"] * 30
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("which", ["contract", "shadow"])
+async def test_a_broken_file_on_disk_does_not_keep_a_killed_worker_down(
+        tmp_path: Path, tools_url: str, which: str) -> None:
+    path = write_example_contract(tmp_path / "c.yaml", tools_url)
+    shadow = write_example_contract(tmp_path / "s.yaml", tools_url, contract_version=3)
+    async with serving(tmp_path, path, "--shadow", shadow) as served:
+        _break(path if which == "contract" else shadow)
+        await _replaced(served, served.pids[1])
+        statuses = await _calls(served, "back", 20)
+        versions = await _versions(served)
+        exits = served.events("worker_exited")
+    assert statuses == [200] * 20
+    assert versions == ["1"] * 30
+    assert [line["exit"] for line in exits] == ["killed by SIGKILL"]     # once, not again
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("broken", [UNPARSEABLE, TOO_DEEP], ids=["unparseable", "too deep"])
+async def test_a_reload_of_a_broken_file_is_refused_once_and_the_contract_stays_in_force(
+        tmp_path: Path, tools_url: str, broken: str) -> None:
+    path = write_example_contract(tmp_path / "c.yaml", tools_url)
+    async with serving(tmp_path, path) as served:
+        _break(path, broken)
+        os.kill(served.proc.pid, signal.SIGHUP)
+        await served.until(lambda: bool(served.events("contract_reload_failed")))
+        await _replaced(served, served.pids[0])       # a restart after it: still version 1
+        versions = await _versions(served)
+        _, body = await _get(f"http://{served.admin}/metrics")
+        samples = _samples(body.decode())
+        write_example_contract(tmp_path / "c.yaml", tools_url, contract_version=2)
+        os.kill(served.proc.pid, signal.SIGHUP)       # the file fixed: the reload goes through
+        await served.until(lambda: len({line["worker"] for line in
+                                         served.events("contracts_reloaded")}) == 2)
+        fixed = await _versions(served)
+    [refused] = served.events("contract_reload_failed")     # by the supervisor, for the serve
+    assert "worker" not in refused and refused["kept"] == ["order-confirmation v1"]
+    assert any("c.yaml" in error for error in refused["errors"]), refused
+    assert versions == ["1"] * 30
+    assert samples[("stepguard_contract_reload_failures_total", ())] == 1
+    assert samples[("stepguard_contract_loads_total", (("result", "error"),))] == 1
+    assert fixed == ["2"] * 30
+
+
+def test_the_contracts_in_force_compile_from_the_bytes_read_not_the_file_now(
+        tmp_path: Path) -> None:
+    from stepguard.proxy.worker_link import InForce
+
+    path = write_example_contract(tmp_path / "c.yaml", "http://127.0.0.1:9")
+    held = InForce.read([path], [])
+    held.write(tmp_path / "in-force.json")
+    write_example_contract(tmp_path / "c.yaml", "http://127.0.0.1:9", contract_version=2)
+    [contract], shadows = InForce.load(tmp_path / "in-force.json").compile({}, {})
+    assert (contract.version, contract.source, shadows) == ("1", path, [])
+
+
+def test_a_contract_file_that_cannot_be_read_is_named(tmp_path: Path) -> None:
+    from stepguard.contracts.errors import ContractError
+    from stepguard.proxy.worker_link import InForce
+
+    with pytest.raises(ContractError) as missing:
+        InForce.read([str(tmp_path / "gone.yaml")], [])
+    with pytest.raises(ContractError) as no_supervisor:
+        InForce.load(tmp_path / "contracts-in-force.json")
+    assert [i.file for i in missing.value.issues] == [str(tmp_path / "gone.yaml")]
+    assert "cannot read" in str(missing.value.issues[0])
+    assert "cannot read the contracts in force" in str(no_supervisor.value.issues[0])
