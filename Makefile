@@ -10,7 +10,8 @@ BIN := $(VENV)/bin
 # Concurrency-sensitive tests (store worker threads against close, PostgreSQL pools racing and
 # its database cut, kill -9 recovery, MCP stream
 # resumption, correlation and cross-traffic joining across calls, reload under traffic, a
-# recorded answer across kill -9), run REPEAT more times after the
+# recorded answer across kill -9, run-key lock shards, counted refusals, listener slots, approvals
+# bound to their call, a tool client's own run header, stream faults), run REPEAT more times after the
 # suite: a race that passes by luck once fails here instead of on someone's clean clone.
 REPEAT ?= 5
 REPEATED := tests/contracts/test_store.py tests/contracts/test_sqlite_store_counts.py \
@@ -20,12 +21,16 @@ REPEATED := tests/contracts/test_store.py tests/contracts/test_sqlite_store_coun
 	tests/proxy/test_replay_recorded_crash.py tests/proxy/test_joining.py \
 	tests/proxy/test_holds.py tests/contracts/test_sqlite_store_shared.py \
 	tests/contracts/test_run_book.py tests/contracts/test_pg_run_locks.py \
-	tests/metrics/test_log_writer.py
+	tests/metrics/test_log_writer.py tests/proxy/test_run_key_locks.py \
+	tests/proxy/test_repeated_refusals.py tests/proxy/test_listener_slots.py \
+	tests/proxy/test_hold_binding.py tests/e2e/test_hybrid_tool_run_header.py \
+	tests/proxy/test_stream_faults.py
 # ... and the multi-process ones (worker processes, replicas on one store: ~75 s a pass, each
 # test starting two or three stepguard processes) REPEAT_PROCESSES more times, so the repeat
 # pass stays within a few minutes of CI
 REPEAT_PROCESSES ?= 2
-REPEATED_PROCESSES := tests/proxy/test_workers.py tests/proxy/test_replicas.py
+REPEATED_PROCESSES := tests/proxy/test_workers.py tests/proxy/test_replicas.py \
+	tests/proxy/test_admin_listener_flood.py
 
 $(BIN)/stepguard: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
