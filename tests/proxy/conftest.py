@@ -14,7 +14,7 @@ from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from sgtest import EXAMPLE, Guard, Handler, Proxy, Seen, Upstream, answer_ok, recording, relaxed
+from sgtest import EXAMPLE, Guard, Handler, Proxy, RefundTools, Seen, Upstream, answer_ok, recording, relaxed
 
 from stepguard.contracts.model import Contract
 from stepguard.contracts.store import Store
@@ -30,6 +30,20 @@ async def tools(aiohttp_server: Any) -> Upstream:
     app = tools_mod.create_app()
     app.middlewares.append(recording(seen))
     return Upstream(await aiohttp_server(app), seen)
+
+
+@pytest.fixture
+async def refund_tools(aiohttp_server: Any) -> RefundTools:
+    made = RefundTools()
+
+    async def handle(request: web.Request) -> web.Response:
+        made.seen.append(await request.json())
+        return web.json_response({"refunded": True})
+
+    app = web.Application()
+    app.router.add_post("/{step}", handle)
+    made.url = str((await aiohttp_server(app)).make_url("")).rstrip("/")
+    return made
 
 
 @pytest.fixture

@@ -338,3 +338,12 @@ async def wait_ready(session: aiohttp.ClientSession, url: str,
             pass
         await asyncio.sleep(0.05)
     raise AssertionError(f"{url} never answered")
+
+
+@dataclass
+class RefundTools:
+    """A tool service that answers every POST /{step} with `{"refunded": true}` and keeps the
+    JSON bodies it received, in order."""
+
+    url: str = ""
+    seen: list[dict[str, Any]] = field(default_factory=list)

@@ -25,8 +25,7 @@ import aiohttp
 import orjson
 import pytest
 import yaml
-from aiohttp import web
-from sgtest import contract_doc, free_port, wait_ready
+from sgtest import RefundTools, contract_doc, free_port, wait_ready
 
 from stepguard.metrics.logs import CLIENT_ERROR_BURST
 from stepguard.proxy.listener import ADMIN_CONNECTIONS
@@ -37,26 +36,6 @@ HEADER_TIMEOUT_S = 1.0
 SLACK_S = 2.0
 
 pytestmark = pytest.mark.timeout(90)
-
-
-@dataclass
-class Tools:
-    url: str = ""
-    seen: list[dict[str, Any]] = field(default_factory=list)
-
-
-@pytest.fixture
-async def tools(aiohttp_server: Any) -> Tools:
-    made = Tools()
-
-    async def handle(request: web.Request) -> web.Response:
-        made.seen.append(await request.json())
-        return web.json_response({"refunded": True})
-
-    app = web.Application()
-    app.router.add_post("/{step}", handle)
-    made.url = str((await aiohttp_server(app)).make_url("")).rstrip("/")
-    return made
 
 
 @dataclass
@@ -77,7 +56,7 @@ class Running:
 
 
 @asynccontextmanager
-async def serving(tmp_path: Path, tools: Tools) -> AsyncIterator[Running]:
+async def serving(tmp_path: Path, tools: RefundTools) -> AsyncIterator[Running]:
     contract = tmp_path / "c.yaml"
     contract.write_text(yaml.safe_dump(contract_doc(
         tools.url, {"refund": {"on_failure": {"then": "hold", "hold_s": 60}}},
@@ -151,8 +130,8 @@ async def held_hold(running: Running) -> dict[str, Any]:
 
 
 async def test_silent_connections_reconnecting_without_end_never_shut_out_probes_metrics_or_an_approval(
-        tmp_path, tools):
-    async with serving(tmp_path, tools) as running:
+        tmp_path, refund_tools):
+    async with serving(tmp_path, refund_tools) as running:
         call = asyncio.ensure_future(_call(running))
         hold = await held_hold(running)
         attacker = Attacker(running.admin_port, ADMIN_CONNECTIONS + 8)
@@ -181,8 +160,8 @@ async def _call(running: Running) -> tuple[int, Any]:
 
 
 async def test_a_connection_to_the_admin_listener_that_never_sends_a_byte_is_cut_at_the_header_timeout(
-        tmp_path, tools):
-    async with serving(tmp_path, tools) as running:
+        tmp_path, refund_tools):
+    async with serving(tmp_path, refund_tools) as running:
         reader, writer = await asyncio.open_connection("127.0.0.1", running.admin_port)
         started_at = time.monotonic()
         try:
@@ -193,9 +172,9 @@ async def test_a_connection_to_the_admin_listener_that_never_sends_a_byte_is_cut
 
 
 async def test_a_flood_of_bad_tokens_is_refused_and_counted_every_time_and_logged_a_few_times(
-        tmp_path, tools):
+        tmp_path, refund_tools):
     flood = CLIENT_ERROR_BURST + 25
-    async with serving(tmp_path, tools) as running:
+    async with serving(tmp_path, refund_tools) as running:
         for n in range(flood):
             async with running.session.post(
                     f"{running.admin}/runs/r1/cancel", json={"reason": "x"},

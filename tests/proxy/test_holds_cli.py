@@ -16,7 +16,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,33 +24,12 @@ import aiohttp
 import orjson
 import pytest
 import yaml
-from aiohttp import web
-from sgtest import contract_doc, free_port, wait_ready
+from sgtest import RefundTools, contract_doc, free_port, wait_ready
 
 SECRET = "0123456789abcdef-operator"
 REFUND = {"ticket": "T-7", "amount": 120}
 
 pytestmark = pytest.mark.timeout(90)
-
-
-@dataclass
-class Tools:
-    url: str = ""
-    seen: list[dict[str, Any]] = field(default_factory=list)
-
-
-@pytest.fixture
-async def tools(aiohttp_server: Any) -> Tools:
-    made = Tools()
-
-    async def handle(request: web.Request) -> web.Response:
-        made.seen.append(await request.json())
-        return web.json_response({"refunded": True})
-
-    app = web.Application()
-    app.router.add_post("/{step}", handle)
-    made.url = str((await aiohttp_server(app)).make_url("")).rstrip("/")
-    return made
 
 
 @dataclass
@@ -77,7 +56,7 @@ class Running:
 
 
 @asynccontextmanager
-async def serving(tmp_path: Path, tools: Tools, hold_s: float) -> AsyncIterator[Running]:
+async def serving(tmp_path: Path, tools: RefundTools, hold_s: float) -> AsyncIterator[Running]:
     contract = tmp_path / "c.yaml"
     contract.write_text(yaml.safe_dump(contract_doc(
         tools.url, {"refund": {"on_failure": {"then": "hold", "hold_s": hold_s}}},
@@ -107,18 +86,18 @@ async def cli(*argv: str) -> subprocess.CompletedProcess[str]:
         capture_output=True, text=True, timeout=60, check=False)
 
 
-async def test_a_held_call_blocks_until_runs_approve_then_goes_through_once(tmp_path, tools):
-    async with serving(tmp_path, tools, hold_s=60) as running:
+async def test_a_held_call_blocks_until_runs_approve_then_goes_through_once(tmp_path, refund_tools):
+    async with serving(tmp_path, refund_tools, hold_s=60) as running:
         call = asyncio.ensure_future(running.call(REFUND))
         (hold,) = await running.held()
-        assert tools.seen == [] and not call.done()
+        assert refund_tools.seen == [] and not call.done()
         done = await cli("runs", "approve", "r1", "--digest", hold["digest"], "--admin",
                          running.admin, "--reason", "ticket checked with the customer")
         assert done.returncode == 0, done.stderr
         assert f"hold {hold['decision_id']} of step 'refund' approved by ops" in done.stdout
         status, body = await call
         assert (status, body) == (200, {"refunded": True})
-        assert tools.seen == [REFUND]
+        assert refund_tools.seen == [REFUND]
         # the approval was used: the same call again waits for another decision
         again = asyncio.ensure_future(running.call(REFUND))
         (second,) = await running.held()
@@ -128,13 +107,13 @@ async def test_a_held_call_blocks_until_runs_approve_then_goes_through_once(tmp_
         assert done.returncode == 0, done.stderr
         status, body = await again
         assert (status, body["title"]) == (403, "Hold rejected")
-    assert tools.seen == [REFUND]
+    assert refund_tools.seen == [REFUND]
 
 
 async def test_a_changed_call_is_refused_whatever_was_approved_and_an_expired_hold_too(
-        tmp_path, tools):
+        tmp_path, refund_tools):
     # the hold outlasts a CLI process started on a loaded machine (~1-3 s): 1.5 s did not
-    async with serving(tmp_path, tools, hold_s=6) as running:
+    async with serving(tmp_path, refund_tools, hold_s=6) as running:
         first = asyncio.ensure_future(running.call(REFUND))
         (hold,) = await running.held()
         done = await cli("runs", "approve", "r1", "--digest", hold["digest"], "--admin",
@@ -148,13 +127,13 @@ async def test_a_changed_call_is_refused_whatever_was_approved_and_an_expired_ho
         late = await cli("runs", "approve", "r1", "--digest", body["digest"], "--admin",
                          running.admin, "--reason", "too late")
         assert late.returncode == 1 and "404" in late.stderr
-    assert tools.seen == [REFUND]
+    assert refund_tools.seen == [REFUND]
 
 
 async def test_an_approval_given_on_the_store_while_stepguard_is_down_survives_a_restart(
-        tmp_path, tools):
+        tmp_path, refund_tools):
     store = str(tmp_path / "s.db")
-    async with serving(tmp_path, tools, hold_s=60) as running:
+    async with serving(tmp_path, refund_tools, hold_s=60) as running:
         with pytest.raises(TimeoutError):            # the agent gives up waiting
             await running.call(REFUND, timeout_s=0.5)
         (hold,) = await running.held()
@@ -164,18 +143,18 @@ async def test_an_approval_given_on_the_store_while_stepguard_is_down_survives_a
     result = orjson.loads(done.stdout)
     assert result["event"]["operator"].startswith("local:")
     assert list(result["envelope"]["approvals"]) == [hold["digest"]]
-    async with serving(tmp_path, tools, hold_s=60) as running:
+    async with serving(tmp_path, refund_tools, hold_s=60) as running:
         assert await running.call(REFUND) == (200, {"refunded": True})   # at once, once
         async with running.session.get(f"{running.admin}/runs/r1") as reply:
             shown = await reply.json()
-    assert tools.seen == [REFUND]
+    assert refund_tools.seen == [REFUND]
     assert shown["envelope"]["approvals"] == {}
     assert [e["action"] for e in shown["history"]] == [
         "hold", "approve", "forward", "advance"]
 
 
-async def test_runs_show_names_the_holds_and_the_operators_decisions(tmp_path, tools):
-    async with serving(tmp_path, tools, hold_s=60) as running:
+async def test_runs_show_names_the_holds_and_the_operators_decisions(tmp_path, refund_tools):
+    async with serving(tmp_path, refund_tools, hold_s=60) as running:
         call = asyncio.ensure_future(running.call(REFUND))
         (hold,) = await running.held()
         done = await cli("runs", "reject", "r1", "--digest", hold["digest"], "--admin",
