@@ -180,6 +180,37 @@ async def test_a_call_to_hold_with_no_room_left_reached_by_its_argument_names_no
     assert (body["title"], body["outcome"]) == ("Too many held calls", "full")
 
 
+async def test_a_call_held_when_stepguard_stops_reached_by_its_argument_names_no_run_id(
+        start, make_upstream):
+    tools: Upstream = await make_upstream()
+    sg = await start(http_flow(tools.url))
+    await sg.call("/tools/lookup", ORDER)
+    run = await sg.the_run()
+    reply = asyncio.ensure_future(sg.call("/tools/refund", ORDER))
+    await sg.held(run)
+
+    await sg.sg.boundaries.holds.close()
+
+    refused = await reply
+    assert refused.status == 503
+    assert told_no_run_id(refused, run)["outcome"] == "shutdown"
+
+
+async def test_a_held_call_whose_run_is_cancelled_meanwhile_names_no_run_id(start, make_upstream):
+    tools: Upstream = await make_upstream()
+    sg = await start(http_flow(tools.url))
+    await sg.call("/tools/lookup", ORDER)
+    run = await sg.the_run()
+    reply = asyncio.ensure_future(sg.call("/tools/refund", ORDER))
+    await sg.held(run)
+
+    assert await sg.decide(run, "cancel", {"reason": "stop it"}) == 200
+
+    refused = await reply
+    assert refused.status == 409
+    assert told_no_run_id(refused, run)["outcome"] == "stopped"
+
+
 async def test_the_approved_call_reached_by_its_argument_goes_through_to_the_tool(
         start, make_upstream):
     tools: Upstream = await make_upstream()
