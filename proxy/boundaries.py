@@ -85,9 +85,17 @@ async def retrying_conflicts(run_id: str, boundary: Callable[[], Awaitable[T]]) 
                 break
             cap = min(CONFLICT_BACKOFF_MAX_S, CONFLICT_BACKOFF_S * 2 ** min(lost - 1, 16))
             await asyncio.sleep(random.uniform(0, cap))
-    # the message names no run: it may reach the answer of a call that did not name its run
-    # (`Call.shown_run`); the log line that counts it carries the run's id beside it
-    raise StoreError(f"lost the race for the run {lost} times in {CONFLICT_DEADLINE_S:g} s")
+    raise LostRace(run_id, lost)
+
+
+class LostRace(StoreError):
+    """A boundary that kept losing the race for run `run_id`. Its message names no run: it may
+    reach the answer of a call that did not name its run (`Call.shown_run`); the log line
+    that counts it carries the run's id beside it."""
+
+    def __init__(self, run_id: str, lost: int) -> None:
+        self.run_id = run_id
+        super().__init__(f"lost the race for the run {lost} times in {CONFLICT_DEADLINE_S:g} s")
 
 
 async def back_off(step: Step, attempt: int, timing: Timing) -> None:
