@@ -120,30 +120,51 @@ def _declared_name(given: str, declared: Iterable[str]) -> str | None:
 def parse_contract(raw: bytes, source: str,
                    vars: Mapping[str, Override] = _NO_OVERRIDES,
                    upstreams: Mapping[str, Override] = _NO_OVERRIDES) -> Contract:
-    document = _parse_document(raw, source)
-    issues = [_schema_issue(source, e) for e in _format_validator().iter_errors(document)]
-    if issues:
-        raise ContractError(sorted(issues, key=lambda i: (i.step or "", i.field)))
-    compiler = _Compiler(source, _without_extensions(document), vars, upstreams)
-    contract = compiler.compile(hashlib.sha256(raw).hexdigest())
+    try:
+        document = _parse_document(raw, source)
+        issues = [_schema_issue(source, e) for e in _format_validator().iter_errors(document)]
+        if issues:
+            raise ContractError(sorted(issues, key=lambda i: (i.step or "", i.field)))
+        compiler = _Compiler(source, _without_extensions(document), vars, upstreams)
+        contract = compiler.compile(hashlib.sha256(raw).hexdigest())
+    except RecursionError:      # bounded below (MAX_CONTRACT_DEPTH): never a traceback
+        raise _too_deep(source) from None
     if compiler.issues:
         raise ContractError(compiler.issues)
     return contract
+
+
+# how deep a contract file may nest (mappings and lists, YAML aliases followed): deeper than any
+# contract needs, and well inside what the parsers, the schema check and the compiler recurse
+MAX_CONTRACT_DEPTH = 64
+
+
+def _too_deep(source: str) -> ContractError:
+    return ContractError([ContractIssue(source, None, "", f"nesting too deep: more than "
+                                        f"{MAX_CONTRACT_DEPTH} levels of mappings and lists")])
 
 
 def _parse_document(raw: bytes, source: str) -> Any:
     try:
         if source.endswith(".json"):
             document = json.loads(raw, object_pairs_hook=_JSONObject.from_pairs)
+            if _deeper_than(document, MAX_CONTRACT_DEPTH, _json_children):
+                raise _too_deep(source)
             duplicates = list(_json_duplicates(document, ()))
         else:
             loader = yaml.SafeLoader(raw)
             try:
                 node = loader.get_single_node()
+                if node is not None and _deeper_than(node, MAX_CONTRACT_DEPTH, _yaml_children):
+                    raise _too_deep(source)
                 duplicates = list(_yaml_duplicates(node, ())) if node is not None else []
                 document = loader.construct_document(node) if node is not None else None
             finally:
                 loader.dispose()
+    except RecursionError:      # a parser's own recursion, on nesting far too deep
+        raise _too_deep(source) from None
+    except ContractError:
+        raise
     except (ValueError, yaml.YAMLError) as exc:
         raise ContractError([ContractIssue(source, None, "", f"not valid YAML/JSON: {exc}")]) from None
     if duplicates:
@@ -189,6 +210,46 @@ def _without_extensions(doc: dict[str, Any]) -> dict[str, Any]:
         if key in out:
             out[key] = each(out[key], inner)
     return out
+
+
+def _yaml_children(node: Any) -> list[Any]:
+    if isinstance(node, yaml.MappingNode):
+        return [part for pair in node.value for part in pair]
+    return list(node.value) if isinstance(node, yaml.SequenceNode) else []
+
+
+def _json_children(value: Any) -> list[Any]:
+    if isinstance(value, dict):
+        return list(value.values())
+    return list(value) if isinstance(value, list) else []
+
+
+def _deeper_than(root: Any, limit: int, children: Callable[[Any], list[Any]]) -> bool:
+    """Whether `root` nests more than `limit` levels (an alias counted where it is used; a node
+    that contains itself nests without end), found without recursion: each node once."""
+    depth: dict[int, int] = {}
+    open_: set[int] = set()       # the nodes on the current path
+    stack: list[tuple[Any, bool]] = [(root, False)]
+    while stack:
+        node, closing = stack.pop()
+        key = id(node)
+        if closing:
+            open_.discard(key)
+            below = max((depth[id(c)] for c in children(node)), default=0)
+            depth[key] = below + isinstance(node, (yaml.CollectionNode, dict, list))
+            if depth[key] > limit:
+                return True
+            continue
+        if key in depth:
+            continue
+        open_.add(key)
+        stack.append((node, True))
+        for child in children(node):
+            if id(child) in open_:
+                return True
+            if id(child) not in depth:
+                stack.append((child, False))
+    return False
 
 
 # A mapping key written twice would silently keep the last one (a second `confirm` step

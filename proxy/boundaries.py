@@ -85,8 +85,17 @@ async def retrying_conflicts(run_id: str, boundary: Callable[[], Awaitable[T]]) 
                 break
             cap = min(CONFLICT_BACKOFF_MAX_S, CONFLICT_BACKOFF_S * 2 ** min(lost - 1, 16))
             await asyncio.sleep(random.uniform(0, cap))
-    raise StoreError(f"run {run_id!r}: lost the race for the run {lost} times in "
-                     f"{CONFLICT_DEADLINE_S:g} s")
+    raise LostRace(run_id, lost)
+
+
+class LostRace(StoreError):
+    """A boundary that kept losing the race for run `run_id`. Its message names no run: it may
+    reach the answer of a call that did not name its run (`Call.shown_run`); the log line
+    that counts it carries the run's id beside it."""
+
+    def __init__(self, run_id: str, lost: int) -> None:
+        self.run_id = run_id
+        super().__init__(f"lost the race for the run {lost} times in {CONFLICT_DEADLINE_S:g} s")
 
 
 async def back_off(step: Step, attempt: int, timing: Timing) -> None:
@@ -151,7 +160,10 @@ class Boundaries:
     async def settle(self, contract: Contract, run_id: str, envelope: Envelope,
                      decision: Decision, evidence: Evidence, *, timing: Timing, traffic: str,
                      attempt: int = 1, safe_to_retry: bool = False,
-                     extra: dict[str, Any] | None = None, keys: Sequence[str] = ()) -> Settled:
+                     extra: dict[str, Any] | None = None, keys: Sequence[str] = (),
+                     shown: str | None = None) -> Settled:
+        """The boundary's verdict stored and acted on. `shown`: how answers to the call name
+        its run, when not by its id (`Call.shown_run`): a hold's answers name it so."""
         action = action_of(contract, decision, attempt, safe_to_retry)
         decision_id = new_decision_id()
         fields = self._event_fields(contract, decision, action, decision_id, attempt, evidence)
@@ -160,7 +172,8 @@ class Boundaries:
         escalation = None
         held = refused = None
         if action == HOLD:
-            held, refused = self._hold(contract, run_id, decision, decision_id, evidence, fields)
+            held, refused = self._hold(contract, run_id, decision, decision_id, evidence, fields,
+                                       shown)
             action = fields["action"]
             if held is not None:
                 escalation = self._hold_record(contract, run_id, decision, held, evidence,
@@ -196,8 +209,8 @@ class Boundaries:
         return await self.runs.commit(envelope, fields, escalation, keys)
 
     def _hold(self, contract: Contract, run_id: str, decision: Decision, decision_id: str,
-              evidence: Evidence, fields: dict[str, Any]) -> tuple[Held | None,
-                                                                   HoldRefused | None]:
+              evidence: Evidence, fields: dict[str, Any],
+              shown: str | None = None) -> tuple[Held | None, HoldRefused | None]:
         """A call to hold: its place taken and the hold's fields added to its event, or, with
         no room left, the event made a refusal (the call is not forwarded, the run unchanged)."""
         step = contract.steps[decision.step]
@@ -206,17 +219,18 @@ class Boundaries:
                              "without its target")
         if not self.holds.reserve(contract.workflow):
             fields.update(action=REFUSE, refused="hold_limit")
-            return None, refused_for_room(contract, run_id, step.name, self.holds.limit)
+            return None, refused_for_room(contract, shown or run_id, step.name,
+                                          self.holds.limit)
         target = evidence.target()
         hold_s = step.on_failure.hold_s
         until = time.time() + hold_s
         digest = call_digest(run_id, step.name, target.exact, evidence.input)
         violation = decision.violation.to_dict() if decision.violation else None
-        shown = target.shown(self.redactor(contract))
+        shown_call = target.shown(self.redactor(contract))
         fields.update(digest=digest, hold_s=hold_s, hold_until=until,
-                      held_for="violation" if violation else "approval", call=shown)
+                      held_for="violation" if violation else "approval", call=shown_call)
         return Held(contract, run_id, step.name, digest, decision_id, until, hold_s,
-                    violation, evidence.input, shown), None
+                    violation, evidence.input, shown_call, shown=shown), None
 
     def _hold_record(self, contract: Contract, run_id: str, decision: Decision, held: Held,
                      evidence: Evidence, seq: int) -> dict[str, Any]:

@@ -110,9 +110,18 @@ class Call:
     def shown_run(self) -> str:
         """The run as answers name it: its id, unless the call reached it by argument keys
         alone (nothing the caller sent named it); a run id works as a run header, so such a
-        caller is not told it (docs/contract.md, run keys from arguments)."""
+        caller is not told it (docs/contract.md, run keys from arguments). Likewise a call
+        that executes a model's tool call with no header naming the run (`Keyed.shown`)."""
         keyed = self.key_drift
-        return ARGUMENT_RUN if keyed is not None and keyed.by_argument else self.run_id
+        if keyed is None:
+            return self.run_id
+        return ARGUMENT_RUN if keyed.by_argument else keyed.shown or self.run_id
+
+    def shown_text(self, text: str) -> str:
+        """`text` (an error's message, which may quote the run's id) as answers give it: the
+        run named as `shown_run` names it."""
+        shown = self.shown_run
+        return text if shown == self.run_id else text.replace(self.run_id, shown)
 
     @property
     def joinable(self) -> bool:
@@ -475,7 +484,7 @@ class CallLoop(Generic[C, A]):
             Evidence(call.input, call.body, result, answer.body if answer is not None else None,
                      (lambda: call.target) if decision.boundary == "entry" else None),
             timing=call.timing, traffic=self.traffic, attempt=attempt,
-            safe_to_retry=call.safe_to_retry, extra=extra)
+            safe_to_retry=call.safe_to_retry, extra=extra, shown=call.shown_run)
 
     @staticmethod
     def _stop_if(decision: Decision, settled: Settled, status: int | None) -> None:

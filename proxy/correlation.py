@@ -106,6 +106,12 @@ NO_RUN_KEY, NO_LIVE_RUN, STORE = "no_run_key", "no_live_run", "store"
 ARGUMENT_RUN = "<the run its argument keys name>"
 
 
+# how answers name the run of a call that reached it by executing a model's pending tool call,
+# no header naming it (`Keyed.shown`): neither the run's id nor the tool call's (a conversation
+# carrying that id finds the run), since same arguments are all such a call had to send
+ISSUED_RUN = "<the run of the model's tool call this call executes>"
+
+
 @dataclass(frozen=True, slots=True)
 class Keyed:
     """Where a call belongs: `run_id`, or a refusal (`reason`, `detail`). `drift` is set when the
@@ -118,6 +124,9 @@ class Keyed:
     field: str | None = None
     joined: str | None = None   # the model's call id this call executes (cross-traffic join)
     by_argument: bool = False   # the run was reached by argument keys alone (`Call.shown_run`)
+    # how answers name the run when nothing the caller sent named it by its id: as the run of
+    # the model's tool call it executes (`ISSUED_RUN`), or by the header that is its alias
+    shown: str | None = None
 
 
 def _forward(contract: Contract, name: str, value: str) -> str:
@@ -194,6 +203,19 @@ def issued_key(contract: Contract, step: str, arguments: Any, call_id: str) -> s
 
 # shards of the argument-key lock (`RunKeys._sharded`)
 LOCK_SHARDS = 64
+
+
+def _shown_as(named: tuple[str, str] | None, known: str | None,
+              joined: str | None) -> str | None:
+    """How answers name run `known` when the caller did not name it by its id (`Keyed.shown`):
+    as the run of the model's tool call it executes (`joined`), unless a header named the
+    run; by the header's own value when that header is an alias of `known`. None: by its id."""
+    headed = named is not None and named[1] not in _TRANSPORT_KEYS
+    if joined is not None and not headed:
+        return ISSUED_RUN
+    if named is not None and headed and known is not None and known != named[0]:
+        return named[0]
+    return None
 
 
 class _Relock(Exception):
@@ -278,19 +300,22 @@ class RunKeys:
                 contract, step, arguments if call_input is None else call_input)
             if issued is not None:
                 known, joined = issued.run_id, issued.call_id
+        shown = _shown_as(named, known, joined)
         if joined is not None and not values:
-            return Keyed(known, joined=joined)
+            return Keyed(known, joined=joined, shown=shown)
         if not values:
             run_id = known or implicit_run_id(contract)
             if run_id is None:
                 return Keyed(None, NO_RUN_KEY, f"call of step {step.name!r} of workflow "
                              f"{contract.workflow!r} carries no run key: send "
                              f"{describe_keys(contract)}")
-            return Keyed(run_id)
+            return Keyed(run_id, shown=shown if run_id == known else None)
         try:
             keyed = await self._resolve_locked(contract, step, known, values, headed=named
                                                is not None and named[1].startswith("header:"))
-            return replace(keyed, joined=joined) if joined and keyed.run_id == known else keyed
+            if keyed.run_id != known or known is None:
+                return keyed
+            return replace(keyed, joined=joined, shown=shown)
         except StoreError as exc:
             return Keyed(None, STORE, f"the run key of step {step.name!r} cannot be looked up: {exc}")
 

@@ -92,10 +92,16 @@ class Held:
     operator: str | None = None
     reason: str | None = None
     started: float = field(default_factory=time.perf_counter)
+    shown: str | None = None   # how answers name the run, if not by its id (`Call.shown_run`)
+
+    @property
+    def shown_run(self) -> str:
+        """The run as the held call's answers name it (the operator's side has `run_id`)."""
+        return self.shown or self.run_id
 
     def members(self) -> dict[str, Any]:
         """What a refusal tells the client about its hold."""
-        out: dict[str, Any] = {"run": self.run_id, "workflow": self.contract.workflow,
+        out: dict[str, Any] = {"run": self.shown_run, "workflow": self.contract.workflow,
                                "step": self.step, "check": "hold", "digest": self.digest,
                                "decision_id": self.decision_id, "hold_s": self.hold_s}
         if self.violation:
@@ -193,7 +199,8 @@ class Holds:
 
 
 def refused_for_room(contract: Contract, run_id: str, step: str, limit: int) -> HoldRefused:
-    """A call that was to be held while `limit` calls are held already."""
+    """A call that was to be held while `limit` calls are held already. `run_id`: the run as
+    the call's answers name it (`Call.shown_run`)."""
     return HoldRefused(FULL, 503, "Too many held calls",
                        f"run {run_id!r}, step {step!r}: the call must wait for an operator, "
                        f"but {limit} calls are held already; it was not forwarded, try again "

@@ -244,17 +244,19 @@ class HttpToolAdapter:
             # the tool ran: not to be retried blindly (the side effect may have happened)
             return problem(502, "Exit not recorded",
                            f"run {run_id!r}, step {step!r}: the tool was called, but its exit "
-                           f"could not be stored ({why.error}); its answer is withheld (fail "
-                           "closed). The side effect may have happened: check before retrying.",
+                           f"could not be stored ({call.shown_text(str(why.error))}); its answer "
+                           "is withheld (fail closed). The side effect may have happened: check "
+                           "before retrying.",
                            run=run_id, step=step, boundary="exit")
         if isinstance(why, NotStored):
             return problem(503, "Store unavailable",
                            f"run {run_id!r}, step {step!r}: the event could not be stored "
-                           f"({why.error}); the call was not forwarded (fail closed)",
+                           f"({call.shown_text(str(why.error))}); the call was not forwarded "
+                           "(fail closed)",
                            retry=True, run=run_id, step=step)
         assert isinstance(why, OtherWorkflow)
-        return problem(409, "Run of another workflow", str(why.error), run=run_id,
-                       workflow=contract.workflow, step=step, owner=why.error.owner)
+        return problem(409, "Run of another workflow", call.shown_text(str(why.error)),
+                       run=run_id, workflow=contract.workflow, step=step, owner=why.error.owner)
 
 
 def tool_result(up: Upstreamed, limit: int, max_depth: int = MAX_JSON_DEPTH) -> ToolResult:

@@ -183,9 +183,10 @@ def refusal_for(call: Call, why: Stopped) -> Refusal:
                 "(the side effect may have happened)") if why.forwarded else (
                 "the event could not be stored; the call was not forwarded")
         return Refusal(REQUEST_CODE, f"stepguard: run {run_id!r}, step {step!r}: {what} "
-                       f"({why.error})", {"check": "store", "forwarded": why.forwarded})
+                       f"({call.shown_text(str(why.error))})",
+                       {"check": "store", "forwarded": why.forwarded})
     assert isinstance(why, OtherWorkflow)
-    return Refusal(REQUEST_CODE, f"stepguard: {why.error}",
+    return Refusal(REQUEST_CODE, f"stepguard: {call.shown_text(str(why.error))}",
                    {"check": "correlation", "run": run_id})
 
 

@@ -22,6 +22,7 @@ INFLIGHT_WAIT_S = 30.0
 SHARED_INFLIGHT_WAIT_S = 2.0
 SHARED_POLL_S = 0.05
 FAILED_CALLS_KEPT = 10_000
+SHOWN_IDS = 10      # a `several_runs` refusal names at most this many runs, and ids of each
 
 
 class ShownCalls:
@@ -148,9 +149,13 @@ async def correlate(runs: RunBook, shown: ShownCalls, ex: Exchange,
                                                                 if r is None]))
         found = {r for r in owners.values() if r is not None}
         if len(found) > 1:
-            raise Stop(400, f"stepguard: the conversation carries tool calls of several runs "
-                       f"({', '.join(sorted(found))}); send {RUN_HEADER} to choose one",
-                       {"check": "correlation", "runs": sorted(found)},
+            # the ids the conversation carries, grouped by run: the runs' own ids are
+            # stepguard's, and a run id works as a run header (no answer names one)
+            calls = sorted(sorted(k.partition(":")[2][:200] for k, r in owners.items()
+                                  if r == run)[:SHOWN_IDS] for run in found)[:SHOWN_IDS]
+            raise Stop(400, f"stepguard: the conversation carries tool calls of {len(found)} "
+                       f"runs ({'; '.join(', '.join(group) for group in calls)}); send "
+                       f"{RUN_HEADER} to choose one", {"check": "correlation", "calls": calls},
                        refused="several_runs")
         run_id = found.pop() if found else implicit_run_id(ex.contract)
     if run_id is None:

@@ -77,8 +77,8 @@ async def waited(boundaries: Boundaries, held: Held, timing: Timing, traffic: st
         # stepguard is stopping (Holds.close): the hold stays open in the store until its
         # deadline, so a decision taken meanwhile serves the call sent again
         raise HoldRefused(SHUTDOWN, 503, "Stepguard stopping",
-                          f"run {held.run_id!r}, step {held.step!r}: stepguard is stopping; the "
-                          "hold stays open until its deadline: send the call again",
+                          f"run {held.shown_run!r}, step {held.step!r}: stepguard is stopping; "
+                          "the hold stays open until its deadline: send the call again",
                           {**held.members(), "outcome": SHUTDOWN}, retry=True) from None
 
 
@@ -224,6 +224,6 @@ def _ended(boundaries: Boundaries, held: Held, outcome: str, status: int, title:
     boundaries.holds.ended(held, outcome)
     what = "the violation stands, the run is halted" if (
         held.violation and outcome in (REJECTED, EXPIRED)) else ""
-    detail = f"run {held.run_id!r}, step {held.step!r}: {why}" + (f"; {what}" if what else "")
+    detail = f"run {held.shown_run!r}, step {held.step!r}: {why}" + (f"; {what}" if what else "")
     return HoldRefused(outcome, status, title, detail,
                        {**held.members(), "outcome": outcome, **more})

@@ -102,7 +102,8 @@ async def test_a_conversation_carrying_tool_calls_of_two_runs_is_logged_and_coun
     with capture_logs() as logs:
         response = await guard.client.post(CHAT, json={"model": "m", "messages": mixed})
     assert response.status == 400
-    assert (await response.json())["error"]["stepguard"]["runs"] == ["r1", "r2"]
+    # named by the tool calls the request carries, not by the runs' ids (no answer names one)
+    assert (await response.json())["error"]["stepguard"]["calls"] == [["call_1"], ["call_2"]]
     (line,) = refusal_lines(logs)
     assert (line["reason"], line["mount"], line["run_id"]) == ("several_runs", "/o", None)
     assert refused_count(guard, "several_runs") == 1
