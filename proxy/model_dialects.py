@@ -725,7 +725,14 @@ class _MessagesAssembler:
     def feed(self, event: ServerSentEvent) -> None:
         self.completing = False
         data = model_event(event.data)
-        kind = data.get("type") or event.event
+        # the SDK reads an event by its name first: `error` raises, one with no name (read as
+        # "message" here), named ping or with no data is skipped, any other is read by its
+        # data's type. Read otherwise here, a block start the SDK skips would shift every
+        # block index after it: an event whose data's type is not its name ends the turn
+        kind = "error" if event.event == "error" else data.get("type")
+        if data and kind != event.event:
+            raise EventUnreadable(f"an event named {event.event!r} carries data of type "
+                                  f"{kind!r}; the anthropic SDK reads it otherwise")
         if kind == "content_block_stop":    # a block's end, unless it is text or thinking
             stopped = self.blocks.get(data.get("index", -1))
             self.completing = stopped is None or _kind(stopped) not in _PROSE
