@@ -188,6 +188,16 @@ def _output(call_id: str, content: Any, is_error: bool = False) -> ToolOutput:
                           is_error)
 
 
+def _openai_event(event: ServerSentEvent) -> dict[str, Any]:
+    """An openai stream event's data, read as the openai SDK reads it or EventUnreadable: the
+    SDK hands over an event named `thread.*` as `{"data": ..., "event": ...}`, so none of what
+    its data says (a chat chunk's tool call, a Responses item) reaches the agent as such."""
+    if event.event.startswith("thread."):
+        raise EventUnreadable(f"an event named {event.event!r}, which the openai SDK hands over "
+                              "wrapped, not as the chunk or item its data holds")
+    return model_event(event.data)
+
+
 def _failure(error: Any) -> str:
     """What an upstream error event says, for the message that tells the client."""
     if isinstance(error, dict):
@@ -317,7 +327,7 @@ class _ChatAssembler:
 
     def feed(self, event: ServerSentEvent) -> None:
         self.completing = False
-        chunk = model_event(event.data)
+        chunk = _openai_event(event)
         if chunk.get("error") is not None:
             self.failure = self.failure or _failure(chunk["error"])
             return
@@ -556,7 +566,7 @@ class _ResponsesAssembler:
             self.shown.append(str(item["call_id"]))
 
     def feed(self, event: ServerSentEvent) -> None:
-        data = model_event(event.data)
+        data = _openai_event(event)
         kind = data.get("type") or event.event
         response = data.get("response")
         item = data.get("item")

@@ -1,4 +1,4 @@
-"""An Anthropic stream event the SDK skips must not be read by stepguard either (issue 24, 2).
+"""A stream event the SDK reads otherwise must not be read by stepguard as it stands (issue 24, 2).
 
 The anthropic SDK reads a stream's events by their `event:` name first: an event with no name,
 or named `ping`, is skipped whatever its data says; every other one is read by its data's
@@ -6,6 +6,11 @@ or named `ping`, is skipped whatever its data says; every other one is read by i
 `content_block_start` made stepguard's blocks one more than the SDK's, so a delta naming a
 block's index fed another block in each: stepguard checked the tool call's start input (ord-1)
 while the SDK built its input from the delta (ord-A) and handed that to the agent.
+
+The openai SDK reads an event named `thread.*` as `{"data": ..., "event": ...}`: a chat chunk
+in it has no choices for the agent. stepguard read its tool call piece all the same, so a
+piece the SDK never handed over made stepguard see another tool name (`xcheck_policy`, no step:
+let through as unmatched) than the one the agent got (`check_policy`, out of order).
 """
 
 from __future__ import annotations
@@ -13,8 +18,9 @@ from __future__ import annotations
 from typing import Any
 
 import anthropic
+import openai
 import pytest
-from conftest_model import in_stream, provider_error
+from conftest_model import SDK_ERRORS, in_stream, provider_error
 from test_model_tool_call_shapes import TOOL_USE, contract, sse
 from test_stream_faults import streaming_model
 
@@ -63,3 +69,36 @@ async def test_a_block_start_the_sdk_skips_ends_the_turn_before_the_sdk_builds_a
     assert in_stream(caught.value)
     assert provider_error(caught.value)["stepguard"]["reason"] == "unreadable"
     assert await guard.run_ids() == []      # ord-1 was not stored as checked
+
+
+def chat_chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+    return {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": "m",
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+
+async def test_a_chat_chunk_in_an_event_the_openai_sdk_wraps_ends_the_turn(
+        aiohttp_server: Any, stepguard: Any) -> None:
+    first = {"index": 0, "id": "call_1", "type": "function",
+             "function": {"name": "x", "arguments": ""}}
+    rest = {"index": 0, "function": {"name": "check_policy", "arguments": '{"order_id":"ord-1"}'}}
+    body = (sse(chat_chunk({"role": "assistant", "tool_calls": [first]}), "thread.message.delta")
+            + sse(chat_chunk({"tool_calls": [rest]})) + sse(chat_chunk({}, "tool_calls"))
+            + sse(b"[DONE]"))
+    guard = await stepguard(contract(await streaming_model(aiohttp_server, body), "openai"))
+    base = str(guard.client.make_url("/o"))
+
+    names: list[str] = []
+    raised: BaseException | None = None
+    async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="k", max_retries=0) as client:
+        try:
+            async for chunk in await client.chat.completions.create(
+                    model="m", stream=True, messages=[{"role": "user", "content": "go"}]):
+                for choice in chunk.choices or []:
+                    names += [c.function.name for c in choice.delta.tool_calls or []
+                              if c.function is not None and c.function.name]
+        except SDK_ERRORS as exc:
+            raised = exc
+
+    assert raised is not None and in_stream(raised), f"the SDK got the whole turn: {names}"
+    assert provider_error(raised)["stepguard"]["reason"] == "unreadable"
+    assert await guard.run_ids() == []      # nothing of the turn was stored as checked
