@@ -328,7 +328,7 @@ class _ChatAssembler:
     def feed(self, event: ServerSentEvent) -> None:
         self.completing = False
         chunk = _openai_event(event)
-        if chunk.get("error") is not None:
+        if chunk.get("error"):  # as the SDK tests it: a falsy `error` ({}, "") is a chunk it reads
             self.failure = self.failure or _failure(chunk["error"])
             return
         self.response_id = self.response_id or chunk.get("id")

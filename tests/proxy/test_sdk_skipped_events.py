@@ -102,3 +102,32 @@ async def test_a_chat_chunk_in_an_event_the_openai_sdk_wraps_ends_the_turn(
     assert raised is not None and in_stream(raised), f"the SDK got the whole turn: {names}"
     assert provider_error(raised)["stepguard"]["reason"] == "unreadable"
     assert await guard.run_ids() == []      # nothing of the turn was stored as checked
+
+
+async def test_a_chat_chunk_with_an_empty_error_member_is_read_as_the_sdk_reads_it(
+        aiohttp_server: Any, stepguard: Any) -> None:
+    """The openai SDK raises only at a chunk whose `error` is truthy: one with `"error": {}`
+    is handed over as any chunk, its tool call and finish reason too. stepguard took the
+    member's presence for an upstream error and read nothing else of the chunk, so with model
+    traffic alone the chunk completing a tool call reached the agent before the turn ended."""
+    call = {"index": 0, "id": "call_1", "type": "function",
+            "function": {"name": "check_policy", "arguments": '{"order_id":"ord-1"}'}}
+    body = (sse(chat_chunk({"role": "assistant", "content": "ok"}))
+            + sse({**chat_chunk({"tool_calls": [call]}, "tool_calls"), "error": {}})
+            + sse(b"[DONE]"))
+    guard = await stepguard(contract(await streaming_model(aiohttp_server, body), "openai"))
+    base = str(guard.client.make_url("/o"))
+
+    handed: list[Any] = []
+    raised: BaseException | None = None
+    async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="k", max_retries=0) as client:
+        try:
+            async for chunk in await client.chat.completions.create(
+                    model="m", stream=True, messages=[{"role": "user", "content": "go"}]):
+                handed += [choice for choice in chunk.choices
+                           if choice.delta.tool_calls or choice.finish_reason]
+        except SDK_ERRORS as exc:
+            raised = exc
+
+    assert handed == [], "a tool call and its finish reason reached the agent unchecked"
+    assert raised is not None and in_stream(raised)
