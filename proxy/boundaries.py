@@ -370,10 +370,17 @@ class Boundaries:
         and boundary; how many events were written. A count that cannot be written (store
         failure) is kept for the next flush."""
         written = 0
-        for key, count in self.refusals.take():
+        taken = self.refusals.take()
+        for done, (key, count) in enumerate(taken):
             try:
                 await retrying_conflicts(key[0], lambda: self._tally(key, count))  # noqa: B023
                 written += 1
+            except asyncio.CancelledError:
+                # stopped mid-flush (stepguard stopping cancels the periodic one): the counts
+                # not written yet are left for the final flush
+                for left in taken[done:]:
+                    self.refusals.give_back(*left)
+                raise
             except StoreError as exc:
                 self.refusals.give_back(key, count)
                 self.observer.store_error("append", str(exc), run_id=key[0],

@@ -188,6 +188,16 @@ def _output(call_id: str, content: Any, is_error: bool = False) -> ToolOutput:
                           is_error)
 
 
+def _openai_event(event: ServerSentEvent) -> dict[str, Any]:
+    """An openai stream event's data, read as the openai SDK reads it or EventUnreadable: the
+    SDK hands over an event named `thread.*` as `{"data": ..., "event": ...}`, so none of what
+    its data says (a chat chunk's tool call, a Responses item) reaches the agent as such."""
+    if event.event.startswith("thread."):
+        raise EventUnreadable(f"an event named {event.event!r}, which the openai SDK hands over "
+                              "wrapped, not as the chunk or item its data holds")
+    return model_event(event.data)
+
+
 def _failure(error: Any) -> str:
     """What an upstream error event says, for the message that tells the client."""
     if isinstance(error, dict):
@@ -317,8 +327,8 @@ class _ChatAssembler:
 
     def feed(self, event: ServerSentEvent) -> None:
         self.completing = False
-        chunk = model_event(event.data)
-        if chunk.get("error") is not None:
+        chunk = _openai_event(event)
+        if chunk.get("error"):  # as the SDK tests it: a falsy `error` ({}, "") is a chunk it reads
             self.failure = self.failure or _failure(chunk["error"])
             return
         self.response_id = self.response_id or chunk.get("id")
@@ -556,7 +566,7 @@ class _ResponsesAssembler:
             self.shown.append(str(item["call_id"]))
 
     def feed(self, event: ServerSentEvent) -> None:
-        data = model_event(event.data)
+        data = _openai_event(event)
         kind = data.get("type") or event.event
         response = data.get("response")
         item = data.get("item")
@@ -725,7 +735,14 @@ class _MessagesAssembler:
     def feed(self, event: ServerSentEvent) -> None:
         self.completing = False
         data = model_event(event.data)
-        kind = data.get("type") or event.event
+        # the SDK reads an event by its name first: `error` raises, one with no name (read as
+        # "message" here), named ping or with no data is skipped, any other is read by its
+        # data's type. Read otherwise here, a block start the SDK skips would shift every
+        # block index after it: an event whose data's type is not its name ends the turn
+        kind = "error" if event.event == "error" else data.get("type")
+        if data and kind != event.event:
+            raise EventUnreadable(f"an event named {event.event!r} carries data of type "
+                                  f"{kind!r}; the anthropic SDK reads it otherwise")
         if kind == "content_block_stop":    # a block's end, unless it is text or thinking
             stopped = self.blocks.get(data.get("index", -1))
             self.completing = stopped is None or _kind(stopped) not in _PROSE

@@ -6,6 +6,7 @@ stops, so the history stays complete in meaning and bounded (issue #24, 10)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -108,3 +109,29 @@ async def test_counted_refusals_are_written_when_stepguard_stops_and_runs_show_c
                                               history))
     assert report.reason is None, report
 
+
+
+async def test_counts_a_flush_had_taken_when_it_was_cancelled_are_written_by_the_next(
+        proxy: Any, tools: Any) -> None:
+    """stepguard stopping cancels the periodic flush; if that flush was still writing (here: it
+    waits for the run's lock), the counts it had taken must be left for the final flush."""
+    px = await proxy(example_contract(tools))
+    flow = OrderFlow(px, "loop-4")
+    await flow.call("lookup_order", drift="shape")
+    await refused_calls(flow, "check_policy", 5)
+    boundaries = px.sg.boundaries
+    halted_by = (await px.history("loop-4"))[-1]["halted_by"]
+    key = ("loop-4", halted_by, "check_policy", "entry")
+    assert boundaries.refusals.pending(key) == 4
+
+    async with px.sg.runs.locked("loop-4"):      # the flush waits for the run
+        flushing = asyncio.ensure_future(boundaries.flush_refusals())
+        await asyncio.sleep(0)          # its first step takes the counts, then waits
+        assert boundaries.refusals.pending(key) == 0
+        flushing.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await flushing
+
+    assert await boundaries.flush_refusals() == 1
+    tally = (await px.history("loop-4"))[-1]
+    assert (tally["step"], tally["repeats"]) == ("check_policy", 4)
