@@ -188,7 +188,9 @@ class _Handler(web.RequestHandler):
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
-        if self._awaiting_head and self._head_timer is None and not self._messages:
+        if self._messages:      # a whole request arrived: in progress from now on, though its
+            self._gate.waiting.pop(self, None)      # handler starts a loop turn or two later
+        elif self._awaiting_head and self._head_timer is None:
             self._arm_head_timer()
 
     def _arm_head_timer(self) -> None:
@@ -203,8 +205,9 @@ class _Handler(web.RequestHandler):
             return await super()._handle_request(request, start_time, request_handler)
         finally:
             self._awaiting_head = True
-            if self._counted and self._gate.reclaims:   # waiting for its next request: the
-                self._gate.waiting[self] = None             # newest waiter
+            # waiting for its next request (none pipelined behind this one): the newest waiter
+            if self._counted and self._gate.reclaims and not self._messages:
+                self._gate.waiting[self] = None
 
     def _head_expired(self) -> None:
         self._head_timer = None

@@ -176,3 +176,16 @@ async def test_a_listener_that_does_not_reclaim_refuses_when_full_of_silent_conn
         await listener.connect_silent()
     reader, _ = await listener.connect()
     assert (await closed(reader, SLACK_S)).startswith(b"HTTP/1.1 503 ")
+
+
+@pytest.mark.timeout(20)
+async def test_a_connection_whose_whole_request_has_arrived_is_not_reclaimed_before_it_is_served(
+        listen):
+    listener = await listen(1, reclaims=True)
+    reader, _ = await listener.connect_silent()
+    (handler,) = listener.gate.waiting
+    # the bytes as the transport hands them over: the request is queued, its handler starts a
+    # loop turn or two later, and a connection accepted meanwhile must not take its slot
+    handler.data_received(b"GET /ok HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert handler not in listener.gate.waiting
+    assert (await asyncio.wait_for(reader.readline(), 10)).rstrip() == b"HTTP/1.1 200 OK"
