@@ -140,9 +140,13 @@ class Stepguard:
         http = HttpToolAdapter(self.runs, self.forwarder, self.settings, self.observer,
                                self.boundaries)
         adapters: dict[str, Adapter] = {"http": http}
+        # the bytes all streamed model turns hold together (proxy/model_stream.py)
+        self.stream_budget = BodyBudget(self.limits.max_inflight_stream_bytes,
+                                        "streamed turn bytes")
         for kind in ("openai", "anthropic"):
             adapters[kind] = ModelAdapter(kind, self.runs, self.forwarder, self.settings,
-                                          self.observer, self.boundaries, http)
+                                          self.observer, self.boundaries, http,
+                                          self.stream_budget)
         adapters["mcp"] = McpAdapter(self.runs, self.forwarder, self.settings, self.observer,
                                      self.boundaries, http)
         self.budget = BodyBudget(self.limits.max_inflight_body_bytes)
