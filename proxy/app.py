@@ -365,7 +365,8 @@ async def serve(settings: Settings, contracts: list[Contract],
     # the admin listener reclaims connections that send no request: probes, scrapes and
     # operators get in whatever holds its few connections (proxy/listener.py)
     admin_gate = Gate(sg.limits.admin_connections, settings.header_timeout_s,
-                      settings.body_timeout_s, reclaims=True)
+                      settings.body_timeout_s, reclaims=True,
+                      on_reclaim=lambda: sg.observer.connection_reclaimed("admin"))
     proxy_runner = GuardedRunner(create_app(sg, manage=False), proxy_gate,
                                  settings.idle_timeout_s, access_log=None, handle_signals=False)
     admin_runner = GuardedRunner(create_admin_app(sg), admin_gate, settings.idle_timeout_s,
