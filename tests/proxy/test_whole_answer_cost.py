@@ -2,7 +2,8 @@
 
 Each tool call of an answer is an entry boundary, stored with the run's envelope, and the
 envelope lists every call still pending: N calls store N envelopes of up to N pending calls,
-so an answer of 10,000 calls took about 15 s to check (issue 24, second round, item 3)."""
+so an answer of 10,000 calls took about 15 s to check (issue 24, second round, item 3). The
+turn's events are now stored together, the envelope written once (`RunBook.batched`)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,6 @@ pytestmark = pytest.mark.fault
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(strict=True, reason="each entry rewrites the whole envelope with every pending "
-                   "call (contracts/runs.py commit, the stores' append): quadratic; not fixed yet")
 async def test_checking_a_whole_answer_costs_time_linear_in_its_tool_calls(aiohttp_server,
                                                                           stepguard):
     calls = {"n": 0, "answer": 0}
