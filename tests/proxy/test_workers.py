@@ -496,6 +496,16 @@ async def test_a_limit_too_small_for_every_worker_is_refused_at_start(
 
 
 @pytest.mark.timeout(150)
+async def test_each_worker_holds_its_share_of_the_streamed_turns_budget(tmp_path: Path,
+                                                                       tools_url: str) -> None:
+    async with serving(tmp_path, write_example_contract(tmp_path / "c.yaml", tools_url),
+                       "--max-stream-bytes", "1000",
+                       "--max-inflight-stream-bytes", "3001") as served:
+        shares = _limit_of(served, "max_inflight_stream_bytes")
+    assert shares == {0: 1501, 1: 1500}
+
+
+@pytest.mark.timeout(150)
 async def test_no_held_calls_stays_no_held_calls_in_every_worker(tmp_path: Path,
                                                                   tools_url: str) -> None:
     async with serving(tmp_path, write_example_contract(tmp_path / "c.yaml", tools_url),
