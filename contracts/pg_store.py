@@ -354,6 +354,34 @@ class PostgresStore:
         finally:
             self._inflight_leave()
 
+    async def append_batch(self, envelope: Envelope, events: Sequence[dict[str, Any]],
+                           keys: Sequence[str] = ()) -> None:
+        self._check_open()
+        first = envelope.seq - len(events) + 1
+        try:
+            data = orjson.dumps(envelope.to_dict())
+            encoded = [orjson.dumps(e) for e in events]
+        except (TypeError, ValueError) as exc:     # a value orjson cannot encode
+            raise StoreError(f"run {envelope.run_id!r}: the event cannot be stored: {exc}") from None
+        row = (envelope.run_id, envelope.contract_version, envelope.status, envelope.seq, data,
+               envelope.updated)
+        arrays = ([int(e["seq"]) for e in events], [float(e["ts"]) for e in events], encoded,
+                  sorted(set(keys)))
+
+        async def op(conn: _Conn) -> None:
+            # one statement: its own transaction, nothing stored unless all of it is
+            if first == 1:
+                moved = await conn.fetchval(_INSERT_BATCH, *row, *arrays, envelope.workflow,
+                                            envelope.created)
+            else:
+                moved = await conn.fetchval(_UPDATE_BATCH, *row, *arrays, first - 1)
+            if moved == 0:
+                stored = await conn.fetchval("SELECT seq FROM runs WHERE run_id = $1",
+                                             envelope.run_id)
+                raise ConflictError(envelope.run_id, first - 1, int(stored or 0))
+
+        await self._tracked(self._guarded_write(op))
+
     async def add_keys(self, run_id: str, keys: Sequence[str]) -> None:
         if not keys:
             return
@@ -586,6 +614,28 @@ _SERVER_GONE = (asyncpg.exceptions.AdminShutdownError, asyncpg.exceptions.Cannot
 # that one append at a time would get past
 _DEADLINE_SPENT = (asyncpg.exceptions.QueryCanceledError,
                    asyncpg.exceptions.LockNotAvailableError)
+
+
+# append_batch's statements: the run row moved (compare-and-set), then its events and keys, only
+# if it moved; returns how many run rows moved (0: a lost compare-and-set, nothing stored)
+_BATCH_REST = """
+), stored AS (
+    INSERT INTO events (run_id, seq, ts, event)
+    SELECT $1, s, t, e FROM unnest($7::bigint[], $8::float8[], $9::bytea[]) AS u(s, t, e)
+    WHERE EXISTS (SELECT 1 FROM moved)
+), keyed AS (
+    INSERT INTO run_keys (key, run_id) SELECT k, $1 FROM unnest($10::text[]) AS k
+    WHERE EXISTS (SELECT 1 FROM moved)
+    ON CONFLICT (key) DO UPDATE SET run_id = EXCLUDED.run_id
+)
+SELECT count(*) FROM moved"""
+_UPDATE_BATCH = """WITH moved AS (
+    UPDATE runs SET contract_version = $2, status = $3, seq = $4, envelope = $5, updated = $6
+    WHERE run_id = $1 AND seq = $11 RETURNING run_id""" + _BATCH_REST
+_INSERT_BATCH = """WITH moved AS (
+    INSERT INTO runs (run_id, contract_version, status, seq, envelope, updated, workflow, created)
+    VALUES ($1, $2, $3, $4, $5, $6, $11, $12)
+    ON CONFLICT (run_id) DO NOTHING RETURNING run_id""" + _BATCH_REST
 
 
 class _Append:

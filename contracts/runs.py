@@ -36,8 +36,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, TypeVar
 
 from stepguard.contracts.envelope import Envelope
@@ -68,6 +68,8 @@ class RunBook:
         self._moving: OrderedDict[str, None] = OrderedDict()
         # the store's cross-process lock of a run, taken inside this process's (None: none)
         self.run_lock = store.run_lock
+        # runs whose committed events are stored together at the end of a block (`batched`)
+        self._batches: dict[str, _Batch] = {}
 
     def locked(self, run_id: str) -> _RunLock:
         """`async with runs.locked(run_id):` one boundary of a run at a time (across processes
@@ -115,9 +117,51 @@ class RunBook:
                      keys: Sequence[str] = ()) -> tuple[Envelope, dict[str, Any]]:
         event = {"seq": envelope.seq + 1, "ts": time.time(), **fields}
         after = envelope.apply(event)
-        run_id = envelope.run_id
+        batch = self._batches.get(envelope.run_id)
+        if batch is not None:
+            if escalation is None and (batch.envelope is None or batch.envelope is envelope):
+                batch.envelope = after
+                batch.events.append(event)
+                batch.keys.extend(keys)
+                return after, event
+            await self._flush(batch)    # an event with an escalation record, or off the batch
+        await self._stored(after, self.store.append(after, event, escalation, keys))
+        return after, event
+
+    @asynccontextmanager
+    async def batched(self, run_id: str) -> AsyncIterator[None]:
+        """`async with runs.batched(run_id):` (under `locked(run_id)`) the events committed
+        for the run are stored together when it ends, with one write of the envelope
+        (`Store.append_batch`), instead of one append each: a model answer's N tool calls
+        would otherwise store N envelopes of up to N pending calls (quadratic). Whatever ends
+        the block, what was committed is stored before it is left (a store failure or a lost
+        compare-and-set raises there, as from `commit`); nothing of it may reach anyone until
+        then. An event with an escalation record (a held call, an escalation) is stored at
+        once, after the events before it."""
+        if run_id in self._batches:     # within another batch of the run: that one stores
+            yield
+            return
+        batch = self._batches[run_id] = _Batch()
         try:
-            await self.store.append(after, event, escalation, keys)
+            yield
+        finally:
+            del self._batches[run_id]
+            await self._flush(batch)
+
+    async def _flush(self, batch: _Batch) -> None:
+        after = batch.envelope
+        if after is None:
+            return
+        events, keys = batch.events, batch.keys
+        batch.envelope, batch.events, batch.keys = None, [], []
+        await self._stored(after, self.store.append_batch(after, events, keys))
+
+    async def _stored(self, after: Envelope, write: Awaitable[None]) -> None:
+        """`write` (of the events up to `after`) awaited: the envelope cached, or on a lost
+        compare-and-set dropped (StaleEnvelope when it was served without a read)."""
+        run_id = after.run_id
+        try:
+            await write
         except ConflictError as exc:
             self._cache.pop(run_id, None)   # read from the store next time
             if self._unconfirmed.pop(run_id, None) is not None:
@@ -130,7 +174,6 @@ class RunBook:
             raise
         self._unconfirmed.pop(run_id, None)    # the compare-and-set confirmed it
         self._remember(after)
-        return after, event
 
     async def _confirm(self, run_id: str, seq: int) -> None:
         """A boundary served `seq` without a read and stored nothing: the store must still be
@@ -155,6 +198,17 @@ def _keep(lru: OrderedDict[str, V], key: str, value: V, size: int) -> None:
     lru.move_to_end(key)
     while len(lru) > size:
         lru.popitem(last=False)
+
+
+class _Batch:
+    """The events of a `batched` block not stored yet, and the envelope after the last."""
+
+    __slots__ = ("envelope", "events", "keys")
+
+    def __init__(self) -> None:
+        self.envelope: Envelope | None = None
+        self.events: list[dict[str, Any]] = []
+        self.keys: list[str] = []
 
 
 class _RunLock:

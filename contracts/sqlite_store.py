@@ -278,6 +278,10 @@ class SQLiteStore:
                      escalation: dict[str, Any] | None = None, keys: Sequence[str] = ()) -> None:
         await self._write(lambda c: _append(c, envelope, event, escalation, keys))
 
+    async def append_batch(self, envelope: Envelope, events: Sequence[dict[str, Any]],
+                           keys: Sequence[str] = ()) -> None:
+        await self._write(lambda c: _append_batch(c, envelope, events, keys))
+
     async def add_keys(self, run_id: str, keys: Sequence[str]) -> None:
         if keys:
             await self._write(lambda c: _add_keys(c, run_id, keys))
@@ -934,6 +938,39 @@ def _append(conn: sqlite3.Connection, envelope: Envelope, event: dict[str, Any],
     if escalation is not None:
         conn.execute("INSERT INTO escalations (run_id, seq, ts, record) VALUES (?, ?, ?, ?)",
                      (envelope.run_id, envelope.seq, event["ts"], orjson.dumps(escalation)))
+
+
+def _append_batch(conn: sqlite3.Connection, envelope: Envelope,
+                  events: Sequence[dict[str, Any]], keys: Sequence[str]) -> None:
+    """`_append` of several consecutive events: one compare-and-set at the first event's
+    seq - 1, the envelope after the last written once."""
+    first = envelope.seq - len(events) + 1
+    data = orjson.dumps(envelope.to_dict())
+    rows = [(envelope.run_id, e["seq"], e["ts"], orjson.dumps(e)) for e in events]
+    if first == 1:
+        try:
+            conn.execute(
+                "INSERT INTO runs (run_id, workflow, contract_version, status, seq, envelope, "
+                "created, updated) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (envelope.run_id, envelope.workflow, envelope.contract_version, envelope.status,
+                 envelope.seq, data, envelope.created, envelope.updated))
+        except sqlite3.IntegrityError:
+            raise _conflict_at(conn, envelope.run_id, first) from None
+    else:
+        updated = conn.execute(
+            "UPDATE runs SET contract_version = ?, status = ?, seq = ?, envelope = ?, updated = ?"
+            " WHERE run_id = ? AND seq = ?",
+            (envelope.contract_version, envelope.status, envelope.seq, data, envelope.updated,
+             envelope.run_id, first - 1)).rowcount
+        if updated != 1:
+            raise _conflict_at(conn, envelope.run_id, first)
+    conn.executemany("INSERT INTO events (run_id, seq, ts, event) VALUES (?, ?, ?, ?)", rows)
+    _add_keys(conn, envelope.run_id, keys)
+
+
+def _conflict_at(conn: sqlite3.Connection, run_id: str, seq: int) -> ConflictError:
+    row = conn.execute("SELECT seq FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+    return ConflictError(run_id, seq - 1, row[0] if row else 0)
 
 
 def _add_keys(conn: sqlite3.Connection, run_id: str, keys: Sequence[str]) -> None:

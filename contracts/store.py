@@ -61,6 +61,17 @@ class Store(Protocol):
         """
         ...
 
+    async def append_batch(self, envelope: Envelope, events: Sequence[dict[str, Any]],
+                           keys: Sequence[str] = ()) -> None:
+        """Store `events` (consecutive seqs, the last `envelope.seq`) and `envelope` (the state
+        after the last) atomically, with correlation keys: what as many `append`s would store,
+        but the envelope is written once (a model answer's entries: contracts/runs.py
+        `batched`). None of them carries an escalation record.
+
+        Raises ConflictError when the stored run is not at the first event's seq - 1.
+        """
+        ...
+
     async def add_keys(self, run_id: str, keys: Sequence[str]) -> None:
         """Store correlation keys that find the run `run_id` from now on, without an event (a
         turn that belongs to the run but was not itself a boundary, such as a Responses text

@@ -176,6 +176,11 @@ class Observer:
         self.metrics.operator_refusals.inc()
         self.log.warning("operator_refused", path=path, why=why, client=client)
 
+    def connection_reclaimed(self, listener: str) -> None:
+        """A listener that reclaims (the admin one) closed a connection waiting without a
+        request to admit a new one (proxy/listener.py `Gate.make_room`)."""
+        self.metrics.connections_reclaimed.labels(listener).inc()
+
     def added(self, traffic: str, seconds: float) -> None:
         _observe(self._child(self.metrics.added, traffic), seconds)
 

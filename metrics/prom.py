@@ -90,7 +90,12 @@ class Metrics:
             "stepguard_stream_turns_cut", "Streamed model turns stepguard ended with a stream "
             "error before their end, by reason: unreadable (an event it cannot read as the "
             "SDKs read it), too_large (past --max-stream-bytes), too_many_calls (past "
-            "--max-turn-calls).", ["upstream", "reason"], registry=r)
+            "--max-turn-calls), budget (past --max-inflight-stream-bytes, all streamed turns "
+            "together).", ["upstream", "reason"], registry=r)
+        self.connections_reclaimed = Counter(
+            "stepguard_connections_reclaimed", "Connections a listener closed while they waited "
+            "without a request in progress, to admit a new one when all its slots were taken "
+            "(only the admin listener reclaims), by listener.", ["listener"], registry=r)
         self.requests_refused = Counter(
             "stepguard_requests_refused", "Requests refused before their upstream saw them: "
             "ambiguous paths and method-override headers, and calls refused for a reason in "

@@ -140,9 +140,13 @@ class Stepguard:
         http = HttpToolAdapter(self.runs, self.forwarder, self.settings, self.observer,
                                self.boundaries)
         adapters: dict[str, Adapter] = {"http": http}
+        # the bytes all streamed model turns hold together (proxy/model_stream.py)
+        self.stream_budget = BodyBudget(self.limits.max_inflight_stream_bytes,
+                                        "streamed turn bytes")
         for kind in ("openai", "anthropic"):
             adapters[kind] = ModelAdapter(kind, self.runs, self.forwarder, self.settings,
-                                          self.observer, self.boundaries, http)
+                                          self.observer, self.boundaries, http,
+                                          self.stream_budget)
         adapters["mcp"] = McpAdapter(self.runs, self.forwarder, self.settings, self.observer,
                                      self.boundaries, http)
         self.budget = BodyBudget(self.limits.max_inflight_body_bytes)
@@ -361,7 +365,8 @@ async def serve(settings: Settings, contracts: list[Contract],
     # the admin listener reclaims connections that send no request: probes, scrapes and
     # operators get in whatever holds its few connections (proxy/listener.py)
     admin_gate = Gate(sg.limits.admin_connections, settings.header_timeout_s,
-                      settings.body_timeout_s, reclaims=True)
+                      settings.body_timeout_s, reclaims=True,
+                      on_reclaim=lambda: sg.observer.connection_reclaimed("admin"))
     proxy_runner = GuardedRunner(create_app(sg, manage=False), proxy_gate,
                                  settings.idle_timeout_s, access_log=None, handle_signals=False)
     admin_runner = GuardedRunner(create_admin_app(sg), admin_gate, settings.idle_timeout_s,

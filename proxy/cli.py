@@ -99,6 +99,9 @@ def _parser() -> argparse.ArgumentParser:
                             "stream error, a whole answer gets 502 (1000)")
     serve.add_argument("--max-inflight-body-bytes", type=int,
                        help="request body bytes held at once, all calls together (503 above)")
+    serve.add_argument("--max-inflight-stream-bytes", type=int,
+                       help="bytes held at once by all streamed model turns together; the turn "
+                            "that would pass them ends with a stream error (256 MiB)")
     serve.add_argument("--header-timeout-s", type=float,
                        help="seconds for a request's head once its first byte came (10)")
     serve.add_argument("--body-timeout-s", type=float,

@@ -196,6 +196,7 @@ _PARSERS: dict[str, _Parse] = {
     "max_json_depth": _integer(1, JSON_DEPTH_CEILING, "a number of nesting levels"),
     "payload_history_bytes": _bytes(0),
     "max_inflight_body_bytes": _bytes(1),
+    "max_inflight_stream_bytes": _bytes(1),
     "header_timeout_s": _number(0.001, "a number of seconds"),
     "body_timeout_s": _number(0.001, "a number of seconds"),
     "body_total_timeout_s": _number(0.001, "a number of seconds"),
@@ -298,6 +299,9 @@ class Settings:
     max_json_depth: int = MAX_JSON_DEPTH
     payload_history_bytes: int = 4 * 1024
     max_inflight_body_bytes: int = 256 * 1024 * 1024
+    # the bytes all streamed model turns in flight hold together (past it, the turn that would
+    # pass it is ended with a stream error: docs/guides/model.md)
+    max_inflight_stream_bytes: int = 256 * 1024 * 1024
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     body_total_timeout_s: float = 120.0
@@ -341,6 +345,13 @@ class Settings:
                 f"max_request_bytes ({self.max_request_bytes}): a body between them could never "
                 "be held; raise --max-inflight-body-bytes / STEPGUARD_MAX_INFLIGHT_BODY_BYTES or "
                 "lower --max-request-bytes / STEPGUARD_MAX_REQUEST_BYTES")
+        if self.max_inflight_stream_bytes < self.max_stream_bytes:
+            # a turn between the two would be ended ("budget") however idle the process
+            raise ConfigError(
+                f"max_inflight_stream_bytes ({self.max_inflight_stream_bytes}) is below "
+                f"max_stream_bytes ({self.max_stream_bytes}): a turn between them could never "
+                "be held; raise --max-inflight-stream-bytes / STEPGUARD_MAX_INFLIGHT_STREAM_BYTES"
+                " or lower --max-stream-bytes / STEPGUARD_MAX_STREAM_BYTES")
 
     @classmethod
     def from_env(cls, **overrides: Any) -> Settings:

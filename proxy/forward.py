@@ -54,26 +54,28 @@ class BodyTooSlow(BodyStalled):
 
 
 class BudgetSpent(Exception):
-    """Holding this body would pass the budget of request body bytes held at once."""
+    """Holding these bytes would pass the budget of bytes held at once."""
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, what: str = "request body bytes") -> None:
         self.budget = budget
-        super().__init__(f"stepguard is holding its budget of {budget} request body bytes")
+        super().__init__(f"stepguard is holding its budget of {budget} {what}")
 
 
 class BodyBudget:
     """The request body bytes all calls in flight hold together, bounded: a body that would
     pass the bound is refused (503, retry) instead of buffered, so memory stays bounded however
     many large bodies arrive at once. A known length is taken whole up front; a chunked body
-    is taken as it arrives."""
+    is taken as it arrives. The bytes streamed model turns hold for checking have a budget of
+    their own alike (`what`: "streamed turn bytes", proxy/model_stream.py)."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, what: str = "request body bytes") -> None:
         self.limit = limit
+        self.what = what
         self.held = 0
 
     def take(self, size: int) -> None:
         if self.held + size > self.limit:
-            raise BudgetSpent(self.limit)
+            raise BudgetSpent(self.limit, self.what)
         self.held += size
 
     def give(self, size: int) -> None:

@@ -31,6 +31,7 @@ import contextlib
 import resource
 import socket
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -83,6 +84,8 @@ class Gate:
     reclaims: bool = False
     open: int = 0
     reclaimed: int = 0      # connections closed to make room, since the start
+    # called once for each of them (the admin listener: stepguard_connections_reclaimed_total)
+    on_reclaim: Callable[[], None] | None = None
     # the admitted connections with no request in progress, longest waiting first
     waiting: dict[_Handler, None] = field(default_factory=dict)
 
@@ -95,6 +98,8 @@ class Gate:
             return False
         next(iter(self.waiting)).reclaim()
         self.reclaimed += 1
+        if self.on_reclaim is not None:
+            self.on_reclaim()
         return True
 
 

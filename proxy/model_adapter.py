@@ -32,7 +32,13 @@ from stepguard.metrics.observer import Observer
 from stepguard.proxy.bodies import BodyError, charset_of, decode, parse_json
 from stepguard.proxy.boundaries import Boundaries, retrying_conflicts
 from stepguard.proxy.config import Settings
-from stepguard.proxy.forward import Forwarder, Timing, ask_for_identity, end_to_end
+from stepguard.proxy.forward import (
+    BodyBudget,
+    Forwarder,
+    Timing,
+    ask_for_identity,
+    end_to_end,
+)
 from stepguard.proxy.http_adapter import HttpToolAdapter
 from stepguard.proxy.model_answers import ModelAnswers
 from stepguard.proxy.model_correlation import ShownCalls, correlate
@@ -54,7 +60,8 @@ class ModelAdapter:
     entries, whole or streamed), stored answers read again checked too, the rest passed."""
 
     def __init__(self, kind: str, runs: RunBook, forwarder: Forwarder, settings: Settings,
-                 observer: Observer, boundaries: Boundaries, http: HttpToolAdapter) -> None:
+                 observer: Observer, boundaries: Boundaries, http: HttpToolAdapter,
+                 stream_budget: BodyBudget) -> None:
         self.traffic = kind
         self.runs = runs
         self.settings = settings
@@ -67,7 +74,7 @@ class ModelAdapter:
                                     self.exits)
         self.answers = ModelAnswers(forwarder, settings, boundaries, self.entries)
         self.streams = ModelStream(kind, forwarder, settings, observer, boundaries, self.shown,
-                                   self.entries, self.answers)
+                                   self.entries, self.answers, stream_budget)
 
     def error(self, route: Route, status: int, title: str, detail: str) -> web.Response:
         dialect = dialect_for(route.upstream.kind, route.path)

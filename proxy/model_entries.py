@@ -59,9 +59,11 @@ class ModelEntries:
         self.exits = exits
 
     async def check(self, ex: Exchange, turn: Turn) -> None:
-        """Every entry of the turn, under the run's lock; a violation raises `Stop`."""
+        """Every entry of the turn, under the run's lock; a violation raises `Stop`. The turn's
+        events are stored together when the check ends (`RunBook.batched`: one write of the
+        envelope, not one per tool call), before the answer goes anywhere."""
         contract = ex.contract
-        async with self.runs.locked(ex.run_id):
+        async with self.runs.locked(ex.run_id), self.runs.batched(ex.run_id):
             envelope = await self.runs.envelope(contract, ex.run_id)
             if envelope.status in STOPPED:
                 await refuse_halted(self.boundaries, ex, envelope, self.traffic)

@@ -3,7 +3,8 @@
 stream's first at once), the terminator and everything after it held until the assembled turn's
 entries are checked, then written, or replaced by the provider's stream error. With model
 traffic alone, the event that completes a tool call is held too. An event stepguard cannot read
-as the SDKs do, or a turn past its bounds, ends the turn (`_cut`)."""
+as the SDKs do, or a turn past its bounds, ends the turn (`_cut`): its own bytes and tool calls,
+and the bytes all streamed turns hold together (`Taken`, from the process's budget)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from stepguard.proxy.config import Settings
 from stepguard.proxy.correlation import MODEL_KINDS
 from stepguard.proxy.forward import (
     HOP_BY_HOP,
+    BodyBudget,
+    BudgetSpent,
     ClientEnd,
     Forwarder,
     Upstreamed,
@@ -58,6 +61,28 @@ class TurnCut(Exception):
         self.reason = reason
 
 
+class Taken:
+    """What one streamed turn has taken from the budget of bytes all streamed turns hold
+    (`--max-inflight-stream-bytes`): each chunk as it arrives, all of it given back when the turn
+    is done (checked and written, or ended). A chunk that would pass the budget ends this turn
+    (`TurnCut` "budget"), not the others."""
+
+    def __init__(self, budget: BodyBudget) -> None:
+        self.budget = budget
+        self.size = 0
+
+    def take(self, size: int) -> None:
+        try:
+            self.budget.take(size)
+        except BudgetSpent as exc:
+            raise TurnCut("budget", f"{exc} (--max-inflight-stream-bytes)") from None
+        self.size += size
+
+    def give_back(self) -> None:
+        self.budget.give(self.size)
+        self.size = 0
+
+
 class ModelStream:
     """Forwards a streamed model request and relays its answer, checking the turn before the
     terminator leaves. An agent that hangs up early (it has its tool call) does not stop the
@@ -65,8 +90,9 @@ class ModelStream:
 
     def __init__(self, traffic: str, forwarder: Forwarder, settings: Settings,
                  observer: Observer, boundaries: Boundaries, shown: ShownCalls,
-                 entries: ModelEntries, answers: ModelAnswers) -> None:
+                 entries: ModelEntries, answers: ModelAnswers, budget: BodyBudget) -> None:
         self.traffic = traffic
+        self.budget = budget
         self.forwarder = forwarder
         self.settings = settings
         self.observer = observer
@@ -134,16 +160,19 @@ class ModelStream:
         assembler = ex.dialect.assembler()
         stored = asyncio.Event()
         shown: list[str] = []
+        taken = Taken(self.budget)
         try:
-            await self._relay_turn(ex, resp, ClientEnd(out), splitter, assembler, stored, shown)
+            await self._relay_turn(ex, resp, ClientEnd(out), splitter, assembler, stored, shown,
+                                   taken)
         finally:   # the turn's calls are stored (or refused): requests waiting on them go on
+            taken.give_back()
             stored.set()
             self.boundaries.pending.streamed(ex.contract.workflow, stored)
             self.shown.settled(shown)
 
     async def _relay_turn(self, ex: Exchange, resp: H1Response, client: ClientEnd,
                           splitter: SSESplitter, assembler: Any, stored: asyncio.Event,
-                          shown: list[str]) -> None:
+                          shown: list[str], taken: Taken) -> None:
         held: list[bytes] = []
         ended = False       # the terminator was read
         # tools that run only inside the agent (no HTTP or MCP upstream: stepguard sees model
@@ -167,6 +196,7 @@ class ModelStream:
                 if received > max_bytes:     # a turn's memory is bounded, however it streams
                     raise TurnCut("too_large", f"the turn passed {max_bytes} bytes "
                                                "(--max-stream-bytes)")
+                taken.take(len(chunk))       # and so is what all streamed turns hold together
                 relayed: list[bytes] = []    # the events that arrived together leave together
                 try:
                     for raw, event in splitter.events(chunk):

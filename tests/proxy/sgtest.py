@@ -302,6 +302,11 @@ class ExitsNotStored(SQLiteStore):
             raise StoreError("disk I/O error (injected)")
         await super().append(envelope, event, escalation, keys)
 
+    async def append_batch(self, envelope: Envelope, events: Any, keys: Any = ()) -> None:
+        if any(event.get("boundary") == "exit" for event in events):
+            raise StoreError("disk I/O error (injected)")
+        await super().append_batch(envelope, events, keys)
+
 
 # --- stepguard as a process --------------------------------------------------------------------
 

@@ -483,13 +483,26 @@ async def test_the_held_calls_limit_holds_for_the_serve_as_a_whole(tmp_path: Pat
     (("--max-holds", "1"),
      "--max-holds=1 cannot be divided among 2 workers: each needs at least 1 held call, so "
      "at least 2"),
-], ids=["connections", "body budget", "held calls"])
+    (("--max-stream-bytes", "1000", "--max-inflight-stream-bytes", "1500"),
+     "--max-inflight-stream-bytes=1500 cannot be divided among 2 workers: each needs at least "
+     "1000 bytes (one turn of --max-stream-bytes), so at least 2000"),
+], ids=["connections", "body budget", "held calls", "stream budget"])
 async def test_a_limit_too_small_for_every_worker_is_refused_at_start(
         tmp_path: Path, tools_url: str, given: tuple[str, ...], named: str) -> None:
     code, out = await _serve_once(tmp_path, write_example_contract(tmp_path / "c.yaml", tools_url),
                                   "--port", "0", "--admin-port", "0", "--workers", "2", *given)
     assert code == 2
     assert named.encode() in out, out
+
+
+@pytest.mark.timeout(150)
+async def test_each_worker_holds_its_share_of_the_streamed_turns_budget(tmp_path: Path,
+                                                                       tools_url: str) -> None:
+    async with serving(tmp_path, write_example_contract(tmp_path / "c.yaml", tools_url),
+                       "--max-stream-bytes", "1000",
+                       "--max-inflight-stream-bytes", "3001") as served:
+        shares = _limit_of(served, "max_inflight_stream_bytes")
+    assert shares == {0: 1501, 1: 1500}
 
 
 @pytest.mark.timeout(150)
@@ -516,12 +529,13 @@ def test_a_remainder_goes_one_apiece_to_the_first_workers() -> None:
     from stepguard.proxy.limits import Limits, worker_limits
 
     settings = Settings(max_connections=7, max_request_bytes=100, max_inflight_body_bytes=302,
-                        max_holds=5)
-    assert worker_limits(settings, 3) == [Limits(3, 11, 101, 2), Limits(2, 11, 101, 2),
-                                          Limits(2, 10, 100, 1)]
+                        max_holds=5, max_stream_bytes=10, max_inflight_stream_bytes=31)
+    assert worker_limits(settings, 3) == [Limits(3, 11, 101, 2, 11), Limits(2, 11, 101, 2, 10),
+                                          Limits(2, 10, 100, 1, 10)]
     # the admin listener's 32 is stepguard's own: past 32 workers each keeps one
     many = worker_limits(Settings(max_connections=64, max_holds=64,
-                                  max_request_bytes=1, max_inflight_body_bytes=64), 64)
+                                  max_request_bytes=1, max_inflight_body_bytes=64,
+                                  max_stream_bytes=1, max_inflight_stream_bytes=64), 64)
     assert {limits.admin_connections for limits in many} == {1}
 
 
