@@ -93,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-response-bytes", type=int)
     serve.add_argument("--max-stream-bytes", type=int,
                        help="bytes of one streamed model turn; past them it ends with a stream "
-                            "error (64 MiB)")
+                            "error (10 MiB, as --max-response-bytes bounds a whole answer)")
     serve.add_argument("--max-turn-calls", type=int,
                        help="tool calls in one model turn; past them a stream ends with a "
                             "stream error, a whole answer gets 502 (1000)")

@@ -294,7 +294,7 @@ class Settings:
     max_response_bytes: int = 10 * 1024 * 1024
     # one streamed model turn: its bytes and its tool calls (past either, the turn is ended
     # with a stream error: docs/model.md)
-    max_stream_bytes: int = 64 * 1024 * 1024
+    max_stream_bytes: int = 10 * 1024 * 1024     # as a whole answer (max_response_bytes)
     max_turn_calls: int = 1000
     max_json_depth: int = MAX_JSON_DEPTH
     payload_history_bytes: int = 4 * 1024
