@@ -42,9 +42,11 @@ async def test_checking_a_whole_answer_costs_time_linear_in_its_tool_calls(aioht
         gc.collect()
         gc.disable()        # the collector's passes over many live objects are noise here
         try:
-            since = time.perf_counter()
+            # the CPU time of this process (proxy, store thread, upstream and client are all
+            # in it): other processes on a busy machine do not count
+            since = time.process_time()
             handed: list[Any] = await ask(guard, "chat", False)
-            took = time.perf_counter() - since
+            took = time.process_time() - since
         finally:
             gc.enable()
         assert len(handed[0].choices[0].message.tool_calls) == n
@@ -52,6 +54,6 @@ async def test_checking_a_whole_answer_costs_time_linear_in_its_tool_calls(aioht
 
     await seconds(100)      # warm
     small = min([await seconds(500) for _ in range(2)])
-    large = await seconds(4000)
+    large = min([await seconds(4000) for _ in range(2)])
     # linear: about 8 times as long; quadratic: about 64 times
     assert large / small < 20, f"500 calls: {small:.3f} s, 4,000 calls: {large:.3f} s"
