@@ -211,14 +211,15 @@ async def contend(server: str, workdir: Path, replica_counts: Sequence[int] = (1
                   clients: int = 32, seconds: float = 4.0) -> list[Contention]:
     """`rounds` rounds of every (replicas, run_locks) pair, interleaved (each round runs every
     pair once, in turn, so the machine's other load falls on all of them alike), each pair on a
-    fresh database of the PostgreSQL `server` with the bench contract (bench/proxy.py: one
+    fresh database of the PostgreSQL `server` with the bench contract (bench/proxy_setup.py: one
     `lookup_order` step, schemas and conditions) and the bench upstream (bench/upstream.py, a
     ~10 KB answer). Each pair runs both phases: `clients` clients on one run, then on a run
     each. A client sends its calls one after another, each to the next replica in turn (a
     round-robin balancer without its hop: the bench process's own CPU stays with the clients),
     so consecutive calls of a run reach different replicas. A call that is not answered 200 is
     counted failed and the client goes on."""
-    from stepguard.bench.proxy import MOUNT, TOOL_PATH, PgDatabase, bench_contract
+    from stepguard.bench.pg_lifecycle import PgDatabase
+    from stepguard.bench.proxy_setup import MOUNT, TOOL_PATH, bench_contract
     from stepguard.bench.upstream import order_request
 
     upstream = await asyncio.create_subprocess_exec(

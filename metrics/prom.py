@@ -33,7 +33,7 @@ UPSTREAM_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5
 RUN_STATUSES = STATUSES
 
 # Log lines this process dropped because its log writer's queue was full (stdout's reader
-# stalled; metrics/logs.py). One per process, not per `Metrics`: the writer is the process's,
+# stalled; metrics/log_writer.py). One per process, not per `Metrics`: the writer is the process's,
 # and `serve` counts into it before any `Metrics` exists. Every `Metrics` registry exposes it;
 # a worker's value goes to the multiprocess files like any counter and is summed over workers.
 LOG_LINES_DROPPED = Counter(

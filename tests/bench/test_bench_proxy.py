@@ -28,27 +28,23 @@ from programs import require_binary
 
 from stepguard.bench import upstream as bench_upstream
 from stepguard.bench.harness import free_port, percentile
+from stepguard.bench.hops import Bench, parse_wrk
+from stepguard.bench.load import closed_loop, loadgen
+from stepguard.bench.micro import boundary_micro
+from stepguard.bench.procstat import children, parse_cpu_line, steal_pct
 from stepguard.bench.proxy import (
     ROWS,
-    BenchError,
     BenchOptions,
     Row,
-    _Bench,
-    _children,
     _noise_notes,
-    _parse_wrk,
     _plan,
-    _render_bounds,
-    boundary_micro,
-    closed_loop,
     combine_rounds,
     hop_bounds,
-    loadgen,
-    parse_cpu_line,
     render,
     run,
-    steal_pct,
 )
+from stepguard.bench.proxy_setup import BenchError
+from stepguard.bench.render import render_bounds
 
 ALL_ROWS = ["direct", "nginx", "passthrough", "contract", "contract_traced", "contract_workers2",
             "contract_pg", "model_direct", "model", "model_stream_direct", "model_stream"]
@@ -251,7 +247,7 @@ def test_quick_run_measures_every_row() -> None:
     assert all(v is not None and v > 0 for v in result["ratios"].values())
     assert {t["met"] for t in result["targets"]} <= {True, False}
     assert result["micro"]["n"] == 30
-    assert _children(os.getpid()) == []                     # upstream, nginx, stepguards: gone
+    assert children(os.getpid()) == []                     # upstream, nginx, stepguards: gone
     text = render(result)
     for name in [*ALL_ROWS, "contract/passthrough", "contract/nginx", "passthrough/nginx",
                  "traced/contract rps", "traced/contract cpu", "contract_workers2/contract",
@@ -293,7 +289,7 @@ def test_the_contract_pg_row_keeps_its_history_in_a_database_of_its_own_dropped_
     assert row["stored_events"] >= 2 * (row["requests"] + 10 + 10)
     assert row["added_seq_p50_ms"] is not None
     assert bench_databases() == before
-    assert _children(os.getpid()) == []
+    assert children(os.getpid()) == []
     (target,) = [t for t in result["targets"] if t["target"].startswith("contract_pg:")]
     assert target["value"] == row["added_seq_p50_ms"] and target["limit"] == 2.0
 
@@ -310,11 +306,11 @@ def test_an_unreachable_postgresql_skips_the_contract_pg_row_saying_why() -> Non
     assert "not reachable" in row["reason"] and str(urlsplit(url).port) in row["reason"]
     assert result["ratios"]["contract_pg/contract"] is None
     assert "SKIPPED" in render(result)
-    assert _children(os.getpid()) == []
+    assert children(os.getpid()) == []
 
 
 def test_each_round_names_its_files_apart() -> None:
-    bench = _Bench(BenchOptions())
+    bench = Bench(BenchOptions())
     try:
         names = set()
         for bench.round in range(3):
@@ -366,7 +362,7 @@ def test_no_temp_dirs_or_processes_left_behind_by_a_failed_row(tmp_path: Path,
     model = result["rows"]["model"]
     assert model["status"] == "failed" and "exited" in model["reason"]
     assert list(tmp_path.iterdir()) == []
-    assert _children(os.getpid()) == []
+    assert children(os.getpid()) == []
 
 
 # --- the micro-benchmark and the helpers ------------------------------------------------------
@@ -452,9 +448,9 @@ def test_parse_wrk() -> None:
 Requests/sec:   1503.00
 Transfer/sec:     15.02MB
 """
-    assert _parse_wrk(out) == {"rps": 1503.0, "requests": 6012, "non_2xx": 7, "socket_errors": 3}
+    assert parse_wrk(out) == {"rps": 1503.0, "requests": 6012, "non_2xx": 7, "socket_errors": 3}
     with pytest.raises(RuntimeError, match="wrk printed no result"):
-        _parse_wrk("unable to connect to 127.0.0.1:1 Connection refused")
+        parse_wrk("unable to connect to 127.0.0.1:1 Connection refused")
 
 
 def test_percentile_is_nearest_rank() -> None:
@@ -606,7 +602,7 @@ def test_the_report_states_the_resource_bounds_the_hop_ran_under(monkeypatch):
     bounds = hop_bounds()
 
     assert bounds["max_connections"] == (4096 - 256) // 2
-    assert _render_bounds(bounds) == (
+    assert render_bounds(bounds) == (
         "bounds: request head 10 s, body stall 30 s, idle 75 s; connections 1,920 (admin 32); "
         "request bodies held 256 MiB in all, 10 MiB each; responses 10 MiB each; an "
         "unreachable upstream 3 tries in 2 s")

@@ -20,7 +20,8 @@ import pytest
 from aiohttp.http_exceptions import InvalidHeader
 
 from stepguard.bench.harness import free_port
-from stepguard.metrics.logs import CLIENT_ERROR_BURST, RateLimit, _summary
+from stepguard.metrics.log_processors import RateLimit, _summary
+from stepguard.metrics.logs import CLIENT_ERROR_BURST
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "order-confirmation" / "contract.yaml"
 SECRETS = (b"sk-secret-123", b"sk-cookie-456", b"sk-query-789")

@@ -30,7 +30,8 @@ import pytest
 
 from stepguard.bench.harness import free_port
 from stepguard.examples.order_confirmation import contract_path, tools
-from stepguard.metrics.logs import DRAIN_TIMEOUT_S, DROPPED_EVENT, LogWriter
+from stepguard.metrics.log_writer import LogWriter
+from stepguard.metrics.logs import DRAIN_TIMEOUT_S, DROPPED_EVENT
 
 CALL_TIMEOUT_S = 2.0     # a checked call to a loopback tool takes milliseconds
 # `stepguard serve` itself, with a log queue of `argv[1]` bytes (0: the default): a test fills
@@ -343,7 +344,7 @@ def test_lines_of_several_processes_on_one_pipe_never_interleave() -> None:
     # the workers of `serve --workers N` share stdout: each write is at most PIPE_BUF bytes
     # and ends at a line's end, so lines of two writers are never cut into each other
     script = ("import os, sys\n"
-              "from stepguard.metrics.logs import LogWriter\n"
+              "from stepguard.metrics.log_writer import LogWriter\n"
               "w = LogWriter(1, lambda n: b'', None)\n"
               "for n in range(3000):\n"
               "    w.put(b'{\"w\":\"%s\",\"n\":%d,\"pad\":\"%s\"}\\n'"

@@ -21,7 +21,7 @@ from aiohttp import web
 from sgtest import contract_doc, started, wait_ready
 
 from stepguard.bench.harness import free_port
-from stepguard.bench.proxy import RUN_HEADER, bench_contract
+from stepguard.bench.proxy_setup import RUN_HEADER, bench_contract
 from stepguard.bench.upstream import order_request
 
 HEAD_S, BODY_S, IDLE_S = 1.0, 1.0, 2.0

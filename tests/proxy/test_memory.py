@@ -14,7 +14,8 @@ import pytest
 import yaml
 from sgtest import started, wait_ready
 
-from stepguard.bench.proxy import bench_contract, free_port
+from stepguard.bench.harness import free_port
+from stepguard.bench.proxy_setup import bench_contract
 from stepguard.bench.upstream import order_request
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.sqlite_store import connect

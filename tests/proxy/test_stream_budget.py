@@ -19,7 +19,7 @@ from aiohttp import web
 from sgtest import started, wait_ready
 from test_stream_faults import peak_rss_mb
 
-from stepguard.bench.proxy import free_port
+from stepguard.bench.harness import free_port
 from stepguard.proxy.config import ConfigError, Settings
 
 pytestmark = pytest.mark.fault

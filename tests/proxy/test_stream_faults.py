@@ -39,7 +39,7 @@ from test_model_tool_call_shapes import (
 )
 from test_sse_fuzz import relay
 
-from stepguard.bench.proxy import free_port
+from stepguard.bench.harness import free_port
 from stepguard.contracts.loader import parse_contract
 from stepguard.proxy.model_dialects import ChatCompletions, Messages, Responses
 

@@ -1,0 +1,109 @@
+"""`boundary_micro()`: one checked boundary pair of the `contract` row timed in-process, without
+sockets: parsing both bodies, the entry and exit checks, building the two events, and appending
+both to SQLite through `RunBook.commit`."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import statistics
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import orjson
+import yaml
+
+from stepguard.bench import upstream as bench_upstream
+from stepguard.bench.harness import percentile
+from stepguard.bench.proxy_setup import bench_contract
+from stepguard.contracts.engine import check_entry, check_exit
+from stepguard.contracts.envelope import Envelope
+from stepguard.contracts.events import ToolResult
+from stepguard.contracts.loader import parse_contract
+from stepguard.contracts.redact import Redactor
+from stepguard.contracts.runs import RunBook
+from stepguard.contracts.sqlite_store import SQLiteStore
+from stepguard.proxy.bodies import history_payload
+from stepguard.proxy.config import Settings
+
+__all__ = ["PAYLOAD_HISTORY_BYTES", "boundary_micro"]
+
+PAYLOAD_HISTORY_BYTES = Settings().payload_history_bytes   # stepguard's default
+
+
+def boundary_micro(n: int = 2000) -> dict[str, Any]:
+    """One boundary pair of the `contract` row, in-process: parse the request and the 10 KB
+    response, entry and exit checks, build both events (redaction included), and append both to a
+    real SQLite store through `RunBook.commit`. Medians and p90s in µs per pair, and per part."""
+    if n < 1:
+        raise ValueError("n must be at least 1")
+    return asyncio.run(_micro(n))
+
+
+async def _micro(n: int) -> dict[str, Any]:
+    contract = parse_contract(yaml.safe_dump(bench_contract("http://127.0.0.1:9")).encode(),
+                              "bench-contract.yaml")
+    step = contract.steps["lookup_order"]
+    request, response = bench_upstream.order_request(), bench_upstream.order_body()
+    redact = Redactor(contract.redact)
+    clock = time.perf_counter
+    tmp = Path(tempfile.mkdtemp(prefix="stepguard-micro-"))
+    store = SQLiteStore(tmp / "micro.db")
+    parts: dict[str, list[float]] = {"parse": [], "checks": [], "events": [], "store": [],
+                                     "total": []}
+    try:
+        await store.open()
+        runs = RunBook(store)
+        warmup = min(200, max(10, n // 10))
+        for i in range(warmup + n):
+            t0 = clock()
+            payload = orjson.loads(request)
+            t1 = clock()
+            envelope = Envelope(f"micro-{i}", contract.workflow, contract.version)
+            entry = check_entry(step, envelope, payload, now=time.time())
+            t2 = clock()
+            fields = _event("entry", contract.version, {"input": redact(history_payload(
+                payload, len(request), PAYLOAD_HISTORY_BYTES))})
+            t3 = clock()
+            envelope, _ = await runs.commit(envelope, fields)
+            t4 = clock()
+            output = orjson.loads(response)
+            t5 = clock()
+            decision = check_exit(contract, step, envelope, payload, ToolResult(200, output),
+                                  now=time.time())
+            t6 = clock()
+            fields = _event("exit", contract.version, {"upstream_status": 200, "output": redact(
+                history_payload(output, len(response), PAYLOAD_HISTORY_BYTES))})
+            t7 = clock()
+            await runs.commit(envelope, fields)
+            t8 = clock()
+            if not (entry.passed and decision.passed):
+                raise RuntimeError(f"the bench contract refused its own traffic: "
+                                   f"{entry.violation or decision.violation}")
+            if i < warmup:
+                continue
+            parts["parse"].append((t1 - t0) + (t5 - t4))
+            parts["checks"].append((t2 - t1) + (t6 - t5))
+            parts["events"].append((t3 - t2) + (t7 - t6))
+            parts["store"].append((t4 - t3) + (t8 - t7))
+            parts["total"].append(t8 - t0)
+    finally:
+        await store.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    us = {name: sorted(v * 1e6 for v in values) for name, values in parts.items()}
+    result: dict[str, Any] = {"n": n, "body_bytes": len(response),
+                              "median_us": round(statistics.median(us["total"]), 1),
+                              "p90_us": round(percentile(us["total"], 90), 1)}
+    for name in ("parse", "checks", "events", "store"):
+        result[f"{name}_median_us"] = round(statistics.median(us[name]), 1)
+    return result
+
+
+def _event(boundary: str, version: str, payload: dict[str, Any]) -> dict[str, Any]:
+    return {"step": "lookup_order", "boundary": boundary, "verdict": "pass",
+            "action": "forward" if boundary == "entry" else "advance",
+            "decision_id": uuid.uuid4().hex[:16], "attempt": 1, "contract_version": version,
+            **payload}

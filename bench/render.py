@@ -1,0 +1,112 @@
+"""The text report of `stepguard bench proxy`: the rows' table, notes, bounds, ratios, the
+micro-benchmark, the targets and the machine; or the WAL soak's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["render", "render_bounds", "render_wal_soak"]
+
+
+def render_bounds(b: dict[str, Any]) -> str:
+    return (f"bounds: request head {b['header_timeout_s']:g} s, body stall "
+            f"{b['body_timeout_s']:g} s, idle {b['idle_timeout_s']:g} s; connections "
+            f"{b['max_connections']:,} (admin {b['admin_connections']}); request bodies held "
+            f"{b['max_inflight_body_mib']:g} MiB in all, {b['max_request_mib']:g} MiB each; "
+            f"responses {b['max_response_mib']:g} MiB each; an unreachable upstream "
+            f"{b['connect_attempts']} tries in {b['connect_timeout_s']:g} s")
+
+
+def render_wal_soak(result: dict[str, Any]) -> str:
+    w = result["wal_soak"]
+    mib = 1024 * 1024
+    return "\n".join([
+        f"WAL soak: {w['seconds']:g} s of wrk at {w['concurrency']} connections, every call a "
+        "checked run of its own",
+        f"  calls/s          {w['calls_per_s']:,.1f} ({w['calls']:,} calls, {w['non_2xx']} non-2xx, "
+        f"{w['socket_errors']} socket errors; {_fmt(w['stored_events'])} events stored)",
+        f"  WAL peak         {w['wal_peak_bytes'] / mib:,.1f} MiB (limit "
+        f"{w['wal_limit_bytes'] / mib:,.0f} MiB)",
+        f"  WAL final        {w['wal_final_bytes'] / mib:,.1f} MiB",
+        "  WAL peak by tenth of the run (MiB): "
+        + ", ".join(f"{v / mib:.1f}" for v in w["wal_peak_bytes_by_tenth"]),
+        f"  database         {w['db_bytes'] / mib:,.1f} MiB",
+        f"  hop CPU          {_fmt(w['cpu_s_per_1k'], 3)} s per 1k calls, peak RSS "
+        f"{_fmt(w['rss_mb'], 1)} MB"])
+
+
+def _fmt(value: Any, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    return str(value)
+
+
+def render(result: dict[str, Any]) -> str:
+    if "wal_soak" in result:
+        return render_wal_soak(result)
+    columns = [("row", "name", 0), ("rps", "rps", 0), ("p50 ms", "p50_ms", 2),
+               ("p90 ms", "p90_ms", 2), ("p99 ms", "p99_ms", 2), ("+p50 ms", "added_p50_ms", 2),
+               ("+p99 ms", "added_p99_ms", 2), ("+ttfb p50", "ttfb_added_p50_ms", 2),
+               ("seq p50", "seq_p50_ms", 2), ("seq +p50", "added_seq_p50_ms", 2),
+               ("cpu s/1k", "cpu_s_per_1k", 3), ("rss MB", "rss_mb", 1),
+               ("steal %", "steal_pct", 1)]
+    table: list[list[str]] = [[title for title, _, _ in columns]]
+    notes: list[str] = []
+    for name, row in result["rows"].items():
+        if row["status"] != "ok":
+            table.append([name, row["status"].upper()] + [""] * (len(columns) - 2))
+            notes.append(f"{name}: {row['status']}: {row['reason']}")
+            continue
+        table.append([_fmt(row[key], digits) for _, key, digits in columns])
+        notes += [f"{name}: {note}" for note in row["notes"]]
+    widths = [max(len(line[i]) for line in table) for i in range(len(columns))]
+    lines = []
+    for n, line in enumerate(table):
+        cells = [cell.ljust(widths[0]) if i == 0 else cell.rjust(widths[i])
+                 for i, cell in enumerate(line)]
+        lines.append("  ".join(cells).rstrip())
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    o = result["options"]
+    if o["repeat"] > 1:
+        lines += ["", f"{o['repeat']} rounds, rows interleaved; each figure is the median of its "
+                      "rounds (counts summed, maxima the worst). rps per round:"]
+        lines += [f"  {name:<20} " + ", ".join(f"{v:,.0f}" for v in row["rps_rounds"])
+                  for name, row in result["rows"].items() if row["status"] == "ok"]
+    lines += ["", f"rps: wrk, 1 thread, {o['concurrency']} connections, {o['duration_s']:g} s. "
+              f"Latency: open-loop, {o['rate']:g} req/s for {o['rate_duration_s']:g} s. "
+              f"+ = minus the reference row (direct; model rows: model*_direct) at that rate.",
+              *([f"seq: closed loop, {o['seq_requests']} requests back to back on one connection "
+                 "(an agent waiting for each call); seq +p50 against the reference row the same "
+                 "way."] if o["seq_requests"] else []),
+              "cpu s/1k: CPU seconds of the hop process per 1000 requests; rss: its peak RSS; "
+              "steal %: CPU time the hypervisor gave elsewhere while the row ran."]
+    if notes:
+        lines += ["", *notes]
+    if result.get("bounds"):
+        lines += ["", render_bounds(result["bounds"])]
+    lines += ["", "ratios:"]
+    lines += [f"  {name:<28} {_fmt(value, 3)}" for name, value in result["ratios"].items()]
+    micro = result.get("micro")
+    if micro:
+        lines += ["", f"boundary micro-benchmark ({micro['n']} pairs, {micro['body_bytes']} B "
+                      f"response): median {micro['median_us']:.1f} µs, p90 {micro['p90_us']:.1f} µs "
+                      f"per entry+exit pair (parse {micro['parse_median_us']:.1f}, checks "
+                      f"{micro['checks_median_us']:.1f}, events {micro['events_median_us']:.1f}, "
+                      f"SQLite {micro['store_median_us']:.1f})"]
+    lines += ["", "targets:"]
+    for t in result["targets"]:
+        verdict = {True: "met", False: "MISSED", None: "n/a"}[t["met"]]
+        unit = f" {t['unit']}" if t["unit"] else ""
+        lines.append(f"  [{verdict:^6}] {t['target']}: {_fmt(t['value'], 3)}{unit} "
+                     f"(target {t['op']} {t['limit']:g}{unit})")
+    machine = result["machine"]
+    before, after = machine["load_avg"]
+    steal = machine.get("steal_pct")
+    stolen = f", {steal:.1f}% of CPU time stolen by the hypervisor" if steal is not None else ""
+    lines += ["", f"{machine['cpus']} cpus, python {machine['python']}, 1-min load average "
+                  f"{before:.2f} at start, {after:.2f} at end{stolen}; took "
+                  f"{result['elapsed_s']:.1f} s"]
+    return "\n".join(lines)
