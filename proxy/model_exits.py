@@ -39,6 +39,11 @@ class PendingArguments:
         self._calls: Bounded[tuple[str, str], tuple[Any, int]] = Bounded(
             budget, weigh=lambda kept: kept[1])
 
+    @property
+    def size(self) -> int:
+        """The bytes of the arguments kept."""
+        return self._calls.weight
+
     def keep(self, run_id: str, call_id: str, arguments: Any, size: int) -> None:
         if size > self.budget:
             return
