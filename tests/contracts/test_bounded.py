@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from stepguard.contracts.bounded import Bounded
+
+BOUNDED = settings(max_examples=300, deadline=None, derandomize=True,
+                   suppress_health_check=[HealthCheck.too_slow])
+KEYS = st.sampled_from("abcdef")
+OPERATIONS = st.lists(st.one_of(
+    st.tuples(st.sampled_from(["put", "set", "touch", "pop"]), KEYS, st.integers(0, 9)),
+    st.tuples(st.just("update"), st.lists(st.tuples(KEYS, st.integers(0, 9)), max_size=4),
+              st.just(0))), max_size=30)
 
 
 def _keys(cache: Bounded[str, int], *candidates: str) -> list[str]:
@@ -119,3 +131,75 @@ def test_a_weighed_entry_heavier_than_the_limit_is_not_kept() -> None:
 
 def test_without_weigh_the_weight_is_the_number_of_entries() -> None:
     assert filled("a", "b").weight == 2
+
+
+def _in_order(cache: Bounded[str, int]) -> list[tuple[str, int]]:
+    """Every entry, oldest first (read by pushing them all out)."""
+    cache.limit = 0
+    return cache.put("end", 1)[:-1]
+
+
+def _trim(model: OrderedDict[str, int], limit: int) -> None:
+    while len(model) > limit:
+        model.popitem(last=False)
+
+
+@BOUNDED
+@given(limit=st.integers(0, 4), operations=OPERATIONS)
+def test_every_operation_orders_and_bounds_entries_as_the_hand_written_caches_did(
+        limit: int, operations: list[tuple[str, object, int]]) -> None:
+    # the model: the OrderedDict code each cache held before it was a Bounded
+    cache: Bounded[str, int] = Bounded(limit)
+    model: OrderedDict[str, int] = OrderedDict()
+    for op, key, value in operations:
+        if op == "put":                 # lru[key] = value; move_to_end; popitem(last=False)
+            assert isinstance(key, str)
+            cache.put(key, value)
+            model[key] = value
+            model.move_to_end(key)
+            _trim(model, limit)
+        elif op == "set":               # lru[key] = value; popitem(last=False)
+            assert isinstance(key, str)
+            cache[key] = value
+            model[key] = value
+            _trim(model, limit)
+        elif op == "update":            # for ...: lru[key] = value; then popitem(last=False)
+            assert isinstance(key, list)
+            cache.update(key)
+            model.update(key)
+            _trim(model, limit)
+        elif op == "touch":             # move_to_end on a read of a held key
+            assert isinstance(key, str)
+            if key in model:
+                cache.touch(key)
+                model.move_to_end(key)
+        else:                           # lru.pop(key, None)
+            assert isinstance(key, str)
+            assert cache.pop(key) == model.pop(key, None)
+    assert _in_order(cache) == list(model.items())
+
+
+@BOUNDED
+@given(budget=st.integers(0, 20),
+       kept=st.lists(st.tuples(KEYS, st.integers(0, 12), st.booleans()), max_size=30))
+def test_a_weighed_cache_keeps_what_the_byte_budget_kept(
+        budget: int, kept: list[tuple[str, int, bool]]) -> None:
+    # the model: PendingArguments.keep and .drop before they used a Bounded
+    cache: Bounded[str, int] = Bounded(budget, weigh=lambda size: size)
+    model: OrderedDict[str, int] = OrderedDict()
+    size = 0
+    for key, weight, drop in kept:
+        if drop:
+            cache.pop(key)
+            size -= model.pop(key, 0)
+            continue
+        if weight > budget:
+            continue
+        cache.put(key, weight)
+        size -= model.pop(key, 0)
+        model[key] = weight
+        size += weight
+        while size > budget:
+            size -= model.popitem(last=False)[1]
+    assert cache.weight == size
+    assert _in_order(cache) == list(model.items())
