@@ -92,10 +92,14 @@ class Bounded(Generic[K, V]):
         self._entries[key] = value
 
     def _trim(self) -> list[tuple[K, V]]:
+        entries, limit, weigh = self._entries, self.limit, self._weigh
         gone: list[tuple[K, V]] = []
-        while self.weight > self.limit:
-            key, value = self._entries.popitem(last=False)
-            if self._weigh is not None:
-                self._total -= self._weigh(value)
+        if weigh is None:
+            while len(entries) > limit:
+                gone.append(entries.popitem(last=False))
+            return gone
+        while self._total > limit:
+            key, value = entries.popitem(last=False)
+            self._total -= weigh(value)
             gone.append((key, value))
         return gone
