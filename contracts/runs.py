@@ -35,17 +35,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any
 
+from stepguard.contracts.bounded import Bounded
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.errors import ConflictError, RunOfAnotherWorkflow, StoreError
 from stepguard.contracts.model import Contract
 from stepguard.contracts.store import Store
-
-V = TypeVar("V")
 
 
 class StaleEnvelope(ConflictError):
@@ -57,15 +55,14 @@ class StaleEnvelope(ConflictError):
 class RunBook:
     def __init__(self, store: Store, cache_size: int = 10_000) -> None:
         self.store = store
-        self._cache: OrderedDict[str, Envelope] = OrderedDict()
-        self._cache_size = cache_size
+        self._cache: Bounded[str, Envelope] = Bounded(cache_size)     # least recently used out
         self._locks: dict[str, asyncio.Lock] = {}
         self._waiters: dict[str, int] = {}
         # runs whose envelope was served without a read and is not yet confirmed by a commit
         # or a read: run id -> the seq it was served at
         self._unconfirmed: dict[str, int] = {}
         # runs another writer advanced under a served envelope: read at their next boundaries
-        self._moving: OrderedDict[str, None] = OrderedDict()
+        self._moving: Bounded[str, None] = Bounded(cache_size)
         # the store's cross-process lock of a run, taken inside this process's (None: none)
         self.run_lock = store.run_lock
         # runs whose committed events are stored together at the end of a block (`batched`)
@@ -91,13 +88,13 @@ class RunBook:
                 envelope = Envelope(run_id, contract.workflow, contract.version)
                 self._unconfirmed[run_id] = 0
             else:
-                self._cache.move_to_end(run_id)
+                self._cache.touch(run_id)
                 if shared:
                     self._unconfirmed[run_id] = envelope.seq
         elif envelope is None or shared:
             envelope = await self._load(contract, run_id)
         else:
-            self._cache.move_to_end(run_id)
+            self._cache.touch(run_id)
         if envelope.workflow != contract.workflow:
             raise RunOfAnotherWorkflow(run_id, envelope.workflow, contract.workflow)
         return envelope
@@ -106,7 +103,7 @@ class RunBook:
         self._unconfirmed.pop(run_id, None)
         stored = await self.store.load(run_id)
         if not self.store.shared:
-            self._moving.pop(run_id, None)     # this process is the only writer from now on
+            self._moving.pop(run_id)     # this process is the only writer from now on
         if stored is None:
             return Envelope(run_id, contract.workflow, contract.version)
         self._remember(stored)
@@ -163,13 +160,13 @@ class RunBook:
         try:
             await write
         except ConflictError as exc:
-            self._cache.pop(run_id, None)   # read from the store next time
+            self._cache.pop(run_id)   # read from the store next time
             if self._unconfirmed.pop(run_id, None) is not None:
                 self._moved(run_id)
                 raise StaleEnvelope(run_id, exc.expected, exc.actual) from None
             raise
         except BaseException:
-            self._cache.pop(run_id, None)
+            self._cache.pop(run_id)
             self._unconfirmed.pop(run_id, None)
             raise
         self._unconfirmed.pop(run_id, None)    # the compare-and-set confirmed it
@@ -181,23 +178,15 @@ class RunBook:
         stored = await self.store.load(run_id)
         actual = stored.seq if stored is not None else 0
         if actual != seq:
-            self._cache.pop(run_id, None)
+            self._cache.pop(run_id)
             self._moved(run_id)
             raise StaleEnvelope(run_id, seq, actual)
 
     def _moved(self, run_id: str) -> None:
-        _keep(self._moving, run_id, None, self._cache_size)
+        self._moving.put(run_id, None)
 
     def _remember(self, envelope: Envelope) -> None:
-        _keep(self._cache, envelope.run_id, envelope, self._cache_size)
-
-
-def _keep(lru: OrderedDict[str, V], key: str, value: V, size: int) -> None:
-    """`key` stored as the newest entry of `lru`, the oldest ones dropped past `size`."""
-    lru[key] = value
-    lru.move_to_end(key)
-    while len(lru) > size:
-        lru.popitem(last=False)
+        self._cache.put(envelope.run_id, envelope)
 
 
 class _Batch:

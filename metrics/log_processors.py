@@ -18,6 +18,7 @@ import structlog
 from aiohttp.http_exceptions import HttpProcessingError
 from structlog.typing import EventDict
 
+from stepguard.contracts.bounded import Bounded
 from stepguard.metrics.trace_context import SPAN_ID, TRACE_ID, current_ids
 
 __all__ = ["CLIENT_ERROR_BURST", "CLIENT_ERROR_INTERVAL_S", "CLIENT_EVENTS", "ClientErrorFilter",
@@ -40,7 +41,8 @@ class RateLimit:
                  interval_s: float = CLIENT_ERROR_INTERVAL_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.burst, self.interval_s, self.clock = burst, interval_s, clock
-        self._windows: dict[tuple[str, str], list[float | int]] = {}   # key: [start, n, dropped]
+        # key: [start, n, dropped]; the window started longest ago forgotten first
+        self._windows: Bounded[tuple[str, str], list[float | int]] = Bounded(_TRACKED_SOURCES)
         self._lock = threading.Lock()
 
     def allow(self, kind: str, source: str) -> tuple[bool, int]:
@@ -52,10 +54,7 @@ class RateLimit:
             window = self._windows.get(key)
             if window is None or now - window[0] >= self.interval_s:
                 dropped = int(window[2]) if window is not None else 0
-                self._windows.pop(key, None)
-                if len(self._windows) >= _TRACKED_SOURCES:       # forget the oldest window
-                    self._windows.pop(next(iter(self._windows)))
-                self._windows[key] = [now, 1, 0]
+                self._windows.put(key, [now, 1, 0])
                 return True, dropped
             if window[1] < self.burst:
                 window[1] += 1

@@ -10,12 +10,12 @@ import re
 import time
 import uuid
 import zlib
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 from stepguard.contracts.argkeys import forward_key, headed_key, own_prefix, value_digest
+from stepguard.contracts.bounded import Bounded
 from stepguard.contracts.errors import StoreError
 from stepguard.contracts.model import Contract, Step
 from stepguard.contracts.store import Store
@@ -183,14 +183,6 @@ def issues_calls(contract: Contract) -> bool:
     return any(u.kind in MODEL_KINDS for u in contract.upstreams.values())
 
 
-def _remember(lru: OrderedDict[tuple[str, str], str], key: tuple[str, str], value: str,
-              limit: int) -> None:
-    lru[key] = value
-    lru.move_to_end(key)
-    while len(lru) > limit:
-        lru.popitem(last=False)
-
-
 def issued_key(contract: Contract, step: str, arguments: Any, call_id: str) -> str | None:
     """The correlation key a model's tool call is stored with on a shared store, so that its
     execution through another process joins it (`RunKeys._stored_issue`)."""
@@ -253,16 +245,16 @@ class RunKeys:
                  limit: int = 65536) -> None:
         self.store = store
         self.pending = pending if pending is not None else PendingCalls()
-        self.limit = limit
-        self._claims: OrderedDict[str, str] = OrderedDict()
+        # each bounded by `limit`, the least recently stored out first
+        self._claims: Bounded[str, str] = Bounded(limit)
         # argument keys are resolved under the locks of their values' shards (and of the run
         # the call is known to belong to): calls of different values never wait for each other
         self._shards = [asyncio.Lock() for _ in range(LOCK_SHARDS)]
         # (workflow, run named by a header) -> the run it is an alias of; runs named by a header
         # found with history of their own (never an alias). Both bounded; the store has them.
-        self._aliases: OrderedDict[tuple[str, str], str] = OrderedDict()
-        self._own: OrderedDict[tuple[str, str], str] = OrderedDict()
-        self._headed: OrderedDict[str, None] = OrderedDict()   # runs known named by a header
+        self._aliases: Bounded[tuple[str, str], str] = Bounded(limit)
+        self._own: Bounded[tuple[str, str], str] = Bounded(limit)
+        self._headed: Bounded[str, None] = Bounded(limit)   # runs known named by a header
         self._secret: bytes | None = None
 
     async def resolve(self, contract: Contract, step: Step, headers: Mapping[str, str],
@@ -330,7 +322,7 @@ class RunKeys:
         if target is None and key not in self._own:
             target = await self.store.find_run(alias_key(contract, run_id))
             if target is not None:
-                _remember(self._aliases, key, target, self.limit)
+                self._aliases.put(key, target)
         if target is not None:
             issued = await self._issue_of(contract, step, call, target)
             return target, issued.call_id if issued is not None else None
@@ -338,13 +330,13 @@ class RunKeys:
                                     or self.pending.waiting(contract.workflow, step.name)):
             return run_id, None
         if await self.store.load(run_id) is not None:     # a run with history of its own
-            _remember(self._own, key, run_id, self.limit)
+            self._own.put(key, run_id)
             return run_id, None
         issued = await self._issue_of(contract, step, call, None)
         if issued is None:
             return run_id, None
         await self.store.add_keys(issued.run_id, [alias_key(contract, run_id)])
-        _remember(self._aliases, key, issued.run_id, self.limit)
+        self._aliases.put(key, issued.run_id)
         return issued.run_id, issued.call_id
 
     async def _issue_of(self, contract: Contract, step: Step, call: Any,
@@ -528,10 +520,7 @@ class RunKeys:
         return True
 
     def _mark_headed(self, run_id: str) -> None:
-        self._headed[run_id] = None
-        self._headed.move_to_end(run_id)
-        while len(self._headed) > self.limit:
-            self._headed.popitem(last=False)
+        self._headed.put(run_id, None)
 
     async def _register(self, contract: Contract, run_id: str, values: list[tuple[str, str]],
                         owners: list[str | None], headed: bool = False) -> None:
@@ -542,11 +531,8 @@ class RunKeys:
         keys = [headed_key(contract.workflow, run_id)] if mark else []
         for name, value in new:
             forward = _forward(contract, name, value)
-            self._claims[forward] = run_id
-            self._claims.move_to_end(forward)
+            self._claims.put(forward, run_id)
             keys += [forward, _own(contract, run_id, name) + value]
-        while len(self._claims) > self.limit:
-            self._claims.popitem(last=False)
         await self.store.add_keys(run_id, keys)
         if mark:
             self._mark_headed(run_id)

@@ -22,11 +22,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
+
+from stepguard.contracts.bounded import Bounded
 
 
 def digest(value: Any) -> str | None:
@@ -61,8 +62,9 @@ STREAMING_WAIT_S = 30.0
 
 class PendingCalls:
     def __init__(self, limit: int = 10_000, ttl_s: float = 600.0) -> None:
-        self.limit, self.ttl_s = limit, ttl_s
-        self._issued: OrderedDict[tuple[str, str, str], list[Issued]] = OrderedDict()
+        self.ttl_s = ttl_s
+        # least recently issued out first (taking from an entry keeps its place)
+        self._issued: Bounded[tuple[str, str, str], list[Issued]] = Bounded(limit)
         # entries per (workflow, step): a call of a step no model issued costs no digest
         self._steps: dict[tuple[str, str], int] = {}
         # per workflow: the streamed turns showing tool calls that are not checked yet, each
@@ -109,13 +111,11 @@ class PendingCalls:
         if args is None:
             return
         key = (workflow, step, args)
-        self._issued.setdefault(key, []).append(
-            Issued(run_id, call_id, time.monotonic() + self.ttl_s))
+        entries = self._issued.get(key) or []
+        entries.append(Issued(run_id, call_id, time.monotonic() + self.ttl_s))
         self._steps[(workflow, step)] = self._steps.get((workflow, step), 0) + 1
-        self._issued.move_to_end(key)
-        while len(self._issued) > self.limit:
-            old, entries = self._issued.popitem(last=False)
-            self._forget(old, len(entries))
+        for old, dropped in self._issued.put(key, entries):
+            self._forget(old, len(dropped))
 
     def waiting(self, workflow: str, step: str) -> bool:
         """Whether a call the model issued for `step`, or a streamed turn of `workflow` being
@@ -169,4 +169,4 @@ class PendingCalls:
         if live:
             self._issued[key] = live
         else:
-            self._issued.pop(key, None)
+            self._issued.pop(key)

@@ -6,12 +6,12 @@ the call it holds) so the upstream side and the resumption side import it withou
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from aiohttp import web
 
+from stepguard.contracts.bounded import Bounded
 from stepguard.proxy.routing import Route
 
 C = TypeVar("C")
@@ -44,15 +44,13 @@ class Resumptions:
     refused, never passed through."""
 
     def __init__(self, limit: int = 4096) -> None:
-        self.limit = limit
-        self._by_id: OrderedDict[tuple[str, str, str], Cut[Any]] = OrderedDict()
+        # first relayed, first out (an id relayed again keeps its place)
+        self._by_id: Bounded[tuple[str, str, str], Cut[Any]] = Bounded(limit)
 
     def relayed(self, cut: Cut[Any], scope: tuple[str, str], event_id: str) -> None:
         key = (*scope, event_id)
         cut.ids.append(key)
         self._by_id[key] = cut
-        while len(self._by_id) > self.limit:
-            self._by_id.popitem(last=False)
 
     def find(self, scope: tuple[str, str], event_id: str) -> Cut[Any] | None:
         return self._by_id.get((*scope, event_id))

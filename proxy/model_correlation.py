@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
+from stepguard.contracts.bounded import Bounded
 from stepguard.contracts.runs import RunBook
 from stepguard.proxy.correlation import implicit_run_id, keyed_by
 from stepguard.proxy.model_dialects import ToolOutput
@@ -33,12 +33,12 @@ class ShownCalls:
     rather than taken as the exit of an unchecked call. In memory, bounded."""
 
     def __init__(self, failed_kept: int = FAILED_CALLS_KEPT) -> None:
-        self.failed_kept = failed_kept
         self._inflight: dict[str, asyncio.Event] = {}
-        self._failed: OrderedDict[str, None] = OrderedDict()
+        # each first in, first out (an id stored again keeps its place)
+        self._failed: Bounded[str, None] = Bounded(failed_kept)
         # ids waited for in vain on a shared store (`_stored_elsewhere`), not waited for again
-        self.unknown: OrderedDict[str, None] = OrderedDict()
-        self._checked: OrderedDict[str, None] = OrderedDict()
+        self.unknown: Bounded[str, None] = Bounded(failed_kept)
+        self._checked: Bounded[str, None] = Bounded(failed_kept)
 
     def known(self, call_id: str) -> bool:
         """Whether the call is known here as failed, or as checked (`checked`)."""
@@ -47,14 +47,9 @@ class ShownCalls:
     def checked(self, call_id: str) -> None:
         """A call found not failed in the store (shared stores): not looked up again."""
         self._checked[call_id] = None
-        while len(self._checked) > self.failed_kept:
-            self._checked.popitem(last=False)
 
     def never_stored(self, keys: list[str]) -> None:
-        for key in keys:
-            self.unknown[key] = None
-        while len(self.unknown) > self.failed_kept:
-            self.unknown.popitem(last=False)
+        self.unknown.update((key, None) for key in keys)
 
     def show(self, call_id: str, stored: asyncio.Event) -> bool:
         """The stream showed `call_id`; `stored` is set once its turn is stored (or refused).
@@ -78,14 +73,11 @@ class ShownCalls:
 
     def failed(self, shown: list[str]) -> None:
         """Tool calls a stream showed its client before the turn broke off: never checked."""
-        for call_id in shown:
-            self._failed[call_id] = None
-        while len(self._failed) > self.failed_kept:
-            self._failed.popitem(last=False)
+        self._failed.update((call_id, None) for call_id in shown)
 
     def reissued(self, call_id: str) -> None:
         """A retried turn issued the call again: its entry is checked now."""
-        self._failed.pop(call_id, None)
+        self._failed.pop(call_id)
 
     def refuse_unchecked(self, ex: Exchange, outputs: list[ToolOutput],
                          pending: Mapping[str, Any]) -> None:

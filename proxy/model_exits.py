@@ -4,12 +4,12 @@ model sees the request."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
 import orjson
 
+from stepguard.contracts.bounded import Bounded
 from stepguard.contracts.engine import check_exit
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.events import Decision, ToolResult
@@ -35,27 +35,26 @@ class PendingArguments:
 
     def __init__(self, budget: int = ARGUMENTS_BUDGET) -> None:
         self.budget = budget
-        self.size = 0
-        self._calls: OrderedDict[tuple[str, str], tuple[Any, int]] = OrderedDict()
+        # (arguments, size): the sizes bounded in all, the least recently kept out first
+        self._calls: Bounded[tuple[str, str], tuple[Any, int]] = Bounded(
+            budget, weigh=lambda kept: kept[1])
+
+    @property
+    def size(self) -> int:
+        """The bytes of the arguments kept."""
+        return self._calls.weight
 
     def keep(self, run_id: str, call_id: str, arguments: Any, size: int) -> None:
         if size > self.budget:
             return
-        self.drop(run_id, call_id)
-        self._calls[(run_id, call_id)] = (arguments, size)
-        self.size += size
-        while self.size > self.budget:
-            _, (_, dropped) = self._calls.popitem(last=False)
-            self.size -= dropped
+        self._calls.put((run_id, call_id), (arguments, size))
 
     def get(self, run_id: str, call_id: str) -> Any:
         kept = self._calls.get((run_id, call_id))
         return kept[0] if kept is not None else None
 
     def drop(self, run_id: str, call_id: str) -> None:
-        kept = self._calls.pop((run_id, call_id), None)
-        if kept is not None:
-            self.size -= kept[1]
+        self._calls.pop((run_id, call_id))
 
 
 class ModelExits:

@@ -13,10 +13,10 @@ nothing new (the halt that caused them is stored)."""
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from stepguard.contracts.bounded import Bounded
 from stepguard.contracts.model import Contract
 
 # how often counted refusals are written as tally events
@@ -50,8 +50,7 @@ class Count:
 
 class RefusalTally:
     def __init__(self, seen_limit: int = SEEN_LIMIT) -> None:
-        self.seen_limit = seen_limit
-        self._seen: OrderedDict[Key, str] = OrderedDict()     # key -> stored decision id
+        self._seen: Bounded[Key, str] = Bounded(seen_limit)     # key -> stored decision id
         self._counts: dict[Key, Count] = {}
 
     @staticmethod
@@ -63,10 +62,7 @@ class RefusalTally:
         return self._seen.get(key)
 
     def stored(self, key: Key, decision_id: str) -> None:
-        self._seen[key] = decision_id
-        self._seen.move_to_end(key)
-        while len(self._seen) > self.seen_limit:
-            self._seen.popitem(last=False)
+        self._seen.put(key, decision_id)
 
     def count(self, key: Key, contract: Contract, repeat_of: str) -> None:
         now = time.time()
