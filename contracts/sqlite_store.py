@@ -912,29 +912,8 @@ def purge(conn: sqlite3.Connection, before: float) -> int:
 
 def _append(conn: sqlite3.Connection, envelope: Envelope, event: dict[str, Any],
             escalation: dict[str, Any] | None, keys: Sequence[str]) -> None:
-    """The compare-and-set: a run's first event inserts its row (the primary key refuses a
-    second first event); every later one updates the row only if it is still at seq - 1."""
-    data = orjson.dumps(envelope.to_dict())
-    if envelope.seq == 1:
-        try:
-            conn.execute(
-                "INSERT INTO runs (run_id, workflow, contract_version, status, seq, envelope, "
-                "created, updated) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (envelope.run_id, envelope.workflow, envelope.contract_version, envelope.status,
-                 envelope.seq, data, envelope.created, envelope.updated))
-        except sqlite3.IntegrityError:
-            raise _conflict(conn, envelope) from None
-    else:
-        updated = conn.execute(
-            "UPDATE runs SET contract_version = ?, status = ?, seq = ?, envelope = ?, updated = ?"
-            " WHERE run_id = ? AND seq = ?",
-            (envelope.contract_version, envelope.status, envelope.seq, data, envelope.updated,
-             envelope.run_id, envelope.seq - 1)).rowcount
-        if updated != 1:
-            raise _conflict(conn, envelope)
-    conn.execute("INSERT INTO events (run_id, seq, ts, event) VALUES (?, ?, ?, ?)",
-                 (envelope.run_id, envelope.seq, event["ts"], orjson.dumps(event)))
-    _add_keys(conn, envelope.run_id, keys)
+    """The compare-and-set (`_append_batch` of one event), and the event's escalation record."""
+    _append_batch(conn, envelope, [event], keys)
     if escalation is not None:
         conn.execute("INSERT INTO escalations (run_id, seq, ts, record) VALUES (?, ?, ?, ?)",
                      (envelope.run_id, envelope.seq, event["ts"], orjson.dumps(escalation)))
@@ -942,11 +921,13 @@ def _append(conn: sqlite3.Connection, envelope: Envelope, event: dict[str, Any],
 
 def _append_batch(conn: sqlite3.Connection, envelope: Envelope,
                   events: Sequence[dict[str, Any]], keys: Sequence[str]) -> None:
-    """`_append` of several consecutive events: one compare-and-set at the first event's
-    seq - 1, the envelope after the last written once."""
+    """Consecutive events, ending at `envelope.seq`, in one compare-and-set: a run's first
+    event inserts its row (the primary key refuses a second first event); a later one updates
+    the row only if it is still at the first event's seq - 1. The envelope after the last is
+    written once."""
     first = envelope.seq - len(events) + 1
     data = orjson.dumps(envelope.to_dict())
-    rows = [(envelope.run_id, e["seq"], e["ts"], orjson.dumps(e)) for e in events]
+    rows = [(envelope.run_id, first + i, e["ts"], orjson.dumps(e)) for i, e in enumerate(events)]
     if first == 1:
         try:
             conn.execute(
@@ -977,11 +958,6 @@ def _add_keys(conn: sqlite3.Connection, run_id: str, keys: Sequence[str]) -> Non
     if keys:
         conn.executemany("INSERT OR REPLACE INTO run_keys (key, run_id) VALUES (?, ?)",
                          [(key, run_id) for key in keys])
-
-
-def _conflict(conn: sqlite3.Connection, envelope: Envelope) -> ConflictError:
-    row = conn.execute("SELECT seq FROM runs WHERE run_id = ?", (envelope.run_id,)).fetchone()
-    return ConflictError(envelope.run_id, envelope.seq - 1, row[0] if row else 0)
 
 
 def read_history(conn: sqlite3.Connection, run_id: str) -> list[dict[str, Any]]:
