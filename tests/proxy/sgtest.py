@@ -352,3 +352,23 @@ class RefundTools:
 
     url: str = ""
     seen: list[dict[str, Any]] = field(default_factory=list)
+
+
+async def stored_envelope(store: Any, run: str, until: Callable[[Envelope], bool],
+                          what: str, within_s: float = 10.0) -> Envelope:
+    """The run's envelope as stored, once `until` holds of it (looked at every 10 ms for at
+    most `within_s`), or an AssertionError saying `what` did not happen."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        envelope = await store.load(run)
+        if envelope is not None and until(envelope):
+            return envelope
+        await asyncio.sleep(0.01)
+    raise AssertionError(what)
+
+
+async def stored_hold(store: Any, run: str = "r1") -> dict[str, Any]:
+    """The one call held in the run, once stored: its hold record and `decision_id`."""
+    envelope = await stored_envelope(store, run, lambda e: bool(e.holds), f"nothing held in run {run}")
+    ((hold_id, held),) = envelope.holds.items()
+    return {"decision_id": hold_id, **held}

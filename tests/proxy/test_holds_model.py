@@ -19,6 +19,7 @@ import aiohttp
 import openai
 import pytest
 from aiohttp import web
+from sgtest import stored_envelope, stored_hold
 
 from stepguard.bench.harness import running
 from stepguard.contracts.loader import parse_contract
@@ -83,13 +84,7 @@ class Guarded:
     admin: str
 
     async def held(self, run: str = "r1") -> dict[str, Any]:
-        for _ in range(1000):
-            envelope = await self.sg.store.load(run)
-            if envelope is not None and envelope.holds:
-                ((hold_id, held),) = envelope.holds.items()
-                return {"decision_id": hold_id, **held}
-            await asyncio.sleep(0.01)
-        raise AssertionError("nothing held")
+        return await stored_hold(self.sg.store, run)
 
     async def decide(self, action: str, body: dict[str, Any], run: str = "r1") -> int:
         async with aiohttp.ClientSession() as session, session.post(
@@ -185,19 +180,15 @@ async def test_a_changed_tool_call_issued_after_the_approval_of_another_is_held_
     with pytest.raises(asyncio.CancelledError):
         await gave_up
     assert await guarded.decide("approve", {"digest": hold["digest"], "reason": "ok"}) == 200
-    for _ in range(1000):
-        envelope = await guarded.sg.store.load("r1")
-        if not envelope.holds and envelope.approvals:
-            break
-        await asyncio.sleep(0.01)
+    envelope = await stored_envelope(guarded.sg.store, "r1",
+                                     lambda e: not e.holds and bool(e.approvals),
+                                     "the approval was not stored")
     assert list(envelope.approvals) == [hold["digest"]]
     guarded.model.name, guarded.model.arguments = name, arguments
     changed = asyncio.ensure_future(completion(guarded.client, stream))
-    for _ in range(1000):
-        envelope = await guarded.sg.store.load("r1")
-        if envelope.holds or changed.done():
-            break
-        await asyncio.sleep(0.01)
+    envelope = await stored_envelope(guarded.sg.store, "r1",
+                                     lambda e: bool(e.holds) or changed.done(),
+                                     "the changed call was neither held nor answered")
     assert not changed.done(), "the changed tool call went through on the approval of another"
     ((hold_id, again),) = envelope.holds.items()
     assert again["digest"] != hold["digest"]

@@ -20,7 +20,7 @@ import orjson
 import pytest
 import yaml
 from aiohttp import web
-from sgtest import Reply, Upstream, send
+from sgtest import Reply, Upstream, send, stored_hold
 
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.errors import ConflictError
@@ -93,13 +93,7 @@ class Started:
         return run.run_id
 
     async def held(self, run: str) -> dict[str, Any]:
-        for _ in range(1000):
-            envelope = await self.sg.store.load(run)
-            if envelope is not None and envelope.holds:
-                ((hold_id, held),) = envelope.holds.items()
-                return {"decision_id": hold_id, **held}
-            await asyncio.sleep(0.01)
-        raise AssertionError(f"nothing held in run {run}")
+        return await stored_hold(self.sg.store, run)
 
     async def decide(self, run: str, action: str, body: dict[str, Any]) -> int:
         reply = await self.admin.post(f"/runs/{run}/{action}", json=body,
