@@ -22,7 +22,7 @@ import os
 import shutil
 import textwrap
 from collections.abc import Callable
-from dataclasses import Field, dataclass, field, fields
+from dataclasses import Field, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -233,8 +233,11 @@ def declare(default: _T, parse: _Parse | None, help: str, doc: str = "", *,
     its metadata. `flag` "" is `--` and the name with dashes, None none (environment only); `env`
     "" is STEPGUARD_ and the name in capitals; `doc` "" is `help`; `shown` "" is the default
     written in its unit; `parse` None, for NAME=VALUE settings, reads them named by the flag."""
-    declared = {"parse": parse, "help": help, "doc": doc or help, "flag": flag, "env": env,
-                "unit": unit, "shown": shown, "metavar": metavar, "secret": secret}
+    if parse is None:
+        assert flag, "NAME=VALUE settings are named by their flag"
+        parse = _assignments(flag)
+    declared = Setting(name="", kind="", default=None, parse=parse, help=help, doc=doc or help,
+                       flag=flag, env=env, unit=unit, shown=shown, metavar=metavar, secret=secret)
     metadata = {"setting": declared}
     if isinstance(default, list | dict):
         assert not default, "a list or dict setting defaults to an empty one"
@@ -244,17 +247,14 @@ def declare(default: _T, parse: _Parse | None, help: str, doc: str = "", *,
 
 
 def _declared(f: Field[Any]) -> Setting:
-    given = dict(f.metadata["setting"])
+    """The field's declaration completed with its name, type and default."""
+    declared: Setting = f.metadata["setting"]
     factory = f.default_factory
     default = factory() if callable(factory) else f.default
-    flag = "--" + f.name.replace("_", "-") if given["flag"] == "" else given["flag"]
-    if given["parse"] is None:
-        given["parse"] = _assignments(flag)
-    return Setting(name=f.name, kind=str(f.type), default=default, parse=given["parse"],
-                   help=given["help"], doc=given["doc"], flag=flag,
-                   env=given["env"] or f"STEPGUARD_{f.name.upper()}", unit=given["unit"],
-                   shown=given["shown"] or _shown(default, given["unit"]),
-                   metavar=given["metavar"], secret=given["secret"])
+    return replace(declared, name=f.name, kind=str(f.type), default=default,
+                   flag="--" + f.name.replace("_", "-") if declared.flag == "" else declared.flag,
+                   env=declared.env or f"STEPGUARD_{f.name.upper()}",
+                   shown=declared.shown or _shown(default, declared.unit))
 
 
 def _shown(value: Any, unit: str) -> str:
