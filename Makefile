@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-repeat lint docs bench-drift install
+.PHONY: demo test test-repeat lint docs bench-drift install settings-table
 
 # Concurrency-sensitive tests (store worker threads against close, PostgreSQL pools racing and
 # its database cut, kill -9 recovery, MCP stream
@@ -46,6 +46,10 @@ demo: install
 # the docs site (mkdocs.yml: strict, every nav entry, link and anchor must resolve) into build/site
 docs: install
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --quiet
+
+# the settings table of docs/running.md, from the declarations in proxy/config.py
+settings-table: install
+	$(BIN)/python -m stepguard.proxy.config docs/running.md
 
 bench-drift: install
 	$(BIN)/stepguard bench drift

@@ -9,7 +9,7 @@ import sqlite3
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -24,12 +24,20 @@ from stepguard.contracts.sqlite_store import (
     read_history,
     read_runs,
 )
-from stepguard.contracts.store import DEFAULT_RUN_LOCKS, RUN_LOCKS, Store
+from stepguard.contracts.store import RUN_LOCKS, Store
 from stepguard.contracts.store_urls import check_location, is_postgres, redacted
 from stepguard.contracts.stores import make_store
-from stepguard.metrics.logs import LOG_FORMATS, LOG_LEVELS
 from stepguard.metrics.report import render_run, shown, timestamp
-from stepguard.proxy.config import ConfigError, Settings, assignments, env_setting
+from stepguard.proxy.config import (
+    ConfigError,
+    Settings,
+    add_arguments,
+    assignments,
+    env_setting,
+)
+
+if TYPE_CHECKING:
+    _Sub = argparse._SubParsersAction[argparse.ArgumentParser]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -54,102 +62,35 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stepguard", description=__doc__)
     sub = parser.add_subparsers(metavar="COMMAND")
+    _serve_parser(sub)
+    _check_parser(sub)
+    _runs_parser(sub)
+    _store_parser(sub)
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(metavar="BENCH")
+    _drift_parser(bench_sub)
+    _replicas_parser(bench_sub)
+    _tail_parser(sub)
+    _proxy_bench_parser(bench_sub)
+    _demo_parser(sub)
+    from stepguard.proxy import replay_cli  # `stepguard replay`: its flags live beside it
+    replay_cli.add_parser(sub)
+    return parser
 
-    serve = sub.add_parser("serve", help="run the proxy and its admin listener")
-    serve.add_argument("--contract", action="append", dest="contracts", metavar="FILE",
-                       help="contract file (repeatable; env STEPGUARD_CONTRACTS, comma-separated)")
-    serve.add_argument("--shadow", action="append", metavar="FILE",
-                       help="a candidate contract checked beside the one in force for its "
-                            "workflow, its verdicts logged and counted, never acted on "
-                            "(repeatable; env STEPGUARD_SHADOW, comma-separated)")
-    serve.add_argument("--var", action="append", dest="vars", metavar="NAME=VALUE",
-                       help="override a contract var (repeatable; env STEPGUARD_VAR_<NAME>)")
-    serve.add_argument("--upstream", action="append", dest="upstreams", metavar="NAME=URL",
-                       help="override a contract upstream's URL, base path allowed (repeatable; "
-                            "env STEPGUARD_UPSTREAM_<NAME>)")
-    serve.add_argument("--host", help="proxy listen address (STEPGUARD_HOST, 127.0.0.1)")
-    serve.add_argument("--port", type=int, help="proxy port (STEPGUARD_PORT, 8080)")
-    serve.add_argument("--admin-host", help="admin listen address (STEPGUARD_ADMIN_HOST)")
-    serve.add_argument("--admin-port", type=int, help="admin port (STEPGUARD_ADMIN_PORT, 9090)")
-    serve.add_argument("--store", help="SQLite file or postgresql://USER@HOST:PORT/DATABASE URL "
-                                       "(STEPGUARD_STORE, stepguard.db)")
-    serve.add_argument("--shared-store", action="store_true", default=None,
-                       help="other stepguard processes write this SQLite file too (replicas on "
-                            "one file): no exclusive lock, cached envelopes trusted only where a "
-                            "compare-and-set validates them (STEPGUARD_SHARED_STORE); a "
-                            "PostgreSQL store is always shared")
-    serve.add_argument("--run-locks", choices=RUN_LOCKS, type=str.lower,
-                       help="how calls of one run on several processes are serialised on "
-                            "PostgreSQL: cas (compare-and-set, the loser checks again) or "
-                            "advisory (a per-run advisory lock as well); SQLite ignores it "
-                            f"(STEPGUARD_RUN_LOCKS, {DEFAULT_RUN_LOCKS})")
-    serve.add_argument("--store-timeout", type=float,
-                       help="seconds a write may wait for a locked or slow store before the "
-                            "call is refused with 503 (STEPGUARD_STORE_TIMEOUT, 1)")
-    serve.add_argument("--wal-limit-bytes", type=int,
-                       help="WAL size past which the writer truncates it "
-                            "(STEPGUARD_WAL_LIMIT_BYTES, 64 MiB)")
-    serve.add_argument("--max-request-bytes", type=int)
-    serve.add_argument("--max-response-bytes", type=int)
-    serve.add_argument("--max-stream-bytes", type=int,
-                       help="bytes of one streamed model turn; past them it ends with a stream "
-                            "error (10 MiB, as --max-response-bytes bounds a whole answer)")
-    serve.add_argument("--max-turn-calls", type=int,
-                       help="tool calls in one model turn; past them a stream ends with a "
-                            "stream error, a whole answer gets 502 (1000)")
-    serve.add_argument("--max-inflight-body-bytes", type=int,
-                       help="request body bytes held at once, all calls together (503 above)")
-    serve.add_argument("--max-inflight-stream-bytes", type=int,
-                       help="bytes held at once by all streamed model turns together; the turn "
-                            "that would pass them ends with a stream error (256 MiB)")
-    serve.add_argument("--header-timeout-s", type=float,
-                       help="seconds for a request's head once its first byte came (10)")
-    serve.add_argument("--body-timeout-s", type=float,
-                       help="seconds a request body may stall between reads (30)")
-    serve.add_argument("--body-total-timeout-s", type=float,
-                       help="seconds for a whole request body, from its head (120)")
-    serve.add_argument("--idle-timeout-s", type=float,
-                       help="seconds a keep-alive connection may sit idle (75)")
-    serve.add_argument("--max-connections", type=int,
-                       help="client connections on the proxy listener (0: from the fd limit)")
-    serve.add_argument("--connect-attempts", type=int,
-                       help="tries to reach an upstream before answering 502 (3)")
-    serve.add_argument("--connect-timeout-s", type=float,
-                       help="seconds for all tries to reach an upstream (2)")
-    serve.add_argument("--max-json-depth", type=int,
-                       help="deepest JSON nesting read (STEPGUARD_MAX_JSON_DEPTH, 64)")
-    serve.add_argument("--passthrough", action="store_true", default=None,
-                       help="forward everything unchecked (a baseline, not for production)")
-    serve.add_argument("--fail-open", action="store_true", default=None,
-                       help="forward unchecked when the store fails (counted; default: refuse)")
-    serve.add_argument("--no-uvloop", dest="uvloop", action="store_false", default=None,
-                       help="run on asyncio's own event loop instead of uvloop (STEPGUARD_UVLOOP)")
-    serve.add_argument("--admin-token-file", metavar="FILE",
-                       help="operator tokens (NAME:SECRET per line) for the admin API's "
-                            "state-changing endpoints (STEPGUARD_ADMIN_TOKEN_FILE; one token: "
-                            "STEPGUARD_ADMIN_TOKEN); without any, those endpoints are off")
-    serve.add_argument("--admin-viewer-token-file", metavar="FILE",
-                       help="viewer tokens (NAME:SECRET per line) that may read runs (GET /runs*) "
-                            "but not act (STEPGUARD_ADMIN_VIEWER_TOKEN_FILE; one token: "
-                            "STEPGUARD_ADMIN_VIEWER_TOKEN); reads off loopback need one of these "
-                            "or an operator token")
-    serve.add_argument("--admin-url", metavar="URL",
-                       help="the admin API's URL as operators reach it, named in a held call's "
-                            "escalation webhook (STEPGUARD_ADMIN_URL; default "
-                            "http://ADMIN_HOST:ADMIN_PORT)")
-    serve.add_argument("--max-holds", type=int,
-                       help="calls held for an operator at once; past it a call to hold gets "
-                            "503 (STEPGUARD_MAX_HOLDS, 100)")
-    serve.add_argument("--workers", type=int,
-                       help="worker processes serving the port with SO_REUSEPORT, under a "
-                            "supervisor (STEPGUARD_WORKERS, 1: one process)")
+
+def _serve_parser(sub: _Sub) -> None:
+    """`serve`: an option per setting with a flag, from its declaration (proxy/config.py)."""
+    serve = sub.add_parser("serve", help="run the proxy and its admin listener",
+                           description="Run the proxy and its admin listener. Flags override "
+                                       "STEPGUARD_* environment variables,\nwhich override the "
+                                       "defaults.",
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(serve)
     serve.add_argument("--worker-link", help=argparse.SUPPRESS)   # set by the supervisor
-    serve.add_argument("--log-format", type=str.lower, choices=LOG_FORMATS,
-                       help="STEPGUARD_LOG_FORMAT, auto")
-    serve.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS,
-                       help="STEPGUARD_LOG_LEVEL, info")
     serve.set_defaults(func=_serve)
 
+
+def _check_parser(sub: _Sub) -> None:
     check = sub.add_parser("check", help="validate and compile contract files")
     check.add_argument("files", nargs="+", metavar="CONTRACT")
     check.add_argument("--var", action="append", dest="vars", metavar="NAME=VALUE",
@@ -160,6 +101,8 @@ def _parser() -> argparse.ArgumentParser:
                             "STEPGUARD_UPSTREAM_<NAME> too)")
     check.set_defaults(func=_check)
 
+
+def _runs_parser(sub: _Sub) -> None:
     runs = sub.add_parser("runs", help="inspect runs in the store")
     runs.add_argument("--store", default=None,
                       help="SQLite file or postgresql:// URL (STEPGUARD_STORE)")
@@ -212,6 +155,8 @@ def _parser() -> argparse.ArgumentParser:
                            help="the hold's decision id")
         deciding.set_defaults(func=_runs_decide, action=action)
 
+
+def _store_parser(sub: _Sub) -> None:
     store = sub.add_parser("store", help="manage the store's schema")
     store_sub = store.add_subparsers(metavar="ACTION")
     migrate = store_sub.add_parser(
@@ -220,8 +165,8 @@ def _parser() -> argparse.ArgumentParser:
                          help="postgresql:// URL or SQLite file (STEPGUARD_STORE)")
     migrate.set_defaults(func=_store_migrate)
 
-    bench = sub.add_parser("bench", help="benchmarks")
-    bench_sub = bench.add_subparsers(metavar="BENCH")
+
+def _drift_parser(bench_sub: _Sub) -> None:
     drift = bench_sub.add_parser("drift", help="the drift table of the source article")
     drift.add_argument("--runs", type=int, default=5, help="injected runs per drift class")
     drift.add_argument("--controls", type=int, default=10, help="clean control runs")
@@ -245,6 +190,8 @@ def _parser() -> argparse.ArgumentParser:
     drift.add_argument("--json", action="store_true")
     drift.set_defaults(func=_bench_drift)
 
+
+def _replicas_parser(bench_sub: _Sub) -> None:
     contention = bench_sub.add_parser(
         "replicas", help="one hot run and many runs over N `stepguard serve` replicas on "
                          "PostgreSQL, by --run-locks (docs/replicas.md)")
@@ -258,6 +205,8 @@ def _parser() -> argparse.ArgumentParser:
     contention.add_argument("--seconds", type=float, default=4.0, help="per phase")
     contention.set_defaults(func=_bench_replicas)
 
+
+def _tail_parser(sub: _Sub) -> None:
     tail = sub.add_parser("tail", help="follow stepguard's JSON log as aligned, coloured lines")
     tail.add_argument("file", nargs="?", default="-", metavar="FILE|-",
                       help="log file, or - for standard input (default)")
@@ -271,6 +220,8 @@ def _parser() -> argparse.ArgumentParser:
     tail.add_argument("--color", choices=["auto", "always", "never"], default="auto")
     tail.set_defaults(func=_tail)
 
+
+def _proxy_bench_parser(bench_sub: _Sub) -> None:
     proxy_bench = bench_sub.add_parser(
         "proxy", help="stepguard beside a direct connection and nginx, same upstreams, same run")
     proxy_bench.add_argument("--concurrency", type=int, default=32,
@@ -299,6 +250,8 @@ def _parser() -> argparse.ArgumentParser:
     proxy_bench.add_argument("--json", action="store_true")
     proxy_bench.set_defaults(func=_bench_proxy)
 
+
+def _demo_parser(sub: _Sub) -> None:
     demo = sub.add_parser("demo", help="fake tools, stepguard in front, one clean and one "
                                        "drifting agent run")
     demo.add_argument("--store", default="stepguard-demo.db")
@@ -306,10 +259,6 @@ def _parser() -> argparse.ArgumentParser:
                                                     "JSON (the store's name with .log), out "
                                                     "of the printed story")
     demo.set_defaults(func=_demo)
-
-    from stepguard.proxy import replay_cli  # `stepguard replay`: its flags live beside it
-    replay_cli.add_parser(sub)
-    return parser
 
 
 def _serve(args: argparse.Namespace) -> int:
