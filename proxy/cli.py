@@ -59,8 +59,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
+class _Parser(argparse.ArgumentParser):
+    """Takes every option by its whole name only: an abbreviation is refused, since
+    `--admin-token X` would otherwise be read as `--admin-token-file X` (and its subcommands'
+    parsers are of this class too)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
+def _whole_names_only(**kwargs: Any) -> argparse.ArgumentParser:
+    return _Parser(**kwargs)
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="stepguard", description=__doc__)
+    parser = _whole_names_only(prog="stepguard", description=__doc__)
     sub = parser.add_subparsers(metavar="COMMAND")
     _serve_parser(sub)
     _check_parser(sub)

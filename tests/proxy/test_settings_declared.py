@@ -114,6 +114,19 @@ def test_a_flag_of_the_wrong_kind_is_refused_by_the_parser(
     assert refusal in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags", [
+    ["--admin-token", "s3cret"],             # not read as --admin-token-file
+    ["--admin-viewer-token", "s3cret"],
+    ["--max-stream", "1"],
+], ids=["admin-token", "viewer-token", "size"])
+def test_an_abbreviated_flag_is_refused_not_taken_for_the_flag_it_begins(
+        flags: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        _parser().parse_args(["serve", *flags])
+    assert exited.value.code == 2
+    assert "unrecognized arguments" in capsys.readouterr().err
+
+
 def serve_help(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> str:
     monkeypatch.setenv("COLUMNS", "1000")      # no help wrapped
     with pytest.raises(SystemExit) as exited:
