@@ -47,9 +47,9 @@ demo: install
 docs: install
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --quiet
 
-# the settings table of docs/running.md, from the declarations in proxy/config.py
+# the settings table of docs/running.md, from the declarations in proxy/core/config.py
 settings-table: install
-	$(BIN)/python -m stepguard.proxy.config docs/running.md
+	$(BIN)/python -m stepguard.proxy.core.config docs/running.md
 
 bench-drift: install
 	$(BIN)/stepguard bench drift

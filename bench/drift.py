@@ -36,8 +36,8 @@ from stepguard.examples.order_confirmation import agent as agent_mod
 from stepguard.examples.order_confirmation import contract_path as example_contract_path
 from stepguard.examples.order_confirmation import fake_model
 from stepguard.examples.order_confirmation import tools as tools_mod
-from stepguard.proxy.app import build, create_app
-from stepguard.proxy.config import Settings
+from stepguard.proxy.core.config import Settings
+from stepguard.proxy.ops.app import build, create_app
 
 # (drift class as stepguard names it, the injector that causes it)
 CLASSES = (("shape", "shape"), ("freshness", "stale_input"), ("order", "reordered"),

@@ -29,8 +29,8 @@ from aiohttp import web
 from stepguard.bench.harness import running
 from stepguard.contracts.loader import parse_contract
 from stepguard.contracts.model import Contract
-from stepguard.proxy.app import build, create_app
-from stepguard.proxy.config import Settings
+from stepguard.proxy.core.config import Settings
+from stepguard.proxy.ops.app import build, create_app
 
 TEXT_TOKENS = 20
 ARGUMENT_PIECES = 10

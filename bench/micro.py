@@ -26,8 +26,8 @@ from stepguard.contracts.loader import parse_contract
 from stepguard.contracts.redact import Redactor
 from stepguard.contracts.runs import RunBook
 from stepguard.contracts.sqlite_store import SQLiteStore
-from stepguard.proxy.bodies import history_payload
-from stepguard.proxy.config import Settings
+from stepguard.proxy.core.bodies import history_payload
+from stepguard.proxy.core.config import Settings
 
 __all__ = ["PAYLOAD_HISTORY_BYTES", "boundary_micro"]
 

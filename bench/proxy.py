@@ -426,8 +426,8 @@ def run(options: BenchOptions) -> dict[str, Any]:
 
 def hop_bounds() -> dict[str, Any]:
     """The resource bounds the hop ran under (its defaults: the bench sets none of them)."""
-    from stepguard.proxy.config import Settings
-    from stepguard.proxy.listener import ADMIN_CONNECTIONS, connection_limit
+    from stepguard.proxy.core.config import Settings
+    from stepguard.proxy.http.listener import ADMIN_CONNECTIONS, connection_limit
 
     s = Settings()
     return {"header_timeout_s": s.header_timeout_s, "body_timeout_s": s.body_timeout_s,

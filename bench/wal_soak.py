@@ -14,7 +14,7 @@ from stepguard.bench import upstream as bench_upstream
 from stepguard.bench.hops import Bench, count_events
 from stepguard.bench.procstat import cpu_s, peak_rss_mb
 from stepguard.bench.proxy_setup import MOUNT, TOOL_PATH, BenchOptions, bench_contract
-from stepguard.proxy.config import Settings
+from stepguard.proxy.core.config import Settings
 
 __all__ = ["wal_soak"]
 

@@ -74,7 +74,7 @@ def load_contracts(paths: Iterable[str | Path],
     STEPGUARD_VAR_*, `--upstream`, STEPGUARD_UPSTREAM_*). An override that names nothing
     declared is an issue, and so is an upstream override naming upstreams of two contracts.
     `texts`: each path's bytes, read before (the contracts a serve's supervisor holds in force,
-    proxy/worker_link.py), compiled instead of the file as it is now."""
+    proxy/ops/worker_link.py), compiled instead of the file as it is now."""
     contracts, issues = [], []
     paths = list(paths)
     for path in paths:

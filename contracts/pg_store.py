@@ -42,7 +42,7 @@ commit was then `BEGIN`, a statement per append, `COMMIT` (N + 2 round trips); a
 2.1-3.1x at 256, and a lone append's p50 is 0.70-0.87x (6 rounds, docs/postgresql.md).
 
 Concurrent boundaries of one run on several processes are serialised by the append's
-compare-and-set (the loser reads the run and checks again: proxy/boundaries.py
+compare-and-set (the loser reads the run and checks again: proxy/core/boundaries.py
 `retrying_conflicts`), and with `run_locks="advisory"` (`--run-locks`) also by a per-run
 advisory lock held across the boundary (`run_lock`): a session lock, `pg_advisory_lock` on a
 64-bit hash of the run id, taken on a connection of a pool of its own (a held lock holds its

@@ -63,7 +63,7 @@ from stepguard.contracts.redact import REDACTED, Redactor
 HALTS, PASSES, DIFFERS, UNJUDGEABLE, UNCHANGED = (
     "halts", "passes", "differs", "unjudgeable", "unchanged")
 KINDS = (HALTS, PASSES, DIFFERS, UNJUDGEABLE, UNCHANGED)
-UNREACHABLE = "unreachable"        # a call that never reached its upstream (proxy/boundaries.py)
+UNREACHABLE = "unreachable"        # a call that never reached its upstream (proxy/core/boundaries.py)
 _BOUNDARY_ACTIONS = frozenset({FORWARD, ADVANCE, HALT, ESCALATE, RETRY, OBSERVE, REJECTED,
                                COMPLETE})
 # violations the proxy decides before or instead of the engine: they depend on the traffic
@@ -589,7 +589,7 @@ def _damage(value: Any) -> tuple[str, frozenset[str] | None] | None:
 
 
 def _truncated(value: Any) -> bool:
-    """`history_payload`'s mark (proxy/bodies.py): {"truncated": true, "bytes": n}."""
+    """`history_payload`'s mark (proxy/core/bodies.py): {"truncated": true, "bytes": n}."""
     return (isinstance(value, dict) and value.keys() == {"truncated", "bytes"}
             and value["truncated"] is True and isinstance(value["bytes"], int))
 

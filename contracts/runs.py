@@ -4,7 +4,7 @@
 then returns the new envelope; the caller acts on a verdict after its event is stored. A lost
 compare-and-set (another writer advanced the run) drops the cached envelope and is reported to
 the caller (ConflictError), who checks the boundary again against the stored state
-(`retrying_conflicts` in proxy/boundaries.py).
+(`retrying_conflicts` in proxy/core/boundaries.py).
 
 Envelopes are read in one of two ways:
 

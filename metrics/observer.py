@@ -178,7 +178,7 @@ class Observer:
 
     def connection_reclaimed(self, listener: str) -> None:
         """A listener that reclaims (the admin one) closed a connection waiting without a
-        request to admit a new one (proxy/listener.py `Gate.make_room`)."""
+        request to admit a new one (proxy/http/listener.py `Gate.make_room`)."""
         self.metrics.connections_reclaimed.labels(listener).inc()
 
     def added(self, traffic: str, seconds: float) -> None:

@@ -10,7 +10,7 @@ that exited too, so a restart loses no count), `stepguard_held_calls` is summed 
 workers (`livesum`). Two families are the answering worker's own, not read from the files:
 `stepguard_runs` (counted from the shared store at the scrape, so any worker's count is the
 store's) and `stepguard_contract_info` (an Info, which multiprocess mode does not keep; every
-worker serves the contracts its supervisor holds in force, proxy/worker_link.py).
+worker serves the contracts its supervisor holds in force, proxy/ops/worker_link.py).
 """
 
 from __future__ import annotations

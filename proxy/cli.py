@@ -28,7 +28,7 @@ from stepguard.contracts.store import RUN_LOCKS, Store
 from stepguard.contracts.store_urls import check_location, is_postgres, redacted
 from stepguard.contracts.stores import make_store
 from stepguard.metrics.report import render_run, shown, timestamp
-from stepguard.proxy.config import (
+from stepguard.proxy.core.config import (
     ConfigError,
     Settings,
     add_arguments,
@@ -87,13 +87,13 @@ def _parser() -> argparse.ArgumentParser:
     _tail_parser(sub)
     _proxy_bench_parser(bench_sub)
     _demo_parser(sub)
-    from stepguard.proxy import replay_cli  # `stepguard replay`: its flags live beside it
+    from stepguard.proxy.ops import replay_cli  # `stepguard replay`: its flags live beside it
     replay_cli.add_parser(sub)
     return parser
 
 
 def _serve_parser(sub: _Sub) -> None:
-    """`serve`: an option per setting with a flag, from its declaration (proxy/config.py)."""
+    """`serve`: an option per setting with a flag, from its declaration (proxy/core/config.py)."""
     serve = sub.add_parser("serve", help="run the proxy and its admin listener",
                            description="Run the proxy and its admin listener. Flags override "
                                        "STEPGUARD_* environment variables,\nwhich override the "
@@ -298,8 +298,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _serve_configured(args: argparse.Namespace, settings: Settings) -> int:
-    from stepguard.proxy.admin import AdminTokens
-    from stepguard.proxy.app import serve, shadowed
+    from stepguard.proxy.ops.admin import AdminTokens
+    from stepguard.proxy.ops.app import serve, shadowed
 
     try:
         AdminTokens.of(settings)
@@ -312,7 +312,7 @@ def _serve_configured(args: argparse.Namespace, settings: Settings) -> int:
         return 2
     worker = None
     if args.worker_link is not None:
-        from stepguard.proxy.worker_link import WorkerLink
+        from stepguard.proxy.ops.worker_link import WorkerLink
         try:
             worker = WorkerLink.parse(args.worker_link)
         except ValueError as exc:
@@ -323,7 +323,7 @@ def _serve_configured(args: argparse.Namespace, settings: Settings) -> int:
         if worker is not None or settings.workers > 1:
             # several workers: the supervisor reads the files once and holds their bytes in
             # force; a worker compiles those, never the files as they are now
-            from stepguard.proxy.worker_link import InForce
+            from stepguard.proxy.ops.worker_link import InForce
             in_force = InForce.load(worker.in_force) if worker is not None else \
                 InForce.read(settings.contracts, settings.shadow)
             contracts, shadows = in_force.compile(settings.vars, settings.upstreams)
@@ -342,9 +342,9 @@ def _serve_configured(args: argparse.Namespace, settings: Settings) -> int:
         if worker is None and settings.workers > 1:
             if requested():
                 check_env()       # each worker sets up its own export; refused here at once
-            from stepguard.proxy.limits import worker_limits
-            from stepguard.proxy.listener import raise_fd_limit
-            from stepguard.proxy.workers import supervise
+            from stepguard.proxy.http.listener import raise_fd_limit
+            from stepguard.proxy.ops.limits import worker_limits
+            from stepguard.proxy.ops.workers import supervise
             raise_fd_limit()      # the workers inherit it: a derived connection limit follows it
             try:       # every worker's share of the serve's limits, checked before any starts
                 worker_limits(settings, settings.workers)
@@ -578,19 +578,19 @@ def _runs_show(args: argparse.Namespace) -> int:
 
 
 def _runs_decide(args: argparse.Namespace) -> int:
-    from stepguard.proxy.operate import decide
+    from stepguard.proxy.ops.operate import decide
 
     return decide(args)
 
 
 def _runs_resume(args: argparse.Namespace) -> int:
-    from stepguard.proxy.operate import resume
+    from stepguard.proxy.ops.operate import resume
 
     return resume(args)
 
 
 def _runs_cancel(args: argparse.Namespace) -> int:
-    from stepguard.proxy.operate import cancel
+    from stepguard.proxy.ops.operate import cancel
 
     return cancel(args)
 

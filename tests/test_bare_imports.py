@@ -36,7 +36,7 @@ def test_ruff_refuses_a_bare_import_of_a_module_below_each_root(root: str) -> No
 
 
 def test_ruff_allows_the_stepguard_spelling_and_the_test_helpers() -> None:
-    source = "import sgtest\nimport stepguard.proxy.app\nfrom stepguard.contracts import engine\n"
+    source = "import sgtest\nimport stepguard.proxy.ops.app\nfrom stepguard.contracts import engine\n"
     found = subprocess.run(
         [sys.executable, "-m", "ruff", "check", "--no-cache", "--select", "TID251",
          "--stdin-filename", "tests/allowed.py", "-"],

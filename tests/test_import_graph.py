@@ -47,8 +47,9 @@ def _packages() -> dict[str, Path]:
 def _modules() -> dict[str, Path]:
     modules = {}
     for package, folder in _packages().items():
-        for path in sorted(folder.glob("*.py")):
-            modules[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
+        for path in sorted(folder.rglob("*.py")):
+            parts = [package, *path.relative_to(folder).with_suffix("").parts]
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return modules
 
 

@@ -15,7 +15,10 @@ TREE = ROOT / "stepguard"
 def _package_dirs() -> dict[str, str]:
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
     dirs: dict[str, str] = config["tool"]["setuptools"]["package-dir"]
-    assert sorted(dirs) == sorted(config["tool"]["setuptools"]["packages"])
+    packages = config["tool"]["setuptools"]["packages"]
+    # every mapped package is listed; every other listed one is a subpackage of a mapped one
+    assert set(dirs) <= set(packages)
+    assert all(any(p.startswith(f"{d}.") for d in dirs) for p in set(packages) - set(dirs))
     return dirs
 
 
@@ -39,3 +42,16 @@ def test_the_tree_holds_nothing_but_the_symlinks_and_their_folders() -> None:
         for name in dirnames + filenames:
             found.add(Path(dirpath) / name)
     assert found == expected | parents
+
+
+def test_every_subpackage_folder_is_listed_for_the_installed_package() -> None:
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    packages = set(config["tool"]["setuptools"]["packages"])
+    missing = []
+    for package, folder in _package_dirs().items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            parts = init.parent.relative_to(ROOT / folder).parts
+            name = ".".join([package, *parts])
+            if name not in packages:
+                missing.append(name)
+    assert not missing, f"add to [tool.setuptools] packages: {missing}"

@@ -18,8 +18,8 @@ from stepguard.examples.order_confirmation import agent as agent_mod
 from stepguard.examples.order_confirmation import contract_path
 from stepguard.examples.order_confirmation import tools as tools_mod
 from stepguard.metrics.report import render_run
-from stepguard.proxy.app import build, create_app
-from stepguard.proxy.config import Settings
+from stepguard.proxy.core.config import Settings
+from stepguard.proxy.ops.app import build, create_app
 
 
 @asynccontextmanager

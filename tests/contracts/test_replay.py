@@ -1,6 +1,6 @@
 """Offline replay, the pure part: a recorded history re-checked under a candidate contract gives
 the runs whose verdicts change (and where), and the runs it cannot judge (and why). Histories are
-written as the proxy stores them (proxy/boundaries.py); the candidates are variants of the
+written as the proxy stores them (proxy/core/boundaries.py); the candidates are variants of the
 order-confirmation example."""
 
 from __future__ import annotations

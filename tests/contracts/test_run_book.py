@@ -20,8 +20,8 @@ from stepguard.contracts.model import Contract
 from stepguard.contracts.runs import RunBook, StaleEnvelope
 from stepguard.contracts.sqlite_store import SQLiteStore
 from stepguard.contracts.store import Store
-from stepguard.proxy import boundaries
-from stepguard.proxy.boundaries import retrying_conflicts
+from stepguard.proxy.core import boundaries
+from stepguard.proxy.core.boundaries import retrying_conflicts
 
 pytestmark = pytest.mark.timeout(20)
 

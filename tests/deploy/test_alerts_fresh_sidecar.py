@@ -15,8 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from stepguard.bench.harness import contract_with_upstreams, running
 from stepguard.examples.order_confirmation import tools as tools_mod
-from stepguard.proxy.app import build, create_admin_app, create_app
-from stepguard.proxy.config import Settings
+from stepguard.proxy.core.config import Settings
+from stepguard.proxy.ops.app import build, create_admin_app, create_app
 
 ROOT = Path(__file__).resolve().parents[2]
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"

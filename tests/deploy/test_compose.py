@@ -23,8 +23,8 @@ from stepguard.bench.harness import contract_with_upstreams, running
 from stepguard.contracts.loader import load_contract
 from stepguard.examples.order_confirmation import tools as tools_mod
 from stepguard.examples.order_confirmation.agent import DRIFTS
-from stepguard.proxy.app import build, create_admin_app, create_app
-from stepguard.proxy.config import Settings
+from stepguard.proxy.core.config import Settings
+from stepguard.proxy.ops.app import build, create_admin_app, create_app
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_DIR = ROOT / "deploy" / "compose"

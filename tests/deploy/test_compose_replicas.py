@@ -20,8 +20,8 @@ import pytest
 import yaml
 
 from stepguard.contracts.loader import load_contract
-from stepguard.proxy.app import build, create_admin_app
-from stepguard.proxy.config import Settings
+from stepguard.proxy.core.config import Settings
+from stepguard.proxy.ops.app import build, create_admin_app
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_DIR = ROOT / "deploy" / "compose"

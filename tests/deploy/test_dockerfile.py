@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from stepguard.proxy.config import Settings
+from stepguard.proxy.core.config import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"
@@ -364,7 +364,7 @@ def serve(image: Image, free_port: Callable[[], int], tmp_path: Path) -> Iterato
 @pytest.mark.timeout(180)
 def test_wheel_installs_into_an_isolated_venv_as_a_regular_install(image: Image) -> None:
     where = _run([image.venv / "bin" / "python", "-c",
-                  "import stepguard.proxy.app as m; print(m.__file__)"], cwd=image.rootfs)
+                  "import stepguard.proxy.ops.app as m; print(m.__file__)"], cwd=image.rootfs)
     assert where.returncode == 0, where.stderr
     assert Path(where.stdout.strip()).is_relative_to(image.venv / "lib")
     assert "include-system-site-packages = false" in (image.venv / "pyvenv.cfg").read_text()

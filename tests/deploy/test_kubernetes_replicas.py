@@ -15,9 +15,9 @@ import pytest
 import yaml
 
 from stepguard.contracts.loader import load_contract, parse_contract
-from stepguard.proxy.admin import loopback
-from stepguard.proxy.app import build, create_admin_app
-from stepguard.proxy.config import Settings
+from stepguard.proxy.core.config import Settings
+from stepguard.proxy.ops.admin import loopback
+from stepguard.proxy.ops.app import build, create_admin_app
 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFEST = ROOT / "deploy" / "kubernetes" / "stepguard-replicas.yaml"

@@ -18,8 +18,8 @@ from programs import answers_200, logged_process, prometheus, stepguard_command,
 from stepguard.bench.harness import contract_with_upstreams, running
 from stepguard.examples.order_confirmation import agent as agent_mod
 from stepguard.examples.order_confirmation import tools as tools_mod
-from stepguard.proxy.app import build, create_admin_app, create_app
-from stepguard.proxy.config import Settings
+from stepguard.proxy.core.config import Settings
+from stepguard.proxy.ops.app import build, create_admin_app, create_app
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"

@@ -1,5 +1,5 @@
 """The settings table of docs/running.md is the one the settings' declarations make
-(proxy/config.py): one row per setting, with its flag, variable and default. `make
+(proxy/core/config.py): one row per setting, with its flag, variable and default. `make
 settings-table` writes it."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from dataclasses import fields
 
 from docblocks import DOCS
 
-from stepguard.proxy.config import TABLE_END, TABLE_START, Settings, settings_table
+from stepguard.proxy.core.config import TABLE_END, TABLE_START, Settings, settings_table
 
 PAGE = DOCS / "running.md"
 
@@ -22,7 +22,7 @@ def committed() -> str:
 
 def test_the_committed_settings_table_is_the_one_the_declarations_make() -> None:
     assert committed() == settings_table(), \
-        "docs/running.md's settings table differs from proxy/config.py: run `make settings-table`"
+        "docs/running.md's settings table differs from proxy/core/config.py: run `make settings-table`"
 
 
 def test_the_table_has_one_row_per_setting_naming_its_variable() -> None:

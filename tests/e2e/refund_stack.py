@@ -22,9 +22,9 @@ from stepguard.bench.harness import running
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.loader import load_contracts
 from stepguard.examples.order_confirmation import fake_model
-from stepguard.proxy.app import Stepguard, build, create_app
-from stepguard.proxy.config import Settings
-from stepguard.proxy.listener import Gate, GuardedRunner
+from stepguard.proxy.core.config import Settings
+from stepguard.proxy.http.listener import Gate, GuardedRunner
+from stepguard.proxy.ops.app import Stepguard, build, create_app
 
 CONTRACT = Path(__file__).parent / "refund.contract.yaml"
 WORKFLOW = "support-refund"

@@ -25,7 +25,7 @@ from refund_desk import (
 )
 from refund_stack import Stack, StartStack, mcp_client
 
-from stepguard.proxy.correlation import ARGUMENT_RUN
+from stepguard.proxy.core.correlation import ARGUMENT_RUN
 
 VIOLATION = -31000
 

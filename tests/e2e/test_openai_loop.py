@@ -32,7 +32,7 @@ from refund_desk import (
 from refund_stack import Stack, StartStack
 
 from stepguard.bench.harness import running
-from stepguard.proxy.app import create_admin_app
+from stepguard.proxy.ops.app import create_admin_app
 
 streams = pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 

@@ -14,9 +14,9 @@ from structlog.testing import capture_logs
 from stepguard.contracts.loader import parse_contract
 from stepguard.examples.order_confirmation import agent, contract_path, tools
 from stepguard.metrics.prom import Metrics
-from stepguard.proxy.app import build, create_admin_app, create_app
-from stepguard.proxy.config import Settings
-from stepguard.proxy.forward import OVERHEAD_HEADER
+from stepguard.proxy.core.config import Settings
+from stepguard.proxy.core.forward import OVERHEAD_HEADER
+from stepguard.proxy.ops.app import build, create_admin_app, create_app
 
 WORKFLOW = "order-confirmation"
 

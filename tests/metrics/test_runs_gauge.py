@@ -17,8 +17,8 @@ from stepguard.contracts.events import ADVANCE, HALT
 from stepguard.contracts.sqlite_store import SQLiteStore
 from stepguard.examples.order_confirmation import contract_path
 from stepguard.metrics.prom import Metrics
-from stepguard.proxy.app import RUN_COUNTS_MAX_AGE_S, Stepguard, build, create_admin_app, create_app
-from stepguard.proxy.config import Settings
+from stepguard.proxy.core.config import Settings
+from stepguard.proxy.ops.app import RUN_COUNTS_MAX_AGE_S, Stepguard, build, create_admin_app, create_app
 
 WORKFLOW = "order-confirmation"
 

@@ -143,8 +143,8 @@ import asyncio, sys
 from aiohttp.test_utils import TestClient, TestServer
 from stepguard.contracts.loader import load_contracts
 from stepguard.metrics.tracing import from_env
-from stepguard.proxy.app import build, create_app
-from stepguard.proxy.config import Settings
+from stepguard.proxy.ops.app import build, create_app
+from stepguard.proxy.core.config import Settings
 
 async def main():
     settings = Settings.from_env(store=sys.argv[2], upstreams=["tools=http://127.0.0.1:9"])

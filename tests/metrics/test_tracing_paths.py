@@ -22,8 +22,8 @@ from stepguard.contracts.redact import redacted_path
 from stepguard.examples.order_confirmation import contract_path, tools
 from stepguard.metrics.prom import Metrics
 from stepguard.metrics.tracing import Tracing
-from stepguard.proxy.app import build, create_app
-from stepguard.proxy.config import Settings
+from stepguard.proxy.core.config import Settings
+from stepguard.proxy.ops.app import build, create_app
 
 SECRET = "s3cr3t-PLANTED"
 

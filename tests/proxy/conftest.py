@@ -19,8 +19,8 @@ from sgtest import EXAMPLE, Guard, Handler, Proxy, RefundTools, Seen, Upstream, 
 from stepguard.contracts.model import Contract
 from stepguard.contracts.store import Store
 from stepguard.examples.order_confirmation import tools as tools_mod
-from stepguard.proxy.app import build, create_app
-from stepguard.proxy.config import Settings
+from stepguard.proxy.core.config import Settings
+from stepguard.proxy.ops.app import build, create_app
 
 
 @pytest.fixture

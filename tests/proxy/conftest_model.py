@@ -38,8 +38,8 @@ from stepguard.contracts.loader import parse_contract
 from stepguard.contracts.model import Contract
 from stepguard.examples.order_confirmation import fake_model, model_agent
 from stepguard.examples.order_confirmation.fake_model import CONVERSATION_HEADER, FakeModel
-from stepguard.proxy.app import Stepguard, build, create_app
-from stepguard.proxy.config import Settings
+from stepguard.proxy.core.config import Settings
+from stepguard.proxy.ops.app import Stepguard, build, create_app
 
 CONTRACT = (Path(__file__).resolve().parents[2] / "examples" / "order-confirmation"
             / "contract.model.yaml")

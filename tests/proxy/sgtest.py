@@ -29,7 +29,7 @@ from stepguard.contracts.loader import parse_contract
 from stepguard.contracts.model import Contract
 from stepguard.contracts.sqlite_store import SQLiteStore
 from stepguard.examples.order_confirmation import tools as tools_mod
-from stepguard.proxy.app import Stepguard
+from stepguard.proxy.ops.app import Stepguard
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "order-confirmation" / "contract.yaml"
 RUN_HEADER = "x-stepguard-run"

@@ -29,7 +29,7 @@ import yaml
 from sgtest import RefundTools, contract_doc, free_port, wait_ready
 
 from stepguard.metrics.logs import CLIENT_ERROR_BURST
-from stepguard.proxy.listener import ADMIN_CONNECTIONS
+from stepguard.proxy.http.listener import ADMIN_CONNECTIONS
 
 SECRET = "0123456789abcdef-operator"
 REFUND = {"ticket": "T-7", "amount": 120}

@@ -16,9 +16,9 @@ import pytest
 from sgtest import Upstream, make_contract, send
 from structlog.testing import capture_logs
 
-from stepguard.proxy.admin import AdminTokens, loopback
-from stepguard.proxy.app import build, create_admin_app, create_app, started_fields
-from stepguard.proxy.config import Settings
+from stepguard.proxy.core.config import Settings
+from stepguard.proxy.ops.admin import AdminTokens, loopback
+from stepguard.proxy.ops.app import build, create_admin_app, create_app, started_fields
 
 OPERATOR = "alice:0123456789abcdef-operator"
 VIEWER = "grafana:0123456789abcdef-viewer"

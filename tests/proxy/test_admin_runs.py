@@ -15,8 +15,8 @@ from aiohttp import web
 from sgtest import Upstream, make_contract, send
 from structlog.testing import capture_logs
 
-from stepguard.proxy.app import build, create_admin_app, create_app
-from stepguard.proxy.config import Settings
+from stepguard.proxy.core.config import Settings
+from stepguard.proxy.ops.app import build, create_admin_app, create_app
 
 TOKEN = "alice:0123456789abcdef-secret"
 SECRET = TOKEN.partition(":")[2]

@@ -14,9 +14,9 @@ from aiohttp import web
 from sgtest import contract_doc, make_contract
 
 from stepguard.contracts.loader import load_contracts
-from stepguard.proxy.app import build, create_app, reload_contracts
-from stepguard.proxy.config import ConfigError, Settings
-from stepguard.proxy.forward import Timing
+from stepguard.proxy.core.config import ConfigError, Settings
+from stepguard.proxy.core.forward import Timing
+from stepguard.proxy.ops.app import build, create_app, reload_contracts
 
 FRESH = {"act": {"precondition": [{"expr": "timestamp(input.verified_at) > now - vars.max_age",
                                    "drift": "freshness"}]}}

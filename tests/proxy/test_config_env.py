@@ -23,7 +23,7 @@ from sgtest import EXAMPLE, free_port
 
 from stepguard.contracts.sqlite_store import connect
 from stepguard.metrics import logs
-from stepguard.proxy.config import ConfigError, Settings, env_setting
+from stepguard.proxy.core.config import ConfigError, Settings, env_setting
 
 
 @pytest.fixture(autouse=True)

@@ -211,7 +211,7 @@ async def test_a_flood_of_large_bodies_to_a_slow_upstream_keeps_rss_bounded(tmp_
 
 def test_stepguard_raises_its_soft_open_file_limit_to_the_hard_one_and_derives_its_connections():
     script = ("import resource\n"
-              "from stepguard.proxy.listener import connection_limit, raise_fd_limit\n"
+              "from stepguard.proxy.http.listener import connection_limit, raise_fd_limit\n"
               "resource.setrlimit(resource.RLIMIT_NOFILE, (300, 2304))\n"
               "raise_fd_limit()\n"
               "print(resource.getrlimit(resource.RLIMIT_NOFILE)[0], connection_limit(0),"

@@ -1,4 +1,4 @@
-"""aiohttp's private names that proxy/listener.py relies on, checked on the installed aiohttp
+"""aiohttp's private names that proxy/http/listener.py relies on, checked on the installed aiohttp
 (issue 24, §6). pyproject.toml bounds aiohttp below the next minor release; a failure here names
 the private name that changed, so raising the bound is a decision, not an accident."""
 
@@ -16,8 +16,8 @@ AIOHTTP = version("aiohttp")
 
 def guard(holds: bool, what: str) -> None:
     if not holds:
-        pytest.fail(f"aiohttp {AIOHTTP} changed a private name proxy/listener.py relies on: "
-                    f"{what}. Adapt proxy/listener.py (its _Handler, _Server, GuardedRunner) "
+        pytest.fail(f"aiohttp {AIOHTTP} changed a private name proxy/http/listener.py relies on: "
+                    f"{what}. Adapt proxy/http/listener.py (its _Handler, _Server, GuardedRunner) "
                     "and keep pyproject.toml's aiohttp bound below this version until it does.",
                     pytrace=False)
 
@@ -65,9 +65,9 @@ async def test_the_app_runner_still_builds_its_server_in_make_server_with_kwargs
 
 
 def test_the_listener_overrides_what_it_means_to() -> None:
-    """The names proxy/listener.py's subclasses override exist on aiohttp's classes (an
+    """The names proxy/http/listener.py's subclasses override exist on aiohttp's classes (an
     override of a name aiohttp no longer has would silently never run)."""
-    from stepguard.proxy import listener
+    from stepguard.proxy.http import listener
 
     for base, names in ((web.RequestHandler, ("_handle_request", "connection_made",
                                               "connection_lost", "data_received",

@@ -25,9 +25,9 @@ from yarl import URL
 
 from stepguard.contracts.loader import parse_contract
 from stepguard.contracts.model import normal_path
-from stepguard.proxy.bodies import BodyError, parse_json
-from stepguard.proxy.mcp_rpc import tools_call
-from stepguard.proxy.routing import Router, UnsafePath
+from stepguard.proxy.core.bodies import BodyError, parse_json
+from stepguard.proxy.core.routing import Router, UnsafePath
+from stepguard.proxy.mcp.rpc import tools_call
 
 pytestmark = pytest.mark.fuzz
 BOUNDED = settings(max_examples=400, deadline=None, derandomize=True,

@@ -1,4 +1,4 @@
-"""The upstream HTTP/1.1 client (`stepguard.proxy.h1client`), specified against raw asyncio
+"""The upstream HTTP/1.1 client (`stepguard.proxy.core.h1client`), specified against raw asyncio
 servers on loopback. The servers write exact response bytes, so the framing (Content-Length,
 chunked, end of connection), keep-alive and every kind of failure are the test's to choose; they
 also record what they read, so the bytes of each request can be checked."""
@@ -14,8 +14,8 @@ import pytest
 from multidict import CIMultiDict
 
 from stepguard.bench.harness import free_port
-from stepguard.proxy import h1client
-from stepguard.proxy.h1client import (
+from stepguard.proxy.core import h1client
+from stepguard.proxy.core.h1client import (
     BodyCapExceeded,
     H1Client,
     H1Response,

@@ -29,10 +29,10 @@ from stepguard.bench.harness import running
 from stepguard.contracts.loader import parse_contract
 from stepguard.contracts.model import Contract
 from stepguard.contracts.redact import REDACTED
-from stepguard.proxy.app import Stepguard, build, create_app
-from stepguard.proxy.config import Settings
-from stepguard.proxy.forward import Forwarder, UpstreamError
-from stepguard.proxy.sse import SSESplitter
+from stepguard.proxy.core.config import Settings
+from stepguard.proxy.core.forward import Forwarder, UpstreamError
+from stepguard.proxy.core.sse import SSESplitter
+from stepguard.proxy.ops.app import Stepguard, build, create_app
 
 RUN_HEADER = "x-stepguard-run"
 MCP_ACCEPT = {"accept": "application/json, text/event-stream"}

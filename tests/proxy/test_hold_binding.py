@@ -30,8 +30,8 @@ from yarl import URL
 
 from stepguard.contracts.envelope import Envelope
 from stepguard.metrics.report import render_run
-from stepguard.proxy.app import Stepguard, build, create_admin_app, create_app
-from stepguard.proxy.config import Settings
+from stepguard.proxy.core.config import Settings
+from stepguard.proxy.ops.app import Stepguard, build, create_admin_app, create_app
 
 TOKEN = "alice:0123456789abcdef-secret"
 SECRET = TOKEN.partition(":")[2]

@@ -21,8 +21,8 @@ from aiohttp import web
 from sgtest import Reply, Upstream, make_contract, send
 from structlog.testing import capture_logs
 
-from stepguard.proxy.app import Stepguard, build, create_admin_app, create_app
-from stepguard.proxy.config import Settings
+from stepguard.proxy.core.config import Settings
+from stepguard.proxy.ops.app import Stepguard, build, create_admin_app, create_app
 
 TOKEN = "alice:0123456789abcdef-secret"
 SECRET = TOKEN.partition(":")[2]

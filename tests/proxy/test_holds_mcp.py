@@ -28,10 +28,10 @@ from sgtest import stored_envelope, stored_hold
 from stepguard.bench.harness import running
 from stepguard.contracts.loader import parse_contract
 from stepguard.examples.order_confirmation.mcp_tools import MCP_PATH, create_app, serve
-from stepguard.proxy import waiting
-from stepguard.proxy.app import Stepguard, build, create_admin_app
-from stepguard.proxy.app import create_app as create_proxy_app
-from stepguard.proxy.config import Settings
+from stepguard.proxy.core import waiting
+from stepguard.proxy.core.config import Settings
+from stepguard.proxy.ops.app import Stepguard, build, create_admin_app
+from stepguard.proxy.ops.app import create_app as create_proxy_app
 
 SECRET = "0123456789abcdef-operator"
 MOUNT = "/mcp-tools"

@@ -23,9 +23,9 @@ from sgtest import stored_envelope, stored_hold
 
 from stepguard.bench.harness import running
 from stepguard.contracts.loader import parse_contract
-from stepguard.proxy import waiting
-from stepguard.proxy.app import Stepguard, build, create_admin_app, create_app
-from stepguard.proxy.config import Settings
+from stepguard.proxy.core import waiting
+from stepguard.proxy.core.config import Settings
+from stepguard.proxy.ops.app import Stepguard, build, create_admin_app, create_app
 
 SECRET = "0123456789abcdef-operator"
 ARGUMENTS = {"ticket": "T-1", "amount": 120}

@@ -27,9 +27,9 @@ from stepguard.bench.harness import running
 from stepguard.contracts.loader import parse_contract
 from stepguard.examples.order_confirmation import fake_model, mcp_tools, model_agent, tools
 from stepguard.examples.order_confirmation.fake_model import FakeModel
-from stepguard.proxy.app import Stepguard, build, create_app
-from stepguard.proxy.config import Settings
-from stepguard.proxy.correlation import RunKeys
+from stepguard.proxy.core.config import Settings
+from stepguard.proxy.core.correlation import RunKeys
+from stepguard.proxy.ops.app import Stepguard, build, create_app
 
 CONTRACT = (Path(__file__).resolve().parents[2] / "examples" / "order-confirmation"
             / "contract.model.yaml")
@@ -140,7 +140,7 @@ async def test_a_result_handed_to_the_model_that_differs_from_the_checked_one_is
 
 
 def test_a_pending_call_is_taken_once_by_canonical_arguments_and_forgotten_when_it_expires() -> None:
-    from stepguard.proxy.joining import PendingCalls
+    from stepguard.proxy.core.joining import PendingCalls
 
     pending = PendingCalls(limit=2, ttl_s=60)
     pending.issued("wf", "lookup", {"b": 1, "a": [1, 2]}, "run-1", "call-1")
@@ -200,7 +200,7 @@ async def test_a_models_tool_call_naming_another_value_of_the_argument_key_is_fr
 
 
 def test_the_pending_index_forgets_its_per_step_counts_with_its_entries() -> None:
-    from stepguard.proxy.joining import PendingCalls
+    from stepguard.proxy.core.joining import PendingCalls
 
     pending = PendingCalls(limit=1)
     pending.issued("wf", "a", {"n": 1}, "run-1", "c1")
@@ -264,7 +264,7 @@ async def test_a_model_agent_whose_tools_run_over_http_is_one_run_each_step_chec
 
 
 def test_an_execution_that_two_live_runs_issued_alike_joins_neither() -> None:
-    from stepguard.proxy.joining import PendingCalls
+    from stepguard.proxy.core.joining import PendingCalls
 
     pending = PendingCalls()
     pending.issued("wf", "lookup", {"order_id": "ord-1"}, "run-a", "call-a")
@@ -275,7 +275,7 @@ def test_an_execution_that_two_live_runs_issued_alike_joins_neither() -> None:
 
 
 def test_a_call_taken_for_one_run_leaves_another_runs_alike_call_waiting() -> None:
-    from stepguard.proxy.joining import PendingCalls
+    from stepguard.proxy.core.joining import PendingCalls
 
     pending = PendingCalls()
     pending.issued("wf", "a", {"n": 1}, "run-1", "c1")
@@ -289,7 +289,7 @@ def test_a_call_taken_for_one_run_leaves_another_runs_alike_call_waiting() -> No
 
 
 def test_two_alike_calls_of_one_run_are_taken_oldest_first() -> None:
-    from stepguard.proxy.joining import PendingCalls
+    from stepguard.proxy.core.joining import PendingCalls
 
     pending = PendingCalls()
     pending.issued("wf", "lookup", {"order_id": "ord-1"}, "run-a", "call-1")
@@ -539,7 +539,7 @@ async def test_a_run_header_naming_a_run_with_history_is_not_joined(
 async def test_waiting_for_streamed_turns_is_bounded_and_leaves_no_waiter_behind() -> None:
     import asyncio
 
-    from stepguard.proxy.joining import PendingCalls
+    from stepguard.proxy.core.joining import PendingCalls
 
     pending = PendingCalls()
     assert await pending.settled("wf") is False          # nothing streaming: no wait at all

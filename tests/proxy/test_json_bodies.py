@@ -107,7 +107,7 @@ async def test_a_body_nested_past_what_redaction_recurses_is_rejected_and_stored
 def test_tool_call_arguments_that_arrive_parsed_with_a_stream_event_are_bounded_too():
     # bounded at the most --max-json-depth may be; the model adapter holds them to its setting
     # (test_deep_json_events.py)
-    from stepguard.proxy.model_dialects import _arguments
+    from stepguard.proxy.model.dialects import _arguments
 
     deep: list[object] = []
     for _ in range(250):

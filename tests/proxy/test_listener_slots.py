@@ -1,4 +1,4 @@
-"""A listener's connection slots (proxy/listener.py), on real loopback sockets: a connection that
+"""A listener's connection slots (proxy/http/listener.py), on real loopback sockets: a connection that
 never sends a byte is cut at the head timeout, and a listener that reclaims (the admin one) makes
 room for a new connection by closing the one that has waited longest without a request in
 progress, never one being served."""
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import pytest
 from aiohttp import web
 
-from stepguard.proxy.listener import Gate, GuardedRunner
+from stepguard.proxy.http.listener import Gate, GuardedRunner
 
 Streams = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 SLACK_S = 2.0       # scheduling slack on a loaded 2-core machine

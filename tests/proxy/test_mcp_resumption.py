@@ -24,10 +24,10 @@ from mcp.types import CallToolResult, JSONRPCMessage, TextContent
 from stepguard.bench.harness import contract_with_upstreams, running
 from stepguard.examples.order_confirmation import mcp_tools
 from stepguard.examples.order_confirmation.mcp_tools import MCP_PATH, serve
-from stepguard.proxy.app import Stepguard, build
-from stepguard.proxy.app import create_app as create_proxy_app
-from stepguard.proxy.config import Settings
-from stepguard.proxy.mcp_resumption import Cut, Resumptions
+from stepguard.proxy.core.config import Settings
+from stepguard.proxy.mcp.resumption import Cut, Resumptions
+from stepguard.proxy.ops.app import Stepguard, build
+from stepguard.proxy.ops.app import create_app as create_proxy_app
 
 CONTRACT = Path(mcp_tools.__file__).parent / "contract.mcp.yaml"
 MOUNT = "/mcp-tools"

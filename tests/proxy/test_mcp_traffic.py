@@ -37,9 +37,9 @@ from structlog.testing import capture_logs
 from stepguard.bench.harness import contract_with_upstreams, running
 from stepguard.examples.order_confirmation import mcp_tools
 from stepguard.examples.order_confirmation.mcp_tools import DRIFT_HEADER, MCP_PATH, create_app, serve
-from stepguard.proxy.app import Stepguard, build
-from stepguard.proxy.app import create_app as create_proxy_app
-from stepguard.proxy.config import Settings
+from stepguard.proxy.core.config import Settings
+from stepguard.proxy.ops.app import Stepguard, build
+from stepguard.proxy.ops.app import create_app as create_proxy_app
 
 CONTRACT = Path(mcp_tools.__file__).parent / "contract.mcp.yaml"
 MOUNT = "/mcp-tools"
@@ -1134,7 +1134,7 @@ async def test_an_unreadable_mcp_body_is_refused_with_a_warning_and_a_count(
 @modes(MODERN_MODES[:1])
 async def test_answers_to_a_stateless_argument_only_call_never_name_its_run_id(
         guarded: StartGuard, tmp_path: Path, mode: Mode) -> None:
-    from stepguard.proxy.correlation import ARGUMENT_RUN
+    from stepguard.proxy.core.correlation import ARGUMENT_RUN
 
     async with guarded(variant(tmp_path, ARG_KEYS)) as guard:
         async with connect(guard.url, mode) as client:

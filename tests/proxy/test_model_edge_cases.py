@@ -26,7 +26,7 @@ from stepguard.contracts.loader import parse_contract
 from stepguard.contracts.model import Contract
 from stepguard.contracts.redact import REDACTED
 from stepguard.contracts.sqlite_store import SQLiteStore
-from stepguard.proxy.model_exits import PendingArguments
+from stepguard.proxy.model.exits import PendingArguments
 
 RUN_HEADER = "x-stepguard-run"
 CHAT, RESPONSES, MESSAGES = "/o/v1/chat/completions", "/o/v1/responses", "/o/v1/messages"

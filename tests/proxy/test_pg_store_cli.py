@@ -13,7 +13,7 @@ from pgtest import on_server
 from sgtest import EXAMPLE
 
 from stepguard.contracts.pg_schema import VERSION
-from stepguard.proxy.config import ConfigError, Settings
+from stepguard.proxy.core.config import ConfigError, Settings
 
 
 def cli(*argv: str | Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

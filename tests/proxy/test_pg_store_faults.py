@@ -13,8 +13,8 @@ import pytest
 from pgtest import Cuttable
 from sgtest import OrderFlow, Proxy, example_contract, problem
 
-from stepguard.proxy.app import build, create_admin_app, create_app
-from stepguard.proxy.config import Settings
+from stepguard.proxy.core.config import Settings
+from stepguard.proxy.ops.app import build, create_admin_app, create_app
 
 pytestmark = pytest.mark.fault
 

@@ -18,8 +18,8 @@ from sgtest import wait_ready, write_example_contract
 from stepguard.bench.harness import free_port
 from stepguard.contracts.loader import load_contract
 from stepguard.metrics.prom import Metrics
-from stepguard.proxy.app import build, create_app, reload_contracts
-from stepguard.proxy.config import Settings
+from stepguard.proxy.core.config import Settings
+from stepguard.proxy.ops.app import build, create_app, reload_contracts
 
 
 async def test_a_valid_reload_puts_the_new_contract_in_force(tmp_path, aiohttp_client, tools_url):

@@ -17,8 +17,8 @@ from stepguard.contracts.recorded import RecordedRun
 from stepguard.contracts.replay import replay_run
 from stepguard.contracts.sqlite_store import open_read_only, read_history
 from stepguard.metrics.report import render_run
-from stepguard.proxy.app import build, create_app
-from stepguard.proxy.config import Settings
+from stepguard.proxy.core.config import Settings
+from stepguard.proxy.ops.app import build, create_app
 
 CALLS = 1000
 

@@ -32,7 +32,7 @@ from stepguard.contracts.pg_recorded import PostgresRecorded
 from stepguard.contracts.pg_store import migrate_store
 from stepguard.contracts.recorded import RecordedRun, RecordedStore
 from stepguard.contracts.replay import replay as replay_runs
-from stepguard.proxy.replay_cli import render
+from stepguard.proxy.ops.replay_cli import render
 
 CONTROLS_FROM_130 = [f"control-{i}" for i in range(5, 10)]   # orders ord-130 .. ord-134
 FALSE_COMPLETIONS = [f"false_completion-{i}" for i in range(5)]

@@ -20,9 +20,9 @@ from sgtest import Upstream, make_contract, send, trail
 from stepguard.contracts.errors import ContractError, StoreError
 from stepguard.contracts.loader import parse_contract
 from stepguard.contracts.sqlite_store import SQLiteStore
-from stepguard.proxy.admin import Operations
-from stepguard.proxy.app import build, create_admin_app, create_app
-from stepguard.proxy.config import Settings
+from stepguard.proxy.core.config import Settings
+from stepguard.proxy.ops.admin import Operations
+from stepguard.proxy.ops.app import build, create_admin_app, create_app
 
 RUN = "refund-1"
 REFUND = {"order_id": "ord-1", "amount_cents": 1200}

@@ -25,9 +25,9 @@ from mcp.types import CallToolResult
 from stepguard.bench.harness import running
 from stepguard.contracts.loader import parse_contract
 from stepguard.examples.order_confirmation.mcp_tools import MCP_PATH, create_app, serve
-from stepguard.proxy.app import Stepguard, build
-from stepguard.proxy.app import create_app as create_proxy_app
-from stepguard.proxy.config import Settings
+from stepguard.proxy.core.config import Settings
+from stepguard.proxy.ops.app import Stepguard, build
+from stepguard.proxy.ops.app import create_app as create_proxy_app
 
 RUN = "mcp-refund-1"
 CONTRACT: dict[str, Any] = {

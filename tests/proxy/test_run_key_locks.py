@@ -14,7 +14,7 @@ from sgtest import make_contract
 from stepguard.contracts.argkeys import value_digest
 from stepguard.contracts.model import Contract
 from stepguard.contracts.sqlite_store import SQLiteStore
-from stepguard.proxy.correlation import Keyed, RunKeys
+from stepguard.proxy.core.correlation import Keyed, RunKeys
 
 ARG_RUN = {"key": ["header:x-stepguard-run", "arg:ticket"]}
 BOUND_S = 10.0     # a failure bound only: every wait below ends on an event

@@ -21,7 +21,7 @@ import yaml
 from sgtest import Reply, Upstream, contract_doc, free_port, make_contract, problem, send, wait_ready
 
 from stepguard.contracts.sqlite_store import SQLiteStore
-from stepguard.proxy.correlation import RunKeys
+from stepguard.proxy.core.correlation import RunKeys
 
 TWO_STEPS = {"first": {}, "second": {"after": ["first"]}}
 REDACTED_KEY = {"run": {"key": ["header:x-stepguard-run", "arg:ticket_id"]},
@@ -240,7 +240,7 @@ async def test_on_a_shared_store_the_id_a_value_starts_its_run_with_comes_from_t
 async def test_answers_to_an_argument_only_call_never_name_its_run_id(proxy, make_upstream):
     """A run id works as a run header: a caller that named no run is not told the one its
     argument reached, by a violation nor by the halted run's refusal."""
-    from stepguard.proxy.correlation import ARGUMENT_RUN
+    from stepguard.proxy.core.correlation import ARGUMENT_RUN
 
     tool = await make_upstream()
     steps = {**TWO_STEPS, "third": {"after": ["second"]}}

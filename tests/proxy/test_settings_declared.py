@@ -1,4 +1,4 @@
-"""`stepguard serve`'s options come from the settings' declarations (proxy/config.py): every
+"""`stepguard serve`'s options come from the settings' declarations (proxy/core/config.py): every
 flag reaches its setting as it always did, a setting declared without a flag has none, and each
 option's help ends with its variable and its default."""
 
@@ -11,7 +11,7 @@ import pytest
 
 from stepguard.contracts.model import Override
 from stepguard.proxy.cli import _parser, main
-from stepguard.proxy.config import SETTINGS, Settings
+from stepguard.proxy.core.config import SETTINGS, Settings
 
 MIB = 1024 * 1024
 

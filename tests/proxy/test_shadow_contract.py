@@ -21,8 +21,8 @@ from structlog.testing import capture_logs
 from stepguard.contracts.errors import ContractError
 from stepguard.contracts.loader import parse_contract
 from stepguard.contracts.model import Contract
-from stepguard.proxy.app import build, create_app, reload_contracts
-from stepguard.proxy.config import Settings
+from stepguard.proxy.core.config import Settings
+from stepguard.proxy.ops.app import build, create_app, reload_contracts
 
 STEPS = {"first": {}, "second": {"after": ["first"]}}
 STRICT = {"first": {"postcondition": [{"expr": "output.status == 'done'", "drift": "shape"}]},

@@ -1,10 +1,10 @@
-"""Server-sent events cut into whole events and decoded one at a time (`stepguard.proxy.sse`)."""
+"""Server-sent events cut into whole events and decoded one at a time (`stepguard.proxy.core.sse`)."""
 
 from __future__ import annotations
 
 import pytest
 
-from stepguard.proxy.sse import EventTooLarge, SSESplitter, decode_event
+from stepguard.proxy.core.sse import EventTooLarge, SSESplitter, decode_event
 
 
 def test_an_event_with_an_id_keeps_its_data() -> None:

@@ -29,9 +29,9 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.chat import ChatCompletionChunk
 from openai.types.responses import ResponseStreamEvent
 
-from stepguard.proxy.model_dialects import ChatCompletions, Dialect, Messages, Responses, Turn
-from stepguard.proxy.model_exchange import Stop, parsed
-from stepguard.proxy.sse import EventTooLarge, EventUnreadable, SSESplitter
+from stepguard.proxy.core.sse import EventTooLarge, EventUnreadable, SSESplitter
+from stepguard.proxy.model.dialects import ChatCompletions, Dialect, Messages, Responses, Turn
+from stepguard.proxy.model.exchange import Stop, parsed
 
 pytestmark = pytest.mark.fuzz
 

@@ -36,8 +36,8 @@ from sgtest import (
 
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.sqlite_store import SQLiteStore
-from stepguard.proxy.app import build, create_admin_app, create_app
-from stepguard.proxy.config import Settings
+from stepguard.proxy.core.config import Settings
+from stepguard.proxy.ops.app import build, create_admin_app, create_app
 
 pytestmark = pytest.mark.fault
 

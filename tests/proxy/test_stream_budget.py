@@ -20,7 +20,7 @@ from sgtest import started, wait_ready
 from test_stream_faults import peak_rss_mb
 
 from stepguard.bench.harness import free_port
-from stepguard.proxy.config import ConfigError, Settings
+from stepguard.proxy.core.config import ConfigError, Settings
 
 pytestmark = pytest.mark.fault
 

@@ -41,7 +41,7 @@ from test_sse_fuzz import relay
 
 from stepguard.bench.harness import free_port
 from stepguard.contracts.loader import parse_contract
-from stepguard.proxy.model_dialects import ChatCompletions, Messages, Responses
+from stepguard.proxy.model.dialects import ChatCompletions, Messages, Responses
 
 pytestmark = pytest.mark.fault
 

@@ -27,10 +27,10 @@ from stepguard.contracts.errors import ConflictError
 from stepguard.contracts.loader import parse_contract
 from stepguard.contracts.model import Contract
 from stepguard.contracts.sqlite_store import SQLiteStore
-from stepguard.proxy import boundaries
-from stepguard.proxy.app import Stepguard, build, create_admin_app, create_app
-from stepguard.proxy.config import Settings
-from stepguard.proxy.correlation import ARGUMENT_RUN, ISSUED_RUN
+from stepguard.proxy.core import boundaries
+from stepguard.proxy.core.config import Settings
+from stepguard.proxy.core.correlation import ARGUMENT_RUN, ISSUED_RUN
+from stepguard.proxy.ops.app import Stepguard, build, create_admin_app, create_app
 
 SECRET = "0123456789abcdef-operator"
 ORDER = {"order_id": "ord-42"}

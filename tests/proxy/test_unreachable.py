@@ -23,8 +23,8 @@ from sgtest import answer_ok, clean, contract_doc, free_port, make_contract, tra
 from structlog.testing import capture_logs
 
 from stepguard.contracts.sqlite_store import connect, read_history
-from stepguard.proxy.forward import Forwarder, UpstreamError
-from stepguard.proxy.model_exchange import upstream_failed
+from stepguard.proxy.core.forward import Forwarder, UpstreamError
+from stepguard.proxy.model.exchange import upstream_failed
 
 RPC_UNCHECKABLE = -31002
 

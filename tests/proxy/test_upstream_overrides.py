@@ -22,8 +22,8 @@ from stepguard.bench.harness import free_port
 from stepguard.contracts.errors import ContractError
 from stepguard.contracts.loader import load_contracts
 from stepguard.contracts.model import Override
-from stepguard.proxy.app import build, create_app, reload_contracts
-from stepguard.proxy.config import Settings
+from stepguard.proxy.core.config import Settings
+from stepguard.proxy.ops.app import build, create_app, reload_contracts
 
 NOWHERE = "http://127.0.0.1:9"
 

@@ -314,9 +314,9 @@ async def test_readyz_of_a_worker_is_503_until_every_worker_serves(tmp_path: Pat
 
     from stepguard.contracts.loader import load_contract
     from stepguard.metrics.prom import Metrics
-    from stepguard.proxy.app import build, create_admin_app
-    from stepguard.proxy.config import Settings
-    from stepguard.proxy.worker_link import READY_MARK, WorkerLink
+    from stepguard.proxy.core.config import Settings
+    from stepguard.proxy.ops.app import build, create_admin_app
+    from stepguard.proxy.ops.worker_link import READY_MARK, WorkerLink
 
     link = WorkerLink(0, 1, -1, -1, tmp_path)
     sg = build(Settings(store=str(tmp_path / "s.db")), [load_contract(contract_path())],
@@ -525,8 +525,8 @@ async def test_a_connection_limit_derived_from_the_fd_limit_is_the_serves_divide
 
 
 def test_a_remainder_goes_one_apiece_to_the_first_workers() -> None:
-    from stepguard.proxy.config import Settings
-    from stepguard.proxy.limits import Limits, worker_limits
+    from stepguard.proxy.core.config import Settings
+    from stepguard.proxy.ops.limits import Limits, worker_limits
 
     settings = Settings(max_connections=7, max_request_bytes=100, max_inflight_body_bytes=302,
                         max_holds=5, max_stream_bytes=10, max_inflight_stream_bytes=31)
@@ -722,7 +722,7 @@ async def test_a_reload_of_a_broken_file_is_refused_once_and_the_contract_stays_
 
 def test_the_contracts_in_force_compile_from_the_bytes_read_not_the_file_now(
         tmp_path: Path) -> None:
-    from stepguard.proxy.worker_link import InForce
+    from stepguard.proxy.ops.worker_link import InForce
 
     path = write_example_contract(tmp_path / "c.yaml", "http://127.0.0.1:9")
     held = InForce.read([path], [])
@@ -734,7 +734,7 @@ def test_the_contracts_in_force_compile_from_the_bytes_read_not_the_file_now(
 
 def test_a_contract_file_that_cannot_be_read_is_named(tmp_path: Path) -> None:
     from stepguard.contracts.errors import ContractError
-    from stepguard.proxy.worker_link import InForce
+    from stepguard.proxy.ops.worker_link import InForce
 
     with pytest.raises(ContractError) as missing:
         InForce.read([str(tmp_path / "gone.yaml")], [])

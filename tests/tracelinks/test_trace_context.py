@@ -72,8 +72,8 @@ import asyncio, sys
 from aiohttp.test_utils import TestClient, TestServer
 from stepguard.bench.harness import contract_with_upstreams
 from stepguard.metrics.logs import configure
-from stepguard.proxy.app import build, create_app, create_admin_app
-from stepguard.proxy.config import Settings
+from stepguard.proxy.ops.app import build, create_app, create_admin_app
+from stepguard.proxy.core.config import Settings
 
 async def main():
     configure("json", "debug")

@@ -18,8 +18,8 @@ from stepguard.examples.order_confirmation import (
     model_agent,
 )
 from stepguard.metrics.prom import Metrics
-from stepguard.proxy.app import build, create_app
-from stepguard.proxy.config import Settings
+from stepguard.proxy.core.config import Settings
+from stepguard.proxy.ops.app import build, create_app
 
 
 async def test_model_traffic_events_carry_the_span_of_the_request_that_stored_them(

@@ -19,8 +19,8 @@ from stepguard.bench.harness import contract_with_upstreams, running
 from stepguard.examples.order_confirmation import agent, contract_path, tools
 from stepguard.metrics.prom import Metrics
 from stepguard.metrics.tracing import Tracing
-from stepguard.proxy.app import build, create_admin_app, create_app
-from stepguard.proxy.config import Settings
+from stepguard.proxy.core.config import Settings
+from stepguard.proxy.ops.app import build, create_admin_app, create_app
 
 EXEMPLAR = re.compile(r'^(\w+)_bucket\{[^}]*\} \S+ # \{span_id="([0-9a-f]{16})",'
                       r'trace_id="([0-9a-f]{32})"\}', re.MULTILINE)

@@ -29,8 +29,8 @@ from stepguard.bench.harness import contract_with_upstreams, running
 from stepguard.examples.order_confirmation import contract_path, tools
 from stepguard.metrics import logs
 from stepguard.metrics.prom import Metrics
-from stepguard.proxy.app import Stepguard, build, create_admin_app, create_app
-from stepguard.proxy.config import Settings
+from stepguard.proxy.core.config import Settings
+from stepguard.proxy.ops.app import Stepguard, build, create_admin_app, create_app
 
 PROPAGATOR = TraceContextTextMapPropagator()
 

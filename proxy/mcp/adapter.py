@@ -1,0 +1,201 @@
+"""The adapter for MCP tool traffic over the streamable HTTP transport.
+
+A `tools/call` is a step (`match: {tool: NAME}` on an `mcp` upstream): its arguments are the
+entry boundary's input; its result (`structuredContent`, else the JSON text content) is the exit
+boundary's output; `isError: true`, a JSON-RPC error, a transport failure or a timeout is a tool
+error. Everything else — discover, initialize, notifications, tools/list, resources, prompts,
+pings, the GET stream, DELETE — passes through untouched, in both protocol generations (session
+based, and the stateless 2026-07-28 protocol).
+A violation is a JSON-RPC error answering the call's id (code -31000, details in `data`), so
+MCP clients raise `MCPError`. SSE responses are relayed event by event (progress notifications
+flow at once); only the event that answers the call is held until the exit check.
+
+The call is checked on the shared call loop (`core/calls.py`); its pieces live beside this module:
+the JSON-RPC vocabulary (`rpc.py`), one attempt at the server with its event stream relayed
+(`upstream.py`), and resumable streams (`resumption.py`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from stepguard.contracts.runs import RunBook
+from stepguard.metrics.observer import Observer
+from stepguard.proxy.core.bodies import BodyError
+from stepguard.proxy.core.boundaries import Boundaries
+from stepguard.proxy.core.calls import Answer, CallLoop, Replayed, Stopped
+from stepguard.proxy.core.config import Settings
+from stepguard.proxy.core.correlation import NO_RUN_KEY, STORE
+from stepguard.proxy.core.forward import ClientEnd, Forwarder, Timing, end_to_end
+from stepguard.proxy.core.routing import Route
+from stepguard.proxy.core.unchecked import REPLAYED_FROM, UncheckedForwarder
+from stepguard.proxy.mcp.resumption import McpResumption, Resumptions
+from stepguard.proxy.mcp.rpc import (
+    REQUEST_CODE,
+    as_event,
+    error_response,
+    refusal_for,
+    rpc_error,
+    tools_call,
+)
+from stepguard.proxy.mcp.upstream import McpAnswer, McpCall, McpUpstream
+
+TRAFFIC = "mcp"
+
+
+class McpAdapter:
+    """Routes MCP traffic (checked tools/call, resumptions, the rest passed through) and is the
+    call loop's protocol for a tools/call: answers relayed as JSON or as the event that ends
+    the call's stream, stops answered as JSON-RPC errors for the call's id."""
+
+    traffic = TRAFFIC
+
+    def __init__(self, runs: RunBook, forwarder: Forwarder, settings: Settings,
+                 observer: Observer, boundaries: Boundaries, http: UncheckedForwarder) -> None:
+        self.settings = settings
+        self.boundaries = boundaries
+        self.http = http
+        self.resumptions = Resumptions()
+        self.upstream = McpUpstream(forwarder, settings, boundaries, self.resumptions)
+        self.calls = CallLoop(self, runs, boundaries, observer, settings)
+        self.resumption = McpResumption(forwarder, settings, self.resumptions, self.upstream,
+                                        self.calls)
+
+    def error(self, route: Route, status: int, title: str, detail: str) -> web.Response:
+        body = rpc_error(None, REQUEST_CODE, f"stepguard: {title}: {detail}", {"title": title})
+        return web.json_response(body, status=status, dumps=lambda v: orjson.dumps(v).decode())
+
+    async def handle(self, request: web.Request, route: Route, body: bytes,
+                     timing: Timing) -> web.StreamResponse:
+        headers = end_to_end(request.headers)
+        try:
+            message = tools_call(request, body, self.settings.max_request_bytes,
+                                 self.settings.max_json_depth)
+        except BodyError as exc:
+            self.boundaries.call_refused(route, "unparseable", exc.detail, None, TRAFFIC)
+            return error_response(None, REQUEST_CODE, f"stepguard: the request body cannot be "
+                                  f"read to be checked: {exc.detail}", {"check": "request"})
+        if (request.method == "GET" and "last-event-id" in request.headers
+                and not self.settings.passthrough and _has_checked_tools(route)):
+            return await self.resumption.resume(request, route, headers, timing)
+        if message is None or self.settings.passthrough:
+            return await self.http.forward_unchecked(request, route, headers, body, timing,
+                                                     read_timeout_s=None)
+        if isinstance(message, list):
+            self.boundaries.call_refused(route, "batch", "a JSON-RPC batch holds a tools/call",
+                                         None, TRAFFIC)
+            return error_response(None, REQUEST_CODE, "stepguard: a JSON-RPC batch containing "
+                                  "tools/call cannot be checked; send each call on its own",
+                                  {"check": "request"})
+        params: dict[str, Any] = message["params"] if isinstance(message.get("params"), dict) else {}
+        step = route.contract.step_for_tool(route.upstream.name, str(params.get("name", "")))
+        rpc_id = message.get("id")
+        if step is None:
+            if route.contract.unmatched == "refuse":
+                detail = (f"tool {str(params.get('name'))[:200]!r} matches no step of workflow "
+                          f"{route.contract.workflow!r}, and the contract refuses unmatched calls")
+                self.boundaries.call_refused(route, "unmatched", detail, None, TRAFFIC)
+                return error_response(rpc_id, REQUEST_CODE, f"stepguard: {detail}",
+                                      {"check": "unmatched"})
+            return await self.http.forward_unchecked(request, route, headers, body, timing)
+        meta: dict[str, Any] = params["_meta"] if isinstance(params.get("_meta"), dict) else {}
+        keyed = await self.boundaries.run_keys.resolve(
+            route.contract, step, request.headers, params.get("arguments"),
+            traceparent=meta.get("traceparent"))
+        if keyed.run_id is None:
+            reason = keyed.reason or NO_RUN_KEY
+            self.boundaries.call_refused(route, reason, keyed.detail, step.name, TRAFFIC)
+            return error_response(rpc_id, REQUEST_CODE, f"stepguard: {keyed.detail}",
+                                  {"check": "correlation", "step": step.name},
+                                  retry=reason == STORE)
+        call = McpCall(route, step, keyed.run_id, request, headers, body, timing,
+                       input=params.get("arguments"), key_drift=keyed, rpc_id=rpc_id,
+                       tool=str(params.get("name", "")),
+                       safe_to_retry=step.idempotent,   # MCP calls carry no idempotency key
+                       traceparent=traceparent if isinstance(
+                           traceparent := meta.get("traceparent"), str) else None)
+        return await self.calls.checked(call)
+
+    # -- the call loop's protocol -----------------------------------------------------------------
+
+    async def send(self, call: McpCall) -> McpAnswer:
+        return await self.upstream.attempt(call, time.perf_counter())
+
+    def extra(self, call: McpCall) -> dict[str, Any] | None:
+        return {"rpc_id": call.rpc_id}
+
+    async def pause(self, call: McpCall, answer: McpAnswer,
+                    attempt: int) -> web.StreamResponse | None:
+        if answer.resumable and call.cut is not None:
+            return await self.resumption.left_open(call, attempt)
+        return None
+
+    def recording(self, call: McpCall, answer: McpAnswer) -> dict[str, Any] | None:
+        message = answer.message
+        if message is None or "result" not in message:
+            return None
+        return {"result": message["result"]}
+
+    async def replay(self, call: McpCall, replayed: Replayed) -> web.StreamResponse:
+        """The recorded result, as the JSON answer to this call's id (clients accept JSON for
+        any POST; the first answer may have come as an event stream)."""
+        body = {"jsonrpc": "2.0", "id": call.rpc_id, "result": replayed.answer.get("result")}
+        return web.Response(body=orjson.dumps(body), content_type="application/json",
+                            headers={REPLAYED_FROM: str(replayed.seq)})
+
+    async def unchecked(self, call: McpCall) -> web.StreamResponse:
+        return await self.http.forward_unchecked(call.request, call.route, call.headers,
+                                                 call.body, call.timing)
+
+    async def keepalive(self, call: McpCall) -> None:
+        """A held call: a client that takes an event stream gets one now, kept alive with
+        comments while it waits (its answer, whatever it is, ends that stream); any other
+        client just waits for its JSON answer."""
+        if call.out is None:
+            if "text/event-stream" not in call.request.headers.get("accept", ""):
+                return
+            out = web.StreamResponse(status=200, headers={"content-type": "text/event-stream",
+                                                          "cache-control": "no-cache"})
+            call.out = await ClientEnd(out).start(call.request)
+        await call.out.write(b": stepguard: the call is held for an operator's approval\n\n")
+
+    async def relay(self, call: McpCall, answer: Answer) -> web.StreamResponse:
+        if call.out is not None:
+            event = answer.body if isinstance(answer, McpAnswer) and answer.event else \
+                _as_event(call, answer)
+            return await self.resumption.final_event(call, event)
+        if answer.status is None:   # no answer at all, but the contract let it pass (observe)
+            return error_response(call.rpc_id, REQUEST_CODE, f"stepguard: {answer.result.error}",
+                                  {"check": "tool_error"}, status=502)
+        return web.Response(status=answer.status, headers=answer.headers, body=answer.body)
+
+    async def render(self, call: McpCall, why: Stopped) -> web.StreamResponse:
+        refusal = refusal_for(call, why)
+        if call.out is not None:
+            return await self.resumption.final_event(call, refusal.event(call.rpc_id))
+        return web.Response(body=orjson.dumps(refusal.error(call.rpc_id)),
+                            content_type="application/json",
+                            headers={"x-should-retry": "true" if refusal.later else "false"})
+
+
+def _as_event(call: McpCall, answer: Answer) -> bytes:
+    """A JSON answer for a client whose event stream was opened before it came (the call was
+    held): the same message, as the event that ends that stream."""
+    if answer.status is not None and 200 <= answer.status < 300:
+        try:
+            message = orjson.loads(answer.body)
+        except orjson.JSONDecodeError:
+            message = None
+        if isinstance(message, dict):
+            return as_event(message)
+    what = answer.result.error or f"the MCP server answered {answer.status}"
+    return as_event(rpc_error(call.rpc_id, REQUEST_CODE, f"stepguard: {what}",
+                              {"check": "tool_error", "status": answer.status}))
+
+
+def _has_checked_tools(route: Route) -> bool:
+    return route.contract.checks_tools_on(route.upstream.name)
