@@ -3,7 +3,13 @@ contracts/ (the contract model, the pure engine, the stores) imports nothing of 
 metrics/ observes and may read contracts/; proxy/ (transport) uses both; the examples may run
 the proxy; bench/ (tooling) may use all of these. cli.py is the one module that knows every
 command, so it alone may import bench/ and the examples, and nothing imports it. No module
-takes part in an import circle."""
+takes part in an import circle.
+
+Inside proxy/, every module but the entry points (the package's __init__ and cli.py) sits in a
+subpackage: core/ (the shared call core), one per traffic kind (http/, model/, mcp/), and ops/
+(the operator surface). The traffic kinds never import each other, the core imports no traffic
+kind and not the operator surface, and only the operator surface (and cli.py above it) knows the
+traffic kinds besides themselves."""
 
 from __future__ import annotations
 
@@ -176,3 +182,67 @@ def test_no_part_takes_part_in_an_import_circle() -> None:
         if source != target:
             edges.setdefault(source, set()).add(target)
     assert _circles(edges) == []
+
+
+# the subpackages of proxy/, and what each may import of the others (besides itself)
+PROXY = "stepguard.proxy"
+ENTRY_POINTS = {PROXY, CLI}
+KINDS = ("http", "model", "mcp")
+SUBPACKAGE_ALLOWED = {
+    "core": set(),
+    **{kind: {"core"} for kind in KINDS},
+    "ops": {"core", *KINDS},
+}
+
+
+def _subpackage(module: str) -> str | None:
+    """The subpackage of proxy/ a module sits in (None outside proxy/ and for its entry points)."""
+    if not module.startswith(f"{PROXY}.") or module in ENTRY_POINTS:
+        return None
+    return module.split(".")[2]
+
+
+def _subpackage_breaches(imports: list[Import]) -> list[str]:
+    breaches = []
+    for i in imports:
+        source, target = _subpackage(i.source), _subpackage(i.target)
+        if source is None or target is None or source == target:
+            continue
+        if target not in SUBPACKAGE_ALLOWED.get(source, set()):
+            breaches.append(f"{i.where}: {source}/ may not import {target}/ ({i.target})")
+    return breaches
+
+
+def test_every_module_of_the_proxy_but_its_entry_points_sits_in_a_subpackage() -> None:
+    loose = [module for module in MODULES if module.startswith(f"{PROXY}.")
+             and module not in ENTRY_POINTS and _subpackage(module) not in SUBPACKAGE_ALLOWED]
+    assert not loose, f"proxy/ modules outside {sorted(SUBPACKAGE_ALLOWED)}: {loose}"
+
+
+def test_every_subpackage_of_the_proxy_exists() -> None:
+    assert {f"{PROXY}.{name}" for name in SUBPACKAGE_ALLOWED} <= set(MODULES)
+
+
+def test_the_subpackages_of_the_proxy_import_only_what_their_rules_allow() -> None:
+    assert not _subpackage_breaches(IMPORTS)
+
+
+@pytest.mark.parametrize(("source", "target"), [
+    ("stepguard.proxy.model.adapter", "stepguard.proxy.http.adapter"),     # kind on kind
+    ("stepguard.proxy.http.adapter", "stepguard.proxy.mcp.rpc"),           # kind on kind
+    ("stepguard.proxy.core.calls", "stepguard.proxy.model.dialects"),      # core on a kind
+    ("stepguard.proxy.core.calls", "stepguard.proxy.ops.app"),             # core on ops
+    ("stepguard.proxy.mcp.adapter", "stepguard.proxy.ops.dispatch"),       # kind on ops
+])
+def test_a_forbidden_import_between_subpackages_is_found(source: str, target: str) -> None:
+    assert _subpackage_breaches([Import(source, target, "x.py:1")])
+
+
+@pytest.mark.parametrize(("source", "target"), [
+    ("stepguard.proxy.model.adapter", "stepguard.proxy.core.calls"),
+    ("stepguard.proxy.ops.app", "stepguard.proxy.mcp.adapter"),
+    ("stepguard.proxy.cli", "stepguard.proxy.http.listener"),
+    ("stepguard.bench.proxy", "stepguard.proxy.http.listener"),
+])
+def test_an_allowed_import_between_subpackages_passes(source: str, target: str) -> None:
+    assert not _subpackage_breaches([Import(source, target, "x.py:1")])
