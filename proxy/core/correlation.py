@@ -197,6 +197,11 @@ def issued_key(contract: Contract, step: str, arguments: Any, call_id: str) -> s
 LOCK_SHARDS = 64
 
 
+def lock_shard(name: str) -> int:
+    """The shard of the argument-key lock that a key `name` is resolved under."""
+    return zlib.crc32(name.encode()) % LOCK_SHARDS
+
+
 def _shown_as(named: tuple[str, str] | None, known: str | None,
               joined: str | None) -> str | None:
     """How answers name run `known` when the caller did not name it by its id (`Keyed.shown`):
@@ -415,7 +420,7 @@ class RunKeys:
     @contextlib.asynccontextmanager
     async def _sharded(self, names: list[str]) -> AsyncIterator[None]:
         """The shard locks of `names`, taken in shard order (no two callers deadlock)."""
-        shards = sorted({zlib.crc32(name.encode()) % len(self._shards) for name in names})
+        shards = sorted({lock_shard(name) for name in names})
         taken: list[asyncio.Lock] = []
         try:
             for shard in shards:

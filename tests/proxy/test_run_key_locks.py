@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from sgtest import make_contract
 
-from stepguard.contracts.argkeys import value_digest
+from stepguard.contracts.argkeys import forward_key, value_digest
 from stepguard.contracts.model import Contract
 from stepguard.contracts.sqlite_store import SQLiteStore
-from stepguard.proxy.core.correlation import Keyed, RunKeys
+from stepguard.proxy.core.correlation import Keyed, RunKeys, lock_shard
 
 ARG_RUN = {"key": ["header:x-stepguard-run", "arg:ticket"]}
 BOUND_S = 10.0     # a failure bound only: every wait below ends on an event
@@ -53,6 +53,21 @@ async def ticket_digest(store: GatedStore, ticket: str) -> str:
     return value_digest(await store.key_secret(), contract().workflow, "ticket", ticket)
 
 
+async def ticket_in_another_shard(store: GatedStore, ticket: str) -> str:
+    """A ticket whose key is resolved under another shard of the lock than `ticket`'s: the
+    digests come from the store's random secret, so two given values share a shard one time in
+    LOCK_SHARDS, and would then wait for each other by design."""
+    async def shard(value: str) -> int:
+        digest = await ticket_digest(store, value)
+        return lock_shard(forward_key(contract().workflow, "ticket", digest))
+
+    taken = await shard(ticket)
+    for n in range(2, 1000):
+        if await shard(other := f"T-{n}") != taken:
+            return other
+    raise AssertionError("every ticket fell into one shard")
+
+
 async def first_call(keys: RunKeys, ticket: str) -> Keyed:
     c = contract()
     return await keys.resolve(c, c.steps["first"], {}, {"ticket": ticket})
@@ -65,8 +80,9 @@ async def test_first_calls_of_two_values_do_not_wait_for_each_other(store: Gated
     held = asyncio.create_task(first_call(keys, "T-1"))
     assert (await asyncio.wait_for(store.started.get(), BOUND_S)).endswith(f"={gated}")
 
-    # T-1 is inside its lock, its look-up held: T-2 resolves all the same
-    other = await asyncio.wait_for(first_call(keys, "T-2"), BOUND_S)
+    # T-1 is inside its lock, its look-up held: a value of another shard resolves all the same
+    other = await asyncio.wait_for(first_call(keys, await ticket_in_another_shard(store, "T-1")),
+                                   BOUND_S)
     assert other.run_id is not None and not held.done()
 
     store.gate.set()
