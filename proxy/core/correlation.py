@@ -375,8 +375,8 @@ class RunKeys:
                 stamp, _, call_id = key.removeprefix(prefix).partition(":")
                 if not stamp.isdigit() or _issued_at(stamp) < oldest:
                     break       # newest first: every key after this one is older
-                run_id = await self.store.find_run(key)
-                envelope = await self.store.load(run_id) if run_id is not None else None
+                owner = await self.store.find_run(key)
+                envelope = await self.store.load(owner) if owner is not None else None
                 if (envelope is not None and envelope.workflow == contract.workflow
                         and call_id in envelope.pending):
                     found.append(Issued(envelope.run_id, call_id, 0.0))
