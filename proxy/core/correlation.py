@@ -104,8 +104,6 @@ NO_RUN_KEY, NO_LIVE_RUN, STORE = "no_run_key", "no_live_run", "store"
 # how answers name a run that the call reached by argument keys alone (`Call.shown_run`): not a
 # valid run id (a header carrying it names no run)
 ARGUMENT_RUN = "<the run its argument keys name>"
-
-
 # how answers name the run of a call that reached it by executing a model's pending tool call,
 # no header naming it (`Keyed.shown`): neither the run's id nor the tool call's (a conversation
 # carrying that id finds the run), since same arguments are all such a call had to send
@@ -277,15 +275,8 @@ class RunKeys:
                 return Keyed(None, STORE, f"the run header of step {step.name!r} cannot be "
                              f"looked up: {exc}")
         if named is None or named[1] in _TRANSPORT_KEYS:   # is it a call a model issued?
-            call = arguments if call_input is None else call_input
-            issued = self.pending.take(contract.workflow, step.name, call)
-            if issued is None and await self.pending.settled(contract.workflow):
-                # a streamed turn was still being checked: the agent may be executing one of
-                # its calls already, before the stream's end
-                issued = self.pending.take(contract.workflow, step.name, call)
-            if issued is None and self.store.shared:
-                # issued through another process: its entry stored an `issued:` key
-                issued = await self._stored_issue(contract, step, call)
+            issued = await self._issue_of(
+                contract, step, arguments if call_input is None else call_input, None)
             if issued is not None:
                 known, joined = issued.run_id, issued.call_id
         values = [(n, v) for n in arg_names(contract) if (v := arg_value(arguments, n)) is not None]
@@ -349,8 +340,11 @@ class RunKeys:
         """The model's pending tool call this call executes (of run `run_id`, if given)."""
         issued = self.pending.take(contract.workflow, step.name, call, run_id)
         if issued is None and await self.pending.settled(contract.workflow):
+            # a streamed turn was still being checked: the agent may be executing one of its
+            # calls already, before the stream's end
             issued = self.pending.take(contract.workflow, step.name, call, run_id)
         if issued is None and self.store.shared:
+            # issued through another process: its entry stored an `issued:` key
             issued = await self._stored_issue(contract, step, call, run_id)
         return issued
 
@@ -364,7 +358,7 @@ class RunKeys:
         Nothing is consumed: a second execution of the same call arriving while the first is
         still pending joins too (docs/replicas.md). A store failure is no join."""
         args = digest(call if call is not None else {})
-        if args is None or not any(u.kind in MODEL_KINDS for u in contract.upstreams.values()):
+        if args is None or not issues_calls(contract):
             return None     # no model in the workflow issues tool calls
         prefix = _issued_prefix(contract, step.name, args)
         try:
@@ -392,7 +386,7 @@ class RunKeys:
         """The stored issue of the call, looked for every ISSUE_POLL_S for at most
         ISSUE_WAIT_S (the in-memory `PendingCalls.settled` wait cannot see another process's
         streamed turns)."""
-        if not any(u.kind in MODEL_KINDS for u in contract.upstreams.values()):
+        if not issues_calls(contract):
             return None
         deadline = time.monotonic() + ISSUE_WAIT_S
         while time.monotonic() < deadline:
