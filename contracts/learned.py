@@ -1,0 +1,83 @@
+"""What learn mode saw of one call, as one history event of its run: the record `stepguard draft`
+infers a contract from.
+
+Learn mode forwards every call unchanged and stores, per call, one event with `kind: learned`
+beside the run's other events (it carries no `action`, so it changes no envelope). Its payloads
+are redacted before they are stored, as every stored payload is, and `redacted` lists the dotted
+paths whose values were replaced, so that `draft` never takes a redacted value as evidence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+__all__ = ["LEARNED", "Observation", "Traffic"]
+
+LEARNED = "learned"     # the `kind` of a learned event
+
+Traffic = Literal["http", "model", "mcp"]
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """One call as learn mode saw it.
+
+    - `traffic`, `upstream`: the traffic kind and the contract's upstream name it came through;
+    - `tool`: the model or MCP tool name (None for plain HTTP);
+    - `method`, `path`: the HTTP method and the path as steps match it (`normal_path`);
+      None for model and MCP calls;
+    - `input`: the call's arguments (model tool-call arguments, MCP `arguments`, the HTTP JSON
+      body), redacted; None when there were none or they were not JSON;
+    - `output`: the result (the HTTP JSON body, MCP `structuredContent` or the JSON of its text
+      content, the model tool result when the agent sends it back), redacted; None when unseen;
+    - `status`: the HTTP status the upstream answered (None for model tool calls);
+    - `error`: why there is no usable result (transport failure, timeout, MCP `isError`, a body
+      that is not JSON), None on success;
+    - `at`: when the call arrived at stepguard, seconds since the epoch;
+    - `final`: a model's final answer (no tool call), whose parsed content is `output`;
+    - `call_id`: the model tool-call id or MCP request id, when there is one;
+    - `redacted`: the dotted paths (`input.card.token`, `output.secret`) whose values were
+      replaced before storing.
+    """
+
+    traffic: Traffic
+    upstream: str
+    at: float
+    tool: str | None = None
+    method: str | None = None
+    path: str | None = None
+    input: Any = None
+    output: Any = None
+    status: int | None = None
+    error: str | None = None
+    final: bool = False
+    call_id: str | None = None
+    redacted: tuple[str, ...] = ()
+
+    def fields(self) -> dict[str, Any]:
+        """The event fields this observation is stored as (the store adds `seq` and `ts`)."""
+        out: dict[str, Any] = {"kind": LEARNED, "traffic": self.traffic,
+                               "upstream": self.upstream, "at": self.at}
+        for name in ("tool", "method", "path", "input", "output", "status", "error", "call_id"):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        if self.final:
+            out["final"] = True
+        if self.redacted:
+            out["redacted"] = list(self.redacted)
+        return out
+
+    @classmethod
+    def from_event(cls, event: Mapping[str, Any]) -> Observation | None:
+        """The observation a stored history event holds, or None for any other event."""
+        if event.get("kind") != LEARNED:
+            return None
+        return cls(traffic=event["traffic"], upstream=event["upstream"], at=event["at"],
+                   tool=event.get("tool"), method=event.get("method"), path=event.get("path"),
+                   input=event.get("input"), output=event.get("output"),
+                   status=event.get("status"), error=event.get("error"),
+                   final=bool(event.get("final")), call_id=event.get("call_id"),
+                   redacted=tuple(event.get("redacted") or ()))
