@@ -39,6 +39,8 @@ from stepguard.examples.order_confirmation import tools as tools_mod
 from stepguard.proxy.core.config import Settings
 from stepguard.proxy.ops.app import build, create_app
 
+__all__ = ["render_table", "run_bench"]
+
 # (drift class as stepguard names it, the injector that causes it)
 CLASSES = (("shape", "shape"), ("freshness", "stale_input"), ("order", "reordered"),
            ("tool_error", "tool_error"), ("false_completion", "false_completion"))

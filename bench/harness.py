@@ -1,4 +1,8 @@
-"""Running aiohttp applications on free loopback ports, for the benchmarks and the tests."""
+"""Running aiohttp applications on free loopback ports, for the benchmarks and the tests.
+
+`running` serves an app on a free loopback port (`free_port`); `contract_with_upstreams` points
+a contract at test upstreams.
+"""
 
 from __future__ import annotations
 

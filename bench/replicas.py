@@ -27,6 +27,8 @@ from aiohttp import web
 
 from stepguard.bench.harness import free_port, percentile, running
 
+__all__ = ["contend", "render_contention"]
+
 READY_TIMEOUT_S = 30.0
 SENT = web.AppKey("sent", list[int])
 # the hop-by-hop headers (RFC 9110 7.6.1) and what the balancer's own framing replaces

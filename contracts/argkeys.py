@@ -24,6 +24,8 @@ import hmac
 import secrets
 from collections.abc import Iterable
 
+__all__ = ["forward_key", "headed_key", "own_prefix", "value_digest"]
+
 SECRET_NAME = "key_secret"
 SECRET_BYTES = 32
 DIGEST_CHARS = 32       # hex characters of the HMAC kept (128 bits)

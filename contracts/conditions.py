@@ -3,7 +3,14 @@
 Besides the boundary's variables every condition may read `now` (a CEL timestamp: when the
 call arrived at stepguard, given by the adapter; the engine reads no clock) and the contract's
 `vars` (named constants, `vars.NAME`, each declared to CEL with its own type so a misuse fails
-at load). Both are fed only to the conditions that mention them."""
+at load). Both are fed only to the conditions that mention them.
+
+One CEL environment per variable set (entry: `input, state`; exit: `input, output, state,
+status`), so an unknown variable or var, or a type mismatch, fails at load. Each condition
+remembers which top-level fields it reads and is evaluated on just those (`_narrow`): converting
+a large body into CEL values costs more than evaluating. An evaluation error names the first
+missing dotted path the condition references.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +22,8 @@ from typing import Any
 
 import orjson
 from cel_expr_python import cel
+
+__all__ = ["var_text"]
 
 ENTRY_VARIABLES = ("input", "state")
 EXIT_VARIABLES = ("input", "output", "state", "status")

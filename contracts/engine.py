@@ -6,6 +6,10 @@ output schema, postcondition, recorded values, completion proof. The first faili
 `now` is the call's arrival time at stepguard (seconds since the epoch), taken once by the
 adapter: conditions see it as the CEL timestamp `now`. The engine never reads a clock: without
 `now` a condition that reads it cannot be evaluated (a violation, never a pass).
+
+`action_of` says what a decision does (`action_for`, a violation's action): the adapters
+(`Boundaries.settle`) and offline replay use the same function. `check_shadow` is the decision a
+shadow contract would have reached at the same boundary.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from stepguard.contracts.events import (
     Violation,
 )
 from stepguard.contracts.model import Contract, Step
+
+__all__ = ["FINAL", "action_of", "check_entry", "check_exit", "check_final", "check_shadow"]
 
 FINAL = "final_answer"   # the pseudo-step of a model's final answer
 

@@ -1,4 +1,12 @@
-"""The run's small persisted state, derived from its event history by a pure fold."""
+"""The run's small persisted state, derived from its event history by a pure fold.
+
+`apply(event)` is the fold. It reads no contract: an exit event carries what the engine decided
+(`recorded`, `unrecorded` keys to drop from the state, `invalidates`: dependent steps no longer
+verified). Besides the state and the verified steps it keeps the model calls pending, the open
+holds and unused approvals (contracts/holds.py), the recorded answers of `replay: recorded`
+steps (`answers`: step -> [call digest, exit seq]) and the digests of joined calls' checked
+outputs (`joined`), so each survives a restart and reaches every replica.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +23,8 @@ from stepguard.contracts.events import (
     HOLD,
     REJECT,
 )
+
+__all__ = ["STATUSES", "Envelope"]
 
 Status = Literal["active", "halted", "escalated", "completed", "cancelled"]
 STATUSES: tuple[Status, ...] = get_args(Status)

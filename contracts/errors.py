@@ -1,8 +1,17 @@
-"""One small base exception with a few leaves; each carries what its caller needs."""
+"""One small base exception with a few leaves; each carries what its caller needs.
+
+`StepguardError` is the base; `ContractError` (also a `ValueError`, carrying every
+`ContractIssue`), `StoreError`, `ConflictError` (a lost compare-and-set, a `StoreError`) and
+`RunOfAnotherWorkflow` (a stored run started by another contract: adapters answer 409).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+__all__ = [
+    "ConflictError", "ContractError", "ContractIssue", "RunOfAnotherWorkflow", "StepguardError", "StoreError",
+]
 
 
 class StepguardError(Exception):

@@ -1,10 +1,31 @@
-"""Boundary events and verdicts: the protocol-neutral records every adapter produces."""
+"""Boundary events and verdicts: the protocol-neutral records every adapter produces.
+
+`Violation`, `ToolResult`, `Decision` and the action names (`FORWARD`, `HALT`, `ESCALATE`,
+`RETRY`, `OBSERVE`, `REFUSE`, `HOLD`, ...): what the engine returns and the stored events carry.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
+
+__all__ = [
+    "APPROVE",
+    "ESCALATE",
+    "EXPIRE",
+    "FORWARD",
+    "HOLD",
+    "OBSERVE",
+    "REFUSE",
+    "REJECT",
+    "REPLAYED",
+    "RETRY",
+    "Decision",
+    "ToolResult",
+    "Violation",
+    "decision_fields",
+]
 
 Boundary = Literal["entry", "exit"]
 # what happened at a boundary: the run advanced, a violation was acted on, or nothing changed

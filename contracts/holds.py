@@ -21,6 +21,16 @@ from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.events import APPROVE, EXPIRE, FORWARD, REJECT
 from stepguard.contracts.operations import OPERATOR, OperationRefused
 
+__all__ = [
+    "STOPPED",
+    "Expired",
+    "approval_for",
+    "call_digest",
+    "decision_event",
+    "expire_fields",
+    "used_fields",
+]
+
 STOPPED = ("halted", "escalated", "cancelled")   # a run in these states lets no call through
 
 

@@ -1,4 +1,15 @@
-"""Load a contract file: validate it against the format's JSON Schema, then compile it."""
+"""Load a contract file: validate it against the format's JSON Schema, then compile it.
+
+YAML or JSON (a mapping key written twice is an issue with its path), then format validation
+with `jsonschema` against `contract.schema.json` (every error, with its path), then compilation
+(`_Compiler`, on the document without its `x-` keys): vars and upstream URLs (with the overrides
+given at start, `Override`, checked against the declared type or URL form), named and inline
+schemas (`jsonschema_rs` validators), CEL conditions (a non-`bool` one is refused), the `after`
+graph (unknown steps, cycles), match lists and duplicate matches, completion, and no `record` of
+a redacted key or of an output field the output schema does not declare. Every issue is
+collected and raised together, as `ContractError([ContractIssue(file, step, field, message)])`;
+`load_contracts` also checks across files (duplicate workflow, duplicate mount).
+"""
 
 from __future__ import annotations
 
@@ -39,6 +50,8 @@ from stepguard.contracts.model import (
     normal_path,
 )
 from stepguard.contracts.redact import is_redacted, normal_key
+
+__all__ = ["load_contract", "load_contracts", "parse_contract"]
 
 # what an upstream URL may be, in the contract or set at start: a base path is kept, the
 # path after the mount is appended to it

@@ -1,4 +1,10 @@
-"""The compiled contract: what the loader produces and the engine reads."""
+"""The compiled contract: what the loader produces and the engine reads.
+
+Frozen dataclasses (`Contract`, `Step`, `Match`, `Schema`, `OnFailure`, `Completion`,
+`Upstream`); the engine reads nothing else. Calls and the loader's step paths both go through
+`normal_path` (empty segments merged, no trailing slash), lowered on a `case_insensitive`
+upstream.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,8 @@ import orjson
 from jsonschema_rs import ValidationErrorKind
 
 from stepguard.contracts.conditions import Condition, Var
+
+__all__ = ["Contract", "Override", "Step", "Upstream", "normal_path"]
 
 Mode = Literal["enforce", "observe"]
 Action = Literal["halt", "escalate", "hold"]

@@ -20,6 +20,8 @@ from typing import Any
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.events import ADVANCE
 
+__all__ = ["OPERATOR", "OperationRefused", "cancel_event", "resume_event", "superseded"]
+
 RESUME = "resume"
 CANCEL = "cancel"
 OPERATOR = "operator"       # the `kind` of an operator action's event

@@ -53,6 +53,14 @@ Which is the default, and why, is measured in docs/replicas.md.
 
 The schema is versioned (pg_schema.py): `open` applies missing migrations under an advisory
 lock, and refuses a database whose schema is newer than this code.
+
+Inside: `stepguard_append` (schema version 2) is one append and returns -1 (lost
+compare-and-set) or the stored seq; `stepguard_append_batch` (version 3) takes an array per
+argument, the keys flattened with a count per append, in run id order. A batch statement the
+server refuses (`_BatchRefused`) is redone one append at a time. A connection whose work failed
+or timed out is `terminate()`d, never rolled back over the wire, so a dead server cannot hold a
+caller past its deadline. The advisory lock key is a signed 64-bit blake2b of the run id
+(`run_lock_key`).
 """
 
 from __future__ import annotations
@@ -73,6 +81,8 @@ from stepguard.contracts.errors import ConflictError, StoreError
 from stepguard.contracts.pg_schema import KEY_DIGESTS, MIGRATION_LOCK, MIGRATIONS, VERSION
 from stepguard.contracts.store import ADVISORY, DEFAULT_RUN_LOCKS, RunLock
 from stepguard.contracts.store_urls import redacted
+
+__all__ = ["migrate_store"]
 
 DEFAULT_TIMEOUT_S = 1.0
 DEFAULT_POOL_SIZE = 10

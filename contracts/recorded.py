@@ -20,6 +20,8 @@ import orjson
 
 from stepguard.contracts.errors import StoreError
 
+__all__ = ["Recorded", "RecordedRun"]
+
 
 @dataclass(frozen=True, slots=True)
 class RecordedRun:

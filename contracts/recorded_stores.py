@@ -9,6 +9,8 @@ from stepguard.contracts.errors import StoreError
 from stepguard.contracts.recorded import Recorded, RecordedStore
 from stepguard.contracts.store_urls import check_location, is_postgres, redacted
 
+__all__ = ["recorded_store"]
+
 
 def recorded_store(location: str) -> Recorded:
     """The runs stored at `location`, not yet open (open with `with`), never written."""

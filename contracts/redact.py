@@ -1,11 +1,21 @@
 """Redaction of secrets before anything is logged or stored: credentials by name, plus the
 fields a contract marks as sensitive. Matching is by key at any depth, ignoring case and reading
-`-` as `_` (`X-Api-Key`, `x_api_key` and `X_API_KEY` are one key)."""
+`-` as `_` (`X-Api-Key`, `x_api_key` and `X_API_KEY` are one key).
+
+`ALWAYS` names the credentials always redacted; `Redactor` is what a contract's `redact` list
+builds. The loader refuses a `record` of a redacted key with it; `Boundaries` redacts an event's
+payloads and escalation records before they are stored, and the observer logs only stored
+(redacted) payloads. The one part of an event not redacted is a recorded answer (`replay:
+recorded`): it is given back byte for byte, and readers (`metrics/report.shown`) show it by
+size.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import Any
+
+__all__ = ["REDACTED", "Redactor", "is_redacted", "redacted_path"]
 
 REDACTED = "[REDACTED]"
 

@@ -21,6 +21,10 @@ not have, an exit whose call cannot be found, operator actions, ...).
 Time: conditions that read `now` see the recorded time of the call's entry event for a plain
 HTTP or MCP call (stepguard took `now` when the call arrived, just before its entry was
 stored, and checks both boundaries with it), else the recorded time of the event itself.
+
+An exit finds its call's entry by the model call id, else by step and JSON-RPC id; the error
+kind the store does not keep is read back from the recorded verdict. What cannot be re-checked
+raises `_CannotJudge`. Actions come from `engine.action_of`, the function the proxy uses.
 """
 
 from __future__ import annotations
@@ -59,6 +63,19 @@ from stepguard.contracts.events import (
 from stepguard.contracts.model import Contract, Step
 from stepguard.contracts.recorded import RecordedRun
 from stepguard.contracts.redact import REDACTED, Redactor
+
+__all__ = [
+    "DIFFERS",
+    "HALTS",
+    "PASSES",
+    "UNCHANGED",
+    "UNJUDGEABLE",
+    "Difference",
+    "Outcome",
+    "Report",
+    "RunReport",
+    "replay",
+]
 
 HALTS, PASSES, DIFFERS, UNJUDGEABLE, UNCHANGED = (
     "halts", "passes", "differs", "unjudgeable", "unchanged")

@@ -29,6 +29,12 @@ waits for the run at most once and holds at most one lock per run. Under that lo
 envelope is always read from the store, optimistic or not: another process may have advanced
 the run just before this one got the lock, and a read under the lock is the stored state (the
 commit's compare-and-set stays, for any writer that does not take the lock).
+
+The envelope cache is bounded (10,000 runs, least recently used out). `batched(run_id)` (a model
+turn's entries) stores the events of a block together at its end (`Store.append_batch`: one
+compare-and-set, the envelope written once, not once per tool call); an event with an escalation
+record is stored at once, after those before it. A stored run of another workflow raises
+`RunOfAnotherWorkflow`.
 """
 
 from __future__ import annotations
@@ -44,6 +50,8 @@ from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.errors import ConflictError, RunOfAnotherWorkflow, StoreError
 from stepguard.contracts.model import Contract
 from stepguard.contracts.store import Store
+
+__all__ = ["RunBook", "StaleEnvelope"]
 
 
 class StaleEnvelope(ConflictError):

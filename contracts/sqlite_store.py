@@ -44,6 +44,19 @@ runs the TRUNCATE checkpoint between its batches, as a single store's does; one 
 the write lock and one try soon wins. A shared store's `close` checkpoints only PASSIVE (the others
 may still be writing); the supervisor truncates the WAL once every worker has stopped
 (`checkpoint_store`).
+
+Inside: `_hand_over` (scheduled with `call_soon`) gives a loop turn's appends to the writer
+(`_write_loop`), which commits every hand-over waiting in one `BEGIN IMMEDIATE` ... `COMMIT`
+(`_commit` -> `_batch`) and wakes the callers with one `call_soon_threadsafe`. The
+compare-and-set is an `INSERT` for a run's first event and an `UPDATE ... WHERE seq = ?` after
+it; an append that loses it has written nothing and fails alone, and any other failure is rolled
+back and replayed with a savepoint per append, so one bad append neither sinks the others nor
+leaves half of itself behind. The checkpointer runs every second, every 50 ms once the WAL is
+past half its limit; it and the writer's TRUNCATE share a lock (`_checkpointing`), since SQLite
+answers busy at once to a second checkpointer. Retention purges old runs inside a batch every 5
+minutes. Tables: `runs` (envelopes), `events` (history), `run_keys`, `escalations`, `probe`,
+`meta` (`key_secret`). Measured on the development VM: one serial append 117 µs on uvloop, 62 µs
+of it the commit.
 """
 
 from __future__ import annotations
@@ -67,6 +80,20 @@ from stepguard.contracts.argkeys import LEGACY_FORWARD, LEGACY_OWN, SECRET_NAME,
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.errors import ConflictError, StoreError
 from stepguard.contracts.store import RunLock
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "DEFAULT_WAL_LIMIT_BYTES",
+    "SYNCHRONOUS_MODES",
+    "SQLiteStore",
+    "checkpoint_store",
+    "connect",
+    "lock_store",
+    "open_read_only",
+    "read_escalations",
+    "read_history",
+    "read_runs",
+]
 
 DEFAULT_TIMEOUT_S = 1.0
 DEFAULT_WAL_LIMIT_BYTES = 64 * 1024 * 1024

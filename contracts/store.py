@@ -2,6 +2,12 @@
 
 Appending is a compare-and-set on the run's sequence number, so two writers racing on one run
 can never both advance it. Nothing in the engine knows which store it talks to.
+
+Besides appends: `add_keys` writes correlation keys without an event (through the same group
+commit), `find_run`/`find_keys` read them, `key_secret` is the store's secret for argument keys
+(contracts/argkeys.py, a `meta` row made once per store), `shared` says whether other processes
+write these runs, and `run_lock` is a cross-process lock of a run or None. Implementations:
+contracts/sqlite_store.py, contracts/pg_store.py; contracts/stores.py picks one.
 """
 
 from __future__ import annotations
@@ -11,6 +17,8 @@ from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol
 
 from stepguard.contracts.envelope import Envelope
+
+__all__ = ["DEFAULT_RUN_LOCKS", "RUN_LOCKS", "Store"]
 
 # how one run's boundaries on several processes are serialised (PostgreSQL: `--run-locks`):
 # the append's compare-and-set and a re-check on a lost race, or a per-run advisory lock held

@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from urllib.parse import urlsplit, urlunsplit
 
+__all__ = ["check_location", "is_postgres", "redacted"]
+
 POSTGRES_SCHEMES = ("postgresql", "postgres")
 # `scheme://...`: a location that is a URL, not a file path (a path may hold a colon, never `://`
 # after a bare scheme name)

@@ -1,5 +1,9 @@
 """One place that turns a store location into a store: a SQLite file path, or a PostgreSQL URL
 (`postgresql://` or `postgres://`). Every command that opens a store from a setting comes here.
+
+`PostgresStore` is imported only for a PostgreSQL URL (asyncpg is the `postgres` extra).
+`proxy/ops/app.py`, the `runs` commands, `proxy/ops/operate.py` and `store migrate` all come
+here; contracts/store_urls.py says what a location is, and neither imports a driver.
 """
 
 from __future__ import annotations
@@ -8,6 +12,8 @@ from stepguard.contracts.errors import StoreError
 from stepguard.contracts.sqlite_store import DEFAULT_TIMEOUT_S, DEFAULT_WAL_LIMIT_BYTES, SQLiteStore
 from stepguard.contracts.store import DEFAULT_RUN_LOCKS, Store
 from stepguard.contracts.store_urls import check_location, is_postgres, redacted
+
+__all__ = ["make_store"]
 
 
 def make_store(location: str, *, timeout_s: float = DEFAULT_TIMEOUT_S, retention_s: float = 0.0,

@@ -3,7 +3,19 @@ bounded queue, in the order they were logged whoever logged them (`configure(que
 what `stepguard serve` uses). A reader that stalls (a log shipper, `kubectl logs`, `| tee` to
 a slow disk) then fills the pipe and blocks that thread only, never a call. A line that finds
 the queue full is dropped, never waited for, and counted; where the missing lines were, the
-writer writes one notice line saying how many."""
+writer writes one notice line saying how many.
+
+Why a thread: structlog's `BytesLogger` wrote each line with a write(2) on the loop's thread, so
+a stalled reader froze every call, as a blocking store did (issue 11). Why drop: waiting would
+move the stall back onto the loop, and a log is the one output stepguard can lose without
+deciding anything differently (the store keeps every event). The queue's bounds
+(`QUEUE_MAX_LINES` 10,000, `QUEUE_MAX_BYTES` 4 MiB) are constants, not settings: a few seconds
+of a stalled reader at full load. Writes are at most `PIPE_BUF` and end on a line's end, so
+workers sharing stdout never cut each other's lines; `serve` waits at most 5 s at exit
+(`drain`), and a `kill -9` loses what is queued. Measured on the development VM: one info line
+10.9-22.6 µs written in place, 7.4-9.5 µs queued (the writer thread included); `bench proxy
+--rows contract --repeat 2` the same before and after within the machine's noise.
+"""
 
 from __future__ import annotations
 

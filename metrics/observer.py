@@ -1,5 +1,11 @@
 """The observer: turns stored decisions, upstream calls and failures into metrics and log lines.
-It is called after a decision is stored and acted on; it never decides anything."""
+It is called after a decision is stored and acted on; it never decides anything.
+
+`verdict` counts a stored decision, writes one log line and hands it to tracing
+(`Tracing.boundary`); `call_refused` counts a refusal before the upstream
+(`stepguard_requests_refused_total{reason}`, reasons in `REFUSAL_REASONS`) with a warning line
+`call_refused`.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +19,8 @@ from stepguard.metrics.logs import get_logger
 from stepguard.metrics.prom import Metrics, status_class
 from stepguard.metrics.trace_context import SPAN_ID, TRACE_ID, sampled_ids
 from stepguard.metrics.tracing import Tracing
+
+__all__ = ["Observer"]
 
 
 def truncate(text: str, limit: int) -> str:

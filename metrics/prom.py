@@ -11,6 +11,10 @@ workers (`livesum`). Two families are the answering worker's own, not read from 
 `stepguard_runs` (counted from the shared store at the scrape, so any worker's count is the
 store's) and `stepguard_contract_info` (an Info, which multiprocess mode does not keep; every
 worker serves the contracts its supervisor holds in force, proxy/ops/worker_link.py).
+
+Every metric is declared on a per-instance `CollectorRegistry`, except `LOG_LINES_DROPPED`, the
+process's, which every registry exposes. Exposition negotiates the format with the scraper's
+`Accept`: text, or OpenMetrics with the histograms' trace exemplars.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from stepguard.contracts.envelope import STATUSES
+
+__all__ = ["LOG_LINES_DROPPED", "Metrics"]
 
 # stepguard's own work is sub-millisecond; the tail is what alerts care about
 ADDED_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)

@@ -11,6 +11,8 @@ import orjson
 
 from stepguard.contracts.operations import OPERATOR, superseded
 
+__all__ = ["described_call", "render_run", "shown", "timestamp"]
+
 
 def timestamp(ts: float | None) -> str:
     if not ts:

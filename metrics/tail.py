@@ -32,6 +32,8 @@ from typing import IO, Any, TextIO
 
 import orjson
 
+__all__ = ["TailOptions", "parse_since", "tail"]
+
 DETAIL_CHARS = 200
 POLL_SECONDS = 0.2
 

@@ -20,6 +20,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+__all__ = ["trace_fields"]
+
 TRACE_ID = "trace_id"   # the field name in log lines, stored events and exemplars
 SPAN_ID = "span_id"
 

@@ -22,6 +22,16 @@ refused), a query string or a header: so nothing a contract redacts can reach an
 The server span is the *current* span (its context attached) for the whole handling of a call:
 `opentelemetry.trace.get_current_span()` anywhere under the adapter (boundary settling, event
 commits, log lines) returns it.
+
+Where the hooks are: `Tracing.serve` (used by `Dispatcher._traced`) starts the SERVER span from
+the caller's W3C context (`traceparent`, or an MCP message's `params._meta.traceparent`, read by
+`mcp_trace_meta`) and keeps a `Served` in a context variable; `CallLoop.checked` names it
+`execute_tool {tool}`, `ModelAdapter.handle` `chat {model}`; `Observer.verdict` hands every
+stored boundary event to `Tracing.boundary` (a `stepguard.boundary` span event, and the deciding
+verdict's attributes and ERROR status). `Forwarder.open` wraps each upstream exchange in
+`Tracing.client` (a CLIENT span whose `traceparent` goes into the outgoing headers, and into an
+MCP message's `_meta`: `with_traceparent`), ended by `H1Response.on_release` or on failure.
+`Stepguard.stop` flushes the batch processor off the event loop.
 """
 
 from __future__ import annotations
@@ -41,6 +51,8 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
     from stepguard.contracts.model import Contract
+
+__all__ = ["Tracing", "TracingError", "check_env", "from_env", "requested", "with_traceparent"]
 
 INSTRUMENTATION = "stepguard"
 _ALWAYS = Redactor()      # the credentials always redacted, for a path of no known contract

@@ -1,4 +1,10 @@
-"""The `stepguard` command line: serve, check, runs, store, bench, demo."""
+"""The `stepguard` command line: serve, check, runs, store, bench, demo.
+
+Commands: `serve`, `check`, `runs list|show|resume|cancel|approve|reject`, `store migrate`,
+`replay`, `bench drift|contention|proxy`, `tail`, `demo`. The one module that knows every
+command: it imports `bench/` and the examples lazily, inside the command that needs them, and
+nothing imports it (tests/test_import_graph.py).
+"""
 
 from __future__ import annotations
 

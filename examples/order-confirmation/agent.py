@@ -22,6 +22,8 @@ import aiohttp
 
 from stepguard.examples.order_confirmation.tools import DRIFT_HEADER
 
+__all__ = ["run_agent"]
+
 DRIFTS = ("shape", "stale_input", "reordered", "tool_error", "false_completion")
 
 

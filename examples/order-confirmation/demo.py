@@ -21,6 +21,8 @@ from stepguard.metrics.report import render_run
 from stepguard.proxy.core.config import Settings
 from stepguard.proxy.ops.app import build, create_app
 
+__all__ = ["fresh_store", "run_demo"]
+
 
 @asynccontextmanager
 async def running(app: web.Application) -> AsyncIterator[str]:

@@ -45,6 +45,11 @@ from aiohttp import web
 from stepguard.examples.order_confirmation import playbook
 from stepguard.examples.order_confirmation.serving import add_listen_options, chosen_port, run_aiohttp
 
+__all__ = [
+    "CHAT_COMPLETIONS_PATH", "FakeModel", "ToolCalls", "chat_completion", "chat_completion_events",
+    "encode_sse", "serve",
+]
+
 CONVERSATION_HEADER = "x-fake-conversation"
 CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
 MODELS_PATH = "/v1/models"

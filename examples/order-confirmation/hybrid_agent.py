@@ -25,6 +25,8 @@ from stepguard.examples.order_confirmation import model_agent
 from stepguard.examples.order_confirmation.fake_model import CONVERSATION_HEADER
 from stepguard.examples.order_confirmation.tools import DRIFT_HEADER
 
+__all__ = ["run_hybrid_agent", "slot_of"]
+
 
 def slot_of(order_id: str) -> str:
     """The slot the MCP server must give `order_id` for the scripted model's `confirm` call to name

@@ -20,6 +20,8 @@ from mcp.client.streamable_http import streamable_http_client
 
 from stepguard.examples.order_confirmation.tools import DRIFT_HEADER
 
+__all__ = ["run_mcp_agent"]
+
 
 @dataclass
 class McpCall:

@@ -30,6 +30,8 @@ from stepguard.examples.order_confirmation.fake_model import (
 )
 from stepguard.examples.order_confirmation.tools import DRIFT_HEADER
 
+__all__ = ["run_model_agent", "script_for"]
+
 TOOLS: list[Any] = [
     {"type": "function", "function": {
         "name": name, "description": description,

@@ -16,6 +16,8 @@ from aiohttp import web
 
 from stepguard.examples.order_confirmation.serving import add_listen_options, chosen_port, run_aiohttp
 
+__all__ = ["create_app"]
+
 DRIFT_HEADER = "x-fixture-drift"
 _counter = itertools.count(1)
 

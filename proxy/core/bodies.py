@@ -19,6 +19,22 @@ from typing import Any
 
 import orjson
 
+__all__ = [
+    "JSON_DEPTH_CEILING",
+    "MAX_JSON_DEPTH",
+    "BodyError",
+    "JsonTooDeep",
+    "charset_of",
+    "check_depth",
+    "decode",
+    "history_payload",
+    "is_json_type",
+    "parse_json",
+    "query_input",
+    "request_input",
+    "response_output",
+]
+
 MAX_JSON_DEPTH = 64          # the default of --max-json-depth
 JSON_DEPTH_CEILING = 200     # the most it may be set to: below orjson's 254 with room for the
                              # event and envelope documents that wrap a payload

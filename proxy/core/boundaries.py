@@ -1,5 +1,17 @@
 """Settling a boundary, the same for every traffic kind: pick the action, store the event (with
-an escalation record and correlation keys), observe it, and only then let the adapter act."""
+an escalation record and correlation keys), observe it, and only then let the adapter act.
+
+Escalation records keep input and output up to `ESCALATION_PAYLOAD_BYTES` (64 KiB; larger ones
+by size). Every event goes through `_commit`, which adds the current span's `trace_id`/`span_id`
+(metrics/trace_context.py) to it and its escalation record: the run book and the stores know
+nothing of tracing. A `hold` action takes a place in `Holds` and adds the hold's fields to its
+event (`Settled.held`); `approved_entry`/`use_approval` let a call through on an approval,
+`expire` records a hold that ran out. Every refusal before the upstream goes through
+`call_refused` (counted by reason); a halted run's refusal is an event (`refuse`), its repeats
+are tallied (proxy/core/refusals.py). `retrying_conflicts` checks a boundary again after a lost
+compare-and-set: at least `CONFLICT_RETRIES` (10) tries and `CONFLICT_DEADLINE_S` (5 s), with a
+jittered back-off.
+"""
 
 from __future__ import annotations
 
@@ -45,6 +57,8 @@ from stepguard.proxy.core.holds import Held, HoldRefused, Holds, Target, refused
 from stepguard.proxy.core.joining import PendingCalls
 from stepguard.proxy.core.refusals import FLUSH_S, Count, Key, RefusalTally
 from stepguard.proxy.core.routing import Route
+
+__all__ = ["UNREACHABLE", "Boundaries", "Evidence", "Settled", "new_decision_id", "retrying_conflicts"]
 
 CONFLICT_RETRIES = 10
 # a boundary that keeps losing the race (many processes writing one run) is tried for at least

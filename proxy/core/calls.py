@@ -11,6 +11,15 @@ is never sent again by that path.
 differs between protocols: how one attempt is sent and its answer read (`send`), how a checked
 answer is handed on (`relay`), how a call that stops is answered (`render`, given a `Stopped`
 reason), and the protocol's fields of every event (`extra`).
+
+The rest of a `CallProtocol`: `unchecked`, `pause` (an answer that is not the outcome yet),
+`recording` and `replay` (a `replay: recorded` step's answer as stored, and given again:
+`_replayed` runs under the run's lock after the stopped and unreadable checks, before the entry
+check), `keepalive` (while the call is held). The `Stopped` reasons: `RunStopped`, `Violated`,
+`Rejected`, `Unreached`, `NotStored`, `OtherWorkflow`. A request whose body could not be read
+(`Call.unreadable`) is stored as a `rejected` entry and answered with its 4xx (`_reject`): the
+run neither advances nor halts. Entries and exits take the envelope with `optimistic=True`
+(contracts/runs.py): every outcome here is committed before it is acted on.
 """
 
 from __future__ import annotations
@@ -41,6 +50,22 @@ from stepguard.proxy.core.joining import digest as joining_digest
 from stepguard.proxy.core.joining import joined_extra
 from stepguard.proxy.core.routing import Route
 from stepguard.proxy.core.waiting import client_present, waited
+
+__all__ = [
+    "STOPPED",
+    "Answer",
+    "Call",
+    "CallLoop",
+    "HoldEnded",
+    "NotStored",
+    "OtherWorkflow",
+    "Rejected",
+    "Replayed",
+    "RunStopped",
+    "Stopped",
+    "Unreached",
+    "Violated",
+]
 
 STOPPED = ("halted", "escalated", "cancelled")    # a run in these states refuses its calls
 

@@ -37,6 +37,11 @@ from stepguard.contracts.store_urls import check_location, redacted
 from stepguard.metrics.logs import LOG_FORMATS, LOG_LEVELS
 from stepguard.proxy.core.bodies import JSON_DEPTH_CEILING, MAX_JSON_DEPTH
 
+__all__ = [
+    "ConfigError", "Settings", "add_arguments", "assignments", "env_name", "env_setting", "flag_name",
+    "listen_error",
+]
+
 MAX_WORKERS = 64
 TRUE_WORDS = ("true", "1", "yes", "on")
 FALSE_WORDS = ("false", "0", "no", "off")

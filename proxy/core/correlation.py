@@ -1,5 +1,28 @@
 """Which run a call belongs to: header, W3C trace context, MCP session, a value among the call's
-arguments (`arg:NAME`), or the contract's implicit run."""
+arguments (`arg:NAME`), or the contract's implicit run.
+
+`RunKeys.resolve` (one per process, `Boundaries.run_keys`) takes the run named by `run_id_for`
+(the contract's header, W3C `traceparent` and session keys, in order), then the `arg:NAME` keys
+read from the body (else the query), stored as keyed digests (contracts/argkeys.py). A call with
+no `header:` key (`keyed_by`; traceparent and session keys do not count, `_TRANSPORT_KEYS`) is
+first matched against the tool calls models issued (`Boundaries.pending`, proxy/core/joining.py;
+on a shared store also the stored `issued:` keys, `_stored_issue`): a match is `Keyed.joined`. A
+`header:` key naming a run with no history is matched the same way (`_header_run`) and stored as
+the model run's alias (`alias:<workflow>:<value>`, cached per process); a header whose run has
+history (cached in `_own`) is never matched.
+
+Argument keys resolve under the locks of their values' digests and known run (`LOCK_SHARDS`, 64
+by CRC-32, taken in shard order: `_sharded`; a live run found by a value is locked too before
+keys are added to it, `_Relock`), so calls of different values do not wait for each other and
+two first calls with one value get one run (on a shared store, across processes, by a run id
+derived from the value's digest and its previous run: `_new_run_id`). A value naming a live run
+joins it; none starts a run at a step without `after`, else `no_live_run` (409). A call by a
+header carrying another value than its run's, or a value of another live run, is `Keyed.drift`:
+a `run_key` (freshness) violation in that run. A run named by a header refuses a call naming it
+by an argument alone (`no_run_key`, 400). Details name the argument, never its value; a call
+that reached its run by argument alone is answered with `ARGUMENT_RUN` in place of the run id
+(`Call.shown_run`), a headerless execution of a model's call with `ISSUED_RUN`.
+"""
 
 from __future__ import annotations
 
@@ -20,6 +43,8 @@ from stepguard.contracts.errors import StoreError
 from stepguard.contracts.model import Contract, Step
 from stepguard.contracts.store import Store
 from stepguard.proxy.core.joining import Issued, PendingCalls, digest
+
+__all__ = ["MODEL_KINDS", "NO_RUN_KEY", "STORE", "implicit_run_id", "issued_key", "keyed_by", "run_id_for"]
 
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}$")
 _RUN_ID = re.compile(r"^[\x21-\x7e]{1,200}$")

@@ -12,6 +12,8 @@ import orjson
 from stepguard.contracts.model import Contract
 from stepguard.metrics.observer import Observer
 
+__all__ = ["Escalator"]
+
 
 class Escalator:
     """Webhook deliveries on an aiohttp session of their own (off the hot path, which uses

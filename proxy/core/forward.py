@@ -1,5 +1,23 @@
-"""Forwarding to configured upstreams: end-to-end headers only, bodies capped, one keep-alive
-client session for the whole process."""
+"""Forwarding to configured upstreams: end-to-end headers only, bodies capped, one upstream
+client (`H1Client`, keep-alive pools per origin) for the whole process.
+
+`read_body` reads a request body up to `max_request_bytes` (413; an unreadable body 400; a body
+silent for `body_timeout_s`, or not all in within `body_total_timeout_s`, 408 and the connection
+closed), its bytes taken from the process's `BodyBudget` (`max_inflight_body_bytes`: a known
+length up front, a chunked body as it arrives) and given back when the call ends; a body past
+the budget is refused unread (503, `x-should-retry: true`). Request bodies are forwarded as
+sent: `bodies.decode` inflates a bounded copy only to check it.
+
+`Forwarder`: `fetch` (whole), `open` (streaming; a call that provably never reached the
+upstream, `NotSent`, is tried again whatever the step, up to `connect_attempts` within
+`connect_timeout_s`, back-off from 0.25 s), `stream` (pass-through, unbuffered), `read_capped`,
+`read_chunks` (read timeouts, or the 15 s client-gone check). `end_to_end` drops hop-by-hop
+headers (RFC 9110 section 7.6.1, and any named in `Connection`); `Timing` is wall time minus
+upstream waits (`x-stepguard-overhead-ms`), and `Timing.arrived` is the `now` conditions see;
+`ClientEnd.start` sends the head and marks a client already gone. A client that hangs up while
+an answer is relayed is one info line (`client_disconnected`), never an exception out of the
+handler.
+"""
 
 from __future__ import annotations
 
@@ -24,6 +42,24 @@ from stepguard.proxy.core.h1client import (
     ReadTimeout,
     UpstreamConnectionError,
 )
+
+__all__ = [
+    "HOP_BY_HOP",
+    "SAME_AS_TIMEOUT",
+    "BodyBudget",
+    "BodyStalled",
+    "BodyTooLarge",
+    "BudgetSpent",
+    "ClientEnd",
+    "Forwarder",
+    "Timing",
+    "UpstreamError",
+    "Upstreamed",
+    "ask_for_identity",
+    "end_to_end",
+    "read_body",
+    "read_chunks",
+]
 
 HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",

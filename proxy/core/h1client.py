@@ -34,6 +34,8 @@ from urllib.parse import unquote, urlsplit
 import httptools
 from multidict import CIMultiDict
 
+__all__ = ["H1Response", "UpstreamConnectionError"]
+
 _IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})   # these send Content-Length: 0 when empty
 _HIGH_WATER = 256 * 1024    # buffered body bytes at which the socket stops being read

@@ -19,6 +19,8 @@ from stepguard.metrics.observer import Observer
 from stepguard.proxy.core.bodies import query_input
 from stepguard.proxy.core.routing import METHOD_OVERRIDE_HEADERS, Route
 
+__all__ = ["HoldRefused", "Holds", "Target", "http_target", "tool_target"]
+
 DEFAULT_MAX_HOLDS = 100
 T = TypeVar("T")
 

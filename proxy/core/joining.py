@@ -15,7 +15,14 @@ An agent may execute a streamed tool call before the stream has ended: stepguard
 call as it arrives and holds only the terminator until the turn is checked, so the execution
 can arrive before the call is issued here. A streamed turn that has shown tool calls is
 registered as `streaming` until it is checked; a tool-side call that matches nothing issued
-waits for the turns of its workflow in that state (`settled`, bounded) and looks again."""
+waits for the turns of its workflow in that state (`settled`, bounded) and looks again.
+
+Bounds: `ttl_s` 10 minutes, `limit` 10,000 calls, a streamed turn waited for 30 s at most
+(`STREAMING_WAIT_S`). When calls of two live runs match alike, `take` gives neither. On a shared
+store the model's entry also stores an `issued:` key that a tool-side call on another process
+joins by (proxy/core/correlation.py). The joined exit event carries `call_id` and
+`joined_digest` (`joined_extra`), which the fold keeps in `Envelope.joined`.
+"""
 
 from __future__ import annotations
 
@@ -28,6 +35,8 @@ from typing import Any
 import orjson
 
 from stepguard.contracts.bounded import Bounded
+
+__all__ = ["digest"]
 
 
 def digest(value: Any) -> str | None:

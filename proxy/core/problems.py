@@ -9,6 +9,8 @@ from aiohttp import web
 
 from stepguard.contracts.events import Violation
 
+__all__ = ["halted_problem", "problem", "violation_problem", "why_stopped"]
+
 PROBLEM_TYPE = "application/problem+json"
 _STATUS = {"order": 409, "tool_error": 502}
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 from stepguard.contracts.model import Contract, Upstream, normal_path
 
+__all__ = ["Route", "Router", "UnsafePath", "refuse_method_override"]
+
 METHOD_OVERRIDE_HEADERS = ("x-http-method-override", "x-http-method", "x-method-override")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _DOUBLE_ENCODED = re.compile(r"%25[0-9A-Fa-f]{2}")

@@ -1,5 +1,8 @@
 """Server-sent events, cut into whole events as bytes arrive: each event's raw bytes are kept
-for pass-through, and its fields are decoded by httpx-sse's spec-following decoder."""
+for pass-through, and its fields are decoded by httpx-sse's spec-following decoder.
+
+httpx-sse needs httpx, which it does not declare: pyproject.toml lists both.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +15,11 @@ from httpx_sse import ServerSentEvent
 from httpx_sse._decoders import SSEDecoder, SSELineDecoder
 
 from stepguard.proxy.core.bodies import BodyError, check_depth, inexact_integer
+
+__all__ = [
+    "EventTooDeep", "EventTooLarge", "EventUnreadable", "SSESplitter", "decode_event", "event_json",
+    "events_to_end", "model_event",
+]
 
 # an event ends at a blank line: a line terminator (CRLF, LF or a lone CR) right after another,
 # in any mix (`\n\r\n` and `\r\n\r` included); a CR followed by LF is one terminator, never two

@@ -14,6 +14,8 @@ from stepguard.proxy.core.forward import SAME_AS_TIMEOUT, Timing, UpstreamError
 from stepguard.proxy.core.problems import problem
 from stepguard.proxy.core.routing import Route
 
+__all__ = ["REPLAYED_FROM", "UncheckedForwarder", "unreachable_problem", "upstream_url"]
+
 REPLAYED_FROM = "x-stepguard-replayed"    # the seq of the exit whose answer was given again
 
 

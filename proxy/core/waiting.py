@@ -18,6 +18,10 @@ reads the stored envelope again, under the run's lock, and finds its outcome the
 While it waits, the adapter's `keepalive` runs every `KEEPALIVE_S` seconds: nothing for a
 plain HTTP answer (the client just waits), an SSE comment on an event stream (MCP, model
 streams), so proxies and read timeouts on the way do not cut it.
+
+On a shared store an operator's decision may be taken through another process, which cannot wake
+this one: the waiting call reads its run every `HOLD_POLL_S` (0.2 s), so a decision (or a
+cancel, a halt) taken through another replica ends its wait within that.
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ from stepguard.proxy.core.holds import (
     Held,
     HoldRefused,
 )
+
+__all__ = ["Keepalive", "client_present", "close", "waited"]
 
 KEEPALIVE_S = 2.0       # a held call's stream gets a comment this often
 HOLD_POLL_S = 0.2       # on a shared store, a held call reads its run again this often

@@ -1,6 +1,11 @@
 """The adapter for plain HTTP tool calls: correlate, check entry, forward (with safe retries),
 check exit, and answer: the upstream's response, or a problem+json the agent's HTTP client
-understands."""
+understands.
+
+A call that matches no step is refused (403, `unmatched: refuse`) or streamed through without
+buffering. `forward_unchecked` is what the model and MCP adapters use for traffic they do not
+check (through proxy/core/unchecked.py, never by importing this module).
+"""
 
 from __future__ import annotations
 
@@ -52,6 +57,8 @@ from stepguard.proxy.core.forward import (
 from stepguard.proxy.core.problems import halted_problem, problem, violation_problem
 from stepguard.proxy.core.routing import Route
 from stepguard.proxy.core.unchecked import REPLAYED_FROM, unreachable_problem, upstream_url
+
+__all__ = ["HttpToolAdapter"]
 
 TRAFFIC = "http"
 # the headers of a recorded answer given again (`replay: recorded`), beside its status and body

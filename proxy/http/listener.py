@@ -22,6 +22,10 @@ The body timeout (a request body that stalls between reads) is `forward.read_bod
 This leans on aiohttp's private names (`_handle_request`, `_messages`, `Server`'s
 `_kwargs`/`_loop`, `AppRunner._make_server`), checked by tests/proxy/test_dependency_guards.py
 (pyproject.toml bounds aiohttp below its next minor release).
+
+The proxy's connection limit, unless set, is derived from `RLIMIT_NOFILE`, whose soft value
+`serve` first raises to the hard one (`raise_fd_limit`); the admin listener's is its own 32
+(`ADMIN_CONNECTIONS`). Under `--workers N` each process gets its share (proxy/ops/limits.py).
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ from typing import Any, cast
 
 from aiohttp import web
 from aiohttp.web_request import BaseRequest
+
+__all__ = ["ADMIN_CONNECTIONS", "Gate", "GuardedRunner", "connection_limit", "raise_fd_limit", "reserve_port"]
 
 # descriptors kept out of the derived connection limit: store, logs, admin, listeners, ...
 FD_RESERVE = 256

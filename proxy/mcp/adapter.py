@@ -13,6 +13,12 @@ flow at once); only the event that answers the call is held until the exit check
 The call is checked on the shared call loop (`core/calls.py`); its pieces live beside this module:
 the JSON-RPC vocabulary (`rpc.py`), one attempt at the server with its event stream relayed
 (`upstream.py`), and resumable streams (`resumption.py`).
+
+Every POST body is parsed with `unique_keys` (a key named twice in one object is refused,
+-31002, since servers differ on which one counts); a GET streams without a read timeout.
+Refusals (`rpc.refusal_for`): -31000 violation, -31001 halted run, -31002 a call that cannot be
+checked; an upstream never reached is -31002 with `x-should-retry: true`. A 4xx is a `rejected`
+result relayed as it came; a compressed event stream is a tool error.
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ from stepguard.proxy.mcp.rpc import (
     tools_call,
 )
 from stepguard.proxy.mcp.upstream import McpAnswer, McpCall, McpUpstream
+
+__all__ = ["McpAdapter"]
 
 TRAFFIC = "mcp"
 

@@ -26,6 +26,8 @@ from stepguard.proxy.core.calls import (
 )
 from stepguard.proxy.core.problems import why_stopped
 
+__all__ = ["mcp_trace_meta"]
+
 VIOLATION_CODE = -31000      # outside JSON-RPC's and MCP's reserved ranges
 HALTED_CODE = -31001
 REQUEST_CODE = -31002        # the call itself cannot be checked (no run key, a batch of calls)

@@ -17,6 +17,16 @@ exchange and how it stops (`exchange.py`), which run a conversation is and the c
 stream showed (`correlation.py`), exits (`exits.py`), entries
 (`entries.py`), whole answers (`answers.py`) and streamed ones
 (`stream.py`).
+
+A dialect (`dialect_for`, by upstream kind and path) POST is always parsed as JSON (its
+Content-Type is not trusted; a Content-Encoding is undone for reading, the raw bytes are
+forwarded) and goes upstream with `Accept-Encoding: identity`. A stored answer read again
+(`STORED_RESPONSE`: a Responses GET, whole or streamed, or cancel; a Chat Completions GET) is
+correlated by its `resp:` id, forwarded and checked like a POST's answer (calls whose entry is
+stored already are skipped). Every 2xx answer is checked whatever its Content-Type (whole:
+parsed as JSON, not an object is 502; streamed: read as SSE unless JSON); a 3xx is refused
+(`no_redirect`); a 4xx or 5xx is relayed. Anything else streams through unchecked. Model calls
+whose upstream cannot be reached answer 502 with retry, and store no event.
 """
 
 from __future__ import annotations
@@ -48,6 +58,8 @@ from stepguard.proxy.model.entries import ModelEntries
 from stepguard.proxy.model.exchange import Exchange, Stop, error_response, log_refusal
 from stepguard.proxy.model.exits import ModelExits
 from stepguard.proxy.model.stream import ModelStream
+
+__all__ = ["ModelAdapter"]
 
 # a stored answer read again: a Responses response (GET, whole or as a resumed stream, or
 # POST .../cancel) or a stored chat completion (GET): each answers with its tool calls

@@ -1,5 +1,14 @@
 """Which run a model conversation belongs to, and the tool calls a stream showed its client
-before they were stored (in flight) or whose turn then failed (never checked)."""
+before they were stored (in flight) or whose turn then failed (never checked).
+
+`correlate`: an explicitly configured run key, else the run stored with the tool-call ids (and
+`resp:` ids) the request carries (`Store.find_run`), else the implicit run, else a new run id.
+`ShownCalls` maps the call ids a stream has shown its client to an event set once the turn's
+entries are stored; `correlate` waits on it, so an agent acting before the terminator cannot
+split its conversation into two runs. Another process's streams are invisible there: on a shared
+store `correlate` polls the store for tool-call ids no run has yet (`SHARED_INFLIGHT_WAIT_S`, 2
+s, once per id).
+"""
 
 from __future__ import annotations
 

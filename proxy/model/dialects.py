@@ -1,6 +1,18 @@
 """The three model APIs stepguard understands, each as a dialect: where a request carries tool
 results, where a response carries tool calls or a final answer (whole, or assembled from a
-stream), and how an error must look for that provider's SDK to raise it."""
+stream), and how an error must look for that provider's SDK to raise it.
+
+A tool call is every shape the installed SDKs hand their agent: Chat `function`/`custom` tool
+calls and the legacy `function_call` (keyed `<response id>:function_call:<choice>`; its result
+carries no id, so it is no exit boundary); Responses `function_call`, `custom_tool_call` and the
+built-in call items (matched by type name); Anthropic `tool_use`, `server_tool_use`,
+`mcp_tool_use`. What an SDK would take for a call but no dialect can classify
+(`Turn.unclassified`: an unknown `*_call`/`*tool_use` type, a stream an SDK could assemble two
+ways) refuses the turn before any entry (502, `check: unclassified`), whatever `unmatched` says.
+Streams are assembled as the SDKs do it: Chat pieces per (choice, index) like openai's
+`accumulate_delta`, Responses items from `output_item.added`, deltas and `output_item.done`
+joined with the final output, Anthropic blocks by position.
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,16 @@
 """Entry boundaries read off a model's answer: each tool call of each choice is checked
 (`engine.check_entry`) and stored with its call id (and the response id) as correlation keys
 and marked pending, before the agent gets the answer; a final answer that claims completion is
-checked against the completion proof (`engine.check_final`)."""
+checked against the completion proof (`engine.check_final`).
+
+Every choice of the turn is read (`Turn.choices()`: Chat Completions `n` > 1). A call the
+provider ran itself (`ToolCall.ran`) has its exit settled at once from its outcome. Each entry's
+`arg:` keys are bound to the run (`RunKeys.bind`): another value than the run's own is a
+`run_key` violation instead of `check_entry`. The entries of a turn are committed together
+(`RunBook.batched`). A Responses turn of a stored run that stored no event (plain text) still
+stores its `resp:` key (`Store.add_keys`), so `previous_response_id` finds the run from any
+turn.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,16 @@
 """Exit boundaries read off a model request: each tool result it carries whose call is pending
 in the run's envelope is checked (`engine.check_exit`) against the call's arguments, before the
-model sees the request."""
+model sees the request.
+
+The arguments a result is checked against: those the conversation repeats (`echoed_calls`), else
+the unredacted copy `PendingArguments` keeps in memory since the entry (only when the stored
+copy was redacted or truncated; bounded by bytes), else the stored copy. A violation answers in
+the provider's shape (`Stop` -> `error_response`; `x-should-retry: true` only for
+`Stop(retry=True)`: store unavailable, upstream transport). The result of a joined call, whose
+exit was checked at the tool, must be that answer (proxy/model/joined.py): another one is an
+`output_mismatch` (freshness) violation. On a shared store, a call whose turn failed on another
+process is found by its `failed:` key.
+"""
 
 from __future__ import annotations
 

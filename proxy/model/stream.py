@@ -4,7 +4,16 @@ stream's first at once), the terminator and everything after it held until the a
 entries are checked, then written, or replaced by the provider's stream error. With model
 traffic alone, the event that completes a tool call is held too. An event stepguard cannot read
 as the SDKs do, or a turn past its bounds, ends the turn (`_cut`): its own bytes and tool calls,
-and the bytes all streamed turns hold together (`Taken`, from the process's budget)."""
+and the bytes all streamed turns hold together (`Taken`, from the process's budget).
+
+Held events are still fed to the `Assembler` (a Responses final output, or a call sent after the
+terminator, is part of the turn checked); an agent that hangs up early does not stop the check.
+Both OpenAI dialects hold any event whose data starts with `[DONE]`, as the openai SDK reads it.
+A stream that ends without a terminator, or whose `Assembler` saw the upstream's own error
+event, goes to `_turn_failed`: nothing is checked or stored, the client gets the dialect's
+stream error. A compressed stream is refused. Cuts are counted in
+`stepguard_stream_turns_cut_total{reason}`.
+"""
 
 from __future__ import annotations
 

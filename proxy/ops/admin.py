@@ -52,6 +52,8 @@ from stepguard.proxy.core.boundaries import new_decision_id, retrying_conflicts
 from stepguard.proxy.core.config import ConfigError, Settings
 from stepguard.proxy.core.holds import Holds
 
+__all__ = ["AdminTokens"]
+
 TOKEN_MIN_LENGTH = 16
 STEPGUARD_ADMIN_TOKEN = "STEPGUARD_ADMIN_TOKEN"
 STEPGUARD_ADMIN_VIEWER_TOKEN = "STEPGUARD_ADMIN_VIEWER_TOKEN"

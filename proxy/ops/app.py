@@ -1,4 +1,16 @@
-"""The aiohttp applications: the proxy listener and the admin listener, sharing one Stepguard."""
+"""The aiohttp applications: the proxy listener and the admin listener, sharing one Stepguard.
+
+`Stepguard` wires settings, compiled contracts, store, run book, forwarder, observer, escalator,
+`Boundaries` and one adapter per upstream kind, and mounts `Dispatcher.handle` as the proxy's
+catch-all route; the admin app serves `/healthz`, `/readyz`, `/metrics` and the runs API
+(proxy/ops/admin.py). `RunCounts` feeds `stepguard_runs`: one `count_by_status` at a time, its
+result reused for `RUN_COUNTS_MAX_AGE_S` (5 s). `reload_contracts` (SIGHUP) loads every file,
+then `Stepguard.reload` swaps router, redactors and contract metrics; on any error the contracts
+in force stay. After start-up `gc.freeze()` and a young-generation threshold of 50,000
+(`GC_THRESHOLDS`): a checked call allocates thousands of short-lived objects, and the default
+700 collected on every call (docs/performance.md). `serve` runs both listeners until SIGTERM or
+SIGINT, then drains.
+"""
 
 from __future__ import annotations
 
@@ -41,6 +53,8 @@ from stepguard.proxy.ops.admin import AdminTokens, loopback, run_routes
 from stepguard.proxy.ops.dispatch import Adapter, Dispatcher
 from stepguard.proxy.ops.limits import Limits, serve_limits, worker_limits
 from stepguard.proxy.ops.worker_link import InForce, WorkerLink
+
+__all__ = ["build", "create_app", "serve", "shadowed"]
 
 # how old the run counts a scrape reports may be (docs/operations.md, "Metrics")
 RUN_COUNTS_MAX_AGE_S = 5.0

@@ -1,5 +1,9 @@
 """The proxy's one route: find the upstream by mount, read the body under its cap, and hand the
-call to the adapter for that upstream's kind. Stamps every answer with the time stepguard added."""
+call to the adapter for that upstream's kind. Stamps every answer with the time stepguard added.
+
+The arrival time (`Timing.arrived`, the `now` conditions see) is read once here. With tracing
+on, `_traced` runs `adapter.handle` under the call's SERVER span (metrics/tracing.py).
+"""
 
 from __future__ import annotations
 

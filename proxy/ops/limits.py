@@ -14,6 +14,17 @@ retry, on a new connection, may land on any worker.
 A share too small to be of use is refused at start (`ConfigError`, exit status 2), not
 rounded up: a worker with no connection would refuse every connection the kernel hands it, and
 one whose body budget is below `--max-request-bytes` would refuse the largest bodies for ever.
+
+`serve_limits` gives the limits as configured; a connection limit of 0 is derived once, from the
+supervisor's open-file limit after raising it (the workers inherit it), and divided like a
+configured one, so the serve's bound does not grow with N. `worker_limits` gives worker i its
+share. The least a worker can have: one connection, one held call (unless `max_holds` is 0,
+which stays 0 in every worker), a body budget of `max_request_bytes`; the start refuses less,
+with one line naming the setting, its value, N and the least it can be. The admin listener's 32
+is stepguard's own: a worker keeps at least one admin connection, so past 32 workers the serve
+holds N. Each worker's `worker_started` line tells its share. Bounds that are not settings (the
+run book's cached envelopes, pending tool calls, MCP resumption, upstream connection pools) stay
+per process.
 """
 
 from __future__ import annotations
@@ -23,6 +34,8 @@ from typing import Any
 
 from stepguard.proxy.core.config import ConfigError, Settings, env_name, flag_name
 from stepguard.proxy.http.listener import ADMIN_CONNECTIONS, connection_limit
+
+__all__ = ["worker_limits"]
 
 
 @dataclass(frozen=True, slots=True)

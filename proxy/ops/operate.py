@@ -29,6 +29,8 @@ from stepguard.metrics.report import described_call
 from stepguard.proxy.core.config import ConfigError, env_setting
 from stepguard.proxy.ops.admin import Operations, local_operator
 
+__all__ = ["cancel", "decide", "resume"]
+
 ADMIN_URL_ENV = "STEPGUARD_ADMIN_URL"
 REQUEST_TIMEOUT_S = 30.0
 

@@ -31,6 +31,8 @@ from stepguard.contracts.replay import (
 from stepguard.metrics.tail import parse_since
 from stepguard.proxy.core.config import ConfigError, assignments, env_setting
 
+__all__ = ["add_parser"]
+
 HEADINGS = {HALTS: "Would now halt or escalate", PASSES: "Stopped before, would now go on",
             DIFFERS: "Verdicts differ", UNJUDGEABLE: "Cannot judge"}
 

@@ -34,6 +34,8 @@ from stepguard.contracts.errors import ContractError, ContractIssue
 from stepguard.contracts.loader import load_contracts
 from stepguard.contracts.model import Contract, Override
 
+__all__ = ["InForce", "WorkerLink"]
+
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 READY_MARK = "workers-ready"
 IN_FORCE = "contracts-in-force.json"

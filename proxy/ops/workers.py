@@ -28,6 +28,14 @@ Each worker is `stepguard serve` itself with the same arguments, plus the chosen
 `--worker-link` (proxy/ops/worker_link.py): it holds the supervisor's store lock descriptor
 (inherited: the lock lasts while any worker lives), opens the store shared, binds both
 listeners with SO_REUSEPORT and drains when the supervisor is gone.
+
+The supervisor is a synchronous loop (`selectors` over the status pipe and a
+`signal.set_wakeup_fd` pipe): signal handlers only set flags, the loop forwards them, reaps
+exited workers (`Popen.poll`) and restarts them. A worker is started as `python -m
+stepguard.proxy.cli <same arguments> --port P --admin-port A --workers 1 --worker-link
+I,N,STATUS_FD,LIFE_FD`, the lock descriptor, the status pipe's write end and the life pipe's
+read end inherited (`pass_fds`). A port is first bound without SO_REUSEPORT, so a port in use is
+refused before any worker starts.
 """
 
 from __future__ import annotations
@@ -65,6 +73,8 @@ from stepguard.proxy.ops.admin import AdminTokens
 from stepguard.proxy.ops.app import shadowed, started_fields
 from stepguard.proxy.ops.limits import serve_limits
 from stepguard.proxy.ops.worker_link import IN_FORCE, MULTIPROC_ENV, READY_MARK, InForce, WorkerLink
+
+__all__ = ["supervise"]
 
 RESTART_DELAY_S = 0.5        # the first restart's delay, doubled per failure in a row ...
 RESTART_DELAY_MAX_S = 10.0   # ... up to this
