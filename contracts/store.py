@@ -6,6 +6,7 @@ can never both advance it. Nothing in the engine knows which store it talks to.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol
@@ -105,3 +106,14 @@ class Store(Protocol):
     async def count_by_status(self) -> list[tuple[str, str, int]]:
         """(workflow, status, number of runs) for every pair present."""
         ...
+
+
+def settle(future: asyncio.Future[Any], value: Any, failed: BaseException | None) -> None:
+    """Answer a waiting write (a store's batched appends): `failed` raised in it, else `value`
+    returned; a future already done (its waiter cancelled) is left as it is."""
+    if future.done():
+        return
+    if failed is not None:
+        future.set_exception(failed)
+    else:
+        future.set_result(value)
