@@ -79,7 +79,7 @@ from stepguard.contracts.argkeys import LEGACY_FORWARD, LEGACY_OWN, SECRET_NAME,
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.errors import ConflictError, StoreError
 from stepguard.contracts.pg_schema import KEY_DIGESTS, MIGRATION_LOCK, MIGRATIONS, VERSION
-from stepguard.contracts.store import ADVISORY, DEFAULT_RUN_LOCKS, RunLock
+from stepguard.contracts.store import ADVISORY, DEFAULT_RUN_LOCKS, RunLock, settle
 from stepguard.contracts.store_urls import redacted
 
 __all__ = ["migrate_store"]
@@ -512,12 +512,7 @@ class PostgresStore:
         except BaseException as exc:       # StoreError (lost connection, deadline), cancelled
             results = [exc] * len(batch)
         for (_, future, _), result in zip(batch, results, strict=True):
-            if future.done():
-                continue
-            if result is not None:
-                future.set_exception(result)
-            else:
-                future.set_result(None)
+            settle(future, None, result)
 
     async def _write_one(self, op: _Append, deadline: float | None = None) -> None:
         [result] = await self._write([op], deadline)

@@ -5,23 +5,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from stepguard.contracts.errors import StoreError
 from stepguard.contracts.recorded import Recorded, RecordedStore
-from stepguard.contracts.store_urls import check_location, is_postgres, redacted
+from stepguard.contracts.store_urls import no_driver, postgres_store
 
 __all__ = ["recorded_store"]
 
 
 def recorded_store(location: str) -> Recorded:
     """The runs stored at `location`, not yet open (open with `with`), never written."""
-    problem = check_location(location)
-    if problem is not None:
-        raise StoreError(f"store {redacted(location)}: {problem}")
-    if is_postgres(location):
+    if postgres_store(location):
         try:
             from stepguard.contracts.pg_recorded import PostgresRecorded
         except ImportError as exc:      # the driver is an extra
-            raise StoreError(f"store {redacted(location)}: PostgreSQL needs its driver ({exc}): "
-                             "pip install -e '.[postgres]' in stepguard's clone") from None
+            raise no_driver(location, exc) from None
         return PostgresRecorded(location)
     return RecordedStore(Path(location))

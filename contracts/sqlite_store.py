@@ -79,7 +79,7 @@ import orjson
 from stepguard.contracts.argkeys import LEGACY_FORWARD, LEGACY_OWN, SECRET_NAME, legacy_rewrite, new_secret
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.errors import ConflictError, StoreError
-from stepguard.contracts.store import RunLock
+from stepguard.contracts.store import RunLock, settle
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -878,7 +878,7 @@ def _explain(exc: sqlite3.Error) -> str:
 
 def _settle_all(results: list[tuple[asyncio.Future[Any], Any, BaseException | None]]) -> None:
     for future, value, failed in results:
-        _settle(future, value, failed)
+        settle(future, value, failed)
 
 
 def _read_only(path: Path, timeout_s: float) -> sqlite3.Connection:
@@ -917,15 +917,6 @@ def open_read_only(path: str | Path, timeout_s: float = 5.0) -> sqlite3.Connecti
 
 class _Replay(Exception):
     """An append of a batch failed after writing: the batch is redone with savepoints."""
-
-
-def _settle(future: asyncio.Future[Any], value: Any, failed: BaseException | None) -> None:
-    if future.done():
-        return
-    if failed is not None:
-        future.set_exception(failed)
-    else:
-        future.set_result(value)
 
 
 def purge(conn: sqlite3.Connection, before: float) -> int:

@@ -12,6 +12,7 @@ contracts/sqlite_store.py, contracts/pg_store.py; contracts/stores.py picks one.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol
@@ -113,3 +114,14 @@ class Store(Protocol):
     async def count_by_status(self) -> list[tuple[str, str, int]]:
         """(workflow, status, number of runs) for every pair present."""
         ...
+
+
+def settle(future: asyncio.Future[Any], value: Any, failed: BaseException | None) -> None:
+    """Answer a waiting write (a store's batched appends): `failed` raised in it, else `value`
+    returned; a future already done (its waiter cancelled) is left as it is."""
+    if future.done():
+        return
+    if failed is not None:
+        future.set_exception(failed)
+    else:
+        future.set_result(value)

@@ -9,7 +9,9 @@ from __future__ import annotations
 import re
 from urllib.parse import urlsplit, urlunsplit
 
-__all__ = ["check_location", "is_postgres", "redacted"]
+from stepguard.contracts.errors import StoreError
+
+__all__ = ["check_location", "is_postgres", "no_driver", "postgres_store", "redacted"]
 
 POSTGRES_SCHEMES = ("postgresql", "postgres")
 # `scheme://...`: a location that is a URL, not a file path (a path may hold a colon, never `://`
@@ -41,6 +43,21 @@ def check_location(location: str) -> str | None:
     except ValueError as exc:
         return f"a PostgreSQL URL that cannot be read ({exc})"
     return None
+
+
+def postgres_store(location: str) -> bool:
+    """Whether the store at `location` is PostgreSQL's (else a SQLite file); a location that
+    cannot name a store (`check_location`) raises StoreError."""
+    problem = check_location(location)
+    if problem is not None:
+        raise StoreError(f"store {redacted(location)}: {problem}")
+    return is_postgres(location)
+
+
+def no_driver(location: str, exc: ImportError) -> StoreError:
+    """The error of a PostgreSQL store at `location` whose driver, an extra, is not installed."""
+    return StoreError(f"store {redacted(location)}: PostgreSQL needs its driver ({exc}): "
+                      "pip install -e '.[postgres]' in stepguard's clone")
 
 
 def redacted(location: str) -> str:

@@ -8,10 +8,9 @@ here; contracts/store_urls.py says what a location is, and neither imports a dri
 
 from __future__ import annotations
 
-from stepguard.contracts.errors import StoreError
 from stepguard.contracts.sqlite_store import DEFAULT_TIMEOUT_S, DEFAULT_WAL_LIMIT_BYTES, SQLiteStore
 from stepguard.contracts.store import DEFAULT_RUN_LOCKS, Store
-from stepguard.contracts.store_urls import check_location, is_postgres, redacted
+from stepguard.contracts.store_urls import no_driver, postgres_store
 
 __all__ = ["make_store"]
 
@@ -26,15 +25,11 @@ def make_store(location: str, *, timeout_s: float = DEFAULT_TIMEOUT_S, retention
     store's runs are serialised by compare-and-set whatever it says. `shared=True`: a SQLite
     file other processes write too (the workers of one `serve --workers N`); a PostgreSQL
     store always is."""
-    problem = check_location(location)
-    if problem is not None:
-        raise StoreError(f"store {redacted(location)}: {problem}")
-    if is_postgres(location):
+    if postgres_store(location):
         try:
             from stepguard.contracts.pg_store import PostgresStore
         except ImportError as exc:      # the driver is an extra
-            raise StoreError(f"store {redacted(location)}: PostgreSQL needs its driver ({exc}): "
-                             "pip install -e '.[postgres]' in stepguard's clone") from None
+            raise no_driver(location, exc) from None
         return PostgresStore(location, retention_s=retention_s, timeout_s=timeout_s,
                              migrate=migrate, run_locks=run_locks)
     return SQLiteStore(location, synchronous, retention_s=retention_s, timeout_s=timeout_s,

@@ -46,6 +46,7 @@ from stepguard.contracts.operations import (
     superseded,
 )
 from stepguard.contracts.runs import RunBook
+from stepguard.contracts.store import Store
 from stepguard.metrics.observer import Observer
 from stepguard.metrics.report import shown
 from stepguard.proxy.core.boundaries import new_decision_id, retrying_conflicts
@@ -263,22 +264,29 @@ def _error(status: int, message: str, **extra: Any) -> web.Response:
 Handler = Callable[[web.Request], Coroutine[Any, Any, web.StreamResponse]]
 
 
-def run_routes(runs: RunBook, observer: Observer, tokens: AdminTokens,
-               holds: Holds | None = None, open_reads: bool = False) -> list[web.RouteDef]:
-    """The runs API; `open_reads`: reads need no token (the admin listener is on loopback)."""
-    operations = Operations(runs, observer, holds)
-    store = runs.store
+Action = Callable[[web.Request, str, dict[str, Any]], Coroutine[Any, Any, web.StreamResponse]]
 
-    def refused(request: web.Request, role: str) -> web.StreamResponse:
+
+@dataclass(frozen=True, slots=True)
+class _Access:
+    """Who may reach an endpoint of the runs API: reads on a loopback listener (`open_reads`)
+    or with an operator's or viewer's token, state-changing actions with an operator's."""
+
+    tokens: AdminTokens
+    observer: Observer
+    open_reads: bool
+
+    def refused(self, request: web.Request, role: str) -> web.StreamResponse:
         why = (f"a wrong {role} token" if request.headers.get("Authorization")
                else f"no {role} token")
-        observer.operator_refused(request.path, why, request.remote or "-")
+        self.observer.operator_refused(request.path, why, request.remote or "-")
         return _error(401, f"{why}: send Authorization: Bearer <token>")
 
-    def reading(read: Handler) -> Handler:
+    def reading(self, read: Handler) -> Handler:
         """A read: open on a loopback listener, else for an operator or viewer token."""
-        if open_reads:
+        if self.open_reads:
             return read
+        tokens = self.tokens
 
         async def handle(request: web.Request) -> web.StreamResponse:
             if not tokens.readable:
@@ -288,49 +296,21 @@ def run_routes(runs: RunBook, observer: Observer, tokens: AdminTokens,
                               f"or an operator token: {STEPGUARD_ADMIN_TOKEN} or "
                               "--admin-token-file)")
             if tokens.reader_of(request.headers.get("Authorization")) is None:
-                return refused(request, "viewer or admin")
+                return self.refused(request, "viewer or admin")
             return await read(request)
         return handle
 
-    async def list_runs(request: web.Request) -> web.StreamResponse:
-        status = request.query.get("status")
-        if status is not None and status not in RUN_STATUSES:
-            return _error(400, f"status {status!r} is not one of {', '.join(RUN_STATUSES)}")
-        try:
-            limit = int(request.query.get("limit", "100"))
-        except ValueError:
-            limit = 0
-        if not 1 <= limit <= LIST_LIMIT_MAX:
-            return _error(400, f"limit must be a whole number from 1 to {LIST_LIMIT_MAX}")
-        try:
-            found = await store.runs(status, limit)
-        except StepguardError as exc:
-            return _error(503, f"the store could not be read: {exc}")
-        return _json({"runs": [r.to_dict() for r in found]})
-
-    async def show_run(request: web.Request) -> web.StreamResponse:
-        run_id = request.match_info["run_id"]
-        try:
-            envelope = await store.load(run_id)
-            if envelope is None:
-                return _error(404, f"no run {run_id!r}")
-            history = await store.history(run_id)
-            escalations = await store.escalations(run_id)
-        except StepguardError as exc:
-            return _error(503, f"run {run_id!r}: the store could not be read: {exc}")
-        return _json({"envelope": envelope.to_dict(), "history": marked(history),
-                      "escalations": escalations})
-
-    def acting(action: Callable[[web.Request, str, dict[str, Any]],
-                                Coroutine[Any, Any, web.StreamResponse]]) -> Handler:
+    def acting(self, action: Action) -> Handler:
         """A state-changing endpoint: its token checked, its JSON body read."""
+        tokens = self.tokens
+
         async def handle(request: web.Request) -> web.StreamResponse:
             if not tokens.enabled:
                 return _error(403, "state-changing admin endpoints are off: no admin token is "
                               "configured (set STEPGUARD_ADMIN_TOKEN or --admin-token-file)")
             operator = tokens.name_of(request.headers.get("Authorization"))
             if operator is None:
-                return refused(request, "admin")
+                return self.refused(request, "admin")
             raw = await request.read()
             try:
                 body = orjson.loads(raw) if raw.strip() else {}
@@ -347,25 +327,69 @@ def run_routes(runs: RunBook, observer: Observer, tokens: AdminTokens,
                               "try again", retry=True)
         return handle
 
-    async def resume(request: web.Request, operator: str, body: dict[str, Any]) -> web.StreamResponse:
+
+@dataclass(frozen=True, slots=True)
+class _RunsApi:
+    """The endpoints of the runs API, past their access check: reads of the store, and the
+    operator's actions with their request bodies checked."""
+
+    store: Store
+    operations: Operations
+
+    async def list_runs(self, request: web.Request) -> web.StreamResponse:
+        status = request.query.get("status")
+        if status is not None and status not in RUN_STATUSES:
+            return _error(400, f"status {status!r} is not one of {', '.join(RUN_STATUSES)}")
+        try:
+            limit = int(request.query.get("limit", "100"))
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= LIST_LIMIT_MAX:
+            return _error(400, f"limit must be a whole number from 1 to {LIST_LIMIT_MAX}")
+        try:
+            found = await self.store.runs(status, limit)
+        except StepguardError as exc:
+            return _error(503, f"the store could not be read: {exc}")
+        return _json({"runs": [r.to_dict() for r in found]})
+
+    async def show_run(self, request: web.Request) -> web.StreamResponse:
+        run_id = request.match_info["run_id"]
+        try:
+            envelope = await self.store.load(run_id)
+            if envelope is None:
+                return _error(404, f"no run {run_id!r}")
+            history = await self.store.history(run_id)
+            escalations = await self.store.escalations(run_id)
+        except StepguardError as exc:
+            return _error(503, f"run {run_id!r}: the store could not be read: {exc}")
+        return _json({"envelope": envelope.to_dict(), "history": marked(history),
+                      "escalations": escalations})
+
+    async def resume(self, request: web.Request, operator: str,
+                     body: dict[str, Any]) -> web.StreamResponse:
         reason, from_step = body.get("reason"), body.get("from")
         if not isinstance(reason, str) or not reason.strip():
             return _error(400, "a resume needs a reason: {\"reason\": \"...\"}")
         if from_step is not None and not isinstance(from_step, str):
             return _error(400, "\"from\" must be a step name")
-        after, event = await operations.resume(request.match_info["run_id"], operator=operator,
-                                               reason=reason, from_step=from_step)
+        after, event = await self.operations.resume(request.match_info["run_id"],
+                                                    operator=operator, reason=reason,
+                                                    from_step=from_step)
         return _json({"envelope": after.to_dict(), "event": event})
 
-    async def cancel(request: web.Request, operator: str, body: dict[str, Any]) -> web.StreamResponse:
+    async def cancel(self, request: web.Request, operator: str,
+                     body: dict[str, Any]) -> web.StreamResponse:
         reason = body.get("reason")
         if not isinstance(reason, str) or not reason.strip():
             return _error(400, "a cancel needs a reason: {\"reason\": \"...\"}")
-        after, event = await operations.cancel(request.match_info["run_id"], operator=operator,
-                                               reason=reason)
+        after, event = await self.operations.cancel(request.match_info["run_id"],
+                                                    operator=operator, reason=reason)
         return _json({"envelope": after.to_dict(), "event": event})
 
-    def deciding(action: str) -> Handler:
+    def deciding(self, action: str) -> Action:
+        """The approve or reject of a hold (`action`), named by its digest or decision id."""
+        operations = self.operations
+
         async def decide(request: web.Request, operator: str,
                          body: dict[str, Any]) -> web.StreamResponse:
             reason, digest, hold_id = body.get("reason"), body.get("digest"), body.get("decision_id")
@@ -379,10 +403,17 @@ def run_routes(runs: RunBook, observer: Observer, tokens: AdminTokens,
                                                    operator=operator, reason=reason,
                                                    digest=digest, hold_id=hold_id)
             return _json({"envelope": after.to_dict(), "event": event})
-        return acting(decide)
+        return decide
 
-    return [web.get("/runs", reading(list_runs)), web.get("/runs/{run_id}", reading(show_run)),
-            web.post("/runs/{run_id}/resume", acting(resume)),
-            web.post("/runs/{run_id}/cancel", acting(cancel)),
-            web.post("/runs/{run_id}/approve", deciding(APPROVE)),
-            web.post("/runs/{run_id}/reject", deciding(REJECT))]
+
+def run_routes(runs: RunBook, observer: Observer, tokens: AdminTokens,
+               holds: Holds | None = None, open_reads: bool = False) -> list[web.RouteDef]:
+    """The runs API; `open_reads`: reads need no token (the admin listener is on loopback)."""
+    access = _Access(tokens, observer, open_reads)
+    api = _RunsApi(runs.store, Operations(runs, observer, holds))
+    return [web.get("/runs", access.reading(api.list_runs)),
+            web.get("/runs/{run_id}", access.reading(api.show_run)),
+            web.post("/runs/{run_id}/resume", access.acting(api.resume)),
+            web.post("/runs/{run_id}/cancel", access.acting(api.cancel)),
+            web.post("/runs/{run_id}/approve", access.acting(api.deciding(APPROVE))),
+            web.post("/runs/{run_id}/reject", access.acting(api.deciding(REJECT)))]

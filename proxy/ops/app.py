@@ -355,6 +355,94 @@ def started_fields(settings: Settings, contracts: list[Contract], shadows: list[
             "traces": traces}
 
 
+def _tune_gc() -> None:
+    """Keep what start-up built out of GC passes, and run young-generation passes less often."""
+    gc.freeze()   # what start-up built lives as long as the process: keep it out of GC passes
+    # Each checked call allocates a few thousand short-lived objects (a parsed 10 KB body alone
+    # is ~700), which at the default threshold (700) runs a young-generation pass every call
+    # and promotes live request state into older generations that are then rescanned.
+    # Measured with the bench contract: 1.25 → 1.06 ms CPU per call. Cycles are still
+    # collected, only less often.
+    gc.set_threshold(*GC_THRESHOLDS)
+
+
+def _runners(sg: Stepguard, settings: Settings) -> tuple[GuardedRunner, GuardedRunner]:
+    """The proxy listener's runner and the admin listener's, each behind its gate."""
+    proxy_gate = Gate(sg.limits.max_connections, settings.header_timeout_s,
+                      settings.body_timeout_s)
+    # the admin listener reclaims connections that send no request: probes, scrapes and
+    # operators get in whatever holds its few connections (proxy/http/listener.py)
+    admin_gate = Gate(sg.limits.admin_connections, settings.header_timeout_s,
+                      settings.body_timeout_s, reclaims=True,
+                      on_reclaim=lambda: sg.observer.connection_reclaimed("admin"))
+    proxy_runner = GuardedRunner(create_app(sg, manage=False), proxy_gate,
+                                 settings.idle_timeout_s, access_log=None, handle_signals=False)
+    admin_runner = GuardedRunner(create_admin_app(sg), admin_gate, settings.idle_timeout_s,
+                                 access_log=None, handle_signals=False)
+    return proxy_runner, admin_runner
+
+
+class _Signals:
+    """What a serve answers while it runs: SIGINT/SIGTERM stop it (drain), SIGHUP reloads the
+    contracts, and a worker's supervisor gone (its end of the life pipe closed) stops it too,
+    `orphaned`."""
+
+    def __init__(self, sg: Stepguard, settings: Settings, worker: WorkerLink | None) -> None:
+        self.stop = asyncio.Event()
+        self.orphaned = False
+        self._sg, self._paths, self._worker = sg, settings.contracts, worker
+        self._reloads: set[asyncio.Task[bool]] = set()
+        self._loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._loop.add_signal_handler(sig, self.stop.set)
+        self._loop.add_signal_handler(signal.SIGHUP, self._on_hangup)
+        if worker is not None:      # the supervisor gone (its end of the life pipe closed): drain
+            self._loop.add_reader(worker.life_fd, self._on_orphaned)
+
+    def _on_hangup(self) -> None:
+        task = self._loop.create_task(reload_contracts(self._sg, self._paths))
+        self._reloads.add(task)
+        task.add_done_callback(self._reloads.discard)
+
+    def _on_orphaned(self) -> None:
+        self.orphaned = True
+        self.stop.set()
+
+    def close(self) -> None:
+        """Stop watching the supervisor (the signal handlers stay)."""
+        if self._worker is not None:
+            self._loop.remove_reader(self._worker.life_fd)
+
+
+async def _listen(settings: Settings, proxy_runner: GuardedRunner, admin_runner: GuardedRunner,
+                  worker: WorkerLink | None) -> None:
+    """Open both listeners (a worker's with SO_REUSEPORT, beside its siblings)."""
+    reuse = True if worker is not None else None
+    for listener, runner, host, port in (
+            ("proxy", proxy_runner, settings.host, settings.port),
+            ("admin", admin_runner, settings.admin_host, settings.admin_port)):
+        try:
+            await web.TCPSite(runner, host, port, reuse_port=reuse).start()
+        except OSError as exc:
+            raise listen_error(listener, host, port, exc) from None
+
+
+def _log_started(log: Any, sg: Stepguard, settings: Settings, contracts: list[Contract],
+                 max_connections: int, tracing: Tracing | None,
+                 worker: WorkerLink | None) -> None:
+    """The `started` line of a serve, or a worker's `worker_started` line."""
+    if worker is None:
+        log.info("started", proxy=f"{settings.host}:{settings.port}",
+                 admin=f"{settings.admin_host}:{settings.admin_port}",
+                 **started_fields(settings, contracts, sg.shadows, sg.tokens, max_connections,
+                                  f"OTLP/HTTP to {tracing.endpoint}" if tracing else "off"))
+    else:
+        # the one place that tells what this worker may hold: its share of the serve's limits
+        log.info("worker_started", pid=os.getpid(), proxy=f"{settings.host}:{settings.port}",
+                 admin=f"{settings.admin_host}:{settings.admin_port}",
+                 limits=sg.limits.fields(), of_workers=worker.workers)
+
+
 async def serve(settings: Settings, contracts: list[Contract],
                 shadows: list[Contract] | None = None, tracing: Tracing | None = None,
                 worker: WorkerLink | None = None) -> None:
@@ -367,81 +455,29 @@ async def serve(settings: Settings, contracts: list[Contract],
     raise_fd_limit()      # before the limits are taken: a derived connection limit follows it
     sg = build(settings, contracts, shadows=shadows, tracing=tracing, worker=worker)
     await sg.start()
-    gc.freeze()   # what start-up built lives as long as the process: keep it out of GC passes
-    # Each checked call allocates a few thousand short-lived objects (a parsed 10 KB body alone
-    # is ~700), which at the default threshold (700) runs a young-generation pass every call
-    # and promotes live request state into older generations that are then rescanned.
-    # Measured with the bench contract: 1.25 → 1.06 ms CPU per call. Cycles are still
-    # collected, only less often.
-    gc.set_threshold(*GC_THRESHOLDS)
-    proxy_gate = Gate(sg.limits.max_connections, settings.header_timeout_s,
-                      settings.body_timeout_s)
-    # the admin listener reclaims connections that send no request: probes, scrapes and
-    # operators get in whatever holds its few connections (proxy/http/listener.py)
-    admin_gate = Gate(sg.limits.admin_connections, settings.header_timeout_s,
-                      settings.body_timeout_s, reclaims=True,
-                      on_reclaim=lambda: sg.observer.connection_reclaimed("admin"))
-    proxy_runner = GuardedRunner(create_app(sg, manage=False), proxy_gate,
-                                 settings.idle_timeout_s, access_log=None, handle_signals=False)
-    admin_runner = GuardedRunner(create_admin_app(sg), admin_gate, settings.idle_timeout_s,
-                                 access_log=None, handle_signals=False)
+    _tune_gc()
+    proxy_runner, admin_runner = _runners(sg, settings)
     await proxy_runner.setup()
     await admin_runner.setup()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    reloads: set[asyncio.Task[bool]] = set()
-
-    def on_hangup() -> None:
-        task = loop.create_task(reload_contracts(sg, settings.contracts))
-        reloads.add(task)
-        task.add_done_callback(reloads.discard)
-
-    loop.add_signal_handler(signal.SIGHUP, on_hangup)
-    orphaned = False
-
-    def on_orphaned() -> None:
-        nonlocal orphaned
-        orphaned = True
-        stop.set()
-
-    if worker is not None:      # the supervisor gone (its end of the life pipe closed): drain
-        loop.add_reader(worker.life_fd, on_orphaned)
-    reuse = True if worker is not None else None
+    signals = _Signals(sg, settings, worker)
     served = False
     try:
-        for listener, runner, host, port in (
-                ("proxy", proxy_runner, settings.host, settings.port),
-                ("admin", admin_runner, settings.admin_host, settings.admin_port)):
-            try:
-                await web.TCPSite(runner, host, port, reuse_port=reuse).start()
-            except OSError as exc:
-                raise listen_error(listener, host, port, exc) from None
+        await _listen(settings, proxy_runner, admin_runner, worker)
         served = True
-        if worker is None:
-            log.info("started", proxy=f"{settings.host}:{settings.port}",
-                     admin=f"{settings.admin_host}:{settings.admin_port}",
-                     **started_fields(settings, contracts, sg.shadows, sg.tokens,
-                                      proxy_gate.max_connections,
-                                      f"OTLP/HTTP to {tracing.endpoint}" if tracing else "off"))
-        else:
-            # the one place that tells what this worker may hold: its share of the serve's limits
-            log.info("worker_started", pid=os.getpid(), proxy=f"{settings.host}:{settings.port}",
-                     admin=f"{settings.admin_host}:{settings.admin_port}",
-                     limits=sg.limits.fields(), of_workers=worker.workers)
+        _log_started(log, sg, settings, contracts, proxy_runner.gate.max_connections, tracing,
+                     worker)
+        if worker is not None:
             worker.ready()
-        await stop.wait()
+        await signals.stop.wait()
         log.info("stopping")
         # calls held for an operator are answered now (503, send again), not waited for
         await sg.boundaries.holds.close()
     finally:
-        if worker is not None:
-            loop.remove_reader(worker.life_fd)
+        signals.close()
         await proxy_runner.cleanup()
         await admin_runner.cleanup()
         await sg.stop()
-        if worker is not None and orphaned:
+        if worker is not None and signals.orphaned:
             # nobody else will remove the metrics directory (another worker may have already;
             # one still running keeps its files mapped)
             shutil.rmtree(worker.metrics_dir, ignore_errors=True)

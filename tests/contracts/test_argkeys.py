@@ -91,6 +91,16 @@ async def digests_of(store: Any, value: str, run_id: str = "run-1") -> tuple[str
     return forward_key(WORKFLOW, "ticket", digest), own_prefix(WORKFLOW, run_id, "ticket") + digest
 
 
+async def assert_rewritten(store: Any, value: str) -> None:
+    """The clear keys of `legacy(value)` stored for run-1 are found by their digests now, none
+    is left in clear, and run-1's other key (`call:c1`) is kept as it was."""
+    forward, own = await digests_of(store, value)
+    assert await store.find_run(forward) == "run-1"
+    assert await store.find_keys(own_prefix(WORKFLOW, "run-1", "ticket")) == [own]
+    assert await store.find_keys("arg:") == await store.find_keys("argof:") == []
+    assert await store.find_run("call:c1") == "run-1"
+
+
 async def test_clear_argument_keys_of_an_older_sqlite_store_are_rewritten_as_digests_on_open(
         tmp_path: Path):
     value = f"canary-{uuid.uuid4().hex}"
@@ -104,11 +114,7 @@ async def test_clear_argument_keys_of_an_older_sqlite_store_are_rewritten_as_dig
     store = SQLiteStore(path)
     await store.open()
     try:
-        forward, own = await digests_of(store, value)
-        assert await store.find_run(forward) == "run-1"
-        assert await store.find_keys(own_prefix(WORKFLOW, "run-1", "ticket")) == [own]
-        assert await store.find_keys("arg:") == await store.find_keys("argof:") == []
-        assert await store.find_run("call:c1") == "run-1"
+        await assert_rewritten(store, value)
     finally:
         await store.close()
     assert value.encode() not in file_bytes(tmp_path, "runs.db")
@@ -147,11 +153,7 @@ async def test_clear_argument_keys_of_a_postgresql_store_are_rewritten_by_its_mi
     store = PostgresStore(pg_url)
     await store.open()
     try:
-        forward, own = await digests_of(store, value)
-        assert await store.find_run(forward) == "run-1"
-        assert await store.find_keys(own_prefix(WORKFLOW, "run-1", "ticket")) == [own]
-        assert await store.find_keys("arg:") == await store.find_keys("argof:") == []
-        assert await store.find_run("call:c1") == "run-1"
+        await assert_rewritten(store, value)
     finally:
         await store.close()
     rows = on_server(pg_url, lambda c: c.fetch("SELECT key FROM run_keys"))

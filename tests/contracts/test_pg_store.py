@@ -85,6 +85,14 @@ async def until_healthy(store: PostgresStore) -> float:
     return time.monotonic() - started
 
 
+async def fails_within_the_deadline(operation: Awaitable[Any], match: str | None = None) -> None:
+    """`operation` raises a StoreError (matching `match`) within the store's deadline."""
+    started = time.monotonic()
+    with pytest.raises(StoreError, match=match):
+        await asyncio.wait_for(operation, BOUND_S)
+    assert time.monotonic() - started < TIMEOUT_S + MARGIN_S
+
+
 def test_the_factory_picks_postgresql_for_both_url_schemes_and_sqlite_for_a_path(tmp_path):
     assert isinstance(make_store("postgresql://u@127.0.0.1:5432/db"), PostgresStore)
     assert isinstance(make_store("postgres://u@127.0.0.1/db"), PostgresStore)
@@ -227,10 +235,8 @@ async def test_a_locked_run_fails_its_append_within_the_deadline_and_it_never_co
         try:
             await blocker.execute("BEGIN")
             await blocker.execute("SELECT 1 FROM runs WHERE run_id = 'run-1' FOR UPDATE")
-            started = time.monotonic()
-            with pytest.raises(StoreError, match="deadline"):
-                await asyncio.wait_for(store.append(*step(first, step="check_policy")), BOUND_S)
-            assert time.monotonic() - started < TIMEOUT_S + MARGIN_S
+            await fails_within_the_deadline(store.append(*step(first, step="check_policy")),
+                                            "deadline")
             await blocker.execute("ROLLBACK")
         finally:
             await blocker.close()
@@ -249,10 +255,7 @@ async def test_a_database_gone_fails_writes_within_the_deadline_and_the_store_re
     try:
         envelope = await advance(store, start())
         await relay.cut()
-        started = time.monotonic()
-        with pytest.raises(StoreError):
-            await asyncio.wait_for(store.append(*step(envelope, step="check_policy")), BOUND_S)
-        assert time.monotonic() - started < TIMEOUT_S + MARGIN_S
+        await fails_within_the_deadline(store.append(*step(envelope, step="check_policy")))
         assert not store.healthy()
         with pytest.raises(StoreError):
             await asyncio.wait_for(store.load("run-1"), BOUND_S)
@@ -272,13 +275,10 @@ async def test_a_database_that_stops_answering_fails_each_operation_within_the_d
     try:
         envelope = await advance(store, start())
         relay.stall()
-        for operation in (lambda: store.append(*step(envelope, step="check_policy")),
-                          lambda: store.load("run-1"),
-                          lambda: store.add_keys("run-1", ["k"])):
-            started = time.monotonic()
-            with pytest.raises(StoreError, match="deadline"):
-                await asyncio.wait_for(operation(), BOUND_S)
-            assert time.monotonic() - started < TIMEOUT_S + MARGIN_S
+        await fails_within_the_deadline(store.append(*step(envelope, step="check_policy")),
+                                        "deadline")
+        await fails_within_the_deadline(store.load("run-1"), "deadline")
+        await fails_within_the_deadline(store.add_keys("run-1", ["k"]), "deadline")
         await relay.cut()
         await relay.restore()
         await until_healthy(store)

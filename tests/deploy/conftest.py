@@ -6,8 +6,10 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import sys
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 from pgtest import in_ci
@@ -16,6 +18,8 @@ from prometheus_client.metrics import MetricWrapperBase
 
 from stepguard.bench import harness
 from stepguard.metrics.prom import Metrics
+
+sys.path.insert(0, str(Path(__file__).parent))     # composetest.py
 
 # labels Prometheus adds to every scraped series
 TARGET_LABELS = frozenset({"job", "instance"})

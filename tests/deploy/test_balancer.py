@@ -89,20 +89,29 @@ async def _start_replica(stack: AsyncExitStack, replica: Replica, tools_url: str
                  f"{name} not ready", log)
 
 
+async def _balancer(stack: AsyncExitStack, haproxy: str, tmp_path: Path, lb_port: int,
+                    replicas: dict[str, Replica]) -> Path:
+    """HAProxy with the shipped config (`_config`) on `lb_port` in front of `replicas`, once it
+    listens; its log."""
+    (tmp_path / "haproxy.cfg").write_text(_config(lb_port, replicas))
+    log = tmp_path / "haproxy.log"
+    await stack.enter_async_context(
+        logged_process([haproxy, "-db", "-f", str(tmp_path / "haproxy.cfg")], log))
+    await until(lambda: _listening(lb_port), 30, "haproxy not listening", log)
+    return log
+
+
 @pytest.mark.timeout(120)
 async def test_balancer_spreads_calls_over_replicas_and_routes_around_a_stopped_one(
         haproxy: str, free_port: Callable[[], int], tmp_path: Path) -> None:
     replicas = {name: Replica(free_port(), free_port()) for name in ("stepguard-1", "stepguard-2")}
     lb_port = free_port()
-    (tmp_path / "haproxy.cfg").write_text(_config(lb_port, replicas))
     lb = f"http://127.0.0.1:{lb_port}"
-    lb_log = tmp_path / "haproxy.log"
     async with (AsyncExitStack() as stack, running(tools_mod.create_app()) as tools_url,
                 aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session):
         for name, replica in replicas.items():
             await _start_replica(stack, replica, tools_url, tmp_path, name, session)
-        await stack.enter_async_context(
-            logged_process([haproxy, "-db", "-f", str(tmp_path / "haproxy.cfg")], lb_log))
+        lb_log = await _balancer(stack, haproxy, tmp_path, lb_port, replicas)
         await until(lambda: _lookup(session, lb, "warm-up"), 30, "haproxy not serving", lb_log)
 
         statuses = [await _lookup(session, lb, f"spread-{n}") for n in range(10)]
@@ -153,17 +162,13 @@ async def test_balancer_never_sends_a_call_that_reached_a_replica_to_another(
         haproxy: str, free_port: Callable[[], int], tmp_path: Path) -> None:
     lb_port = free_port()
     lb = f"http://127.0.0.1:{lb_port}"
-    lb_log = tmp_path / "haproxy.log"
     async with (AsyncExitStack() as stack, running(tools_mod.create_app()) as tools_url,
                 aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session):
         real = Replica(free_port(), free_port())
         await _start_replica(stack, real, tools_url, tmp_path, "stepguard-1", session)
         dropping, received = await _dropping_replica(stack, free_port)
-        (tmp_path / "haproxy.cfg").write_text(
-            _config(lb_port, {"stepguard-1": real, "stepguard-2": dropping}))
-        await stack.enter_async_context(
-            logged_process([haproxy, "-db", "-f", str(tmp_path / "haproxy.cfg")], lb_log))
-        await until(lambda: _listening(lb_port), 30, "haproxy not listening", lb_log)
+        await _balancer(stack, haproxy, tmp_path, lb_port,
+                        {"stepguard-1": real, "stepguard-2": dropping})
 
         statuses = []
         for n in range(10):
@@ -186,16 +191,12 @@ async def test_a_run_spread_over_replicas_on_one_postgresql_store_is_checked_as_
     store = f"postgresql://{PG['user']}@{PG['host']}:{PG['port']}/{pg_database}"
     replicas = {name: Replica(free_port(), free_port()) for name in ("stepguard-1", "stepguard-2")}
     lb_port = free_port()
-    (tmp_path / "haproxy.cfg").write_text(_config(lb_port, replicas))
     lb = f"http://127.0.0.1:{lb_port}"
-    lb_log = tmp_path / "haproxy.log"
     async with (AsyncExitStack() as stack, running(tools_mod.create_app()) as tools_url,
                 aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session):
         for name, replica in replicas.items():
             await _start_replica(stack, replica, tools_url, tmp_path, name, session, store)
-        await stack.enter_async_context(
-            logged_process([haproxy, "-db", "-f", str(tmp_path / "haproxy.cfg")], lb_log))
-        await until(lambda: _listening(lb_port), 30, "haproxy not listening", lb_log)
+        await _balancer(stack, haproxy, tmp_path, lb_port, replicas)
 
         clean = await agent_mod.run_agent(session, f"{lb}/tools", "spread-clean", 17)
         before = [await _forwarded(session, r) for r in replicas.values()]

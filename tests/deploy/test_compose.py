@@ -9,8 +9,6 @@ import importlib.util
 import io
 import json
 import re
-import shutil
-import subprocess
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from types import ModuleType
@@ -18,16 +16,22 @@ from typing import Any
 
 import pytest
 import yaml
+from composetest import (
+    COMPOSE_DIR,
+    ROOT,
+    admin_paths,
+    dockerfile_env,
+    mounts_of,
+    promtool_check_config,
+)
 
 from stepguard.bench.harness import contract_with_upstreams, running
 from stepguard.contracts.loader import load_contract
 from stepguard.examples.order_confirmation import tools as tools_mod
 from stepguard.examples.order_confirmation.agent import DRIFTS
 from stepguard.proxy.core.config import Settings
-from stepguard.proxy.ops.app import build, create_admin_app, create_app
+from stepguard.proxy.ops.app import build, create_app
 
-ROOT = Path(__file__).resolve().parents[2]
-COMPOSE_DIR = ROOT / "deploy" / "compose"
 EXAMPLE_CONTRACT = ROOT / "examples" / "order-confirmation" / "contract.yaml"
 SETTINGS = Settings()
 
@@ -44,10 +48,6 @@ def services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return services
 
 
-def _dockerfile_env() -> dict[str, str]:
-    return dict(re.findall(r"\b(STEPGUARD_[A-Z_]+)=(\S+)", (ROOT / "Dockerfile").read_text()))
-
-
 def _published(service: dict[str, Any]) -> dict[int, int]:
     """container port -> host port"""
     ports = {}
@@ -55,11 +55,6 @@ def _published(service: dict[str, Any]) -> dict[int, int]:
         *_, host, container = str(spec).split(":")
         ports[int(container)] = int(host)
     return ports
-
-
-def _mounts(service: dict[str, Any]) -> dict[str, str]:
-    """container path -> source (a path relative to the compose file, or a volume name)"""
-    return {spec.split(":")[1]: spec.split(":")[0] for spec in service.get("volumes", [])}
 
 
 def _healthcheck_code(service: dict[str, Any]) -> str:
@@ -72,11 +67,6 @@ def _healthcheck_code(service: dict[str, Any]) -> str:
 def _tools_port(services: dict[str, dict[str, Any]]) -> int:
     command = services["tools"]["command"]
     return int(command[command.index("--port") + 1])
-
-
-def _admin_paths() -> set[str]:
-    app = create_admin_app(build(Settings(store="unused.db"), []))
-    return {resource.canonical for resource in app.router.resources()}
 
 
 def _agent_loop() -> ModuleType:
@@ -102,7 +92,7 @@ def test_stepguard_image_is_built_from_the_repository_dockerfile(services: dict[
 
 def test_stepguard_publishes_its_proxy_and_admin_ports_on_loopback(
         services: dict[str, dict[str, Any]]) -> None:
-    env = {**_dockerfile_env(), **services["stepguard"].get("environment", {})}
+    env = {**dockerfile_env(), **services["stepguard"].get("environment", {})}
     assert set(_published(services["stepguard"])) == {int(env["STEPGUARD_PORT"]),
                                                        int(env["STEPGUARD_ADMIN_PORT"])}
     assert all(str(p).startswith("127.0.0.1:") for s in services.values() for p in s.get("ports", []))
@@ -115,8 +105,8 @@ def test_host_ports_do_not_collide(services: dict[str, dict[str, Any]]) -> None:
 
 def test_stepguard_mounts_the_contract_file_and_a_named_store_volume(
         compose: dict[str, Any], services: dict[str, dict[str, Any]]) -> None:
-    env = _dockerfile_env()
-    mounts = _mounts(services["stepguard"])
+    env = dockerfile_env()
+    mounts = mounts_of(services["stepguard"])
     assert mounts[env["STEPGUARD_CONTRACTS"]] == "./contract.yaml"
     store_volume = mounts[str(PurePosixPath(env["STEPGUARD_STORE"]).parent)]
     assert store_volume in compose["volumes"]
@@ -134,19 +124,19 @@ def test_compose_contract_is_the_example_pointed_at_the_tools_service(
 
 def test_the_proxy_is_bound_to_all_interfaces_explicitly_for_the_agent_container(
         services: dict[str, dict[str, Any]]) -> None:
-    assert _dockerfile_env()["STEPGUARD_HOST"] == "127.0.0.1"
+    assert dockerfile_env()["STEPGUARD_HOST"] == "127.0.0.1"
     assert services["stepguard"]["environment"]["STEPGUARD_HOST"] == "0.0.0.0"
 
 
 def test_agent_calls_its_tools_through_stepguard(services: dict[str, dict[str, Any]]) -> None:
     mount = load_contract(EXAMPLE_CONTRACT).upstreams["tools"].mount
-    port = {**_dockerfile_env(), **services["stepguard"].get("environment", {})}["STEPGUARD_PORT"]
+    port = {**dockerfile_env(), **services["stepguard"].get("environment", {})}["STEPGUARD_PORT"]
     assert services["agent"]["environment"]["TOOLS_BASE_URL"] == f"http://stepguard:{port}{mount}"
 
 
 def test_agent_runs_the_mounted_loop_script(services: dict[str, dict[str, Any]]) -> None:
     script = services["agent"]["entrypoint"][-1]
-    assert _mounts(services["agent"])[script] == "./agent_loop.py"
+    assert mounts_of(services["agent"])[script] == "./agent_loop.py"
     assert (COMPOSE_DIR / "agent_loop.py").is_file()
 
 
@@ -160,9 +150,9 @@ def test_stepguard_healthcheck_asks_a_path_the_admin_listener_serves(
         services: dict[str, dict[str, Any]]) -> None:
     code = _healthcheck_code(services["stepguard"])
     ((port, path),) = re.findall(r"http://127\.0\.0\.1:(\d+)(/[a-z]+)", code)
-    env = {**_dockerfile_env(), **services["stepguard"].get("environment", {})}
+    env = {**dockerfile_env(), **services["stepguard"].get("environment", {})}
     assert int(port) == int(env["STEPGUARD_ADMIN_PORT"])
-    assert path in _admin_paths()
+    assert path in admin_paths()
 
 
 def test_tools_healthcheck_connects_to_the_tools_port(services: dict[str, dict[str, Any]]) -> None:
@@ -191,23 +181,17 @@ def test_services_wait_for_the_healthy_services_they_call(services: dict[str, di
 def test_prometheus_scrapes_the_stepguard_service_admin_port(services: dict[str, dict[str, Any]]) -> None:
     config = yaml.safe_load((COMPOSE_DIR / "prometheus.yml").read_text())
     (job,) = config["scrape_configs"]
-    env = {**_dockerfile_env(), **services["stepguard"].get("environment", {})}
+    env = {**dockerfile_env(), **services["stepguard"].get("environment", {})}
     assert [t for s in job["static_configs"] for t in s["targets"]] == [
         f"stepguard:{env['STEPGUARD_ADMIN_PORT']}"]
-    assert job.get("metrics_path", "/metrics") in _admin_paths()
+    assert job.get("metrics_path", "/metrics") in admin_paths()
 
 
 def test_prometheus_config_and_its_mounted_rules_pass_promtool(
         services: dict[str, dict[str, Any]], promtool: str, tmp_path: Path) -> None:
     """The container's /etc/prometheus, laid out from the service's mounts, passes check config."""
     service = services["prometheus"]
-    for target, source in _mounts(service).items():
-        place = tmp_path / target.lstrip("/")
-        place.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(COMPOSE_DIR / source, place)
-    (config,) = [a.split("=", 1)[1] for a in service["command"] if a.startswith("--config.file=")]
-    checked = subprocess.run([promtool, "check", "config", str(tmp_path / config.lstrip("/"))],
-                             capture_output=True, text=True, check=False)
+    checked = promtool_check_config(service, promtool, tmp_path)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert "1 rule files found" in checked.stdout
 

@@ -9,7 +9,6 @@ reading them, not by the programs."""
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 from dataclasses import fields
 from pathlib import Path, PurePosixPath
@@ -18,13 +17,18 @@ from urllib.parse import urlsplit
 
 import pytest
 import yaml
+from composetest import (
+    COMPOSE_DIR,
+    ROOT,
+    admin_paths,
+    dockerfile_env,
+    mounts_of,
+    promtool_check_config,
+)
 
 from stepguard.contracts.loader import load_contract
 from stepguard.proxy.core.config import Settings
-from stepguard.proxy.ops.app import build, create_admin_app
 
-ROOT = Path(__file__).resolve().parents[2]
-COMPOSE_DIR = ROOT / "deploy" / "compose"
 COMPOSE_FILE = COMPOSE_DIR / "compose.replicas.yaml"
 EXAMPLE_ENV = COMPOSE_DIR / "example.env"
 HAPROXY_CFG = COMPOSE_DIR / "haproxy.cfg"
@@ -76,19 +80,10 @@ def resolved(services: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return result
 
 
-def _dockerfile_env() -> dict[str, str]:
-    return dict(re.findall(r"\b(STEPGUARD_[A-Z_]+)=(\S+)", (ROOT / "Dockerfile").read_text()))
-
-
 def _env(service: dict[str, Any]) -> dict[str, str]:
     """The service's environment over the image's ENV, for stepguard-image services."""
-    base = _dockerfile_env() if service.get("image") == "stepguard:local" else {}
+    base = dockerfile_env() if service.get("image") == "stepguard:local" else {}
     return {**base, **{k: str(v) for k, v in service.get("environment", {}).items()}}
-
-
-def _mounts(service: dict[str, Any]) -> dict[str, str]:
-    """container path -> source (a path relative to the compose file, or a volume name)"""
-    return {spec.split(":")[1]: spec.split(":")[0] for spec in service.get("volumes", [])}
 
 
 def _published(service: dict[str, Any]) -> dict[int, str]:
@@ -98,11 +93,6 @@ def _published(service: dict[str, Any]) -> dict[int, str]:
         host_ip, host_port, container = str(spec).split(":")
         out[int(container)] = f"{host_ip}:{host_port}"
     return out
-
-
-def _admin_paths() -> set[str]:
-    app = create_admin_app(build(Settings(store="unused.db"), []))
-    return {resource.canonical for resource in app.router.resources()}
 
 
 def _stepguard_servers(services: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -119,7 +109,7 @@ def _host_port(address: str) -> tuple[str, int]:
 def _config(service: dict[str, Any], flag: str) -> Path:
     """The repository file mounted where the service's `flag=PATH` argument points."""
     (path,) = [a.split("=", 1)[1] for a in service["command"] if a.startswith(flag + "=")]
-    return (COMPOSE_DIR / _mounts(service)[path]).resolve()
+    return (COMPOSE_DIR / mounts_of(service)[path]).resolve()
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +128,7 @@ def tempo(services: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def datasources(services: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    mounts = _mounts(services["grafana"])
+    mounts = mounts_of(services["grafana"])
     (source,) = [s for t, s in mounts.items()
                  if PurePosixPath(t).parent == PurePosixPath("/etc/grafana/provisioning/datasources")]
     document = yaml.safe_load((COMPOSE_DIR / source).read_text())
@@ -193,7 +183,7 @@ def test_every_named_volume_is_declared_and_every_bind_mount_exists(
     declared = set(compose.get("volumes", {}))
     used = set()
     for name, service in services.items():
-        for source in _mounts(service).values():
+        for source in mounts_of(service).values():
             if source.startswith("."):
                 assert (COMPOSE_DIR / source).is_file(), f"{name}: {source}"
             else:
@@ -236,7 +226,7 @@ def test_published_ports_are_on_loopback_and_distinct(services: dict[str, dict[s
 def test_postgres_keeps_its_data_on_a_volume_and_has_a_tcp_healthcheck(
         services: dict[str, dict[str, Any]]) -> None:
     postgres = services["postgres"]
-    assert _mounts(postgres)["/var/lib/postgresql/data"] in ("postgres-data",)
+    assert mounts_of(postgres)["/var/lib/postgresql/data"] in ("postgres-data",)
     test = postgres["healthcheck"]["test"]
     assert test[:2] == ["CMD", "pg_isready"]
     assert test[test.index("-h") + 1] == "127.0.0.1"       # not the init-time unix socket server
@@ -288,7 +278,7 @@ def test_replicas_bind_the_proxy_for_the_balancer_and_mount_the_contract(
     for name in REPLICAS:
         env = _env(services[name])
         assert env["STEPGUARD_HOST"] == "0.0.0.0"
-        assert _mounts(services[name])[env["STEPGUARD_CONTRACTS"]] == "./contract.yaml"
+        assert mounts_of(services[name])[env["STEPGUARD_CONTRACTS"]] == "./contract.yaml"
 
 
 # --- the load balancer
@@ -310,7 +300,7 @@ def test_balancer_checks_readiness_on_every_replica_admin_port(services: dict[st
     assert {int(_env(services[n])["STEPGUARD_ADMIN_PORT"]) for n in REPLICAS} == {port}
     (httpchk,) = [w for w in backend if w[:2] == ["option", "httpchk"]]
     assert httpchk[2:] == ["GET", "/readyz"]
-    assert "/readyz" in _admin_paths()
+    assert "/readyz" in admin_paths()
     assert ["http-check", "expect", "status", "200"] in backend
 
 
@@ -327,7 +317,7 @@ def test_balancer_publishes_its_frontend_and_the_agent_calls_through_it(
     assert port in _published(services["lb"])
     mount = load_contract(EXAMPLE_CONTRACT).upstreams["tools"].mount
     assert services["agent"]["environment"]["TOOLS_BASE_URL"] == f"http://lb:{port}{mount}"
-    assert _mounts(services["lb"]) == {"/usr/local/etc/haproxy/haproxy.cfg": "./haproxy.cfg"}
+    assert mounts_of(services["lb"]) == {"/usr/local/etc/haproxy/haproxy.cfg": "./haproxy.cfg"}
 
 
 def test_haproxy_accepts_the_balancer_config(haproxy: str) -> None:
@@ -399,7 +389,7 @@ def test_prometheus_scrapes_every_replica_admin_port_with_exemplar_storage(
     (job,) = config["scrape_configs"]
     targets = [t for s in job["static_configs"] for t in s["targets"]]
     assert targets == [f"{n}:{_env(services[n])['STEPGUARD_ADMIN_PORT']}" for n in REPLICAS]
-    assert job.get("metrics_path", "/metrics") in _admin_paths()
+    assert job.get("metrics_path", "/metrics") in admin_paths()
     for name in REPLICAS:
         assert services["prometheus"]["depends_on"][name] == {"condition": "service_healthy"}
 
@@ -407,13 +397,7 @@ def test_prometheus_scrapes_every_replica_admin_port_with_exemplar_storage(
 def test_prometheus_replicas_config_and_its_mounted_rules_pass_promtool(
         services: dict[str, dict[str, Any]], promtool: str, tmp_path: Path) -> None:
     service = services["prometheus"]
-    for target, source in _mounts(service).items():
-        place = tmp_path / target.lstrip("/")
-        place.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(COMPOSE_DIR / source, place)
-    (config,) = [a.split("=", 1)[1] for a in service["command"] if a.startswith("--config.file=")]
-    checked = subprocess.run([promtool, "check", "config", str(tmp_path / config.lstrip("/"))],
-                             capture_output=True, text=True, check=False)
+    checked = promtool_check_config(service, promtool, tmp_path)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert "1 rule files found" in checked.stdout
 
@@ -439,7 +423,7 @@ def test_grafana_datasources_point_at_the_prometheus_and_tempo_services(
 
 
 def test_grafana_provisions_the_repository_dashboard(services: dict[str, dict[str, Any]]) -> None:
-    mounts = _mounts(services["grafana"])
+    mounts = mounts_of(services["grafana"])
     (provider_file,) = [s for t, s in mounts.items()
                         if PurePosixPath(t).parent == PurePosixPath("/etc/grafana/provisioning/dashboards")]
     (provider,) = yaml.safe_load((COMPOSE_DIR / provider_file).read_text())["providers"]

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import os
+import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -343,6 +346,36 @@ async def wait_ready(session: aiohttp.ClientSession, url: str,
             pass
         await asyncio.sleep(0.05)
     raise AssertionError(f"{url} never answered")
+
+
+def cli_env(admin_token: str | None = None) -> dict[str, str]:
+    """This process's environment but its STEPGUARD_ settings, for a `stepguard` subprocess
+    that reads only what the test gives it: `admin_token` as STEPGUARD_ADMIN_TOKEN."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STEPGUARD_")}
+    if admin_token:
+        env["STEPGUARD_ADMIN_TOKEN"] = admin_token
+    return env
+
+
+@asynccontextmanager
+async def serve_process(contract: Path, store: str, admin_token: str | None = None
+                        ) -> AsyncIterator[tuple[str, str, aiohttp.ClientSession]]:
+    """`stepguard serve` of `contract` on `store` as a subprocess on free ports (JSON logs,
+    output discarded), once its /readyz answers: its proxy's and admin listener's base URLs
+    and a client session. Stopped by SIGTERM at the end, waited for."""
+    port, admin = free_port(), free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "stepguard.proxy.cli", "serve", "--contract", str(contract),
+        "--port", str(port), "--admin-port", str(admin), "--store", store,
+        "--log-format", "json", env=cli_env(admin_token), stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL)
+    try:
+        async with aiohttp.ClientSession() as session:
+            await wait_ready(session, f"http://127.0.0.1:{admin}/readyz")
+            yield f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}", session
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(proc.wait(), 20)
 
 
 @dataclass

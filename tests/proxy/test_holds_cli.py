@@ -10,8 +10,6 @@ run header; the operator is the `stepguard` CLI, run as a subprocess.
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -24,7 +22,7 @@ import aiohttp
 import orjson
 import pytest
 import yaml
-from sgtest import RefundTools, contract_doc, free_port, wait_ready
+from sgtest import RefundTools, cli_env, contract_doc, serve_process
 
 SECRET = "0123456789abcdef-operator"
 REFUND = {"ticket": "T-7", "amount": 120}
@@ -61,28 +59,14 @@ async def serving(tmp_path: Path, tools: RefundTools, hold_s: float) -> AsyncIte
     contract.write_text(yaml.safe_dump(contract_doc(
         tools.url, {"refund": {"on_failure": {"then": "hold", "hold_s": hold_s}}},
         approval=["refund"])))
-    port, admin = free_port(), free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("STEPGUARD_")}
-    env["STEPGUARD_ADMIN_TOKEN"] = f"ops:{SECRET}"
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "stepguard.proxy.cli", "serve", "--contract", str(contract),
-        "--port", str(port), "--admin-port", str(admin), "--store", str(tmp_path / "s.db"),
-        "--log-format", "json", env=env, stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.DEVNULL)
-    try:
-        async with aiohttp.ClientSession() as session:
-            await wait_ready(session, f"http://127.0.0.1:{admin}/readyz")
-            yield Running(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}", session)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        await asyncio.wait_for(proc.wait(), 20)
+    async with serve_process(contract, str(tmp_path / "s.db"),
+                             f"ops:{SECRET}") as (base, admin, session):
+        yield Running(base, admin, session)
 
 
 async def cli(*argv: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("STEPGUARD_")}
-    env["STEPGUARD_ADMIN_TOKEN"] = SECRET
     return await asyncio.to_thread(
-        subprocess.run, [sys.executable, "-m", "stepguard.proxy.cli", *argv], env=env,
+        subprocess.run, [sys.executable, "-m", "stepguard.proxy.cli", *argv], env=cli_env(SECRET),
         capture_output=True, text=True, timeout=60, check=False)
 
 

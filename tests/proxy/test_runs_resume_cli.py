@@ -9,8 +9,6 @@ run header; the operator is the `stepguard` CLI, run as a subprocess.
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -24,7 +22,7 @@ import orjson
 import pytest
 import yaml
 from aiohttp import web
-from sgtest import contract_doc, free_port, wait_ready
+from sgtest import cli_env, contract_doc, serve_process
 
 SECRET = "0123456789abcdef-operator"
 STEPS = {"first": {}, "second": {"after": ["first"]}, "third": {"after": ["second"]}}
@@ -70,29 +68,13 @@ async def serving(tmp_path: Path, tools: Tools, token: str | None = SECRET,
                   store: str | None = None) -> AsyncIterator[Running]:
     contract = tmp_path / "c.yaml"
     contract.write_text(yaml.safe_dump(contract_doc(tools.url, STEPS)))
-    port, admin = free_port(), free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("STEPGUARD_")}
-    if token:
-        env["STEPGUARD_ADMIN_TOKEN"] = f"ops:{token}"
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "stepguard.proxy.cli", "serve", "--contract", str(contract),
-        "--port", str(port), "--admin-port", str(admin), "--store", store or str(tmp_path / "s.db"),
-        "--log-format", "json", env=env, stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.DEVNULL)
-    try:
-        async with aiohttp.ClientSession() as session:
-            await wait_ready(session, f"http://127.0.0.1:{admin}/readyz")
-            yield Running(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}", session)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        await asyncio.wait_for(proc.wait(), 20)
+    async with serve_process(contract, store or str(tmp_path / "s.db"),
+                             f"ops:{token}" if token else None) as (base, admin, session):
+        yield Running(base, admin, session)
 
 
 def cli(*argv: str, token: str | None = SECRET) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("STEPGUARD_")}
-    if token:
-        env["STEPGUARD_ADMIN_TOKEN"] = token
-    return subprocess.run([sys.executable, "-m", "stepguard.proxy.cli", *argv], env=env,
+    return subprocess.run([sys.executable, "-m", "stepguard.proxy.cli", *argv], env=cli_env(token),
                           capture_output=True, text=True, timeout=60, check=False)
 
 

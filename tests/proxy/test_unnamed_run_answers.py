@@ -95,6 +95,14 @@ class Started:
     async def held(self, run: str) -> dict[str, Any]:
         return await stored_hold(self.sg.store, run)
 
+    async def refund_held(self) -> tuple[str, asyncio.Task[Reply], dict[str, Any]]:
+        """An `http_flow` run reached by its argument: lookup answered, then refund sent and
+        held for an operator. The run's real id, the refund's pending reply, and its hold."""
+        assert (await self.call("/tools/lookup", ORDER)).status == 200
+        run = await self.the_run()
+        reply = asyncio.ensure_future(self.call("/tools/refund", ORDER))
+        return run, reply, await self.held(run)
+
     async def decide(self, run: str, action: str, body: dict[str, Any]) -> int:
         reply = await self.admin.post(f"/runs/{run}/{action}", json=body,
                                       headers={"Authorization": f"Bearer {SECRET}"})
@@ -130,10 +138,7 @@ async def test_a_rejected_hold_of_a_call_reached_by_its_argument_names_no_run_id
         start, make_upstream):
     tools: Upstream = await make_upstream()
     sg = await start(http_flow(tools.url))
-    assert (await sg.call("/tools/lookup", ORDER)).status == 200
-    run = await sg.the_run()
-    reply = asyncio.ensure_future(sg.call("/tools/refund", ORDER))
-    hold = await sg.held(run)
+    run, reply, hold = await sg.refund_held()
 
     # the operator decides by the run's real id
     assert await sg.decide(run, "reject", {"decision_id": hold["decision_id"],
@@ -178,10 +183,7 @@ async def test_a_call_held_when_stepguard_stops_reached_by_its_argument_names_no
         start, make_upstream):
     tools: Upstream = await make_upstream()
     sg = await start(http_flow(tools.url))
-    await sg.call("/tools/lookup", ORDER)
-    run = await sg.the_run()
-    reply = asyncio.ensure_future(sg.call("/tools/refund", ORDER))
-    await sg.held(run)
+    run, reply, _ = await sg.refund_held()
 
     await sg.sg.boundaries.holds.close()
 
@@ -193,10 +195,7 @@ async def test_a_call_held_when_stepguard_stops_reached_by_its_argument_names_no
 async def test_a_held_call_whose_run_is_cancelled_meanwhile_names_no_run_id(start, make_upstream):
     tools: Upstream = await make_upstream()
     sg = await start(http_flow(tools.url))
-    await sg.call("/tools/lookup", ORDER)
-    run = await sg.the_run()
-    reply = asyncio.ensure_future(sg.call("/tools/refund", ORDER))
-    await sg.held(run)
+    run, reply, _ = await sg.refund_held()
 
     assert await sg.decide(run, "cancel", {"reason": "stop it"}) == 200
 
@@ -209,10 +208,7 @@ async def test_the_approved_call_reached_by_its_argument_goes_through_to_the_too
         start, make_upstream):
     tools: Upstream = await make_upstream()
     sg = await start(http_flow(tools.url))
-    await sg.call("/tools/lookup", ORDER)
-    run = await sg.the_run()
-    reply = asyncio.ensure_future(sg.call("/tools/refund", ORDER))
-    hold = await sg.held(run)
+    run, reply, hold = await sg.refund_held()
 
     assert await sg.decide(run, "approve", {"decision_id": hold["decision_id"],
                                             "reason": "checked"}) == 200
@@ -249,10 +245,7 @@ async def test_the_operators_side_of_such_a_hold_keeps_the_run_id(start, make_up
     hook: Upstream = await make_upstream(accepted)
     sg = await start(http_flow(tools.url, escalation={"webhook": f"{hook.url}/hook"}),
                      admin_url="https://admin.internal:9443")
-    await sg.call("/tools/lookup", ORDER)
-    run = await sg.the_run()
-    reply = asyncio.ensure_future(sg.call("/tools/refund", ORDER))
-    hold = await sg.held(run)
+    run, reply, hold = await sg.refund_held()
     for _ in range(500):
         if hook.hits():
             break

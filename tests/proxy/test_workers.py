@@ -180,15 +180,17 @@ async def test_sighup_reloads_the_contract_in_every_worker(tmp_path: Path,
     assert set(seen) == {0, 1} and versions == {"2"}
 
 
-def _slow_tools(started: list[float], delay_s: float) -> web.Application:
+def _noting(arrived: list[float], delay_s: float = 0.0) -> web.Application:
+    """The example's tools, noting each request's arrival, then answering `delay_s` later."""
     @web.middleware
-    async def slow(request: web.Request, handler: Any) -> web.StreamResponse:
-        started.append(time.monotonic())
-        await asyncio.sleep(delay_s)
+    async def note(request: web.Request, handler: Any) -> web.StreamResponse:
+        arrived.append(time.monotonic())
+        if delay_s:
+            await asyncio.sleep(delay_s)
         return await handler(request)   # type: ignore[no-any-return]
 
     app = tools.create_app()
-    app.middlewares.append(slow)
+    app.middlewares.append(note)
     return app
 
 
@@ -196,7 +198,7 @@ def _slow_tools(started: list[float], delay_s: float) -> web.Application:
 async def test_sigterm_drains_every_worker_and_the_supervisor_exits_0(
         tmp_path: Path, aiohttp_server: Any) -> None:
     arrived: list[float] = []
-    slow = await aiohttp_server(_slow_tools(arrived, 1.5))
+    slow = await aiohttp_server(_noting(arrived, delay_s=1.5))
     url = str(slow.make_url("")).rstrip("/")
     async with serving(tmp_path, write_example_contract(tmp_path / "c.yaml", url)) as served:
         calls = asyncio.ensure_future(asyncio.gather(
@@ -561,23 +563,11 @@ async def test_metrics_keep_the_counts_of_a_worker_killed_with_sigkill(
     assert (samples[ENTRY_PASS], samples[ADDED_COUNT]) == (40, 40)
 
 
-def _counted(arrived: list[float]) -> web.Application:
-    """The example's tools, noting each request's arrival."""
-    @web.middleware
-    async def note(request: web.Request, handler: Any) -> web.StreamResponse:
-        arrived.append(time.monotonic())
-        return await handler(request)   # type: ignore[no-any-return]
-
-    app = tools.create_app()
-    app.middlewares.append(note)
-    return app
-
-
 @pytest.mark.timeout(150)
 async def test_a_sigkill_under_load_loses_the_count_of_no_answered_call(
         tmp_path: Path, aiohttp_server: Any) -> None:
     arrived: list[float] = []
-    upstream = await aiohttp_server(_counted(arrived))
+    upstream = await aiohttp_server(_noting(arrived))
     url = str(upstream.make_url("")).rstrip("/")
     clients, answered, cut = 16, 0, 0
     stop = asyncio.Event()
