@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 import aiohttp
-import orjson
 from aiohttp import web
 
 from stepguard.bench.harness import running

@@ -1,10 +1,13 @@
-"""Streamed model answers: the SSE byte stream cut into whole events, each fed to the dialect's
-`Assembler` and relayed at once (events that arrived in one read leave in one write, the
-stream's first at once), the terminator and everything after it held until the assembled turn's
-entries are checked, then written, or replaced by the provider's stream error. With model
-traffic alone, the event that completes a tool call is held too. An event stepguard cannot read
-as the SDKs do, or a turn past its bounds, ends the turn (`_cut`): its own bytes and tool calls,
-and the bytes all streamed turns hold together (`Taken`, from the process's budget)."""
+"""Streamed model answers: the I/O shell of a streamed turn. `ModelStream.stream` opens the
+upstream and answers what is no event stream; `_relay_turn` reads the SSE byte stream and
+performs what the turn's sans-io core (`TurnRelay`, proxy/model/turn.py) decides for each chunk
+and at the end: write events on (the stream's first at once, those of one read in one write),
+show tool-call ids (`ShownCalls`), and once the stream ended, admit the assembled turn before
+the held events (the terminator and all after it; with model traffic alone, from the event that
+completes a tool call) are written, or replace them with the provider's stream error. However
+the turn ends without its checked answer (cut by stepguard, broken off, refused, incomplete), one
+function ends it (`_end`). The bytes all streamed turns hold together are bounded (`Taken`, from
+the process's budget)."""
 
 from __future__ import annotations
 
