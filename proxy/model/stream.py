@@ -199,8 +199,9 @@ class ModelStream:
     async def _admit(self, ex: Exchange, client: ClientEnd, check: Check,
                      shown: list[str]) -> None:
         """The assembled turn checked and stored, then the held events written; a refusal is
-        written in their place. An answer checked but not stored leaves unchecked with
-        fail-open, and is withheld without it (its shown calls were checked: not failed)."""
+        written in their place (the calls the stream showed, refused before or without their
+        entries being stored, were never checked). An answer checked but not stored leaves
+        unchecked with fail-open, and is withheld without it (its calls not marked failed)."""
         try:
             await self.entries.admitted(ex, check.turn, lambda: client.write(HELD_COMMENT))
         except Stop as stop:
