@@ -20,8 +20,6 @@ MAX_LINES = 80
 EXEMPT = {
     # a declaration block: one statement a metric, nothing to split
     ("metrics/prom.py", "Metrics.__init__"),
-    # being replaced by the sans-io turn core (#25 item 4)
-    ("proxy/model/stream.py", "ModelStream._relay_turn"),
 }
 
 

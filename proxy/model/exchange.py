@@ -66,15 +66,24 @@ class Exchange:
         return f"{self.route.upstream.url}{self.route.raw_path}" + (f"?{query}" if query else "")
 
 
+# what a dialect's reading of a body of the right JSON but the wrong shape raises
+SHAPE_ERRORS = (TypeError, AttributeError, ValueError, KeyError, IndexError)
+
+
 def parsed(ex: Exchange, read: Callable[[], T]) -> T:
     """A dialect's reading of a body; a body of the right JSON but the wrong shape (a number
     where messages go, a non-string text part) is a clear 400, not a crash."""
     try:
         return read()
-    except (TypeError, AttributeError, ValueError, KeyError, IndexError) as exc:
-        raise Stop(400, f"stepguard: {ex.dialect.name} body has an unexpected shape: "
-                   f"{type(exc).__name__}: {exc}", {"check": "request"},
-                   refused="unparseable") from None
+    except SHAPE_ERRORS as exc:
+        raise bad_shape(ex.dialect.name, exc) from None
+
+
+def bad_shape(dialect: str, exc: Exception) -> Stop:
+    """The 400 for a body `dialect` read as JSON of the wrong shape (`exc`, one of
+    `SHAPE_ERRORS`)."""
+    return Stop(400, f"stepguard: {dialect} body has an unexpected shape: "
+                f"{type(exc).__name__}: {exc}", {"check": "request"}, refused="unparseable")
 
 
 def raise_if_stopped(ex: Exchange, decision: Decision, settled: Settled) -> None:

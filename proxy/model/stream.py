@@ -1,18 +1,18 @@
-"""Streamed model answers: the SSE byte stream cut into whole events, each fed to the dialect's
-`Assembler` and relayed at once (events that arrived in one read leave in one write, the
-stream's first at once), the terminator and everything after it held until the assembled turn's
-entries are checked, then written, or replaced by the provider's stream error. With model
-traffic alone, the event that completes a tool call is held too. An event stepguard cannot read
-as the SDKs do, or a turn past its bounds, ends the turn (`_cut`): its own bytes and tool calls,
-and the bytes all streamed turns hold together (`Taken`, from the process's budget).
+"""Streamed model answers: the I/O shell of a streamed turn. `ModelStream.stream` opens the
+upstream and answers what is no event stream; `_relay_turn` reads the SSE byte stream and
+performs what the turn's sans-io core (`TurnRelay`, proxy/model/turn.py) decides for each chunk
+and at the end: write events on (the stream's first at once, those of one read in one write),
+show tool-call ids (`ShownCalls`), and once the stream ended, admit the assembled turn before
+the held events (the terminator and all after it; with model traffic alone, from the event that
+completes a tool call) are written, or replace them with the provider's stream error. However
+the turn ends without its checked answer (cut by stepguard, broken off, refused, incomplete), one
+function ends it (`_end`). The bytes all streamed turns hold together are bounded (`Taken`, from
+the process's budget).
 
 Held events are still fed to the `Assembler` (a Responses final output, or a call sent after the
 terminator, is part of the turn checked); an agent that hangs up early does not stop the check.
 Both OpenAI dialects hold any event whose data starts with `[DONE]`, as the openai SDK reads it.
-A stream that ends without a terminator, or whose `Assembler` saw the upstream's own error
-event, goes to `_turn_failed`: nothing is checked or stored, the client gets the dialect's
-stream error. A compressed stream is refused. Cuts are counted in
-`stepguard_stream_turns_cut_total{reason}`.
+A compressed stream is refused. Cuts are counted in `stepguard_stream_turns_cut_total{reason}`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import Any
 
 from aiohttp import web
 from multidict import CIMultiDict
@@ -34,7 +33,6 @@ from stepguard.proxy.core.correlation import MODEL_KINDS
 from stepguard.proxy.core.forward import (
     HOP_BY_HOP,
     BodyBudget,
-    BudgetSpent,
     ClientEnd,
     Forwarder,
     Upstreamed,
@@ -43,7 +41,6 @@ from stepguard.proxy.core.forward import (
     read_chunks,
 )
 from stepguard.proxy.core.h1client import H1Response, UpstreamConnectionError
-from stepguard.proxy.core.sse import EventTooLarge, EventUnreadable, SSESplitter, decode_event
 from stepguard.proxy.model.answers import ModelAnswers
 from stepguard.proxy.model.correlation import ShownCalls
 from stepguard.proxy.model.entries import ModelEntries
@@ -53,43 +50,24 @@ from stepguard.proxy.model.exchange import (
     Stop,
     log_refusal,
     no_redirect,
-    parsed,
     upstream_failed,
+)
+from stepguard.proxy.model.turn import (
+    Broken,
+    Check,
+    Cut,
+    Ending,
+    Incomplete,
+    Relay,
+    Show,
+    Stopped,
+    Taken,
+    TurnRelay,
 )
 
 # while a tool call of the turn is held for an operator, the stream gets this comment now and
 # then (SDKs skip SSE comments; proxies and read timeouts see the stream alive)
 HELD_COMMENT = b": stepguard: a tool call is held for an operator's approval\n\n"
-
-
-class TurnCut(Exception):
-    """stepguard ends the turn itself: `reason` is a `stepguard_stream_turns_cut` label."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(detail)
-        self.reason = reason
-
-
-class Taken:
-    """What one streamed turn has taken from the budget of bytes all streamed turns hold
-    (`--max-inflight-stream-bytes`): each chunk as it arrives, all of it given back when the turn
-    is done (checked and written, or ended). A chunk that would pass the budget ends this turn
-    (`TurnCut` "budget"), not the others."""
-
-    def __init__(self, budget: BodyBudget) -> None:
-        self.budget = budget
-        self.size = 0
-
-    def take(self, size: int) -> None:
-        try:
-            self.budget.take(size)
-        except BudgetSpent as exc:
-            raise TurnCut("budget", f"{exc} (--max-inflight-stream-bytes)") from None
-        self.size += size
-
-    def give_back(self) -> None:
-        self.budget.give(self.size)
-        self.size = 0
 
 
 class ModelStream:
@@ -165,14 +143,19 @@ class ModelStream:
     async def _relay_events(self, ex: Exchange, resp: H1Response,
                             out: web.StreamResponse) -> None:
         """Relay each event as it completes, hold the terminator, check the assembled turn."""
-        splitter = SSESplitter(self.settings.max_response_bytes, strict=True)
-        assembler = ex.dialect.assembler()
         stored = asyncio.Event()
         shown: list[str] = []
         taken = Taken(self.budget)
+        # tools that run only inside the agent (no HTTP or MCP upstream: stepguard sees model
+        # traffic alone): an event that completes a tool call is held, with all that follows,
+        # so nothing complete reaches the agent before it is checked
+        hold_calls = all(u.kind in MODEL_KINDS for u in ex.contract.upstreams.values())
+        relay = TurnRelay(ex.dialect, hold_calls=hold_calls,
+                          max_bytes=self.settings.max_stream_bytes,
+                          max_calls=self.settings.max_turn_calls,
+                          max_event_bytes=self.settings.max_response_bytes, take=taken.take)
         try:
-            await self._relay_turn(ex, resp, ClientEnd(out), splitter, assembler, stored, shown,
-                                   taken)
+            await self._relay_turn(ex, resp, ClientEnd(out), relay, stored, shown)
         finally:   # the turn's calls are stored (or refused): requests waiting on them go on
             taken.give_back()
             stored.set()
@@ -180,139 +163,80 @@ class ModelStream:
             self.shown.settled(shown)
 
     async def _relay_turn(self, ex: Exchange, resp: H1Response, client: ClientEnd,
-                          splitter: SSESplitter, assembler: Any, stored: asyncio.Event,
-                          shown: list[str], taken: Taken) -> None:
-        held: list[bytes] = []
-        ended = False       # the terminator was read
-        # tools that run only inside the agent (no HTTP or MCP upstream: stepguard sees model
-        # traffic alone): an event that completes a tool call is held, with all that follows,
-        # so nothing complete reaches the agent before it is checked
-        hold_calls = all(u.kind in MODEL_KINDS for u in ex.contract.upstreams.values())
-        streaming_since = time.perf_counter()
-        first = True
-        received = 0
-        max_bytes, max_calls = self.settings.max_stream_bytes, self.settings.max_turn_calls
+                          relay: TurnRelay, stored: asyncio.Event, shown: list[str]) -> None:
+        """Perform what `relay` decides (`proxy/model/turn.py`) as the upstream's chunks arrive,
+        then at the stream's end: admit the turn and write what was held, or end the turn."""
+        timeout_s = ex.route.upstream.timeout_s
+        since = time.perf_counter()
+        end: Check | Ending | None = None
+        try:
+            async for chunk in read_chunks(resp, ex.request, timeout_s):
+                for action in relay.feed(chunk):
+                    if isinstance(action, Relay):
+                        await client.write(action.data)
+                    elif isinstance(action, Show):
+                        self._show(ex, stored, shown, action.call_ids)
+                    else:
+                        end = action
+                if end is not None:
+                    break
+        except TimeoutError:
+            end = Broken(f"no event for {timeout_s:g} s")
+        except UpstreamConnectionError as exc:
+            end = Broken(str(exc))
+        ex.timing.upstream(since)
+        if end is None:
+            end = relay.end()
+        if isinstance(end, Check):
+            await self._admit(ex, client, end, shown)
+        else:
+            await self._end(ex, client, shown, end)
 
-        def feed(event: Any) -> None:
-            parsed(ex, lambda: assembler.feed(event))
-            if assembler.calls_begun > max_calls:
-                raise TurnCut("too_many_calls", f"the turn began more than {max_calls} tool "
-                                                "calls (--max-turn-calls)")
+    def _show(self, ex: Exchange, stored: asyncio.Event, shown: list[str],
+              call_ids: tuple[str, ...]) -> None:
+        """Tool calls about to reach the client: a request acting on one waits for this turn's
+        entries (`ShownCalls`); its executions may come before the stream's end."""
+        for call_id in call_ids:
+            if self.shown.show(call_id, stored):
+                if not shown:
+                    self.boundaries.pending.streaming(ex.contract.workflow, stored)
+                shown.append(call_id)
 
+    async def _admit(self, ex: Exchange, client: ClientEnd, check: Check,
+                     shown: list[str]) -> None:
+        """The assembled turn checked and stored, then the held events written; a refusal is
+        written in their place (the calls the stream showed, refused before or without their
+        entries being stored, were never checked). An answer checked but not stored leaves
+        unchecked with fail-open, and is withheld without it (its calls not marked failed)."""
         try:
-            async for chunk in read_chunks(resp, ex.request, ex.route.upstream.timeout_s):
-                received += len(chunk)
-                if received > max_bytes:     # a turn's memory is bounded, however it streams
-                    raise TurnCut("too_large", f"the turn passed {max_bytes} bytes "
-                                               "(--max-stream-bytes)")
-                taken.take(len(chunk))       # and so is what all streamed turns hold together
-                relayed: list[bytes] = []    # the events that arrived together leave together
-                try:
-                    for raw, event in splitter.events(chunk):
-                        terminal = (not ended and event is not None
-                                    and assembler.is_terminal(event))
-                        ended = ended or terminal
-                        if held or terminal:
-                            # held, and read: the terminator (a Responses final output) and
-                            # whatever follows it (an SDK reads on to the stream's end) are
-                            # part of the turn the agent gets
-                            held.append(raw)
-                            if event is not None:
-                                feed(event)
-                            continue
-                        if event is not None:
-                            feed(event)
-                            for call_id in assembler.new_call_ids():
-                                if self.shown.show(call_id, stored):
-                                    if not shown:   # its executions may come before its end
-                                        self.boundaries.pending.streaming(
-                                            ex.contract.workflow, stored)
-                                    shown.append(call_id)
-                            if hold_calls and assembler.completing:
-                                held.append(raw)
-                                continue
-                        if first:       # the first byte leaves at once (time to first byte)
-                            first = False
-                            await client.write(raw)
-                        else:
-                            relayed.append(raw)
-                finally:        # events before one that failed are still relayed, in order
-                    if relayed:
-                        await client.write(b"".join(relayed))
-        except (EventUnreadable, TurnCut) as exc:
-            ex.timing.upstream(streaming_since)
-            await self._cut(ex, client, shown, exc)
-            return
-        except (UpstreamConnectionError, TimeoutError, EventTooLarge) as exc:
-            ex.timing.upstream(streaming_since)
-            why = (f"no event for {ex.route.upstream.timeout_s:g} s"
-                   if isinstance(exc, TimeoutError) else str(exc))
-            await self._failed(ex, shown)
-            await client.write(ex.dialect.stream_error(f"stepguard: upstream stream failed: {why}",
-                                                       {"check": "upstream"}))
-            await client.close()
-            return
-        except Stop as stop:     # the upstream's events have a shape the dialect cannot read
-            ex.timing.upstream(streaming_since)
-            await self._failed(ex, shown)
-            await self._stopped(ex, client, stop)
-            await client.close()
-            return
-        ex.timing.upstream(streaming_since)
-        rest = splitter.rest()
-        try:
-            last = decode_event(rest, strict=True) if rest else None
-            terminal = not ended and last is not None and assembler.is_terminal(last)
-            ended = ended or terminal
-            if last is not None and (held or terminal):
-                held.append(rest)      # an event the upstream did not end with a blank line
-                feed(last)
-            elif rest and held:
-                held.append(rest)
-        except (EventUnreadable, TurnCut) as exc:
-            await self._cut(ex, client, shown, exc)
-            return
+            await self.entries.admitted(ex, check.turn, lambda: client.write(HELD_COMMENT))
         except Stop as stop:
-            await self._failed(ex, shown)
-            await self._stopped(ex, client, stop)
-            await client.close()
+            await self._end(ex, client, shown, Stopped(stop))
             return
-        if not ended or assembler.failure is not None:
-            await self._turn_failed(ex, client, assembler.failure, shown)
-            return
-        try:
-            turn = parsed(ex, assembler.turn)
-            await self.entries.admitted(ex, turn, lambda: client.write(HELD_COMMENT))
-        except Stop as stop:
-            # the calls the stream showed whose entry was not stored (the turn was refused
-            # before or without them) were never checked: a result for one is not taken
-            await self._failed(ex, shown)
-            await self._stopped(ex, client, stop)
         except StoreError as exc:
             try:
                 self.entries.not_stored(ex, exc)
             except Stop as stop:
-                await self._stopped(ex, client, stop)
-            else:
-                for raw in held:
-                    await client.write(raw)
-        else:
-            for raw in held:
-                await client.write(raw)
+                await self._end(ex, client, [], Stopped(stop))
+                return
+        for raw in check.held:
+            await client.write(raw)
         await client.close()
 
-    async def _cut(self, ex: Exchange, client: ClientEnd, shown: list[str],
-                   exc: EventUnreadable | TurnCut) -> None:
-        """stepguard ends the turn itself (an event it cannot read as the SDKs read it, a turn
-        past its bounds): like an upstream failure, nothing of it is checked or stored, its
-        shown calls are refused later, and the client gets the provider's stream error."""
-        reason = exc.reason if isinstance(exc, TurnCut) else "unreadable"
-        self.observer.stream_cut(ex.route.upstream.name, ex.contract.workflow, ex.run_id,
-                                 reason, str(exc))
+    async def _end(self, ex: Exchange, client: ClientEnd, shown: list[str], end: Ending) -> None:
+        """The turn ends without its checked answer, however it ended: counted or logged, the
+        calls the stream showed marked never checked (`_failed`: a result for one is refused
+        later), the provider's stream error written in the turn's place, the stream closed."""
+        if isinstance(end, Stopped):
+            log_refusal(self.boundaries, ex, end.stop, self.traffic)
+        elif isinstance(end, Cut):
+            self.observer.stream_cut(ex.route.upstream.name, ex.contract.workflow, ex.run_id,
+                                     end.reason, end.detail)
+        elif isinstance(end, Incomplete):
+            self.observer.turn_failed(ex.route.upstream.name, ex.contract.workflow, ex.run_id,
+                                      end.why)
         await self._failed(ex, shown)
-        await client.write(ex.dialect.stream_error(
-            f"stepguard: the model's turn was ended: {exc}; nothing in it was checked or "
-            "recorded", {"check": "upstream", "reason": reason}))
+        await client.write(ex.dialect.stream_error(end.message, end.details))
         await client.close()
 
     async def _failed(self, ex: Exchange, shown: list[str]) -> None:
@@ -324,25 +248,3 @@ class ModelStream:
             with contextlib.suppress(StoreError):
                 await self.boundaries.runs.store.add_keys(ex.run_id,
                                                           [f"failed:{c}" for c in shown])
-
-    async def _stopped(self, ex: Exchange, client: ClientEnd, stop: Stop) -> None:
-        log_refusal(self.boundaries, ex, stop, self.traffic)
-        await client.write(ex.dialect.stream_error(stop.message, stop.details))
-
-    async def _turn_failed(self, ex: Exchange, client: ClientEnd, failure: str | None,
-                           shown: list[str]) -> None:
-        """The stream ended without its terminating event (the upstream closed early), or it
-        carried the upstream's own error event. The turn is a failure at the upstream, not what
-        the model said: its half-received tool calls are neither checked nor stored, the run
-        is not halted, and the agent's retry goes ahead as if this turn never happened.
-        The client always gets stepguard's stream error event, also after an upstream error
-        event it was already relayed: SDKs raise at the first error event they read, so in that
-        case ours is never read, and one rule covers an upstream that simply stopped."""
-        why = (f"the upstream reported an error: {failure}" if failure is not None
-               else "the upstream closed it before its terminating event")
-        self.observer.turn_failed(ex.route.upstream.name, ex.contract.workflow, ex.run_id, why)
-        await self._failed(ex, shown)
-        await client.write(ex.dialect.stream_error(
-            f"stepguard: the model's turn did not complete ({why}); nothing in it was checked "
-            f"or recorded, and the request may be retried", {"check": "upstream"}))
-        await client.close()

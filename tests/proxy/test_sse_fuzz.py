@@ -5,15 +5,13 @@
   `accumulate_event`): the oracle is the SDK, not a copy of stepguard's reading. For
   Responses, every call the SDK's `ResponseStreamState` hands over is among those checked.
 - The events stepguard's splitter cuts are the events the openai SDK's SSE decoder reads.
-- Arbitrary bytes, and valid streams with bytes changed, never crash the assembler: reading
-  them either gives a turn or ends in the clean refusals the relay turns into a stream error
-  (`Stop`, `EventTooLarge`).
+- Arbitrary bytes, and valid streams with bytes changed, never crash the assembler: the
+  relay's core (`TurnRelay`) reading them either gives a turn or an ending the relay turns into
+  a stream error (a refusal, an unreadable event, one too large), never an exception.
 """
 
 from __future__ import annotations
 
-import contextlib
-from types import SimpleNamespace
 from typing import Any
 
 import orjson
@@ -29,9 +27,9 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.chat import ChatCompletionChunk
 from openai.types.responses import ResponseStreamEvent
 
-from stepguard.proxy.core.sse import EventTooLarge, EventUnreadable, SSESplitter
+from stepguard.proxy.core.sse import SSESplitter
 from stepguard.proxy.model.dialects import ChatCompletions, Dialect, Messages, Responses, Turn
-from stepguard.proxy.model.exchange import Stop, parsed
+from stepguard.proxy.model.turn import Check, Relay, Show, TurnRelay
 
 pytestmark = pytest.mark.fuzz
 
@@ -40,25 +38,20 @@ BOUNDED = settings(max_examples=200, deadline=None, derandomize=True, database=N
 
 
 def relay(dialect: Dialect, chunks: list[bytes], limit: int = 1 << 20) -> Turn | None:
-    """What `ModelStream._relay_turn` does with a stream's bytes, without the sockets: events
-    cut by the splitter, fed (through `parsed`, as the relay does), the terminator and what
-    follows it included, the call ids shown collected in a set, the turn assembled. None: no
-    terminator."""
-    ex: Any = SimpleNamespace(dialect=dialect)
-    splitter = SSESplitter(limit, strict=True)
-    assembler = dialect.assembler()
-    held = False
+    """What `ModelStream._relay_turn` decides for a stream's bytes, without the sockets: its
+    sans-io core (`TurnRelay`) fed the chunks and told the end, the call ids shown checked to be
+    strings (the relay keys a dict by them). The turn it would check, or None when the turn ends
+    without one (no terminator, the upstream's error, a refusal: a stream error in its place)."""
+    turn = TurnRelay(dialect, hold_calls=False, max_bytes=1 << 62, max_calls=1 << 62,
+                     max_event_bytes=limit)
     for chunk in chunks:
-        for _, event in splitter.events(chunk):
-            if event is not None and assembler.is_terminal(event):
-                held = True
-            if event is not None:     # held or not, every event is read
-                parsed(ex, lambda e=event: assembler.feed(e))
-                shown = set(assembler.new_call_ids())     # the relay keys a dict by them
-                assert all(isinstance(i, str) for i in shown)
-    if not held:
-        return None
-    return parsed(ex, assembler.turn)
+        for action in turn.feed(chunk):
+            if isinstance(action, Show):
+                assert all(isinstance(i, str) for i in action.call_ids)
+            elif not isinstance(action, Relay):
+                return None
+    end = turn.end()
+    return end.turn if isinstance(end, Check) else None
 
 
 def cut(data: bytes, cuts: list[int]) -> list[bytes]:
@@ -171,9 +164,9 @@ DIALECTS: list[Dialect] = [ChatCompletions(), Responses(), Messages()]
 
 
 def survives(dialect: Dialect, chunks: list[bytes]) -> None:
-    # the relay answers all three with the dialect's stream error: a clean refusal
-    with contextlib.suppress(Stop, EventTooLarge, EventUnreadable):
-        relay(dialect, chunks, limit=4096)
+    # a refusal, an unreadable event, one too large are endings (the dialect's stream error),
+    # never an exception out of the relay
+    relay(dialect, chunks, limit=4096)
 
 
 @BOUNDED
