@@ -25,6 +25,12 @@ from stepguard.contracts.conditions import (
     compile_condition,
     parse_time,
 )
+from stepguard.contracts.condition_types import (
+    Typed,
+    check_types,
+    schema_fields,
+    state_fields,
+)
 from stepguard.contracts.errors import ContractError, ContractIssue
 from stepguard.contracts.model import (
     DEFAULT_HOLD_S,
@@ -386,6 +392,8 @@ class _Compiler:
                  for i, (name, spec) in enumerate(doc.get("steps", {}).items(), start=1)}
         self.check_graph(steps)
         self.check_duplicate_matches(steps)
+        completion = self.completion(doc.get("completion"), steps)
+        self.check_types(steps, completion)
         approval = self.approval(doc.get("approval", ()), steps)
         escalation = doc.get("escalation", {})
         run = doc.get("run", {})
@@ -398,7 +406,7 @@ class _Compiler:
             implicit_run=run.get("implicit", False),
             upstreams=upstreams,
             steps=steps,
-            completion=self.completion(doc.get("completion"), steps),
+            completion=completion,
             webhook=escalation.get("webhook"),
             webhook_timeout_s=float(escalation.get("timeout_s", 5.0)),
             redact=tuple(doc.get("redact", ())),
@@ -614,6 +622,105 @@ class _Compiler:
                        "`additionalProperties: true`")
             return
 
+    def step_schema(self, step: str, side: str) -> Any:
+        """The JSON Schema a step's `input` or `output` names or holds, as written (None)."""
+        ref = self.doc["steps"][step].get(side)
+        spec = ref.get("schema") if isinstance(ref, dict) else None
+        return self.doc.get("schemas", {}).get(spec) if isinstance(spec, str) else spec
+
+    def check_types(self, steps: Mapping[str, Step], completion: Completion | None) -> None:
+        """Every condition and `record` checked against the types the step's schemas declare
+        for `input` and `output` and the types `record` stores in `state`
+        (contracts/condition_types.py): one issue per expression that cannot evaluate on them,
+        or that reads a field its schema does not declare."""
+        fields = {name: {**schema_fields("input", self.step_schema(name, "input"),
+                                         "the step's input schema"),
+                         **schema_fields("output", self.step_schema(name, "output"),
+                                         "the step's output schema")}
+                  for name in steps}
+        recorded = []
+        for step in steps.values():
+            for key, cond in step.record.items():
+                _, typed = check_types(cond.expr, EXIT_VARIABLES, fields[step.name],
+                                       self.constants)
+                recorded.append((step.name, key, typed))
+        state = state_fields(recorded)
+        for step in steps.values():
+            typed = {**fields[step.name], **state}
+            groups: list[tuple[str, tuple[str, ...], Iterable[tuple[str, Condition]]]] = [
+                ("precondition", ENTRY_VARIABLES, self.indexed(step.name, "precondition",
+                                                               step.preconditions)),
+                ("postcondition", EXIT_VARIABLES, self.indexed(step.name, "postcondition",
+                                                               step.postconditions)),
+                ("error_when", EXIT_VARIABLES, self.indexed(step.name, "error_when",
+                                                            step.error_when)),
+                ("record", EXIT_VARIABLES, ((f"record.{k}", c) for k, c in step.record.items())),
+            ]
+            for group, variables, conds in groups:
+                for field, cond in conds:
+                    self.check_condition_types(step.name, field, cond, variables, typed,
+                                               condition=group != "record")
+        if completion is not None:
+            for field, cond in (("completion.claim", completion.claim),
+                                ("completion.proof", completion.proof)):
+                if cond is not None:
+                    self.check_condition_types(None, field, cond, EXIT_VARIABLES, state)
+
+    def indexed(self, step: str, field: str,
+                conds: tuple[Condition, ...]) -> list[tuple[str, Condition]]:
+        """Each compiled condition with the field it was written at (`precondition[1]`)."""
+        written = self.doc["steps"][step].get(field) or []
+        exprs = [spec if isinstance(spec, str) else spec.get("expr") for spec in written]
+        shown = []
+        for cond in conds:
+            i = exprs.index(cond.expr) if cond.expr in exprs else 0
+            shown.append((f"{field}[{i}]", cond))
+        return shown
+
+    def check_condition_types(self, step: str | None, field: str, cond: Condition,
+                              variables: tuple[str, ...], fields: Mapping[str, Typed], *,
+                              condition: bool = True) -> None:
+        if step is not None and condition and self.check_declared(step, field, cond):
+            return
+        fault, typed = check_types(cond.expr, variables, fields, self.constants)
+        if fault is not None:
+            self.issue(step, field, fault.message(cond.expr))
+        elif condition and typed not in (None, "bool", "dyn"):
+            self.issue(step, field, f"CEL expression {cond.expr!r} is of type {typed} on the "
+                                    "types the contract declares, not bool: a condition must "
+                                    "be true or false")
+
+    def check_declared(self, step: str, field: str, cond: Condition) -> bool:
+        """A condition reading an input or output field its step's schema does not declare
+        (the schema lists `properties`, and allows no others through `additionalProperties` or
+        `patternProperties`): the field is never there, or the name is a typo. A field the
+        condition only tests with `has()` may be absent by design where the schema lets other
+        fields through by saying nothing of them; it is refused only where the schema forbids
+        them (`additionalProperties: false`), since has() is then always false."""
+        tested = {tuple(re.sub(r"\s+", "", m.group(0))[4:-1].split("."))
+                  for m in _HAS_PATH.finditer(cond.expr)}
+        for found in _FIELD_PATH.finditer(cond.expr):
+            var, path = found.group(1), [p for p in found.group(2).split(".") if p]
+            if found.group(3):          # `output.meta.size()`: size is a method, not a field
+                path = path[:-1]
+            if not path:
+                continue
+            undeclared = _undeclared(self.step_schema(step, var), path)
+            if undeclared is None:
+                continue
+            missing, closed = undeclared
+            if not closed and tuple((var, *path)) in tested:
+                continue
+            why = ("it allows no others: `additionalProperties: false`" if closed else
+                   "a field the schema does not name is taken for a typo or a schema out of "
+                   "date")
+            self.issue(step, field, f"CEL expression {cond.expr!r} reads {var}.{missing}, "
+                                    f"which the step's {var} schema does not declare (it lists "
+                                    f"its properties; {why}); declare it under `properties`, "
+                                    "or allow it with `additionalProperties: true`")
+            return True
+        return False
+
     def redacted(self, step: str, key: str) -> bool:
         """A recorded key that redaction covers would enter the state as "[REDACTED]" (the
         state is folded from the redacted history, so a restart sees the same), and every
@@ -712,6 +819,10 @@ class _Compiler:
                 spec.get("message"))) if proof else None,
             message=spec.get("message"),
         )
+
+
+_FIELD_PATH = re.compile(r"(?<![\w.])(input|output)((?:\.[A-Za-z_]\w*)*)(\s*\()?")
+_HAS_PATH = re.compile(r"(?<![\w.])has\(\s*(?:input|output)(?:\s*\.\s*[A-Za-z_]\w*)+\s*\)")
 
 
 def _undeclared(schema: Any, path: list[str]) -> tuple[str, bool] | None:
