@@ -58,6 +58,8 @@ def schema_type(spec: Any) -> Any:
     if not isinstance(spec, dict) or any(k in spec for k in _OPAQUE):
         return None
     kind = spec.get("type")
+    if not isinstance(kind, str):      # several types, or none said
+        return None
     if kind in _SCALAR:
         return _SCALAR[kind]
     if kind == "array":
@@ -244,6 +246,24 @@ def _split(args: str) -> list[str]:
     if current.strip():
         parts.append(current.strip())
     return parts
+
+
+_READS = re.compile(r"(?<![\w.])(input|output|state)((?:\.[A-Za-z_]\w*)*)(\s*\()?")
+
+
+def untyped(expr: str, fields: Mapping[str, Typed]) -> bool:
+    """Whether `expr` reads a value the contract declares no (whole) type for: an input,
+    output or state field no schema or record types, or one typed only as a list or map of
+    dyn. Such a condition is checked only as far as the declared types go, the rest when it
+    runs."""
+    for found in _READS.finditer(expr):
+        path = [p for p in found.group(2).split(".") if p]
+        if found.group(3) and path:      # `output.meta.size()`: size is a method
+            path = path[:-1]
+        typed = fields.get(".".join((found.group(1), *path)))
+        if typed is None or "dyn" in type_name(typed.type):
+            return True
+    return False
 
 
 def _used(expr: str, fields: Mapping[str, Typed], constants: Mapping[str, Var]) -> str:

@@ -30,6 +30,7 @@ from stepguard.contracts.condition_types import (
     check_types,
     schema_fields,
     state_fields,
+    untyped,
 )
 from stepguard.contracts.errors import ContractError, ContractIssue
 from stepguard.contracts.model import (
@@ -379,6 +380,8 @@ class _Compiler:
         self.urls = urls
         self.issues: list[ContractIssue] = []
         self.constants: dict[str, Var] = {}
+        self.typed = 0                       # conditions checked against declared types only
+        self.dynamic: list[str] = []         # those reading values of no declared type
 
     def issue(self, step: str | None, field: str, message: str) -> None:
         self.issues.append(ContractIssue(self.source, step, field, message))
@@ -415,6 +418,8 @@ class _Compiler:
             run_keys_declared="key" in run,
             vars=self.constants,
             approval=approval,
+            typed_conditions=self.typed,
+            dynamic_conditions=tuple(self.dynamic),
         )
 
     def vars(self, specs: Mapping[str, Any]) -> dict[str, Var]:
@@ -683,6 +688,11 @@ class _Compiler:
         if step is not None and condition and self.check_declared(step, field, cond):
             return
         fault, typed = check_types(cond.expr, variables, fields, self.constants)
+        if untyped(cond.expr, fields) or typed is None:
+            self.dynamic.append(".".join(p for p in (f"steps.{step}" if step else "", field)
+                                         if p))
+        else:
+            self.typed += 1
         if fault is not None:
             self.issue(step, field, fault.message(cond.expr))
         elif condition and typed not in (None, "bool", "dyn"):
