@@ -16,6 +16,13 @@ import jsonschema.validators
 import jsonschema_rs
 import yaml
 
+from stepguard.contracts.condition_types import (
+    Typed,
+    check_types,
+    schema_fields,
+    state_fields,
+    untyped,
+)
 from stepguard.contracts.conditions import (
     ENTRY_VARIABLES,
     EXIT_VARIABLES,
@@ -24,13 +31,6 @@ from stepguard.contracts.conditions import (
     Var,
     compile_condition,
     parse_time,
-)
-from stepguard.contracts.condition_types import (
-    Typed,
-    check_types,
-    schema_fields,
-    state_fields,
-    untyped,
 )
 from stepguard.contracts.errors import ContractError, ContractIssue
 from stepguard.contracts.model import (
@@ -646,9 +646,9 @@ class _Compiler:
         recorded = []
         for step in steps.values():
             for key, cond in step.record.items():
-                _, typed = check_types(cond.expr, EXIT_VARIABLES, fields[step.name],
-                                       self.constants)
-                recorded.append((step.name, key, typed))
+                _, result = check_types(cond.expr, EXIT_VARIABLES, fields[step.name],
+                                        self.constants)
+                recorded.append((step.name, key, result))
         state = state_fields(recorded)
         for step in steps.values():
             typed = {**fields[step.name], **state}
@@ -666,10 +666,10 @@ class _Compiler:
                     self.check_condition_types(step.name, field, cond, variables, typed,
                                                condition=group != "record")
         if completion is not None:
-            for field, cond in (("completion.claim", completion.claim),
-                                ("completion.proof", completion.proof)):
-                if cond is not None:
-                    self.check_condition_types(None, field, cond, EXIT_VARIABLES, state)
+            for field, proof in (("completion.claim", completion.claim),
+                                 ("completion.proof", completion.proof)):
+                if proof is not None:
+                    self.check_condition_types(None, field, proof, EXIT_VARIABLES, state)
 
     def indexed(self, step: str, field: str,
                 conds: tuple[Condition, ...]) -> list[tuple[str, Condition]]:
