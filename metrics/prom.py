@@ -164,6 +164,7 @@ class Metrics:
             for step in steps:
                 self.escalations.labels(workflow, step)
                 self.fail_open.labels(workflow, step)
+                self.contract_errors.labels(workflow, step)
         for operation in ("append", "count_runs"):
             self.store_errors.labels(operation)
 
