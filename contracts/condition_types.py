@@ -135,12 +135,15 @@ def state_fields(recorded: Iterable[tuple[str, str, Any]]) -> dict[str, Typed]:
 
 
 _ENVS: dict[tuple[Any, ...], Any] = {}
+_MAX_ENVS = 256
 
 
 def _env(variables: Mapping[str, Any]) -> Any:
     key = tuple(sorted((name, str(t.name())) for name, t in variables.items()))
     env = _ENVS.get(key)
     if env is None:
+        if len(_ENVS) >= _MAX_ENVS:     # reloads of changed schemas: never grows unbounded
+            _ENVS.clear()
         env = _ENVS[key] = cel.NewEnv(variables=dict(variables))
     return env
 
