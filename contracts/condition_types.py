@@ -180,6 +180,19 @@ class TypeFault:
                 f"declares: {self.reason}{types}{hint}")
 
 
+# CEL string literals (raw, bytes and triple-quoted ones too): what they hold is not a reference
+_STRING = re.compile(r'[rRbB]{0,2}(?:"""(?:[^\\]|\\.)*?"""|\'\'\'(?:[^\\]|\\.)*?\'\'\'|'
+                     r'"(?:[^"\\\n]|\\.)*"|\'(?:[^\'\\\n]|\\.)*\')')
+
+
+def references_text(expr: str) -> str | None:
+    """`expr` with its string literals emptied, for scanning the fields it reads; None when a
+    macro binds a variable named as a boundary variable (its references cannot be told)."""
+    if _SHADOW.search(expr):
+        return None
+    return _STRING.sub('""', expr)
+
+
 def check_types(expr: str, variables: tuple[str, ...], fields: Mapping[str, Typed],
                 constants: Mapping[str, Var]) -> tuple[TypeFault | None, str | None]:
     """The first type fault of `expr` given the declared `fields` (dotted names), and the type
@@ -259,7 +272,10 @@ def untyped(expr: str, fields: Mapping[str, Typed]) -> bool:
     output or state field no schema or record types, or one typed only as a list or map of
     dyn. Such a condition is checked only as far as the declared types go, the rest when it
     runs."""
-    for found in _READS.finditer(expr):
+    text = references_text(expr)
+    if text is None:
+        return True
+    for found in _READS.finditer(text):
         path = [p for p in found.group(2).split(".") if p]
         if found.group(3) and path:      # `output.meta.size()`: size is a method
             path = path[:-1]
@@ -272,6 +288,7 @@ def untyped(expr: str, fields: Mapping[str, Typed]) -> bool:
 def _used(expr: str, fields: Mapping[str, Typed], constants: Mapping[str, Var]) -> str:
     """The typed names `expr` reads, with their types and where the types come from."""
     shown: list[str] = []
+    expr = references_text(expr) or expr
     for name in sorted(fields, key=len, reverse=True):
         if re.search(rf"(?<![\w.]){re.escape(name)}(?![\w])", expr) and not any(
                 s.startswith(f"{name}.") for s in shown):

@@ -19,6 +19,7 @@ import yaml
 from stepguard.contracts.condition_types import (
     Typed,
     check_types,
+    references_text,
     schema_fields,
     state_fields,
     untyped,
@@ -676,10 +677,11 @@ class _Compiler:
         """Each compiled condition with the field it was written at (`precondition[1]`)."""
         written = self.doc["steps"][step].get(field) or []
         exprs = [spec if isinstance(spec, str) else spec.get("expr") for spec in written]
-        shown = []
-        for cond in conds:
-            i = exprs.index(cond.expr) if cond.expr in exprs else 0
-            shown.append((f"{field}[{i}]", cond))
+        shown, at = [], 0
+        for cond in conds:      # in written order; those that did not compile are not here
+            at = next((i for i in range(at, len(exprs)) if exprs[i] == cond.expr), at)
+            shown.append((f"{field}[{at}]", cond))
+            at += 1
         return shown
 
     def check_condition_types(self, step: str | None, field: str, cond: Condition,
@@ -707,9 +709,12 @@ class _Compiler:
         condition only tests with `has()` may be absent by design where the schema lets other
         fields through by saying nothing of them; it is refused only where the schema forbids
         them (`additionalProperties: false`), since has() is then always false."""
+        text = references_text(cond.expr)
+        if text is None:
+            return False
         tested = {tuple(re.sub(r"\s+", "", m.group(0))[4:-1].split("."))
-                  for m in _HAS_PATH.finditer(cond.expr)}
-        for found in _FIELD_PATH.finditer(cond.expr):
+                  for m in _HAS_PATH.finditer(text)}
+        for found in _FIELD_PATH.finditer(text):
             var, path = found.group(1), [p for p in found.group(2).split(".") if p]
             if found.group(3):          # `output.meta.size()`: size is a method, not a field
                 path = path[:-1]

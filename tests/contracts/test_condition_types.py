@@ -228,3 +228,22 @@ def test_a_macro_variable_named_like_a_boundary_variable_is_left_unchecked(
         "postcondition": ["output.tags.all(input, input.startsWith('x'))"]}})
 
     assert len(contract.steps["first"].postconditions) == 1
+
+
+def test_a_field_named_inside_a_string_literal_is_not_taken_for_a_read(
+        make_contract: Callable[..., Contract]):
+    contract = make_contract(steps={"first": {
+        "output": {"schema": CLOSED},
+        "postcondition": ["output.id != 'output.createdAt' && output.id != \"output.x < now\""]}})
+
+    assert len(contract.steps["first"].postconditions) == 1
+
+
+def test_a_repeated_condition_is_reported_at_its_own_index(
+        contract_issues: Callable[..., list[ContractIssue]]):
+    issues = contract_issues(steps={"first": {
+        "output": {"schema": EVENT},
+        "postcondition": ["output.created_at < now", "output.id != ''",
+                          "output.created_at < now"]}})
+
+    assert [i.field for i in issues] == ["postcondition[0]", "postcondition[2]"]
