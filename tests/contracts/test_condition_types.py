@@ -101,6 +101,16 @@ def test_a_state_key_copied_from_a_schema_field_has_that_fields_type(
     assert "no function 'startsWith' for (int, string)" in issue.message
 
 
+def test_a_field_of_a_string_field_is_refused(contract_issues: Callable[..., list[ContractIssue]]):
+    issue = only(contract_issues(steps={"first": {
+        "output": {"schema": EVENT}, "postcondition": ["output.id.value == 'a'"]}}))
+
+    assert issue.message == (
+        "CEL expression \"output.id.value == 'a'\" cannot be evaluated on the types the contract "
+        "declares: a value of type 'string' cannot be the operand of a select operation "
+        "(output.id is string (the step's output schema))")
+
+
 def test_a_record_that_cannot_evaluate_on_the_declared_types_is_refused(
         contract_issues: Callable[..., list[ContractIssue]]):
     issue = only(contract_issues(steps={"first": {
