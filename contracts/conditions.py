@@ -137,6 +137,13 @@ class Outcome:
     value: Any = None
     missing: str | None = None
     error: str | None = None
+    # the condition cannot evaluate on values of these types (no operator or function for
+    # them, or a result that is not a bool): the contract is wrong, not the call
+    type_error: bool = False
+
+
+# how the CEL runtime says an operator or function has no overload for its arguments' types
+_NO_OVERLOAD = "No matching overloads"
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,13 +174,15 @@ class Condition:
                            missing=_missing(str(exc), self.paths, context))
         if result.type() == cel.Type.ERROR:
             error = str(result.value())
-            return Outcome(False, error=scrub(error), missing=_missing(error, self.paths, context))
+            missing = _missing(error, self.paths, context)
+            return Outcome(False, error=scrub(error), missing=missing,
+                           type_error=missing is None and _NO_OVERLOAD in error)
         return Outcome(True, value=result.plain_value())
 
     def holds(self, context: Mapping[str, Any]) -> Outcome:
         outcome = self.evaluate(context)
         if outcome.ok and not isinstance(outcome.value, bool):
-            return Outcome(False, value=outcome.value,
+            return Outcome(False, value=outcome.value, type_error=True,
                            error=f"condition returned {type(outcome.value).__name__}, not bool")
         return outcome
 

@@ -39,6 +39,9 @@ from stepguard.contracts.model import Contract, Step
 __all__ = ["FINAL", "action_of", "check_entry", "check_exit", "check_final", "check_shadow"]
 
 FINAL = "final_answer"   # the pseudo-step of a model's final answer
+# a condition that cannot be evaluated on the values' types (no operator for a string and a
+# timestamp, a result that is not a bool): its check and its drift class, whatever the author's
+CONTRACT_ERROR = "contract_error"
 
 
 def check_entry(step: Step, envelope: Envelope, input: Any, *,
@@ -113,8 +116,8 @@ def action_for(contract: Contract, step: Step | None, violation: Violation, atte
     """What a violation does. `step` is None for a model's final answer: it halts."""
     if contract.mode == "observe":
         return OBSERVE
-    if step is None:
-        return HALT
+    if step is None or violation.check == CONTRACT_ERROR:
+        return HALT      # a contract error fails closed: no retry or hold mends the contract
     if violation.check == "tool_error" and safe_to_retry and attempt <= step.on_failure.retry:
         return RETRY
     if step.on_failure.action == HOLD:
@@ -178,6 +181,12 @@ def _conditions(conditions: tuple[Condition, ...], context: dict[str, Any], chec
 
 def _condition_violation(cond: Condition, outcome: Any, check: str, boundary: Any,
                          drift: str | None = None) -> Violation:
+    if outcome.type_error:
+        # the contract is wrong, not the call: never the author's drift class or message
+        return Violation(CONTRACT_ERROR, CONTRACT_ERROR,
+                         f"contract error: {check} {cond.expr!r} cannot be evaluated: "
+                         f"{outcome.error.removeprefix('UNKNOWN: ')}", boundary,
+                         expression=cond.expr)
     if outcome.missing:
         detail = f"cannot evaluate {cond.expr!r}: field {outcome.missing} is missing"
     elif outcome.error:

@@ -27,6 +27,14 @@ import jsonschema.validators
 import jsonschema_rs
 import yaml
 
+from stepguard.contracts.condition_types import (
+    Typed,
+    check_types,
+    references_text,
+    schema_fields,
+    state_fields,
+    untyped,
+)
 from stepguard.contracts.conditions import (
     ENTRY_VARIABLES,
     EXIT_VARIABLES,
@@ -386,6 +394,8 @@ class _Compiler:
         self.urls = urls
         self.issues: list[ContractIssue] = []
         self.constants: dict[str, Var] = {}
+        self.typed = 0                       # conditions checked against declared types only
+        self.dynamic: list[str] = []         # those reading values of no declared type
 
     def issue(self, step: str | None, field: str, message: str) -> None:
         self.issues.append(ContractIssue(self.source, step, field, message))
@@ -399,6 +409,8 @@ class _Compiler:
                  for i, (name, spec) in enumerate(doc.get("steps", {}).items(), start=1)}
         self.check_graph(steps)
         self.check_duplicate_matches(steps)
+        completion = self.completion(doc.get("completion"), steps)
+        self.check_types(steps, completion)
         approval = self.approval(doc.get("approval", ()), steps)
         escalation = doc.get("escalation", {})
         run = doc.get("run", {})
@@ -411,7 +423,7 @@ class _Compiler:
             implicit_run=run.get("implicit", False),
             upstreams=upstreams,
             steps=steps,
-            completion=self.completion(doc.get("completion"), steps),
+            completion=completion,
             webhook=escalation.get("webhook"),
             webhook_timeout_s=float(escalation.get("timeout_s", 5.0)),
             redact=tuple(doc.get("redact", ())),
@@ -420,6 +432,8 @@ class _Compiler:
             run_keys_declared="key" in run,
             vars=self.constants,
             approval=approval,
+            typed_conditions=self.typed,
+            dynamic_conditions=tuple(self.dynamic),
         )
 
     def vars(self, specs: Mapping[str, Any]) -> dict[str, Var]:
@@ -627,6 +641,114 @@ class _Compiler:
                        "`additionalProperties: true`")
             return
 
+    def step_schema(self, step: str, side: str) -> Any:
+        """The JSON Schema a step's `input` or `output` names or holds, as written (None)."""
+        ref = self.doc["steps"][step].get(side)
+        spec = ref.get("schema") if isinstance(ref, dict) else None
+        return self.doc.get("schemas", {}).get(spec) if isinstance(spec, str) else spec
+
+    def check_types(self, steps: Mapping[str, Step], completion: Completion | None) -> None:
+        """Every condition and `record` checked against the types the step's schemas declare
+        for `input` and `output` and the types `record` stores in `state`
+        (contracts/condition_types.py): one issue per expression that cannot evaluate on them,
+        or that reads a field its schema does not declare."""
+        fields = {name: {**schema_fields("input", self.step_schema(name, "input"),
+                                         "the step's input schema"),
+                         **schema_fields("output", self.step_schema(name, "output"),
+                                         "the step's output schema")}
+                  for name in steps}
+        recorded = []
+        for step in steps.values():
+            for key, cond in step.record.items():
+                _, result = check_types(cond.expr, EXIT_VARIABLES, fields[step.name],
+                                        self.constants)
+                recorded.append((step.name, key, result))
+        state = state_fields(recorded)
+        for step in steps.values():
+            typed = {**fields[step.name], **state}
+            groups: list[tuple[str, tuple[str, ...], Iterable[tuple[str, Condition]]]] = [
+                ("precondition", ENTRY_VARIABLES, self.indexed(step.name, "precondition",
+                                                               step.preconditions)),
+                ("postcondition", EXIT_VARIABLES, self.indexed(step.name, "postcondition",
+                                                               step.postconditions)),
+                ("error_when", EXIT_VARIABLES, self.indexed(step.name, "error_when",
+                                                            step.error_when)),
+                ("record", EXIT_VARIABLES, ((f"record.{k}", c) for k, c in step.record.items())),
+            ]
+            for group, variables, conds in groups:
+                for field, cond in conds:
+                    self.check_condition_types(step.name, field, cond, variables, typed,
+                                               condition=group != "record")
+        if completion is not None:
+            for field, proof in (("completion.claim", completion.claim),
+                                 ("completion.proof", completion.proof)):
+                if proof is not None:
+                    self.check_condition_types(None, field, proof, EXIT_VARIABLES, state)
+
+    def indexed(self, step: str, field: str,
+                conds: tuple[Condition, ...]) -> list[tuple[str, Condition]]:
+        """Each compiled condition with the field it was written at (`precondition[1]`)."""
+        written = self.doc["steps"][step].get(field) or []
+        exprs = [spec if isinstance(spec, str) else spec.get("expr") for spec in written]
+        shown, at = [], 0
+        for cond in conds:      # in written order; those that did not compile are not here
+            at = next((i for i in range(at, len(exprs)) if exprs[i] == cond.expr), at)
+            shown.append((f"{field}[{at}]", cond))
+            at += 1
+        return shown
+
+    def check_condition_types(self, step: str | None, field: str, cond: Condition,
+                              variables: tuple[str, ...], fields: Mapping[str, Typed], *,
+                              condition: bool = True) -> None:
+        if step is not None and condition and self.check_declared(step, field, cond):
+            return
+        fault, typed = check_types(cond.expr, variables, fields, self.constants)
+        if untyped(cond.expr, fields) or typed is None:
+            self.dynamic.append(".".join(p for p in (f"steps.{step}" if step else "", field)
+                                         if p))
+        else:
+            self.typed += 1
+        if fault is not None:
+            self.issue(step, field, fault.message(cond.expr))
+        elif condition and typed not in (None, "bool", "dyn"):
+            self.issue(step, field, f"CEL expression {cond.expr!r} is of type {typed} on the "
+                                    "types the contract declares, not bool: a condition must "
+                                    "be true or false")
+
+    def check_declared(self, step: str, field: str, cond: Condition) -> bool:
+        """A condition reading an input or output field its step's schema does not declare
+        (the schema lists `properties`, and allows no others through `additionalProperties` or
+        `patternProperties`): the field is never there, or the name is a typo. A field the
+        condition only tests with `has()` may be absent by design where the schema lets other
+        fields through by saying nothing of them; it is refused only where the schema forbids
+        them (`additionalProperties: false`), since has() is then always false."""
+        text = references_text(cond.expr)
+        if text is None:
+            return False
+        tested = {tuple(re.sub(r"\s+", "", m.group(0))[4:-1].split("."))
+                  for m in _HAS_PATH.finditer(text)}
+        for found in _FIELD_PATH.finditer(text):
+            var, path = found.group(1), [p for p in found.group(2).split(".") if p]
+            if found.group(3):          # `output.meta.size()`: size is a method, not a field
+                path = path[:-1]
+            if not path:
+                continue
+            undeclared = _undeclared(self.step_schema(step, var), path)
+            if undeclared is None:
+                continue
+            missing, closed = undeclared
+            if not closed and tuple((var, *path)) in tested:
+                continue
+            why = ("it allows no others: `additionalProperties: false`" if closed else
+                   "a field the schema does not name is taken for a typo or a schema out of "
+                   "date")
+            self.issue(step, field, f"CEL expression {cond.expr!r} reads {var}.{missing}, "
+                                    f"which the step's {var} schema does not declare (it lists "
+                                    f"its properties; {why}); declare it under `properties`, "
+                                    "or allow it with `additionalProperties: true`")
+            return True
+        return False
+
     def redacted(self, step: str, key: str) -> bool:
         """A recorded key that redaction covers would enter the state as "[REDACTED]" (the
         state is folded from the redacted history, so a restart sees the same), and every
@@ -725,6 +847,10 @@ class _Compiler:
                 spec.get("message"))) if proof else None,
             message=spec.get("message"),
         )
+
+
+_FIELD_PATH = re.compile(r"(?<![\w.])(input|output)((?:\.[A-Za-z_]\w*)*)(\s*\()?")
+_HAS_PATH = re.compile(r"(?<![\w.])has\(\s*(?:input|output)(?:\s*\.\s*[A-Za-z_]\w*)+\s*\)")
 
 
 def _undeclared(schema: Any, path: list[str]) -> tuple[str, bool] | None:

@@ -24,9 +24,9 @@ Mode = Literal["enforce", "observe"]
 Action = Literal["halt", "escalate", "hold"]
 DEFAULT_HOLD_S = 300.0       # how long a held call waits for an operator, unless the step says
 CHECKS = ("order", "precondition", "input_schema", "tool_error", "output_schema",
-          "postcondition", "completion_proof")
+          "postcondition", "completion_proof", "contract_error")
 DRIFT_CLASSES = ("shape", "freshness", "order", "tool_error", "false_completion",
-                 "precondition", "postcondition")
+                 "precondition", "postcondition", "contract_error")
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,6 +232,10 @@ class Contract:
     run_keys_declared: bool = False   # `run.key` written in the file, not the default
     vars: Mapping[str, Var] = field(default_factory=dict)
     approval: frozenset[str] = frozenset()   # steps held at entry for an operator, checks or not
+    # conditions and records checked at load against declared types only, and those reading
+    # a value no schema or record types (`steps.first.postcondition[0]`): checked when they run
+    typed_conditions: int = 0
+    dynamic_conditions: tuple[str, ...] = ()
 
     def step_for(self, upstream: str, method: str, path: str) -> Step | None:
         # HEAD is GET without the body: servers (Starlette, Flask, Express) run the GET handler

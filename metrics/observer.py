@@ -13,6 +13,7 @@ from typing import Any
 
 import orjson
 
+from stepguard.contracts.engine import CONTRACT_ERROR
 from stepguard.contracts.events import Decision
 from stepguard.contracts.model import Contract
 from stepguard.metrics.logs import get_logger
@@ -80,6 +81,8 @@ class Observer:
         if violation:
             self._child(m.violations, contract.workflow, contract.version, step,
                         violation["check"], violation["drift"], traffic).inc()
+            if violation["check"] == CONTRACT_ERROR:
+                self._contract_error(contract, run_id, event, violation)
         if action in _ACTIONS:
             self._child(m.actions, contract.workflow, step, action, traffic).inc()
         if action == "escalate":
@@ -107,6 +110,18 @@ class Observer:
             self.log.warning("boundary", **fields)
         else:
             self.log.info("boundary", **fields)
+
+    def _contract_error(self, contract: Contract, run_id: str, event: dict[str, Any],
+                        violation: dict[str, Any]) -> None:
+        """A condition that could not be evaluated: counted on its own, and an error line
+        naming the run, step and expression and CEL's error, besides the boundary line."""
+        step = event.get("step", "")
+        self._child(self.metrics.contract_errors, contract.workflow, step).inc()
+        self.log.error("contract_error", run_id=run_id, workflow=contract.workflow,
+                       contract_version=contract.version, step=step,
+                       boundary=event.get("boundary"), expression=violation.get("expression"),
+                       detail=violation.get("detail"), action=event.get("action"),
+                       decision_id=event.get("decision_id"), source=contract.source)
 
     def retry_outcome(self, contract: Contract, step: str, recovered: bool) -> None:
         self.metrics.retries.labels(contract.workflow, step,

@@ -66,6 +66,11 @@ class Metrics:
         self.violations = Counter(
             "stepguard_violations", "Contract violations, by check and drift class.",
             ["workflow", "contract_version", "step", "check", "drift", "traffic"], registry=r)
+        self.contract_errors = Counter(
+            "stepguard_contract_errors", "Conditions that could not be evaluated on the values' "
+            "types (no operator or function for them, or a result that is not a bool): a wrong "
+            "contract, not drift. The run halts (check and drift class contract_error).",
+            ["workflow", "step"], registry=r)
         self.actions = Counter(
             "stepguard_actions", "Actions taken on violations (halt, retry, escalate, observe, "
             "refuse).", ["workflow", "step", "action", "traffic"], registry=r)
@@ -165,6 +170,7 @@ class Metrics:
             for step in steps:
                 self.escalations.labels(workflow, step)
                 self.fail_open.labels(workflow, step)
+                self.contract_errors.labels(workflow, step)
         for operation in ("append", "count_runs"):
             self.store_errors.labels(operation)
 

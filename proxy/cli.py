@@ -396,6 +396,7 @@ def _check(args: argparse.Namespace) -> int:
             print(f"  upstream {up.name} ({up.kind}) {up.mount} -> {up.shown_url} (from {up.url_source})")
         for var in c.vars.values():
             print(f"  var {var.name} = {var_text(var.value)} ({var.kind}, from {var.source})")
+        print(f"  {_types(c)}")
         for line in _holds(c):
             print(f"  {line}")
         for line in _recorded(c):
@@ -403,6 +404,18 @@ def _check(args: argparse.Namespace) -> int:
         for line in _redacted_run_keys(c):
             print(f"  {line}")
     return 0
+
+
+def _types(contract: Any) -> str:
+    """How far the contract's conditions were type-checked (docs/conditions.md, types)."""
+    checked = (f"types: {contract.typed_conditions} expression(s) checked against the types "
+               "the schemas and records declare")
+    dynamic = contract.dynamic_conditions
+    if not dynamic:
+        return checked
+    shown = ", ".join(dynamic[:8]) + (f" and {len(dynamic) - 8} more" if len(dynamic) > 8 else "")
+    return (f"{checked}; {len(dynamic)} read values of no declared type, checked when they "
+            f"run: {shown}")
 
 
 def _redacted_run_keys(contract: Any) -> list[str]:

@@ -12,7 +12,8 @@ from stepguard.contracts.events import Violation
 __all__ = ["halted_problem", "problem", "violation_problem", "why_stopped"]
 
 PROBLEM_TYPE = "application/problem+json"
-_STATUS = {"order": 409, "tool_error": 502}
+# a contract error is stepguard's configuration at fault, not the call: a server error
+_STATUS = {"order": 409, "tool_error": 502, "contract_error": 500}
 
 
 def status_for(violation: Violation) -> int:
@@ -34,7 +35,8 @@ def violation_problem(violation: Violation, *, run_id: str, workflow: str, versi
                       step: str, action: str, decision_id: str,
                       status: int | None = None) -> web.Response:
     return problem(
-        status or status_for(violation), f"Step drift {violation.drift}",
+        status or status_for(violation),
+        "Contract error" if violation.check == "contract_error" else f"Step drift {violation.drift}",
         f"run {run_id!r}, step {step!r}, {violation.boundary} {violation.check}: "
         f"{violation.detail}",
         run=run_id, workflow=workflow, contract_version=version, step=step,

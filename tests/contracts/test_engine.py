@@ -113,10 +113,10 @@ def test_a_precondition_message_is_kept_when_the_condition_cannot_be_evaluated(e
                                "(cannot evaluate")
 
 
-def test_a_precondition_that_is_not_a_bool_is_a_violation(make_contract):
+def test_a_precondition_that_is_not_a_bool_is_a_contract_error(make_contract):
     contract = make_contract(steps={"first": {"precondition": ["input.qty"]}})
     v = check_entry(contract.steps["first"], envelope(), {"qty": 1}).violation
-    assert v.check == "precondition"
+    assert (v.check, v.drift) == ("contract_error", "contract_error")
     assert "not bool" in v.detail
 
 

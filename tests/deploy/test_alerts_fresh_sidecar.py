@@ -1,5 +1,6 @@
 """A new sidecar fires no alert: every series the exposition of a freshly started stepguard holds
-(the escalation, fail-open and store-error counters are created at 0 when contracts load), held
+(the escalation, fail-open, contract-error and store-error counters are created at 0 when
+contracts load), held
 at its value from the first scrape on, goes through `promtool test rules` against the shipped
 alerts without firing any of them, neither while the series are young nor later."""
 
@@ -24,7 +25,7 @@ EXAMPLE_CONTRACT = ROOT / "examples" / "order-confirmation" / "contract.yaml"
 FIRST_SCRAPE_MIN = 5
 EVAL_MINUTES = (6, 8, 11, 14, 20, 25)
 WATCHED = ("stepguard_escalations_total", "stepguard_fail_open_passes_total",
-           "stepguard_store_errors_total")
+           "stepguard_contract_errors_total", "stepguard_store_errors_total")
 
 
 def _series_selector(name: str, labels: dict[str, str]) -> str:

@@ -61,7 +61,30 @@ async def test_check_accepts_the_example_contract():
     assert ran.code == 0, ran.err
     [summary] = [line for line in ran.lines if not line.startswith("  ")]
     assert "ok: workflow 'order-confirmation'" in summary and "4 steps" in summary
-    assert ran.lines[1:] == ["  upstream tools (http) /tools -> http://127.0.0.1:9002 (from contract)"]
+    assert ran.lines[1:] == [
+        "  upstream tools (http) /tools -> http://127.0.0.1:9002 (from contract)",
+        "  types: 9 expression(s) checked against the types the schemas and records declare; 7 "
+        "read values of no declared type, checked when they run: "
+        "steps.reserve_slot.precondition[1], steps.reserve_slot.postcondition[0], "
+        "steps.reserve_slot.error_when[0], steps.confirm.precondition[0], "
+        "steps.confirm.record.confirmation_id, completion.claim, completion.proof"]
+
+
+async def test_check_refuses_a_condition_comparing_a_schema_string_with_now(tmp_path: Path):
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["steps"]["lookup_order"]["postcondition"] = [
+        {"expr": "output.customer < now", "drift": "freshness"}]
+    path = tmp_path / "wrong.yaml"
+    path.write_text(yaml.safe_dump(doc))
+
+    ran = await stepguard("check", path)
+
+    assert ran.code == 1
+    assert ran.lines == [
+        f"{path}: steps.lookup_order.postcondition[0]: CEL expression 'output.customer < now' "
+        "cannot be evaluated on the types the contract declares: no operator '<' for (string, "
+        "timestamp) (output.customer is string (the step's output schema), now is timestamp); "
+        "read a string as a time with timestamp(...) or duration(...)", "", "1 error(s)"]
 
 
 @pytest.mark.parametrize(("document", "expected"), [
