@@ -394,7 +394,7 @@ class _Drafter:
         for step in self.order:
             runs = self.with_step[step]
             kept = [o for o in self.order if o in reduced[step]
-                    and self.keep(len(runs), len(runs), f"steps.{step}.after", f"after {o}")]
+                    and self.keep(len(runs), len(runs), f"steps.{step}.after", o)]
             if kept:
                 self.steps[step]["after"] = kept
                 self.note(step, "after", _evidence(len(runs), len(runs)))

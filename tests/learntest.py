@@ -32,7 +32,7 @@ def ticket(i: int) -> str:
 
 def lookup(i: int, t: float, ticket_id: str | None = None, **output: Any) -> Observation:
     tid = ticket_id or ticket(i)
-    return Observation("mcp", "tools", t, tool="lookup_ticket", input={"ticket_id": tid},
+    return Observation("mcp", "mcp", t, tool="lookup_ticket", input={"ticket_id": tid},
                        output={"ticket_id": tid, "customer": f"cust-{i}", "state": "open",
                                "opened_at": iso(t - 30 - i), **output},
                        status=200, call_id=str(10 * i))
