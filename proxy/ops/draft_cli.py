@@ -161,7 +161,9 @@ def _head(head: str, min_runs: int) -> list[str]:
             "runs are left out (listed at the end).",
             "Each rule's x-evidence says in how many runs it held. Review it, set the upstreams'"
             " URLs,",
-            "replay it (`stepguard replay`), shadow it (mode: observe), then enforce it."]
+            "verify your edits (`stepguard draft --check FILE`), shadow it (mode: observe), then "
+            "enforce it.",
+            "Guide: docs/guides/from-traffic.md"]
 
 
 def _summary(result: Draft, verdicts: list[Verdict], head: str, output: str | None) -> str:
