@@ -16,7 +16,7 @@ from typing import Any
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.learned import Observation
 from stepguard.contracts.recorded import RecordedRun
-from stepguard.contracts.sqlite_store import SQLiteStore
+from stepguard.contracts.stores import make_store
 
 WORKFLOW = "refunds"
 T0 = 1_800_000_000.0       # 2027-01-15: the calls' time
@@ -78,12 +78,13 @@ def refund_runs(n: int) -> list[RecordedRun]:
     return [recorded(f"run-{i}", refund_run(i)) for i in range(n)]
 
 
-async def store_runs(path: Path, runs: Iterable[tuple[str, Sequence[Observation]]],
+async def store_runs(location: Path | str, runs: Iterable[tuple[str, Sequence[Observation]]],
                      workflow: str = WORKFLOW) -> None:
-    """Each run's observations appended, one learned event each, to the SQLite store at
-    `path` through the Store API (as `serve --learn` stores them)."""
-    store = SQLiteStore(path)
-    await asyncio.wait_for(store.open(), 5)
+    """Each run's observations appended, one learned event each, to the store at `location`
+    (a SQLite file, or a PostgreSQL URL) through the Store API (as `serve --learn` stores
+    them)."""
+    store = make_store(str(location))
+    await asyncio.wait_for(store.open(), 10)
     try:
         for run_id, observations in runs:
             envelope = Envelope(run_id, workflow, "learn")

@@ -1,7 +1,7 @@
 """`stepguard draft`: a contract drafted from the traffic learn mode recorded (contracts/draft.py),
 then verified by replaying it over the runs it was learned from. `--check FILE` verifies an
 edited contract over them instead. Exit 0 when every learned run passes, 1 when one fails (the
-rule and the run named), 2 for a bad flag, store or contract."""
+rule and the run named) or cannot be judged (why named), 2 for a bad flag, store or contract."""
 
 from __future__ import annotations
 
@@ -102,7 +102,7 @@ def main(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
         report = sys.stderr
     print(_summary(result, verdicts, head, args.output), file=report)
-    return 1 if any(v.status == FAILED for v in verdicts) else 0
+    return 0 if all(v.status == PASSED for v in verdicts) else 1
 
 
 def _learned(store: Any, workflow: str | None,
@@ -153,7 +153,7 @@ def _check(path: str, learned: Learned, workflow: str, head: str) -> int:
                       f"{workflow!r}")
     verdicts = verify(contract, learned.runs, document)
     print(_verdicts(verdicts, f"{head}, replayed under {path}"))
-    return 1 if any(v.status == FAILED for v in verdicts) else 0
+    return 0 if all(v.status == PASSED for v in verdicts) else 1
 
 
 def _head(head: str, min_runs: int) -> list[str]:

@@ -292,6 +292,19 @@ def test_redacted_values_are_never_evidence() -> None:
     assert "run" not in result.document or "arg:session" not in result.document["run"]["key"]
 
 
+def test_a_field_redacted_in_some_calls_is_left_out_of_the_schema_and_the_runs_stay_judgeable() -> None:
+    def make(i: int) -> list[Observation]:
+        secret = "[REDACTED]" if i % 2 else f"plain-{i}"
+        return [Observation("http", "tools", T0 + i * 100, method="POST", path="/pay",
+                            input={"amount": i, "card": {"number": secret, "exp": "12/30"}},
+                            output={"ok": True}, status=200)]
+    learned = learned_runs(runs_of(make))
+    result = draft(learned, WORKFLOW)
+    assert result.document["schemas"]["pay.input"]["properties"] == {"amount": {"type": "integer"}}
+    assert result.document["schemas"]["pay.input"]["required"] == ["amount"]
+    assert [v.status for v in settle(result, learned.runs, compile_)] == [PASSED] * 6
+
+
 # --- the YAML and the verification ----------------------------------------------------------
 
 

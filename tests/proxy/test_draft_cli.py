@@ -134,3 +134,28 @@ async def test_upstreams_are_copied_from_the_contract_given(store: Path, tmp_pat
     assert upstreams["tools"] == {"url": "http://127.0.0.1:9002", "kind": "http",
                                   "mount": "/tools"}
     assert upstreams["model"]["url"] == "http://model.invalid"
+
+
+async def test_a_run_a_check_cannot_judge_fails_the_verification_and_says_why(
+        store: Path, tmp_path: Path) -> None:
+    out = tmp_path / "contract.yaml"
+    assert (await stepguard("draft", "--store", store, "-o", out)).code == 0
+    document = yaml.safe_load(out.read_text())
+    # learn mode stored verify_identity's token redacted: a schema naming it reads it
+    document["schemas"]["verify_identity.input"]["properties"]["token"] = {"type": "string"}
+    out.write_text(yaml.safe_dump(document, sort_keys=False))
+    ran = await stepguard("draft", "--store", store, "--check", out)
+    assert ran.code == 1
+    assert "0 of 6 learned run(s) pass, 6 cannot be judged." in ran.out
+    assert ("run-0: cannot be judged: redacted: the input of step 'verify_identity' was stored "
+            "redacted (fields token)") in ran.out
+
+
+async def test_draft_reads_learned_runs_from_postgresql(pg_url: str, tmp_path: Path) -> None:
+    await store_runs(pg_url, [(f"run-{i}", refund_run(i)) for i in range(6)])
+    out = tmp_path / "contract.yaml"
+    ran = await stepguard("draft", "--store", pg_url, "-o", out)
+    assert ran.code == 0, ran.err
+    assert "Verified by replay: 6 of 6 learned run(s) pass." in ran.out
+    assert list(yaml.safe_load(out.read_text())["steps"]) == [
+        "lookup_ticket", "verify_identity", "refund"]
