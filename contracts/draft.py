@@ -134,10 +134,20 @@ class LearnedRun:
         return [c.step for c in self.calls if c.step != FINAL]
 
 
+class LearnedEventError(ValueError):
+    """A learned event that is not an Observation (a field missing or of the wrong type)."""
+
+
 def _observations(run: RecordedRun) -> list[tuple[int, Observation]]:
     out = []
     for event in run.history:
-        obs = Observation.from_event(event)
+        try:
+            obs = Observation.from_event(event)
+            if obs is not None and not isinstance(obs.at, int | float):
+                raise TypeError(f"at is {type(obs.at).__name__}, not a number")
+        except (KeyError, TypeError) as exc:
+            raise LearnedEventError(f"run {run.run_id!r}, event {event.get('seq')}: a learned "
+                                    f"event without a usable {exc}") from None
         if obs is not None:
             out.append((int(event.get("seq", 0)), obs))
     return out

@@ -19,6 +19,7 @@ from stepguard.contracts.draft import (
     UNJUDGED,
     Draft,
     Learned,
+    LearnedEventError,
     Verdict,
     draft,
     learned_runs,
@@ -74,7 +75,10 @@ def main(args: argparse.Namespace) -> int:
             workflow, runs = _learned(store, args.workflow, started)
     except (StoreError, LookupError) as exc:
         return _usage(str(exc))
-    learned = learned_runs(runs)
+    try:
+        learned = learned_runs(runs)
+    except LearnedEventError as exc:
+        return _usage(str(exc))
     head = (f"{len(learned.runs)} learned run(s) of workflow {workflow!r} in {shown}"
             + (f" started since {since.isoformat()}" if since is not None else ""))
     if args.check:

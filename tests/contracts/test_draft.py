@@ -30,6 +30,7 @@ from stepguard.contracts.draft import (
     FAILED,
     PASSED,
     Draft,
+    LearnedEventError,
     boundary_history,
     draft,
     learned_runs,
@@ -303,6 +304,14 @@ def test_a_field_redacted_in_some_calls_is_left_out_of_the_schema_and_the_runs_s
     assert result.document["schemas"]["pay.input"]["properties"] == {"amount": {"type": "integer"}}
     assert result.document["schemas"]["pay.input"]["required"] == ["amount"]
     assert [v.status for v in settle(result, learned.runs, compile_)] == [PASSED] * 6
+
+
+def test_a_learned_event_missing_a_field_is_an_error_naming_the_run_and_event() -> None:
+    run = recorded("run-1", [http(T0, "/a")])
+    del run.history[0]["upstream"]
+    with pytest.raises(LearnedEventError, match=r"run 'run-1', event 1: a learned event without "
+                                                r"a usable 'upstream'"):
+        learned_runs([run])
 
 
 # --- the YAML and the verification ----------------------------------------------------------
