@@ -424,16 +424,16 @@ class _Drafter:
         builder = SchemaBuilder()
         for value in values:
             builder.add_object(value)
-        schema = builder.to_schema()
+        schema: dict[str, Any] = builder.to_schema()
         schema.pop("$schema", None)
         _refine(schema, values)
         # a field redacted in any call is no evidence, not even of its type: the schema leaves
         # it out, so no check reads it and a run that carried it redacted can still be judged
         hidden = {name for _, c in calls if isinstance(getattr(c, side), dict)
                   for name in getattr(c, side) if not c.usable(side, name)}
-        if hidden and isinstance(schema.get("properties"), dict):
-            schema["properties"] = {k: v for k, v in schema["properties"].items()
-                                    if k not in hidden}
+        properties = schema.get("properties")
+        if hidden and isinstance(properties, dict):
+            schema["properties"] = {k: v for k, v in properties.items() if k not in hidden}
             required = [k for k in schema.get("required", []) if k not in hidden]
             if required:
                 schema["required"] = required

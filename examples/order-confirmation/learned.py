@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import time
 from pathlib import Path
+from typing import Any
 
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.learned import Observation
@@ -34,7 +35,7 @@ def run_calls(i: int, at: float) -> list[Observation]:
     order = {"order_id": f"ord-{100 + i}"}
     fails = i % 8 == 7
 
-    def call(k: int, path: str, body: dict[str, object], answer: dict[str, object],
+    def call(k: int, path: str, body: dict[str, Any], answer: dict[str, Any],
              status: int = 200) -> Observation:
         return Observation("http", "tools", at + k, method="POST", path=path, input=body,
                            output=answer, status=status)
