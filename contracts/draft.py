@@ -128,6 +128,7 @@ class LearnedRun:
     created: float
     calls: tuple[Call, ...]          # up to the first failed call, where enforcement stops
     cut: int = 0                     # learned calls after that failure, not judged
+    upstreams: frozenset[str] = frozenset()   # the upstreams its calls came through
 
     @property
     def steps(self) -> list[str]:
@@ -150,7 +151,9 @@ def _observations(run: RecordedRun) -> list[tuple[int, Observation]]:
                                     f"event without a usable {exc}") from None
         if obs is not None:
             out.append((int(event.get("seq", 0)), obs))
-    return out
+    # by arrival time: a model's tool call before the MCP or HTTP call executing it, however
+    # the two were stored
+    return sorted(out, key=lambda item: (item[1].at, item[0]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,8 +171,7 @@ def learned_runs(runs: Iterable[RecordedRun]) -> Learned:
     A tool's step is named for the tool; an HTTP route for its last path segment (the tool of
     that name, if there is one: one step with a match list)."""
     raw = [(run, seen) for run in runs if (seen := _observations(run))]
-    tools = {o.tool for _, seen in raw for _, o in seen if o.tool and not o.final}
-    names = _route_names(tools, [o for _, seen in raw for _, o in seen])
+    names = _route_names([o for _, seen in raw for _, o in seen])
     matches: dict[str, list[dict[str, Any]]] = {}
     upstreams: dict[str, str] = {}
     out = []
@@ -194,7 +196,8 @@ def learned_runs(runs: Iterable[RecordedRun]) -> Learned:
         failed = next((i for i, c in enumerate(calls) if c.outcome == FAIL), None)
         kept = calls if failed is None else calls[:failed + 1]
         out.append(LearnedRun(run.run_id, run.workflow, run.created, tuple(kept),
-                              len(calls) - len(kept)))
+                              len(calls) - len(kept),
+                              frozenset(obs.upstream for _, obs in observations)))
     return Learned(out, matches, upstreams)
 
 
@@ -202,7 +205,7 @@ def _route(obs: Observation) -> tuple[str, str, str]:
     return obs.upstream, obs.method or "", obs.path or "/"
 
 
-def _route_names(tools: set[str], observations: list[Observation]) -> dict[tuple[str, str, str], str]:
+def _route_names(observations: list[Observation]) -> dict[tuple[str, str, str], str]:
     routes = sorted({_route(o) for o in observations if not o.tool and not o.final})
     names: dict[tuple[str, str, str], str] = {}
     taken: dict[str, tuple[str, str, str]] = {}
@@ -210,9 +213,8 @@ def _route_names(tools: set[str], observations: list[Observation]) -> dict[tuple
         upstream, method, path = route
         segments = [s for s in path.split("/") if s]
         base = _identifier(segments[-1] if segments else upstream)
-        name = base
-        if name in taken or (name not in tools and name in names.values()):
-            name = _identifier(f"{base}_{method.lower()}_{upstream}")
+        # two routes ending alike are two steps: the second is named for its method and upstream
+        name = base if base not in taken else _identifier(f"{base}_{method.lower()}_{upstream}")
         taken.setdefault(name, route)
         names[route] = name
     return names
@@ -308,10 +310,11 @@ def _evidence(held: int, of: int, what: str = "") -> str:
 class _Drafter:
     def __init__(self, learned: Learned, runs: Sequence[LearnedRun], workflow: str,
                  min_runs: int, upstreams: Mapping[str, Any]) -> None:
-        self.runs, self.matches, self.workflow = runs, learned.matches, workflow
-        self.traffic = learned.upstreams
+        self.runs, self.workflow = runs, workflow
         self.min_runs, self.upstreams = min_runs, upstreams
         self.order = _step_order(runs)
+        self.matches = {s: learned.matches[s] for s in self.order}
+        self.traffic = {u: learned.upstreams[u] for r in runs for u in sorted(r.upstreams)}
         self.with_step = {s: [r for r in runs if s in r.steps] for s in self.order}
         self.left_out: list[LeftOut] = []
         self.steps: dict[str, dict[str, Any]] = {s: {} for s in self.order}

@@ -82,6 +82,26 @@ def test_a_tool_reached_as_model_call_and_http_route_is_one_step_with_a_match_li
     assert steps(result)["lookup_ticket"]["match"] == {"tool": "lookup_ticket"}
 
 
+def test_a_model_tool_call_is_joined_with_its_execution_however_the_two_were_stored() -> None:
+    def make(i: int) -> list[Observation]:
+        observations = refund_run(i)
+        observations[2], observations[3] = observations[3], observations[2]   # HTTP stored first
+        return observations
+    learned = learned_runs(runs_of(make))
+    [call] = [c for c in learned.runs[0].calls if c.step == "refund"]
+    assert (call.traffic, call.joined, call.status) == ("model", True, 200)
+    assert call.output == {"refund_id": "rf-0", "ticket_id": ticket(0), "status": "issued"}
+
+
+def test_a_workflow_is_drafted_from_its_own_runs_steps_and_upstreams() -> None:
+    other = [recorded(f"o-{i}", [http(T0 + i, "/elsewhere")], workflow="other") for i in range(6)]
+    learned = learned_runs([*refund_runs(6), *other])
+    result = draft(learned, WORKFLOW)
+    assert list(steps(result)) == ["lookup_ticket", "verify_identity", "refund"]
+    assert sorted(result.document["upstreams"]) == ["mcp", "model", "tools"]
+    assert list(draft(learned, "other").document["upstreams"]) == ["tools"]
+
+
 @pytest.mark.parametrize(("order", "after"), [
     # a -> b -> c in every run: c needs only b (a is implied): the transitive reduction
     (["a", "b", "c"], {"b": ["a"], "c": ["b"]}),
