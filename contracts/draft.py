@@ -632,35 +632,37 @@ class _Drafter:
     # --- run key ----------------------------------------------------------------------------
 
     def run_key(self) -> dict[str, Any] | None:
-        names: set[str] | None = None
-        for run in self.runs:
-            calls = [c for c in run.calls if c.step != FINAL]
-            for c in calls:
-                keys = {k for k in (c.input or {}) if c.usable("input", k)} \
-                    if isinstance(c.input, dict) else set()
-                names = keys if names is None else names & keys
-        best = None
-        for name in sorted(names or ()):
-            values = []
-            for run in self.runs:
-                seen = {_canonical(c.input[name]) for c in run.calls if c.step != FINAL}
-                value = orjson.loads(next(iter(seen))) if len(seen) == 1 else None
-                if not isinstance(value, str | int) or isinstance(value, bool) \
-                        or len(str(value)) > 200:
-                    break
-                values.append(value)
-            else:
-                if len(set(values)) == len(values) and _ARG.fullmatch(name):
-                    best = name
-                    break
-        if best is None:
+        """An argument in every call of every run, one value per run, no two runs alike."""
+        calls = [c for r in self.runs for c in r.calls if c.step != FINAL]
+        if not calls:
             return None
-        held = len(self.runs)
-        if not self.keep(held, held, "run.key", f"arg:{best}"):
-            return None
-        return {"key": ["header:x-stepguard-run", "traceparent", "mcp-session", f"arg:{best}"],
-                "x-evidence": _evidence(held, held, f"{best} was in every call, one value per "
-                                        "run, no two runs alike")}
+        common = set.intersection(*({k for k in c.input if c.usable("input", k)}
+                                    if isinstance(c.input, dict) else set() for c in calls))
+        for name in sorted(n for n in common if _ARG.fullmatch(n)):
+            values = [_run_value(r, name) for r in self.runs]
+            if None in values or len(set(values)) != len(values):
+                continue
+            held = len(self.runs)
+            if not self.keep(held, held, "run.key", f"arg:{name}"):
+                return None
+            return {"key": ["header:x-stepguard-run", "traceparent", "mcp-session",
+                            f"arg:{name}"],
+                    "x-evidence": _evidence(held, held, f"{name} was in every call, one value "
+                                            "per run, no two runs alike")}
+        return None
+
+
+def _run_value(run: LearnedRun, name: str) -> bytes | None:
+    """The one value the argument `name` had in every call of the run, if it can key runs (a
+    string or an integer of at most 200 characters)."""
+    seen = {_canonical(c.input[name]) for c in run.calls if c.step != FINAL}
+    if len(seen) != 1:
+        return None
+    [value] = seen
+    parsed = orjson.loads(value)
+    if isinstance(parsed, bool) or not isinstance(parsed, str | int) or len(str(parsed)) > 200:
+        return None
+    return value
 
 
 _GONE = object()
