@@ -189,8 +189,7 @@ def learned_runs(runs: Iterable[RecordedRun]) -> Learned:
                      {"upstream": obs.upstream, "method": obs.method, "path": obs.path})
             if entry not in matches.setdefault(step, []):
                 matches[step].append(entry)
-            joined = _join(calls, step, obs)
-            if joined is not None:
+            if _answer(calls, obs) or _join(calls, step, obs) is not None:
                 continue
             calls.append(replace(_call(step, obs), seq=seq))
         failed = next((i for i, c in enumerate(calls) if c.outcome == FAIL), None)
@@ -231,6 +230,23 @@ def _call(step: str, obs: Observation) -> Call:
     model = obs.call_id if obs.traffic == "model" else None
     return Call(step, obs.traffic, obs.input, obs.output, obs.status, obs.error, obs.at, outcome,
                 shape, model, rpc, frozenset(obs.redacted))
+
+
+def _answer(calls: list[Call], obs: Observation) -> bool:
+    """A model tool call seen again with its result (the agent handing it back), if learn mode
+    stored the call and its result apart: the earlier call takes the result, unless the call
+    that executed it gave one already."""
+    if obs.traffic != "model" or obs.call_id is None:
+        return False
+    for i, call in enumerate(calls):
+        if call.traffic == "model" and call.call_id == obs.call_id:
+            if not call.joined and obs.output is not None:
+                outcome, shape = _outcome(obs)
+                calls[i] = replace(call, output=obs.output, outcome=outcome, shape=shape,
+                                   error=obs.error, redacted=call.redacted | {
+                                       p for p in obs.redacted if p.startswith("output")})
+            return True
+    return False
 
 
 def _join(calls: list[Call], step: str, obs: Observation) -> Call | None:

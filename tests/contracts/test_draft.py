@@ -93,6 +93,18 @@ def test_a_model_tool_call_is_joined_with_its_execution_however_the_two_were_sto
     assert call.output == {"refund_id": "rf-0", "ticket_id": ticket(0), "status": "issued"}
 
 
+def test_a_model_tool_call_stored_again_with_its_result_is_one_call() -> None:
+    def make(i: int) -> list[Observation]:
+        t = T0 + i * 100
+        args = {"ticket_id": ticket(i)}
+        return [Observation("model", "model", t, tool="lookup", input=args, call_id=f"c{i}"),
+                Observation("model", "model", t + 1, tool="lookup", input=args, call_id=f"c{i}",
+                            output={"found": True})]
+    learned = learned_runs(runs_of(make))
+    [call] = learned.runs[0].calls
+    assert (call.outcome, call.output) == ("pass", {"found": True})
+
+
 def test_a_workflow_is_drafted_from_its_own_runs_steps_and_upstreams() -> None:
     other = [recorded(f"o-{i}", [http(T0 + i, "/elsewhere")], workflow="other") for i in range(6)]
     learned = learned_runs([*refund_runs(6), *other])
