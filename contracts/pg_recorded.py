@@ -124,6 +124,12 @@ class PostgresRecorded:
                           workflow, since if since is not None else float("-inf"))
         return int(rows[0][0])
 
+    def workflows(self, since: float | None = None) -> list[str]:
+        """The workflows of the runs started at or after `since`, by name."""
+        rows = self._rows("SELECT DISTINCT workflow FROM runs WHERE created >= $1 "
+                          "ORDER BY workflow", since if since is not None else float("-inf"))
+        return [str(r[0]) for r in rows]
+
     def runs(self, run_ids: Sequence[str]) -> Iterator[RecordedRun]:
         return each_run(self.run, run_ids)
 

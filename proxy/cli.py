@@ -95,6 +95,8 @@ def _parser() -> argparse.ArgumentParser:
     _demo_parser(sub)
     from stepguard.proxy.ops import replay_cli  # `stepguard replay`: its flags live beside it
     replay_cli.add_parser(sub)
+    from stepguard.proxy.ops import draft_cli  # `stepguard draft`: its flags live beside it
+    draft_cli.add_parser(sub)
     return parser
 
 
