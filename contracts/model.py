@@ -12,7 +12,7 @@ from jsonschema_rs import ValidationErrorKind
 
 from stepguard.contracts.conditions import Condition, Var
 
-Mode = Literal["enforce", "observe"]
+Mode = Literal["enforce", "observe", "learn"]
 Action = Literal["halt", "escalate", "hold"]
 DEFAULT_HOLD_S = 300.0       # how long a held call waits for an operator, unless the step says
 CHECKS = ("order", "precondition", "input_schema", "tool_error", "output_schema",
@@ -224,6 +224,11 @@ class Contract:
     run_keys_declared: bool = False   # `run.key` written in the file, not the default
     vars: Mapping[str, Var] = field(default_factory=dict)
     approval: frozenset[str] = frozenset()   # steps held at entry for an operator, checks or not
+
+    @property
+    def learning(self) -> bool:
+        """Learn mode: every call forwarded unchanged and recorded (proxy/core/learning.py)."""
+        return self.mode == "learn"
 
     def step_for(self, upstream: str, method: str, path: str) -> Step | None:
         # HEAD is GET without the body: servers (Starlette, Flask, Express) run the GET handler
