@@ -155,6 +155,8 @@ class HttpToolAdapter:
                                       self.settings.max_request_bytes,
                                       self.settings.max_json_depth)
         query = query_input(request.query)
+        if not body and not query:
+            arguments = None     # no arguments at all (a GET without a query)
         step = learn_step(f"{request.method} {route.path}", route.upstream.name,
                           request.method, route.path)
         keyed = await self.boundaries.run_keys.resolve(
