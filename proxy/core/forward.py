@@ -432,9 +432,9 @@ class Forwarder:
                     sent += len(chunk)
                     if sent > limit:
                         raise UpstreamError("cap", f"upstream response exceeds {limit} bytes")
-                    await out.write(chunk)
                     if kept is not None:
                         kept.keep(chunk)
+                    await out.write(chunk)
                 await out.write_eof()
                 if kept is not None:
                     kept.whole = True

@@ -248,13 +248,15 @@ def learned_result(kept: Kept, rpc_id: Any, max_depth: int) -> tuple[Any, str | 
         return None, "no answer"
     if not 200 <= kept.status < 300:
         return None, f"the MCP server answered {kept.status}"
-    if not kept.whole or kept.over:
-        return None, ("the answer was cut short" if not kept.whole else
-                      f"the answer is over {kept.limit} bytes (--learn-max-run-bytes)")
+    if kept.over:
+        return None, f"the answer is over {kept.limit} bytes (--learn-max-run-bytes)"
     headers = kept.headers if kept.headers is not None else CIMultiDict[str]()
+    stream = "text/event-stream" in headers.get("content-type", "")
+    if not kept.whole and not stream:     # a stream's whole events are read, however it ended
+        return None, "the answer was cut short"
     try:
         raw = decode(bytes(kept.body), headers.get("content-encoding"), kept.limit)
-        if "text/event-stream" in headers.get("content-type", ""):
+        if stream:
             found = None
             splitter = SSESplitter(kept.limit)
             for _, event in [*splitter.feed(raw), (b"", decode_event(splitter.rest()))]:
