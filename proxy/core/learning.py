@@ -19,7 +19,7 @@ from typing import Any
 
 import orjson
 
-from stepguard.contracts.errors import RunOfAnotherWorkflow, StoreError
+from stepguard.contracts.errors import ConflictError, RunOfAnotherWorkflow, StoreError
 from stepguard.contracts.learned import Observation
 from stepguard.contracts.model import Contract, Match, Step
 from stepguard.contracts.redact import Redactor
@@ -28,6 +28,7 @@ from stepguard.metrics.observer import Observer
 
 DEFAULT_MAX_RUNS = 1000
 DEFAULT_MAX_RUN_BYTES = 1024 * 1024
+CONFLICT_TRIES = 8      # appends of one recording lost to another writer of the run, at most
 
 
 def learning(contract: Contract) -> Contract:
@@ -106,14 +107,18 @@ class Learner:
 
     async def _commit(self, contract: Contract, run_id: str, fields: dict[str, Any],
                       keys: Sequence[str]) -> None:
-        from stepguard.proxy.core.boundaries import retrying_conflicts
-
-        async def once() -> None:
-            async with self.runs.locked(run_id):
-                envelope = await self.runs.envelope(contract, run_id, optimistic=True)
-                await self.runs.commit(envelope, fields, keys=keys)
-
-        await retrying_conflicts(run_id, once)
+        """One append of the run, tried again (on the stored envelope) when another writer
+        advanced the run under it; past `CONFLICT_TRIES` the ConflictError (a StoreError)
+        drops the recording. Nothing waits on it: learn mode decides nothing on the envelope."""
+        for tried in range(1, CONFLICT_TRIES + 1):
+            try:
+                async with self.runs.locked(run_id):
+                    envelope = await self.runs.envelope(contract, run_id, optimistic=True)
+                    await self.runs.commit(envelope, fields, keys=keys)
+                return
+            except ConflictError:
+                if tried == CONFLICT_TRIES:
+                    raise
 
     async def add_keys(self, contract: Contract, run_id: str, keys: Sequence[str]) -> None:
         """Correlation keys that find the run from now on (a model's tool-call ids, before the
