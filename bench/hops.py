@@ -161,13 +161,15 @@ class Bench:
 
     def start_stepguard(self, name: str, contract: dict[str, Any],
                         otel: dict[str, str] | None = None, workers: int = 1,
-                        store_url: str | None = None) -> tuple[Proc, int, Path | None]:
-        """`stepguard serve` on a SQLite file of its own, or on `store_url` (a database)."""
+                        store_url: str | None = None,
+                        settings: dict[str, str] | None = None) -> tuple[Proc, int, Path | None]:
+        """`stepguard serve` on a SQLite file of its own, or on `store_url` (a database);
+        `settings`: STEPGUARD_* variables it is started with."""
         path = write_contract(self.dir / f"{self.tagged(name)}.contract.yaml", contract)
         port, admin = free_port(), free_port()
         store = None if store_url else self.dir / f"{self.tagged(name)}.db"
         env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("STEPGUARD_", "OTEL_"))} | (otel or {})
+               if not k.startswith(("STEPGUARD_", "OTEL_"))} | (otel or {}) | (settings or {})
         proc = self.spawn(name, [sys.executable, "-m", "stepguard.proxy.cli", "serve",
                                  "--contract", str(path), "--host", "127.0.0.1", "--port", str(port),
                                  "--admin-host", "127.0.0.1", "--admin-port", str(admin),

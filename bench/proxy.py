@@ -6,6 +6,9 @@ asyncio server answering a ~10 KB order and a fixed OpenAI tool-call turn), one 
 - `direct`: the client straight to the upstream (the floor);
 - `nginx`: nginx (one worker) as a plain reverse proxy with upstream keep-alive;
 - `passthrough`: `stepguard serve` with a contract whose step does not match the benchmarked path;
+- `learn`: `stepguard serve --learn` with the `contract` row's contract: every call forwarded
+  unchecked (as `passthrough`) and recorded as one `learned` event of its run (each call a run
+  of its own, as in `contract`), in SQLite;
 - `contract`: `stepguard serve` checking every call (entry and exit, input schema, output schema
   on the 10 KB body, one precondition and one postcondition in CEL, history in SQLite), each call
   in a run of its own (`x-stepguard-run: <phase>-<n>`), so runs never wait on one run's lock;
@@ -87,15 +90,18 @@ from stepguard.bench.wal_soak import wal_soak
 __all__ = ["REFERENCE", "ROWS", "BenchOptions", "Row", "combine_rounds", "hop_bounds", "main",
            "render", "run"]
 
-REFERENCE = {"nginx": "direct", "passthrough": "direct", "contract": "direct",
+REFERENCE = {"nginx": "direct", "passthrough": "direct", "contract": "direct", "learn": "direct",
              "contract_traced": "direct", "contract_workers2": "direct", "contract_pg": "direct",
              "model": "model_direct", "model_stream": "model_stream_direct"}
-_ORDER = ("direct", "nginx", "passthrough", "contract", "contract_traced", "contract_workers2",
+_ORDER = ("direct", "nginx", "passthrough", "learn", "contract", "contract_traced", "contract_workers2",
           "contract_pg", "model_direct", "model", "model_stream_direct", "model_stream")
 # the contract_traced row: trace export on, every call sampled, batches to a local OTLP sink
 # (a second bench upstream process, answering POST /v1/traces with an empty 200)
 TRACED_ENV = {"OTEL_TRACES_SAMPLER": "always_on", "OTEL_SERVICE_NAME": "stepguard-bench"}
 _WORKERS = {"contract_workers2": 2}     # rows served by `serve --workers N`
+# the learn row: `serve --learn` on the contract row's contract, every run recorded (each call
+# is a run of its own, so the default bound of runs would stop recording within the warm-up)
+_LEARN = {"STEPGUARD_LEARN": "true", "STEPGUARD_LEARN_MAX_RUNS": str(10**9)}
 
 _LAG_NOTE_MS = 5.0
 _STEAL_NOTE_PCT = 5.0
@@ -175,7 +181,7 @@ def _measure_row(bench: Bench, name: str, upstream_url: str, wrk_missing: str | 
         elif name == "nginx":
             hop, port = bench.start_nginx()
             prefix = MOUNT
-        elif name in ("passthrough", "contract", "contract_traced", "contract_workers2",
+        elif name in ("passthrough", "learn", "contract", "contract_traced", "contract_workers2",
                       "contract_pg"):
             path = "/never_benchmarked" if name == "passthrough" else TOOL_PATH
             otel = ({**TRACED_ENV, "OTEL_EXPORTER_OTLP_ENDPOINT": bench.otlp_sink()}
@@ -184,7 +190,7 @@ def _measure_row(bench: Bench, name: str, upstream_url: str, wrk_missing: str | 
                 database = PgDatabase.create(bench.options.pg_url)
             hop, port, store = bench.start_stepguard(
                 name, bench_contract(upstream_url, path), otel, _WORKERS.get(name, 1),
-                database.url if database else None)
+                database.url if database else None, _LEARN if name == "learn" else None)
             prefix = MOUNT
         else:
             hop, port, store = bench.start_stepguard(name, model_contract(upstream_url))

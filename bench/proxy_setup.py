@@ -14,7 +14,7 @@ import yaml
 __all__ = ["MODEL_MOUNT", "MOUNT", "NGINX", "PG_URL", "ROWS", "RUN_HEADER", "TOOL_PATH", "WRK",
            "BenchError", "BenchOptions", "bench_contract", "model_contract", "write_contract"]
 
-ROWS = ("direct", "nginx", "passthrough", "contract", "contract_traced", "contract_workers2",
+ROWS = ("direct", "nginx", "passthrough", "learn", "contract", "contract_traced", "contract_workers2",
         "contract_pg", "model", "model_stream")
 PG_URL = "postgresql://postgres@127.0.0.1:5432/postgres"   # the contract_pg row's server
 WRK = "/usr/bin/wrk"

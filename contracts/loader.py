@@ -412,6 +412,8 @@ class _Compiler:
         completion = self.completion(doc.get("completion"), steps)
         self.check_types(steps, completion)
         approval = self.approval(doc.get("approval", ()), steps)
+        if doc.get("mode") == "learn":
+            self.learn_only(doc)
         escalation = doc.get("escalation", {})
         run = doc.get("run", {})
         return Contract(
@@ -435,6 +437,15 @@ class _Compiler:
             typed_conditions=self.typed,
             dynamic_conditions=tuple(self.dynamic),
         )
+
+    def learn_only(self, doc: Mapping[str, Any]) -> None:
+        """`mode: learn` records what the agent does and checks nothing: such a contract lists
+        upstreams, run keys and `redact`, never what would be checked."""
+        for key in ("steps", "completion", "approval"):
+            if doc.get(key):
+                self.issue(None, key, f"mode: learn checks nothing, so a learn contract lists "
+                           f"only upstreams, run keys and redact: remove `{key}` (or keep it "
+                           f"and run `stepguard serve --learn`, which ignores it)")
 
     def vars(self, specs: Mapping[str, Any]) -> dict[str, Var]:
         given = {_declared_name(name, specs): override

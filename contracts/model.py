@@ -20,7 +20,7 @@ from stepguard.contracts.conditions import Condition, Var
 
 __all__ = ["Contract", "Override", "Step", "Upstream", "normal_path"]
 
-Mode = Literal["enforce", "observe"]
+Mode = Literal["enforce", "observe", "learn"]
 Action = Literal["halt", "escalate", "hold"]
 DEFAULT_HOLD_S = 300.0       # how long a held call waits for an operator, unless the step says
 CHECKS = ("order", "precondition", "input_schema", "tool_error", "output_schema",
@@ -236,6 +236,11 @@ class Contract:
     # a value no schema or record types (`steps.first.postcondition[0]`): checked when they run
     typed_conditions: int = 0
     dynamic_conditions: tuple[str, ...] = ()
+
+    @property
+    def learning(self) -> bool:
+        """Learn mode: every call forwarded unchanged and recorded (proxy/core/learning.py)."""
+        return self.mode == "learn"
 
     def step_for(self, upstream: str, method: str, path: str) -> Step | None:
         # HEAD is GET without the body: servers (Starlette, Flask, Express) run the GET handler

@@ -47,6 +47,12 @@ class Redactor:
         something changed, so a clean payload comes back as the same object."""
         return _redacted(value, self.keys)
 
+    def paths(self, value: Any, root: str) -> tuple[Any, list[str]]:
+        """`value` redacted as `__call__` does, and the dotted paths (from `root`, list items
+        by index: `input.cards.0.token`) whose values were replaced."""
+        replaced: list[str] = []
+        return _redacted_at(value, self.keys, root, replaced), replaced
+
     def path(self, path: str) -> str:
         """A URL path as logs and spans show it: a value a segment names by a sensitive key,
         the next segment (`/reset/token/abc` -> `/reset/token/[REDACTED]`) or after `=` in the
@@ -93,6 +99,38 @@ def _redacted(value: Any, keys: frozenset[str]) -> Any:
         for i, v in enumerate(value):
             if type(v) is dict or type(v) is list:
                 new = _redacted(v, keys)
+                if new is not v:
+                    if items is None:
+                        items = list(value)
+                    items[i] = new
+        return value if items is None else items
+    return value
+
+
+def _redacted_at(value: Any, keys: frozenset[str], at: str, replaced: list[str]) -> Any:
+    """`_redacted`, noting the path of every value replaced in `replaced`."""
+    kind = type(value)
+    if kind is dict:
+        copy: dict[Any, Any] | None = None
+        for k, v in value.items():
+            if type(k) is str and is_redacted(k, keys):
+                new: Any = REDACTED
+                replaced.append(f"{at}.{k}")
+            elif type(v) is dict or type(v) is list:
+                new = _redacted_at(v, keys, f"{at}.{k}", replaced)
+                if new is v:
+                    continue
+            else:
+                continue
+            if copy is None:
+                copy = dict(value)
+            copy[k] = new
+        return value if copy is None else copy
+    if kind is list:
+        items: list[Any] | None = None
+        for i, v in enumerate(value):
+            if type(v) is dict or type(v) is list:
+                new = _redacted_at(v, keys, f"{at}.{i}", replaced)
                 if new is not v:
                     if items is None:
                         items = list(value)

@@ -223,6 +223,14 @@ class Observer:
         self.log.warning("model_stream_cut", upstream=upstream, workflow=workflow,
                          run_id=run_id, reason=reason, detail=detail)
 
+    def learned(self, workflow: str, traffic: str) -> None:
+        self.metrics.learned.labels(workflow, traffic).inc()
+
+    def learn_dropped(self, workflow: str, reason: str, run_id: str | None) -> None:
+        """A call learn mode forwarded and did not record (`Metrics.learn_dropped` reasons)."""
+        self.metrics.learn_dropped.labels(workflow, reason).inc()
+        self.log.info("learn_dropped", workflow=workflow, reason=reason, run_id=run_id)
+
     def escalation(self, record: dict[str, Any], delivered: bool | None, detail: str = "") -> None:
         if delivered is False:
             self.metrics.webhook_failures.labels(record.get("workflow", "")).inc()

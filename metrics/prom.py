@@ -103,6 +103,14 @@ class Metrics:
             "SDKs read it), too_large (past --max-stream-bytes), too_many_calls (past "
             "--max-turn-calls), budget (past --max-inflight-stream-bytes, all streamed turns "
             "together).", ["upstream", "reason"], registry=r)
+        self.learned = Counter(
+            "stepguard_learned", "Calls learn mode recorded, by workflow and traffic.",
+            ["workflow", "traffic"], registry=r)
+        self.learn_dropped = Counter(
+            "stepguard_learn_dropped", "Calls learn mode forwarded but did not record, by "
+            "reason: runs (past --learn-max-runs), bytes (past --learn-max-run-bytes in the "
+            "call's run), no_run (no run key), store (the store failed).",
+            ["workflow", "reason"], registry=r)
         self.connections_reclaimed = Counter(
             "stepguard_connections_reclaimed", "Connections a listener closed while they waited "
             "without a request in progress, to admit a new one when all its slots were taken "

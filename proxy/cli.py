@@ -254,7 +254,7 @@ def _proxy_bench_parser(bench_sub: _Sub) -> None:
                              help="offered requests per second for the latency phase")
     proxy_bench.add_argument("--rate-duration", type=float, default=4.0,
                              help="seconds of each latency phase")
-    proxy_bench.add_argument("--rows", default="direct,nginx,passthrough,contract,contract_traced,"
+    proxy_bench.add_argument("--rows", default="direct,nginx,passthrough,learn,contract,contract_traced,"
                              "contract_workers2,contract_pg,model,model_stream",
                              help="comma-separated rows to run")
     proxy_bench.add_argument("--pg-url", default="postgresql://postgres@127.0.0.1:5432/postgres",

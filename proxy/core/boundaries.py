@@ -55,6 +55,7 @@ from stepguard.proxy.core.escalation import Escalator
 from stepguard.proxy.core.forward import Timing
 from stepguard.proxy.core.holds import Held, HoldRefused, Holds, Target, refused_for_room
 from stepguard.proxy.core.joining import PendingCalls
+from stepguard.proxy.core.learning import Learner
 from stepguard.proxy.core.refusals import FLUSH_S, Count, Key, RefusalTally
 from stepguard.proxy.core.routing import Route
 
@@ -160,6 +161,7 @@ class Boundaries:
         self.shadows: dict[str, Contract] = {}  # workflow -> candidate contract (--shadow)
         self.holds = Holds(observer)            # calls held for an operator (ops/app.py sets it up)
         self.refusals = RefusalTally()          # repeated refusals of stopped runs, counted
+        self.learner = Learner(runs, observer, self.redactor)   # learn mode's recordings
         self.use(contracts)
 
     def use(self, contracts: list[Contract]) -> None:

@@ -525,6 +525,24 @@ class Settings:
             "the call (503)")
     passthrough: bool = declare(
         False, _boolean, "forward everything unchecked (a baseline, not for production)")
+    learn: bool = declare(
+        False, _boolean, "learn mode: forward every call unchanged and record it per run",
+        doc="learn mode: every call is forwarded unchanged, never refused, and recorded in its "
+            "run's history as a `learned` event (what `stepguard draft` reads); a contract's "
+            "upstreams, run keys and `redact` are used, its steps ignored (docs/contract.md, "
+            "learn mode)")
+    learn_max_runs: int = declare(
+        1000, _integer(1), "learn mode: at most this many runs are recorded (per process); "
+        "the calls of further runs are forwarded, not recorded (counted)",
+        doc="learn mode: at most this many runs are recorded by one process; the calls of "
+            "further runs are forwarded and not recorded, counted in "
+            "`stepguard_learn_dropped_total{reason=\"runs\"}`")
+    learn_max_run_bytes: int = declare(
+        1 * _MIB, _bytes(1), "learn mode: at most this many bytes of recorded calls per run; "
+        "further calls of the run are forwarded, not recorded (counted)", unit="bytes",
+        doc="learn mode: at most this many bytes of recorded calls (their stored JSON) per run; "
+            "a call past it is forwarded and not recorded, counted in "
+            "`stepguard_learn_dropped_total{reason=\"bytes\"}`")
     log_format: str = declare(
         "auto", _Choice(LOG_FORMATS, str.lower), "how log lines are written: auto (console on "
         "a TTY, JSON otherwise), json or console",

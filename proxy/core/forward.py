@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import aiohttp
@@ -129,6 +129,28 @@ class UpstreamError(Exception):
         self.detail = detail
         self.own = own
         super().__init__(detail)
+
+
+@dataclass(slots=True)
+class Kept:
+    """What a pass-through relayed, kept for learn mode: the answer's status and headers, and
+    its body up to `limit` bytes (`over`: it was longer, and `body` holds only its start);
+    `whole`: the body was relayed to its end."""
+
+    limit: int
+    status: int | None = None
+    headers: CIMultiDict[str] | None = None
+    body: bytearray = field(default_factory=bytearray)
+    over: bool = False
+    whole: bool = False
+
+    def keep(self, chunk: bytes) -> None:
+        if self.over:
+            return
+        if len(self.body) + len(chunk) > self.limit:
+            self.over = True
+            return
+        self.body += chunk
 
 
 OVERHEAD_HEADER = "x-stepguard-overhead-ms"
@@ -398,18 +420,22 @@ class Forwarder:
 
     async def stream(self, request: web.Request, method: str, url: str,
                      headers: CIMultiDict[str], body: bytes, timeout_s: float,
-                     timing: Timing, read_timeout_s: float | None = SAME_AS_TIMEOUT) -> web.StreamResponse:
+                     timing: Timing, read_timeout_s: float | None = SAME_AS_TIMEOUT,
+                     kept: Kept | None = None) -> web.StreamResponse:
         """Pass a call through without buffering the response (used for unchecked calls).
         Errors before the response starts raise UpstreamError; after it, the connection is cut.
         `read_timeout_s` bounds the wait for the head and the silence between chunks (default
         `timeout_s`; None: no bound on the silence, for long-lived event streams, whose head
-        must still come within `timeout_s`)."""
+        must still come within `timeout_s`). `kept` (learn mode) gets the answer's status,
+        headers and body as relayed (`Kept`)."""
         sock_read = timeout_s if read_timeout_s == SAME_AS_TIMEOUT else read_timeout_s
         limit = self.max_response_bytes
         since = time.perf_counter()
         resp = await self.open(method, url, headers, body, timeout_s,
                                timeout_s if sock_read is None else sock_read)
         timing.upstream(since)
+        if kept is not None:
+            kept.status, kept.headers = resp.status, resp.headers
         async with resp:
             length = resp.content_length if resp.has_body else 0
             if length is not None and length > limit:
@@ -423,6 +449,9 @@ class Forwarder:
                     raise UpstreamError("timeout", "upstream stalled mid-body") from None
                 except UpstreamConnectionError as exc:
                     raise UpstreamError("transport", f"upstream failed mid-body: {exc}") from None
+                if kept is not None:
+                    kept.keep(body_in)
+                    kept.whole = True
                 small = web.Response(status=resp.status, reason=resp.reason, body=body_in,
                                      headers=end_to_end(resp.headers))
                 timing.stamp(small)
@@ -439,8 +468,12 @@ class Forwarder:
                     sent += len(chunk)
                     if sent > limit:
                         raise UpstreamError("cap", f"upstream response exceeds {limit} bytes")
+                    if kept is not None:
+                        kept.keep(chunk)
                     await out.write(chunk)
                 await out.write_eof()
+                if kept is not None:
+                    kept.whole = True
             except (UpstreamConnectionError, TimeoutError, UpstreamError):
                 if request.transport is not None:
                     request.transport.close()

@@ -10,16 +10,18 @@ check (through proxy/core/unchecked.py, never by importing this module).
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import time
 from collections import ChainMap
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from aiohttp import web
 from multidict import CIMultiDict
 
 from stepguard.contracts.events import ToolResult
+from stepguard.contracts.learned import Observation
 from stepguard.contracts.runs import RunBook
 from stepguard.metrics.observer import Observer
 from stepguard.proxy.core.bodies import (
@@ -49,18 +51,20 @@ from stepguard.proxy.core.correlation import NO_RUN_KEY, STORE
 from stepguard.proxy.core.forward import (
     SAME_AS_TIMEOUT,
     Forwarder,
+    Kept,
     Timing,
     Upstreamed,
     UpstreamError,
     end_to_end,
 )
+from stepguard.proxy.core.learning import learn_step
 from stepguard.proxy.core.problems import halted_problem, problem, violation_problem
 from stepguard.proxy.core.routing import Route
 from stepguard.proxy.core.unchecked import REPLAYED_FROM, unreachable_problem, upstream_url
 
 __all__ = ["HttpToolAdapter"]
 
-TRAFFIC = "http"
+TRAFFIC: Final = "http"
 # the headers of a recorded answer given again (`replay: recorded`), beside its status and body
 REPLAYED_HEADERS = frozenset({"content-type", "content-encoding", "content-language",
                               "content-disposition", "content-location", "location", "etag",
@@ -105,6 +109,8 @@ class HttpToolAdapter:
     async def handle(self, request: web.Request, route: Route, body: bytes,
                      timing: Timing) -> web.StreamResponse:
         headers = end_to_end(request.headers)
+        if route.contract.learning and not self.settings.passthrough:
+            return await self._learn(request, route, headers, body, timing)
         step = None if self.settings.passthrough else route.contract.step_for(
             route.upstream.name, request.method, route.path)
         if step is None:
@@ -143,6 +149,47 @@ class HttpToolAdapter:
             headers["Idempotency-Key"] = f"sg-{digest}"
         return await self.calls.checked(call)
 
+    async def _learn(self, request: web.Request, route: Route, headers: CIMultiDict[str],
+                     body: bytes, timing: Timing) -> web.StreamResponse:
+        """Learn mode: the call passed through as an unmatched call is, and recorded in its
+        run (found by the contract's run keys) with its arguments and answer."""
+        contract, learner = route.contract, self.boundaries.learner
+        arguments: Any = None
+        with contextlib.suppress(BodyError):
+            arguments = request_input(request.method, query_input(request.query), body,
+                                      request.headers.get("content-type", "") if body else "",
+                                      request.headers.get("content-encoding"),
+                                      self.settings.max_request_bytes,
+                                      self.settings.max_json_depth)
+        query = query_input(request.query)
+        if not body and not query:
+            arguments = None     # no arguments at all (a GET without a query)
+        step = learn_step(f"{request.method} {route.path}", route.upstream.name,
+                          request.method, route.path)
+        keyed = await self.boundaries.run_keys.resolve(
+            contract, step, request.headers,
+            ChainMap(arguments, query) if isinstance(arguments, dict) else query,
+            call_input=arguments if arguments is not None else query)
+        if keyed.run_id is None:
+            learner.dropped(contract, keyed.reason or NO_RUN_KEY)
+            return await self.forward_unchecked(request, route, headers, body, timing)
+        if not learner.room(contract, keyed.run_id):
+            return await self.forward_unchecked(request, route, headers, body, timing)
+        kept = Kept(learner.max_run_bytes)
+        try:
+            answer = await self.forwarder.stream(request, request.method,
+                                                 upstream_url(route, request), headers, body,
+                                                 route.upstream.timeout_s, timing, kept=kept)
+            error = None
+        except UpstreamError as exc:
+            answer = self._failed(exc, route)
+            error = exc.detail
+        output, error = learned_output(kept, error, self.settings.max_json_depth)
+        await learner.record(contract, keyed.run_id, Observation(
+            TRAFFIC, route.upstream.name, timing.arrived, method=request.method, path=route.path,
+            input=arguments, output=output, status=kept.status, error=error))
+        return answer
+
     async def _unmatched(self, request: web.Request, route: Route, headers: CIMultiDict[str],
                          body: bytes, timing: Timing) -> web.StreamResponse:
         if route.contract.unmatched == "refuse":
@@ -155,16 +202,21 @@ class HttpToolAdapter:
 
     async def forward_unchecked(self, request: web.Request, route: Route,
                                 headers: CIMultiDict[str], body: bytes, timing: Timing,
-                                read_timeout_s: float | None = SAME_AS_TIMEOUT) -> web.StreamResponse:
+                                read_timeout_s: float | None = SAME_AS_TIMEOUT,
+                                kept: Kept | None = None) -> web.StreamResponse:
         try:
             return await self.forwarder.stream(request, request.method, upstream_url(route, request),
                                                headers, body, route.upstream.timeout_s, timing,
-                                               read_timeout_s)
+                                               read_timeout_s, kept)
         except UpstreamError as exc:
-            if exc.kind == "unreachable":
-                return unreachable_problem(exc, upstream=route.upstream.name)
-            return problem(504 if exc.kind == "timeout" else 502, "Upstream failed", exc.detail,
-                           upstream=route.upstream.name)
+            return self._failed(exc, route)
+
+    @staticmethod
+    def _failed(exc: UpstreamError, route: Route) -> web.Response:
+        if exc.kind == "unreachable":
+            return unreachable_problem(exc, upstream=route.upstream.name)
+        return problem(504 if exc.kind == "timeout" else 502, "Upstream failed", exc.detail,
+                       upstream=route.upstream.name)
 
     # -- the call loop's protocol -----------------------------------------------------------------
 
@@ -275,3 +327,22 @@ def tool_result(up: Upstreamed, limit: int, max_depth: int = MAX_JSON_DEPTH) -> 
     except BodyError as exc:
         return ToolResult(up.status, error=exc.detail, error_kind="cap" if exc.status == 413 else "parse")
     return ToolResult(up.status, output)
+
+
+def learned_output(kept: Kept, error: str | None, max_depth: int) -> tuple[Any, str | None]:
+    """The output learn mode records of a relayed answer (its JSON body), and why there is
+    none: the transport's `error`, an answer cut short, over the recording bound, not JSON."""
+    if error is not None or kept.status is None:
+        return None, error or "no answer"
+    if not kept.whole:
+        return None, "the answer was cut short"
+    if kept.over:
+        return None, f"the answer is over {kept.limit} bytes (--learn-max-run-bytes)"
+    if not kept.body:
+        return None, None
+    headers = kept.headers if kept.headers is not None else CIMultiDict[str]()
+    try:
+        return response_output(bytes(kept.body), headers.get("content-type", ""),
+                               headers.get("content-encoding"), kept.limit, max_depth), None
+    except BodyError as exc:
+        return None, exc.detail

@@ -24,26 +24,31 @@ result relayed as it came; a compressed event stream is a tool error.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Final
 
 import orjson
 from aiohttp import web
+from multidict import CIMultiDict
 
+from stepguard.contracts.learned import Observation
 from stepguard.contracts.runs import RunBook
 from stepguard.metrics.observer import Observer
-from stepguard.proxy.core.bodies import BodyError
+from stepguard.proxy.core.bodies import BodyError, decode, parse_json
 from stepguard.proxy.core.boundaries import Boundaries
 from stepguard.proxy.core.calls import Answer, CallLoop, Replayed, Stopped
 from stepguard.proxy.core.config import Settings
 from stepguard.proxy.core.correlation import NO_RUN_KEY, STORE
-from stepguard.proxy.core.forward import ClientEnd, Forwarder, Timing, end_to_end
+from stepguard.proxy.core.forward import ClientEnd, Forwarder, Kept, Timing, end_to_end
+from stepguard.proxy.core.learning import learn_step
 from stepguard.proxy.core.routing import Route
+from stepguard.proxy.core.sse import EventTooLarge, SSESplitter, decode_event
 from stepguard.proxy.core.unchecked import REPLAYED_FROM, UncheckedForwarder
 from stepguard.proxy.mcp.resumption import McpResumption, Resumptions
 from stepguard.proxy.mcp.rpc import (
     REQUEST_CODE,
     as_event,
     error_response,
+    message_result,
     refusal_for,
     rpc_error,
     tools_call,
@@ -52,7 +57,7 @@ from stepguard.proxy.mcp.upstream import McpAnswer, McpCall, McpUpstream
 
 __all__ = ["McpAdapter"]
 
-TRAFFIC = "mcp"
+TRAFFIC: Final = "mcp"
 
 
 class McpAdapter:
@@ -93,6 +98,8 @@ class McpAdapter:
         if message is None or self.settings.passthrough:
             return await self.http.forward_unchecked(request, route, headers, body, timing,
                                                      read_timeout_s=None)
+        if route.contract.learning:
+            return await self._learn(request, route, headers, body, timing, message)
         if isinstance(message, list):
             self.boundaries.call_refused(route, "batch", "a JSON-RPC batch holds a tools/call",
                                          None, TRAFFIC)
@@ -127,6 +134,38 @@ class McpAdapter:
                        traceparent=traceparent if isinstance(
                            traceparent := meta.get("traceparent"), str) else None)
         return await self.calls.checked(call)
+
+    async def _learn(self, request: web.Request, route: Route, headers: CIMultiDict[str],
+                     body: bytes, timing: Timing,
+                     message: dict[str, Any] | list[Any]) -> web.StreamResponse:
+        """Learn mode: a tools/call passed through as an unmatched one is, and recorded in its
+        run (the contract's run keys; a model's tool call it executes) with its arguments and
+        result. A batch is passed through unrecorded."""
+        contract, learner = route.contract, self.boundaries.learner
+        if isinstance(message, list):
+            learner.dropped(contract, "batch")
+            return await self.http.forward_unchecked(request, route, headers, body, timing)
+        params: dict[str, Any] = message["params"] if isinstance(message.get("params"), dict) else {}
+        meta: dict[str, Any] = params["_meta"] if isinstance(params.get("_meta"), dict) else {}
+        tool, arguments = str(params.get("name", "")), params.get("arguments")
+        keyed = await self.boundaries.run_keys.resolve(
+            contract, learn_step(tool, route.upstream.name, tool=tool), request.headers,
+            arguments, traceparent=meta.get("traceparent"))
+        if keyed.run_id is None:
+            learner.dropped(contract, keyed.reason or NO_RUN_KEY)
+            return await self.http.forward_unchecked(request, route, headers, body, timing)
+        if not learner.room(contract, keyed.run_id):
+            return await self.http.forward_unchecked(request, route, headers, body, timing)
+        kept = Kept(learner.max_run_bytes)
+        answer = await self.http.forward_unchecked(request, route, headers, body, timing,
+                                                   kept=kept)
+        rpc_id = message.get("id")
+        output, error = learned_result(kept, rpc_id, self.settings.max_json_depth)
+        await learner.record(contract, keyed.run_id, Observation(
+            TRAFFIC, route.upstream.name, timing.arrived, tool=tool, input=arguments,
+            output=output, status=kept.status, error=error,
+            call_id=None if rpc_id is None else str(rpc_id)))
+        return answer
 
     # -- the call loop's protocol -----------------------------------------------------------------
 
@@ -207,3 +246,40 @@ def _as_event(call: McpCall, answer: Answer) -> bytes:
 
 def _has_checked_tools(route: Route) -> bool:
     return route.contract.checks_tools_on(route.upstream.name)
+
+
+def learned_result(kept: Kept, rpc_id: Any, max_depth: int) -> tuple[Any, str | None]:
+    """What learn mode records of a tools/call's answer, as relayed (JSON, or the event stream
+    whose message answers `rpc_id`): the result as an exit reads it (`message_result`), and
+    why there is none (or the tool's own error)."""
+    if kept.status is None:
+        return None, "no answer"
+    if not 200 <= kept.status < 300:
+        return None, f"the MCP server answered {kept.status}"
+    if kept.over:
+        return None, f"the answer is over {kept.limit} bytes (--learn-max-run-bytes)"
+    headers = kept.headers if kept.headers is not None else CIMultiDict[str]()
+    stream = "text/event-stream" in headers.get("content-type", "")
+    if not kept.whole and not stream:     # a stream's whole events are read, however it ended
+        return None, "the answer was cut short"
+    try:
+        raw = decode(bytes(kept.body), headers.get("content-encoding"), kept.limit)
+        if stream:
+            found = None
+            splitter = SSESplitter(kept.limit)
+            for _, event in [*splitter.feed(raw), (b"", decode_event(splitter.rest()))]:
+                if event is None or not event.data:
+                    continue
+                candidate = parse_json(event.data.encode(), "MCP event", max_depth)
+                if isinstance(candidate, dict) and candidate.get("id") == rpc_id \
+                        and ("result" in candidate or "error" in candidate):
+                    found = candidate
+            message = found
+        else:
+            message = parse_json(raw, "MCP server response", max_depth)
+    except (BodyError, EventTooLarge) as exc:
+        return None, str(exc)
+    if not isinstance(message, dict):
+        return None, "no JSON-RPC response answers the call"
+    result = message_result(message)
+    return result.output, result.error

@@ -37,6 +37,7 @@ from stepguard.proxy.model.correlation import ShownCalls
 from stepguard.proxy.model.dialects import ToolCall, ToolOutput, Turn
 from stepguard.proxy.model.exchange import Exchange, Stop, raise_if_stopped, refuse_halted
 from stepguard.proxy.model.exits import ModelExits
+from stepguard.proxy.model.learning import ModelLearning
 
 
 @dataclass(slots=True)
@@ -66,6 +67,7 @@ class ModelEntries:
         self.boundaries = boundaries
         self.shown = shown
         self.exits = exits
+        self.learning = ModelLearning(boundaries.learner, boundaries.pending)
 
     async def check(self, ex: Exchange, turn: Turn) -> None:
         """Every entry of the turn, under the run's lock; a violation raises `Stop`. The turn's
@@ -205,6 +207,10 @@ class ModelEntries:
     async def admitted(self, ex: Exchange, turn: Turn, keepalive: Keepalive = _quiet) -> None:
         """The turn's entries checked (`check`), then its held tool calls decided by an
         operator (`released`): returns when the answer may go to the agent."""
+        if ex.contract.learning:     # learn mode: recorded, nothing checked or held
+            await self.learning.turn(ex, turn)
+            return
+
         async def once() -> None:
             try:
                 await self.check(ex, turn)

@@ -44,6 +44,7 @@ from stepguard.proxy.core.config import Settings, listen_error
 from stepguard.proxy.core.escalation import Escalator
 from stepguard.proxy.core.forward import BodyBudget, Forwarder
 from stepguard.proxy.core.holds import Holds
+from stepguard.proxy.core.learning import learning
 from stepguard.proxy.core.routing import Router
 from stepguard.proxy.http.adapter import HttpToolAdapter
 from stepguard.proxy.http.listener import Gate, GuardedRunner, raise_fd_limit
@@ -133,6 +134,8 @@ class Stepguard:
     worker: WorkerLink | None = None
 
     def __post_init__(self) -> None:
+        if self.settings.learn:
+            self.contracts = [learning(c) for c in self.contracts]
         self.metrics = self.observer.metrics
         self.metrics.contracts_loaded((c.workflow, c.version, c.content_hash, list(c.steps))
                                       for c in self.contracts)
@@ -147,6 +150,8 @@ class Stepguard:
         self.boundaries = Boundaries(self.runs, self.observer, self.escalator, self.contracts,
                                      self.settings.payload_history_bytes)
         self.boundaries.shadows = shadowed(self.contracts, self.shadows)
+        self.boundaries.learner.max_runs = self.settings.learn_max_runs
+        self.boundaries.learner.max_run_bytes = self.settings.learn_max_run_bytes
         self._tallies: asyncio.Task[None] | None = None   # writes counted refusals (start)
         self.boundaries.holds = Holds(self.observer, self.limits.max_holds,
                                       self.settings.admin_url or f"http://{self.settings.admin_host}"
@@ -172,6 +177,8 @@ class Stepguard:
     def reload(self, contracts: list[Contract], shadows: list[Contract] | None = None) -> None:
         """Swap in newly loaded contracts (and shadow contracts). Calls in flight finish under
         the contract they started with; runs keep their history and envelope."""
+        if self.settings.learn:
+            contracts = [learning(c) for c in contracts]
         self.boundaries.shadows = shadowed(contracts, shadows or [])
         self.shadows = shadows or []
         self.contracts = contracts
@@ -352,6 +359,7 @@ def started_fields(settings: Settings, contracts: list[Contract], shadows: list[
                           else [name for name, _ in tokens.tokens + tokens.viewers]
                           or "off (admin listener not on loopback, no viewer or admin token)"),
             "passthrough": settings.passthrough,
+            **learn_fields(settings, contracts),
             "traces": traces}
 
 
@@ -441,6 +449,20 @@ def _log_started(log: Any, sg: Stepguard, settings: Settings, contracts: list[Co
         log.info("worker_started", pid=os.getpid(), proxy=f"{settings.host}:{settings.port}",
                  admin=f"{settings.admin_host}:{settings.admin_port}",
                  limits=sg.limits.fields(), of_workers=worker.workers)
+def learn_fields(settings: Settings, contracts: list[Contract]) -> dict[str, Any]:
+    """The `started` line's word on learn mode: which workflows record, and with `--learn`
+    what of their contracts is ignored (steps, completion, approvals: nothing is checked)."""
+    learned = {}
+    for c in contracts:
+        if c.learning:
+            learned[c.workflow] = "on (mode: learn)"
+        elif settings.learn:
+            ignored = [what for what, there in (
+                (f"{len(c.steps)} step(s)", c.steps), ("completion", c.completion),
+                ("approval", c.approval)) if there]
+            learned[c.workflow] = (f"on (--learn: {', '.join(ignored)} ignored)" if ignored
+                                   else "on (--learn)")
+    return {"learn": learned} if learned else {}
 
 
 async def serve(settings: Settings, contracts: list[Contract],

@@ -46,9 +46,9 @@ from stepguard.bench.proxy import (
 from stepguard.bench.proxy_setup import BenchError
 from stepguard.bench.render import render_bounds
 
-ALL_ROWS = ["direct", "nginx", "passthrough", "contract", "contract_traced", "contract_workers2",
+ALL_ROWS = ["direct", "nginx", "passthrough", "learn", "contract", "contract_traced", "contract_workers2",
             "contract_pg", "model_direct", "model", "model_stream_direct", "model_stream"]
-HOPS = ("nginx", "passthrough", "contract", "contract_traced", "contract_workers2", "contract_pg",
+HOPS = ("nginx", "passthrough", "learn", "contract", "contract_traced", "contract_workers2", "contract_pg",
         "model", "model_stream")
 
 
@@ -232,6 +232,8 @@ def test_quick_run_measures_every_row() -> None:
     # stepguard stored what it checked: two events per checked call, one per model tool call,
     # none for unmatched pass-through
     assert rows["passthrough"]["stored_events"] == 0
+    # learn: one learned event per call (each its own run), nothing checked
+    assert rows["learn"]["stored_events"] >= rows["learn"]["requests"] + 25 + 20
     assert rows["contract"]["stored_events"] >= 2 * (rows["contract"]["requests"] + 25 + 20)
     assert rows["contract_traced"]["stored_events"] >= 2 * (
         rows["contract_traced"]["requests"] + 25 + 20)

@@ -1,0 +1,132 @@
+"""Learn mode (`stepguard serve --learn`, or `mode: learn` in a contract): every call is forwarded
+unchanged and never refused, and recorded in its run's history as one `learned` event
+(`contracts/learned.py` `Observation`), what `stepguard draft` infers a contract from.
+
+Runs are found as enforcement finds them (headers, trace context, MCP sessions, `arg:` keys, a
+model's tool-call ids, a tool-side call joined to the model call that issued it), with a step
+made up for the call (`learn_step`): no step of a contract is ever checked in learn mode.
+What is stored is redacted first (the built-in secret names and the contract's `redact` keys),
+and bounded: at most `--learn-max-runs` runs and `--learn-max-run-bytes` bytes of events per
+run are recorded by one process; a call past a bound is forwarded all the same, not recorded,
+and counted (`stepguard_learn_dropped_total`). A store failure never stops a call either.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import orjson
+
+from stepguard.contracts.errors import ConflictError, RunOfAnotherWorkflow, StoreError
+from stepguard.contracts.learned import Observation
+from stepguard.contracts.model import Contract, Match, Step
+from stepguard.contracts.redact import Redactor
+from stepguard.contracts.runs import RunBook
+from stepguard.metrics.observer import Observer
+
+DEFAULT_MAX_RUNS = 1000
+DEFAULT_MAX_RUN_BYTES = 1024 * 1024
+CONFLICT_TRIES = 8      # appends of one recording lost to another writer of the run, at most
+
+
+def learning(contract: Contract) -> Contract:
+    """The contract as `--learn` uses it: its upstreams, run keys and `redact`, nothing checked
+    (steps, completion and approvals dropped; unmatched calls pass)."""
+    if contract.learning and not contract.steps:
+        return contract
+    return dataclasses.replace(contract, mode="learn", unmatched="pass", steps={},
+                               completion=None, approval=frozenset())
+
+
+def learn_step(name: str, upstream: str, method: str | None = None, path: str | None = None,
+               tool: str | None = None) -> Step:
+    """The step a learned call is correlated as (run keys, joining): named for the call (the
+    tool's name, else `METHOD /path`), with no checks and no `after` (it may start a run)."""
+    return Step(name, 0, Match(upstream, method, path, tool))
+
+
+class Learner:
+    """Records observations in their runs' histories, redacted and bounded."""
+
+    def __init__(self, runs: RunBook, observer: Observer,
+                 redactor: Callable[[Contract], Redactor],
+                 max_runs: int = DEFAULT_MAX_RUNS,
+                 max_run_bytes: int = DEFAULT_MAX_RUN_BYTES) -> None:
+        self.runs = runs
+        self.observer = observer
+        self.redactor = redactor
+        self.max_runs = max_runs
+        self.max_run_bytes = max_run_bytes
+        # run id -> bytes of events recorded in it (at most `max_runs` runs: the bound itself)
+        self._recorded: dict[str, int] = {}
+
+    def dropped(self, contract: Contract, reason: str, run_id: str | None = None) -> None:
+        self.observer.learn_dropped(contract.workflow, reason, run_id)
+
+    def room(self, contract: Contract, run_id: str) -> bool:
+        """Whether the run may still be recorded in (the runs' bound; its bytes are weighed
+        when an event is recorded). A run past the bound is counted once per call."""
+        if run_id in self._recorded or len(self._recorded) < self.max_runs:
+            return True
+        self.dropped(contract, "runs", run_id)
+        return False
+
+    async def record(self, contract: Contract, run_id: str, seen: Observation,
+                     keys: Sequence[str] = ()) -> bool:
+        """`seen` redacted and stored as one event of `run_id` (with correlation `keys`), unless
+        a bound is passed or the store fails: then counted, and False. Never raises."""
+        redact = self.redactor(contract)
+        given, in_paths = redact.paths(seen.input, "input")
+        got, out_paths = redact.paths(seen.output, "output")
+        fields = dataclasses.replace(seen, input=given, output=got,
+                                     redacted=(*seen.redacted, *in_paths, *out_paths)).fields()
+        size = len(orjson.dumps(fields, default=str))
+        used = self._recorded.get(run_id)
+        if used is None and len(self._recorded) >= self.max_runs:
+            self.dropped(contract, "runs", run_id)
+            return False
+        used = used or 0
+        if used + size > self.max_run_bytes:
+            self.dropped(contract, "bytes", run_id)
+            self._recorded.setdefault(run_id, used)
+            return False
+        self._recorded[run_id] = used + size     # taken before the write: others see it
+        try:
+            await self._commit(contract, run_id, fields, keys)
+        except (StoreError, RunOfAnotherWorkflow) as exc:
+            self._recorded[run_id] -= size
+            if isinstance(exc, StoreError):
+                self.observer.store_error("append", str(exc), run_id=run_id,
+                                          workflow=contract.workflow)
+            self.dropped(contract, "store", run_id)
+            return False
+        self.observer.learned(contract.workflow, seen.traffic)
+        return True
+
+    async def _commit(self, contract: Contract, run_id: str, fields: dict[str, Any],
+                      keys: Sequence[str]) -> None:
+        """One append of the run, tried again (on the stored envelope) when another writer
+        advanced the run under it; past `CONFLICT_TRIES` the ConflictError (a StoreError)
+        drops the recording. Nothing waits on it: learn mode decides nothing on the envelope."""
+        for tried in range(1, CONFLICT_TRIES + 1):
+            try:
+                async with self.runs.locked(run_id):
+                    envelope = await self.runs.envelope(contract, run_id, optimistic=True)
+                    await self.runs.commit(envelope, fields, keys=keys)
+                return
+            except ConflictError:
+                if tried == CONFLICT_TRIES:
+                    raise
+
+    async def add_keys(self, contract: Contract, run_id: str, keys: Sequence[str]) -> None:
+        """Correlation keys that find the run from now on (a model's tool-call ids, before the
+        event that records the call is written); a store failure only loses them (counted)."""
+        if not keys or not self.room(contract, run_id):
+            return
+        try:
+            await self.runs.store.add_keys(run_id, keys)
+        except StoreError as exc:
+            self.observer.store_error("add_keys", str(exc), run_id=run_id,
+                                      workflow=contract.workflow)
