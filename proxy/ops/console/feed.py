@@ -64,6 +64,7 @@ class Feed:
         self.seen: dict[str, int] | None = None     # run id -> the last seq read
         self.watermark = 0.0     # the latest `updated` of the runs the last poll read
         self.task: asyncio.Task[None] | None = None
+        self.started = asyncio.Event()    # the first poll read where the store stands
 
     def join(self, workflow: str | None, step: str | None) -> Listener | None:
         """A new listener, or None when `MAX_LISTENERS` are listening already."""
@@ -91,9 +92,11 @@ class Feed:
                 # the store unreadable for now: the next poll tries again
                 with contextlib.suppress(StepguardError):
                     await self.poll_once()
+                self.started.set()
                 await asyncio.sleep(self.poll_s)
         finally:
             self.task = None
+            self.started.clear()
             self.seen, self.watermark = None, 0.0   # nobody listening: the next starts anew
 
     async def poll_once(self) -> None:

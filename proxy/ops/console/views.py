@@ -71,6 +71,7 @@ VALUE_CHARS = 4000        # an input or output shown on the run page, cut past t
 ACTIONS_PER_MINUTE = 30   # console actions per session
 SIGNINS_PER_MINUTE = 10   # sign-in attempts per client address
 REPLAY_PROGRESS_S = 0.5
+KEEP_ALIVE_S = 15.0
 MAX_CONTRACT_BYTES = 512 * 1024
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
        "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'")
@@ -108,6 +109,7 @@ def console_app(sg: Served) -> web.Application:
     """The console, to mount at the admin listener's `/ui/`."""
     console = Console(sg)
     app = web.Application(middlewares=[_headers], client_max_size=MAX_CONTRACT_BYTES + 65536)
+    app.on_shutdown.append(console.shutdown)
     app.on_cleanup.append(console.close)
     app.router.add_get("/", console.index)
     app.router.add_get("/signin", console.signin_form)
@@ -179,6 +181,7 @@ class Console:
         self.operations = Operations(sg.runs, sg.observer, sg.boundaries.holds)
         self.feed = Feed(self.store)
         self.replays = Replays()
+        self.closing = asyncio.Event()
         self.action_limit = Window(ACTIONS_PER_MINUTE, 60.0)
         self.signin_limit = Window(SIGNINS_PER_MINUTE, 60.0)
         self.open = not self.tokens.readable and loopback(sg.settings.admin_host)
@@ -186,6 +189,9 @@ class Console:
                                       autoescape=True)
         self.env.filters.update(time=_time, json=_json_text, left=_left, call=described_call,
                                 var=var_text, seg=lambda text: quote(str(text), safe=""))
+
+    async def shutdown(self, app: web.Application) -> None:
+        self.closing.set()          # open feed streams end
 
     async def close(self, app: web.Application) -> None:
         await self.feed.close()
@@ -499,17 +505,27 @@ class Console:
             "X-Accel-Buffering": "no", **{k: v for k, v in SECURITY_HEADERS.items()
                                           if k != "Cache-Control"}})
         try:
+            # events from the first poll on are sent: the browser hears of it once it is read
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.feed.started.wait(), 5.0)
             await response.prepare(request)
             await response.write(b"retry: 2000\n: listening\n\n")
-            deadline = asyncio.get_running_loop().time() + STREAM_S
-            while (left := deadline - asyncio.get_running_loop().time()) > 0:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + STREAM_S
+            quiet_since = loop.time()
+            # until the stream's time is up or the listener shuts down (a stream left open
+            # would hold up a drain): checked each second
+            while loop.time() < deadline and not self.closing.is_set():
                 try:
-                    item = await asyncio.wait_for(listener.queue.get(), min(left, 15.0))
+                    item = await asyncio.wait_for(listener.queue.get(), 1.0)
                 except TimeoutError:
-                    await response.write(b": keep-alive\n\n")
+                    if loop.time() - quiet_since >= KEEP_ALIVE_S:
+                        await response.write(b": keep-alive\n\n")
+                        quiet_since = loop.time()
                     continue
                 await response.write(b"data: " + orjson.dumps(_feed_item(item, listener))
                                      + b"\n\n")
+                quiet_since = loop.time()
         except (ConnectionResetError, asyncio.CancelledError):
             pass
         finally:
