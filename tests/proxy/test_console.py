@@ -241,3 +241,25 @@ async def test_a_next_address_outside_the_console_is_not_followed(console):
     reply = await c.admin.post("/ui/signin", allow_redirects=False, data={
         "csrf": token, "token": OPERATOR_SECRET, "next": "//evil.example/ui/"})
     assert reply.headers["Location"] == "/ui/runs"
+
+
+async def test_signing_out_ends_the_session_in_this_browser(console):
+    c = await console()
+    await sign_in(c.admin, OPERATOR_SECRET)
+    csrf = csrf_of(await (await c.admin.get("/ui/runs")).text())
+    reply = await c.admin.post("/ui/signout", data={"csrf": csrf}, allow_redirects=False)
+    assert reply.status == 303
+    assert (await c.admin.get("/ui/runs", allow_redirects=False)).status == 303
+
+
+async def test_an_open_violations_stream_ends_when_the_admin_listener_shuts_down(console):
+    c = await console()
+    await sign_in(c.admin, OPERATOR_SECRET)
+    stream = await c.admin.get("/ui/violations/stream")
+    assert stream.status == 200
+    assert stream.headers["Content-Type"] == "text/event-stream"
+    assert (await stream.content.readline()).startswith(b"retry:")
+    started = time.monotonic()
+    await c.admin.server.close()          # the drain waits for no open stream
+    assert time.monotonic() - started < 5
+    stream.close()
