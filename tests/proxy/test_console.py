@@ -19,10 +19,13 @@ from consoletest import (
     sign_in,
     start_console,
 )
-from sgtest import Upstream
+from sgtest import Upstream, make_contract
 
+from stepguard.proxy.core.config import Settings
+from stepguard.proxy.ops.app import build
 from stepguard.proxy.ops.console.auth import SESSION_COOKIE, Identity, Sessions, Window
 from stepguard.proxy.ops.console.views import CSP
+from stepguard.proxy.ops.console.views import Console as Pages
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -263,3 +266,33 @@ async def test_an_open_violations_stream_ends_when_the_admin_listener_shuts_down
     await c.admin.server.close()          # the drain waits for no open stream
     assert time.monotonic() - started < 5
     stream.close()
+
+
+async def test_a_resume_from_the_run_page_marks_the_events_it_superseded(console):
+    c = await console()
+    await c.call("lookup", {"ticket": "T-1"})
+    assert (await c.call("audit", {"ok": False})).status == 422
+    await sign_in(c.admin, OPERATOR_SECRET)
+    csrf = csrf_of(await (await c.admin.get("/ui/runs/r1")).text())
+    reply = await c.admin.post("/ui/runs/r1/resume", allow_redirects=False, data={
+        "csrf": csrf, "reason": "the audit service was fixed", "from": "lookup"})
+    assert reply.status == 303 and reply.headers["Location"] == "/ui/runs/r1?done=resumed"
+    assert (await c.sg.store.load("r1")).status == "active"
+    text = await (await c.admin.get("/ui/runs/r1?done=resumed")).text()
+    assert "The run was resumed." in text
+    halted = text[text.index('id="event-3"'):text.index('id="event-4"')]
+    assert "superseded" in halted
+    resumed = text[text.index('id="event-4"'):]
+    assert "operator resume" in resumed and "the audit service was fixed" in resumed
+
+
+@pytest.mark.parametrize(("template", "link"), [
+    ("https://traces.example/trace/{trace_id}",
+     "https://traces.example/trace/4bf92f3577b34da6a3ce929d0e0e4736"),
+    ("javascript:alert('{trace_id}')", None),         # only an http(s) address is a link
+])
+def test_a_traced_event_links_to_the_configured_trace_ui(tmp_path, tools, template, link):
+    sg = build(Settings(store=str(tmp_path / "s.db"), trace_url=template),
+               [make_contract(tools.url)])
+    event = {"seq": 1, "ts": 1.0, "trace_id": "4bf92f3577b34da6a3ce929d0e0e4736"}
+    assert Pages(sg)._event_view(event, False)["trace"] == link

@@ -102,7 +102,6 @@ class Served(Protocol):
 
 
 Handler = Callable[[web.Request], Coroutine[Any, Any, web.StreamResponse]]
-CONSOLE = web.AppKey("console", object)
 
 
 def console_app(sg: Served) -> web.Application:
