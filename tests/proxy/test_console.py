@@ -296,3 +296,46 @@ def test_a_traced_event_links_to_the_configured_trace_ui(tmp_path, tools, templa
                [make_contract(tools.url)])
     event = {"seq": 1, "ts": 1.0, "trace_id": "4bf92f3577b34da6a3ce929d0e0e4736"}
     assert Pages(sg)._event_view(event, False)["trace"] == link
+
+
+async def test_a_replicas_console_shows_and_decides_a_call_held_by_another(
+        aiohttp_client, tmp_path, tools):
+    """Two stepguards on one shared store: the call is held by the first, and the second's
+    console lists it and approves it; the first lets its waiting call through."""
+    first = await start_console(aiohttp_client, tmp_path, tools, shared_store=True)
+    second = await start_console(aiohttp_client, tmp_path, tools, shared_store=True)
+    await first.call("lookup", {"ticket": "T-1"})
+    waiting = first.calling("refund", {"ticket": "T-1", "amount": 40})
+    hold = await first.held()
+    await sign_in(second.admin, OPERATOR_SECRET)
+    page = await (await second.admin.get("/ui/holds")).text()
+    assert hold["digest"] in page
+    assert (await (await second.admin.get("/ui/holds/open")).json()) == {
+        "open": [hold["decision_id"]]}
+    reply = await second.admin.post("/ui/runs/r1/approve", allow_redirects=False, data={
+        "csrf": csrf_of(page), "decision_id": hold["decision_id"], "reason": "ok"})
+    assert reply.status == 303
+    assert (await waiting).status == 200
+    assert tools.hits("/refund") == 1
+
+
+async def test_the_runs_list_filters_and_pages_newest_first(console):
+    c = await console()
+    for number in range(55):
+        assert (await c.call("lookup", {"n": number}, run=f"run-{number:02d}")).status == 200
+    assert (await c.call("audit", {"ok": True}, run="run-07")).status == 200
+    await sign_in(c.admin, OPERATOR_SECRET)
+    first = await (await c.admin.get("/ui/runs")).text()
+    assert first.count('href="/ui/runs/run-') == 50
+    assert first.index("run-07") < first.index("run-54") < first.index("run-53")
+    assert 'href="/ui/runs?page=2"' in first
+    second = await (await c.admin.get("/ui/runs?page=2")).text()
+    assert second.count('href="/ui/runs/run-') == 5
+    by_text = await (await c.admin.get("/ui/runs?q=RUN-1")).text()
+    assert by_text.count('href="/ui/runs/run-') == 10
+    by_step = await (await c.admin.get("/ui/runs?step=audit&workflow=test-flow")).text()
+    assert by_step.count('href="/ui/runs/run-') == 1 and "run-07" in by_step
+    later = await (await c.admin.get("/ui/runs?since=1h&status=completed")).text()
+    assert later.count('href="/ui/runs/run-') == 0
+    wrong = await (await c.admin.get("/ui/runs?since=yesterday")).text()
+    assert "since &#39;yesterday&#39;: expected an ISO 8601 time" in wrong
