@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import orjson
 import pytest
 from consoletest import (
     OPERATOR_SECRET,
@@ -24,6 +25,7 @@ from sgtest import Upstream, make_contract
 from stepguard.proxy.core.config import Settings
 from stepguard.proxy.ops.app import build
 from stepguard.proxy.ops.console.auth import SESSION_COOKIE, Identity, Sessions, Window
+from stepguard.proxy.ops.console.feed import QUEUE_EVENTS, Listener
 from stepguard.proxy.ops.console.views import CSP
 from stepguard.proxy.ops.console.views import Console as Pages
 
@@ -339,3 +341,28 @@ async def test_the_runs_list_filters_and_pages_newest_first(console):
     assert later.count('href="/ui/runs/run-') == 0
     wrong = await (await c.admin.get("/ui/runs?since=yesterday")).text()
     assert "since &#39;yesterday&#39;: expected an ISO 8601 time" in wrong
+
+
+async def test_the_violations_stream_carries_another_replicas_violation(
+        aiohttp_client, tmp_path, tools):
+    first = await start_console(aiohttp_client, tmp_path, tools, shared_store=True)
+    second = await start_console(aiohttp_client, tmp_path, tools, shared_store=True)
+    await sign_in(second.admin, OPERATOR_SECRET)
+    stream = await second.admin.get("/ui/violations/stream?workflow=test-flow&step=audit")
+    assert (await stream.content.readline()).startswith(b"retry:")
+    assert (await first.call("charge", {"amount": 10**6}, run="other-step")).status == 422
+    assert (await first.call("audit", {"ok": False}, run="r-audit")).status == 422
+    while not (line := await stream.content.readline()).startswith(b"data: "):
+        pass
+    item = orjson.loads(line[len(b"data: "):])
+    assert (item["run_id"], item["step"], item["check"], item["action"]) == (
+        "r-audit", "audit", "precondition", "halt")      # the other step's was filtered out
+    stream.close()
+
+
+def test_a_slow_listener_keeps_the_newest_events_and_counts_the_dropped():
+    listener = Listener()
+    for seq in range(QUEUE_EVENTS + 3):
+        listener.offer({"run_id": "r", "workflow": "w", "event": {"seq": seq}})
+    assert listener.queue.qsize() == QUEUE_EVENTS and listener.dropped == 3
+    assert listener.queue.get_nowait()["event"]["seq"] == 3
