@@ -26,7 +26,7 @@ from stepguard.proxy.core.config import Settings
 from stepguard.proxy.ops.app import build
 from stepguard.proxy.ops.console.auth import SESSION_COOKIE, Identity, Sessions, Window
 from stepguard.proxy.ops.console.feed import QUEUE_EVENTS, Listener
-from stepguard.proxy.ops.console.views import CSP
+from stepguard.proxy.ops.console.views import ACTIONS_PER_MINUTE, CSP
 from stepguard.proxy.ops.console.views import Console as Pages
 
 pytestmark = pytest.mark.timeout(30)
@@ -366,3 +366,19 @@ def test_a_slow_listener_keeps_the_newest_events_and_counts_the_dropped():
         listener.offer({"run_id": "r", "workflow": "w", "event": {"seq": seq}})
     assert listener.queue.qsize() == QUEUE_EVENTS and listener.dropped == 3
     assert listener.queue.get_nowait()["event"]["seq"] == 3
+
+
+async def test_past_its_rate_a_sessions_actions_are_refused_and_counted(console):
+    c = await console()
+    await c.call("lookup", {"ticket": "T-1"})
+    await sign_in(c.admin, OPERATOR_SECRET)
+    csrf = csrf_of(await (await c.admin.get("/ui/runs/r1")).text())
+    statuses = []
+    for _ in range(ACTIONS_PER_MINUTE + 1):
+        reply = await c.admin.post("/ui/runs/r1/cancel", allow_redirects=False,
+                                   data={"csrf": csrf, "reason": "again"})
+        statuses.append(reply.status)
+    # the first cancels the run, the next are refused by the run book (already cancelled)
+    assert statuses[0] == 303 and statuses[-1] == 429
+    assert 429 not in statuses[:-1]
+    assert c.sample("stepguard_operator_refusals_total") == 1
