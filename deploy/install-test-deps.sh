@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Installs the binaries the tests run: `prometheus` and `promtool` (tests/deploy; Debian's
 # `prometheus` package ships both), `haproxy` (the replicas' load balancer, tests/deploy), and
-# `wrk` and `nginx` (the proxy benchmark, tests/bench; packages `wrk` and `nginx-light`).
+# `wrk` and `nginx` (the proxy benchmark, tests/bench; packages `wrk` and `nginx-light`), and
+# `chromium` (the console's browser tests, tests/proxy/test_console_browser.py, which point the
+# `playwright` package at /usr/bin/chromium: no browser is downloaded).
 # Idempotent: it does nothing when all are on PATH.
 #
 # The packages' init scripts would start a Prometheus server on :9090 (stepguard's default
@@ -13,15 +15,15 @@ export PATH="$PATH:/usr/sbin"
 have_all() {
     command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1 \
         && command -v wrk >/dev/null 2>&1 && command -v nginx >/dev/null 2>&1 \
-        && command -v haproxy >/dev/null 2>&1
+        && command -v haproxy >/dev/null 2>&1 && command -v chromium >/dev/null 2>&1
 }
 
 if have_all; then
-    echo "install-test-deps: prometheus, promtool, haproxy, wrk and nginx already installed"
+    echo "install-test-deps: prometheus, promtool, haproxy, wrk, nginx and chromium already installed"
     exit 0
 fi
 if ! command -v apt-get >/dev/null 2>&1; then
-    echo "install-test-deps: no apt-get here; install prometheus, promtool, haproxy, wrk and nginx yourself" >&2
+    echo "install-test-deps: no apt-get here; install prometheus, promtool, haproxy, wrk, nginx and chromium yourself" >&2
     exit 1
 fi
 
@@ -45,7 +47,7 @@ fi
 
 "${as_root[@]}" apt-get update -qq
 "${as_root[@]}" env DEBIAN_FRONTEND=noninteractive \
-    apt-get install -y -qq --no-install-recommends prometheus haproxy wrk nginx-light
+    apt-get install -y -qq --no-install-recommends prometheus haproxy wrk nginx-light chromium
 
 # belt and braces: no packaged Prometheus server may keep :9090
 if command -v systemctl >/dev/null 2>&1 && systemctl is-active --quiet prometheus 2>/dev/null; then
@@ -59,6 +61,6 @@ for unit in nginx haproxy; do
     fi
 done
 
-have_all || { echo "install-test-deps: prometheus/promtool/haproxy/wrk/nginx still missing" >&2; exit 1; }
+have_all || { echo "install-test-deps: prometheus/promtool/haproxy/wrk/nginx/chromium still missing" >&2; exit 1; }
 prometheus --version 2>&1 | head -n 1
 promtool --version 2>&1 | head -n 1

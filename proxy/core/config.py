@@ -374,6 +374,11 @@ class Settings:
         "call's escalation webhook", metavar="URL", shown="http://ADMIN_HOST:ADMIN_PORT",
         doc="the admin API as operators reach it, named in a [held call's](holds.md) webhook "
             "record")
+    trace_url: str | None = declare(
+        None, _optional(_text), "the URL of one trace in your trace UI, {trace_id} where its "
+        "id goes: the console links each traced event there", metavar="URL",
+        doc="the URL of one trace in your trace UI (Jaeger, Tempo, ...), `{trace_id}` where its "
+            "id goes: the [console](console.md) links each traced event of a run there")
     max_holds: int = declare(
         100, _integer(0, what="a number of held calls", hint=" (0: no call can be held)"),
         "calls held for an operator at once; past it a call to hold gets 503",

@@ -51,6 +51,7 @@ from stepguard.proxy.http.listener import Gate, GuardedRunner, raise_fd_limit
 from stepguard.proxy.mcp.adapter import McpAdapter
 from stepguard.proxy.model.adapter import ModelAdapter
 from stepguard.proxy.ops.admin import AdminTokens, loopback, run_routes
+from stepguard.proxy.ops.console import console_app
 from stepguard.proxy.ops.dispatch import Adapter, Dispatcher
 from stepguard.proxy.ops.limits import Limits, serve_limits, worker_limits
 from stepguard.proxy.ops.worker_link import InForce, WorkerLink
@@ -269,6 +270,7 @@ def create_admin_app(sg: Stepguard) -> web.Application:
     app.router.add_get("/metrics", _metrics)
     app.router.add_routes(run_routes(sg.runs, sg.observer, sg.tokens, sg.boundaries.holds,
                                      open_reads=loopback(sg.settings.admin_host)))
+    app.add_subapp("/ui/", console_app(sg))      # the operator console (docs/console.md)
     return app
 
 

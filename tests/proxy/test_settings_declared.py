@@ -43,6 +43,8 @@ FLAGS: list[tuple[list[str], str, Any]] = [
     (["--admin-token-file", "ops.txt"], "admin_token_file", "ops.txt"),
     (["--admin-viewer-token-file", "viewers.txt"], "admin_viewer_token_file", "viewers.txt"),
     (["--admin-url", "http://admin:9"], "admin_url", "http://admin:9"),
+    (["--trace-url", "http://jaeger:16686/trace/{trace_id}"], "trace_url",
+     "http://jaeger:16686/trace/{trace_id}"),
     (["--max-holds", "0"], "max_holds", 0),
     (["--workers", "4"], "workers", 4),
     (["--store", "x.db"], "store", "x.db"),
