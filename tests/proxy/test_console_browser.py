@@ -10,6 +10,7 @@ docs/console.md shows (docs/img/console-*.png)."""
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,12 @@ async def sign_in(page: Any, c: Console, secret: str = OPERATOR_SECRET,
     await page.fill("#token", secret)
     await page.click("#signin")
     await page.wait_for_url(f"**/ui/{where}")
+
+
+async def listening(page: Any) -> None:
+    """Wait until the live feed's EventSource is open. A locator, not `wait_for_function`: a
+    string predicate is re-evaluated with `eval`, which the console's CSP refuses."""
+    await page.locator("#feed-state", has_text=re.compile(r"^Listening")).wait_for()
 
 
 def shot(name: str) -> str:
@@ -183,8 +190,7 @@ async def test_a_hold_decided_elsewhere_is_marked_on_the_open_holds_page(page, c
 async def test_a_violation_arrives_in_the_live_feed(page, console):
     c = await console()
     await sign_in(page, c, where="violations")
-    await page.wait_for_function(
-        "document.getElementById('feed-state').textContent.startsWith('Listening')")
+    await listening(page)
     assert await page.locator("#feed tbody tr").count() == 0
     assert (await c.call("audit", {"ok": False}, run="r-feed")).status == 422
     row = page.locator("#feed tbody tr", has_text="r-feed")
@@ -253,8 +259,7 @@ async def test_a_planted_secret_never_appears_in_any_page(page, console):
     waiting = c.calling("refund", {"ticket": "T-1", "amount": 3, "api_key": PLANTED})
     await c.held()
     await sign_in(page, c, where="violations")
-    await page.wait_for_function(
-        "document.getElementById('feed-state').textContent.startsWith('Listening')")
+    await listening(page)
     assert (await c.call("audit", {"ok": False, "token": PLANTED}, run="r2")).status == 422
     await page.locator("#feed tbody tr", has_text="r2").wait_for()
     pages = {"violations": await page.content()}

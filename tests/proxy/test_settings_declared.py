@@ -69,6 +69,9 @@ FLAGS: list[tuple[list[str], str, Any]] = [
     (["--no-uvloop"], "uvloop", False),
     (["--fail-open"], "fail_open", True),
     (["--passthrough"], "passthrough", True),
+    (["--learn"], "learn", True),
+    (["--learn-max-runs", "7"], "learn_max_runs", 7),
+    (["--learn-max-run-bytes", "4096"], "learn_max_run_bytes", 4096),
     (["--log-format", "JSON"], "log_format", "json"),
     (["--log-level", "DEBUG"], "log_level", "debug"),
 ]
