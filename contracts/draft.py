@@ -51,7 +51,7 @@ from stepguard.contracts.events import ADVANCE, COMPLETE, FORWARD, HALT, REJECTE
 from stepguard.contracts.learned import Observation
 from stepguard.contracts.model import Contract
 from stepguard.contracts.recorded import RecordedRun
-from stepguard.contracts.redact import REDACTED, is_redacted
+from stepguard.contracts.redact import REDACTED, holds_redacted, is_redacted
 from stepguard.contracts.replay import (
     DIFFERS,
     HALTS,
@@ -117,7 +117,7 @@ class Call:
         if not isinstance(value, dict) or name not in value:
             return False
         path = f"{side}.{name}"
-        return not (_has_redacted(value[name])
+        return not (holds_redacted(value[name])
                     or any(p == path or p.startswith(path + ".") for p in self.redacted))
 
 
@@ -816,15 +816,6 @@ def _literal(value: Any) -> str:
     """A CEL literal: JSON's true/false and double-quoted strings read the same in CEL."""
     return orjson.dumps(value).decode()
 
-
-def _has_redacted(value: Any) -> bool:
-    if value == REDACTED:
-        return True
-    if isinstance(value, dict):
-        return any(_has_redacted(v) for v in value.values())
-    if isinstance(value, list):
-        return any(_has_redacted(v) for v in value)
-    return False
 
 
 def _clean(value: Any, path: str, redacted: frozenset[str]) -> Any:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["REDACTED", "Redactor", "is_redacted", "redacted_path"]
+__all__ = ["REDACTED", "Redactor", "holds_redacted", "is_redacted", "redacted_path"]
 
 REDACTED = "[REDACTED]"
 
@@ -38,6 +38,18 @@ def is_redacted(key: str, keys: frozenset[str] = ALWAYS) -> bool:
     return low in keys or ("-" in low and low.replace("-", "_") in keys)
 
 
+def holds_redacted(value: Any) -> bool:
+    """Whether `value` is, or holds at any depth, a value redaction replaced: such a value
+    was never seen as it was, so it is neither evidence (draft) nor comparable (replay)."""
+    if value == REDACTED:
+        return True
+    if isinstance(value, dict):
+        return any(holds_redacted(v) for v in value.values())
+    if isinstance(value, list):
+        return any(holds_redacted(v) for v in value)
+    return False
+
+
 class Redactor:
     def __init__(self, fields: Iterable[str] = ()) -> None:
         self.keys = ALWAYS | {normal_key(f) for f in fields}
@@ -51,7 +63,7 @@ class Redactor:
         """`value` redacted as `__call__` does, and the dotted paths (from `root`, list items
         by index: `input.cards.0.token`) whose values were replaced."""
         replaced: list[str] = []
-        return _redacted_at(value, self.keys, root, replaced), replaced
+        return _redacted(value, self.keys, root, replaced), replaced
 
     def path(self, path: str) -> str:
         """A URL path as logs and spans show it: a value a segment names by a sensitive key,
@@ -77,15 +89,21 @@ def redacted_path(path: str, keys: frozenset[str] = ALWAYS) -> str:
     return "/".join(segments)[:PATH_CHARS]
 
 
-def _redacted(value: Any, keys: frozenset[str]) -> Any:
+def _redacted(value: Any, keys: frozenset[str], at: str = "",
+              replaced: list[str] | None = None) -> Any:
+    """`value` with every sensitive key's value replaced, copying only the containers where
+    something changed; with `replaced`, the path (from `at`) of each value replaced is noted
+    there. Paths are only built when asked for: the plain call is on every boundary."""
     kind = type(value)
     if kind is dict:
         copy: dict[Any, Any] | None = None
         for k, v in value.items():
             if type(k) is str and is_redacted(k, keys):
                 new: Any = REDACTED
+                if replaced is not None:
+                    replaced.append(f"{at}.{k}")
             elif type(v) is dict or type(v) is list:
-                new = _redacted(v, keys)
+                new = _redacted(v, keys, at if replaced is None else f"{at}.{k}", replaced)
                 if new is v:
                     continue
             else:
@@ -98,39 +116,7 @@ def _redacted(value: Any, keys: frozenset[str]) -> Any:
         items: list[Any] | None = None
         for i, v in enumerate(value):
             if type(v) is dict or type(v) is list:
-                new = _redacted(v, keys)
-                if new is not v:
-                    if items is None:
-                        items = list(value)
-                    items[i] = new
-        return value if items is None else items
-    return value
-
-
-def _redacted_at(value: Any, keys: frozenset[str], at: str, replaced: list[str]) -> Any:
-    """`_redacted`, noting the path of every value replaced in `replaced`."""
-    kind = type(value)
-    if kind is dict:
-        copy: dict[Any, Any] | None = None
-        for k, v in value.items():
-            if type(k) is str and is_redacted(k, keys):
-                new: Any = REDACTED
-                replaced.append(f"{at}.{k}")
-            elif type(v) is dict or type(v) is list:
-                new = _redacted_at(v, keys, f"{at}.{k}", replaced)
-                if new is v:
-                    continue
-            else:
-                continue
-            if copy is None:
-                copy = dict(value)
-            copy[k] = new
-        return value if copy is None else copy
-    if kind is list:
-        items: list[Any] | None = None
-        for i, v in enumerate(value):
-            if type(v) is dict or type(v) is list:
-                new = _redacted_at(v, keys, f"{at}.{i}", replaced)
+                new = _redacted(v, keys, at if replaced is None else f"{at}.{i}", replaced)
                 if new is not v:
                     if items is None:
                         items = list(value)

@@ -62,7 +62,7 @@ from stepguard.contracts.events import (
 )
 from stepguard.contracts.model import Contract, Step
 from stepguard.contracts.recorded import RecordedRun
-from stepguard.contracts.redact import REDACTED, Redactor
+from stepguard.contracts.redact import Redactor, holds_redacted
 
 __all__ = [
     "DIFFERS",
@@ -600,9 +600,9 @@ def _damage(value: Any) -> tuple[str, frozenset[str] | None] | None:
     if _truncated(value):
         return "truncated", None
     if isinstance(value, dict):
-        keys = frozenset(k for k, v in value.items() if _redacted(v))
+        keys = frozenset(k for k, v in value.items() if holds_redacted(v))
         return ("redacted", keys) if keys else None
-    return ("redacted", None) if _redacted(value) else None
+    return ("redacted", None) if holds_redacted(value) else None
 
 
 def _truncated(value: Any) -> bool:
@@ -610,15 +610,6 @@ def _truncated(value: Any) -> bool:
     return (isinstance(value, dict) and value.keys() == {"truncated", "bytes"}
             and value["truncated"] is True and isinstance(value["bytes"], int))
 
-
-def _redacted(value: Any) -> bool:
-    if value == REDACTED:
-        return True
-    if isinstance(value, dict):
-        return any(_redacted(v) for v in value.values())
-    if isinstance(value, list):
-        return any(_redacted(v) for v in value)
-    return False
 
 
 def _result(event: Mapping[str, Any]) -> ToolResult:
