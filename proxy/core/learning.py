@@ -118,10 +118,13 @@ class Learner:
         """`seen` redacted and stored as one event of `run_id` (with correlation `keys`), unless
         a bound is passed or the store fails: then counted, and False. Never raises."""
         redact = self.redactor(contract)
-        given, in_paths = redact.paths(seen.input, "input")
-        got, out_paths = redact.paths(seen.output, "output")
-        fields = dataclasses.replace(seen, input=given, output=got,
-                                     redacted=(*seen.redacted, *in_paths, *out_paths)).fields()
+        if redact.clean(seen.input) and redact.clean(seen.output):
+            fields = seen.fields()      # nothing to redact: no copy, no paths to note
+        else:
+            given, in_paths = redact.paths(seen.input, "input")
+            got, out_paths = redact.paths(seen.output, "output")
+            fields = dataclasses.replace(seen, input=given, output=got,
+                                         redacted=(*seen.redacted, *in_paths, *out_paths)).fields()
         size = len(orjson.dumps(fields, default=str))
         used = self._recorded.get(run_id)
         if used is None and len(self._recorded) >= self.max_runs:
