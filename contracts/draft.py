@@ -169,7 +169,9 @@ def learned_runs(runs: Iterable[RecordedRun]) -> Learned:
     """The runs holding learned events, as calls of named steps, and each step's matches.
 
     A tool's step is named for the tool; an HTTP route for its last path segment (the tool of
-    that name, if there is one: one step with a match list)."""
+    that name, if there is one: one step with a match list); an HTTP call that executed a
+    model's tool call (`Observation.joined`) for that tool, matched by both. A model's tool call
+    and its execution stored apart (as learn mode once did) are one call too (`_join`)."""
     raw = [(run, seen) for run in runs if (seen := _observations(run))]
     names = _route_names([o for _, seen in raw for _, o in seen])
     matches: dict[str, list[dict[str, Any]]] = {}

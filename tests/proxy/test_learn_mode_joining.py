@@ -58,10 +58,11 @@ def renamed_tools() -> web.Application:
 
 
 @contextlib.asynccontextmanager
-async def http_learning(tmp_path: Path, app: web.Application | None = None
-                        ) -> AsyncIterator[tuple[Stepguard, str, str]]:
-    """The HTTP tool service (`app`, else the example's) through stepguard at `/http-tools`."""
-    model = FakeModel(model_agent.script_for(1, None))
+async def http_learning(tmp_path: Path, app: web.Application | None = None,
+                        chunk_delay: float = 0.0) -> AsyncIterator[tuple[Stepguard, str, str]]:
+    """The HTTP tool service (`app`, else the example's) through stepguard at `/http-tools`;
+    the fake model streams an event every `chunk_delay` seconds."""
+    model = FakeModel(model_agent.script_for(1, None), chunk_delay=chunk_delay)
     async with fake_model.serve(model) as model_base, \
             running(app or tools.create_app()) as tools_base:
         contract = learn_contract(model_base, {"url": tools_base, "mount": "/http-tools",
@@ -159,6 +160,8 @@ async def test_each_model_tool_call_executed_over_http_is_one_learned_event_with
         run, seen = await learned(sg)
 
     calls = [o for o in seen if not o.final]
+    assert learned_runs([run]).matches["check_policy"] == [
+        {"tool": "check_policy"}, {"upstream": "tools", "method": "POST", "path": "/check_policy"}]
     assert [(o.traffic, o.tool, o.status) for o in calls] == [
         ("http", tool, 200) for tool, _ in executed.values()]
     assert [o.joined for o in calls] == list(executed)
@@ -187,3 +190,54 @@ async def test_each_model_tool_call_executed_over_mcp_is_one_learned_event_with_
     drafted = learned_runs([run]).runs[0].calls
     assert [(c.step, c.call_id, c.input is not None, c.output) for c in drafted[:-1]] == [
         (tool, call_id, True, result) for call_id, (tool, result) in executed.items()]
+
+
+async def eager_agent(model_url: str, execute: Any) -> Any:
+    """A streaming agent that executes a turn's tool calls as soon as the model's finish_reason
+    says so, before the stream's terminator (held while stepguard records the turn)."""
+    messages: list[Any] = [{"role": "user", "content": "Please confirm order ord-1."}]
+    async with openai.AsyncOpenAI(base_url=model_url, api_key="sk-test", max_retries=0) as model:
+        while True:
+            stream = await model.chat.completions.create(
+                model="fake-model", messages=messages, tools=model_agent.TOOLS, stream=True)
+            text, calls = "", {}
+            async for chunk in stream:
+                choice = chunk.choices[0]
+                text += choice.delta.content or ""
+                for part in choice.delta.tool_calls or ():
+                    call = calls.setdefault(part.index, {"id": "", "name": "", "arguments": ""})
+                    call["id"] = part.id or call["id"]
+                    call["name"] = part.function.name or call["name"]
+                    call["arguments"] += part.function.arguments or ""
+                if choice.finish_reason == "tool_calls":
+                    break
+            await stream.close()
+            if not calls:
+                return json.loads(text)
+            messages.append({"role": "assistant", "content": None, "tool_calls": [
+                {"id": c["id"], "type": "function",
+                 "function": {"name": c["name"], "arguments": c["arguments"]}}
+                for c in calls.values()]})
+            for c in calls.values():
+                content = await execute(c["name"], json.loads(c["arguments"]))
+                messages.append({"role": "tool", "tool_call_id": c["id"],
+                                 "content": json.dumps(content)})
+
+
+async def test_an_http_call_made_before_the_models_stream_has_ended_joins_its_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tools, "_counter", itertools.count(1))
+    async with http_learning(tmp_path, chunk_delay=0.02) as (sg, model_url, tools_url), \
+            aiohttp.ClientSession() as http:
+        async def execute(name: str, arguments: Any) -> Any:
+            async with http.post(f"{tools_url}/{name}", json=arguments) as resp:
+                assert resp.status == 200, await resp.text()
+                return await resp.json()
+
+        final = await eager_agent(model_url, execute)
+        _, seen = await learned(sg)
+
+    assert final == FINAL
+    assert [(o.traffic, o.tool) for o in seen] == [("http", step) for step in STEPS] + [
+        ("model", None)]
+    assert all(o.joined is not None for o in seen[:4])
