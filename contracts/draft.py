@@ -169,7 +169,9 @@ def learned_runs(runs: Iterable[RecordedRun]) -> Learned:
     """The runs holding learned events, as calls of named steps, and each step's matches.
 
     A tool's step is named for the tool; an HTTP route for its last path segment (the tool of
-    that name, if there is one: one step with a match list)."""
+    that name, if there is one: one step with a match list); an HTTP call that executed a
+    model's tool call (`Observation.joined`) for that tool, matched by both. A model's tool call
+    and its execution stored apart (as learn mode once did) are one call too (`_join`)."""
     raw = [(run, seen) for run in runs if (seen := _observations(run))]
     names = _route_names([o for _, seen in raw for _, o in seen])
     matches: dict[str, list[dict[str, Any]]] = {}
@@ -185,11 +187,11 @@ def learned_runs(runs: Iterable[RecordedRun]) -> Learned:
                                   redacted=frozenset(obs.redacted), seq=seq))
                 continue
             step = obs.tool if obs.tool else names[_route(obs)]
-            entry = ({"tool": obs.tool} if obs.tool else
-                     {"upstream": obs.upstream, "method": obs.method, "path": obs.path})
-            if entry not in matches.setdefault(step, []):
-                matches[step].append(entry)
-            if _answer(calls, obs) or _join(calls, step, obs) is not None:
+            for entry in _entries(obs):
+                if entry not in matches.setdefault(step, []):
+                    matches[step].append(entry)
+            if obs.joined is None and (_answer(calls, obs)
+                                       or _join(calls, step, obs) is not None):
                 continue
             calls.append(replace(_call(step, obs), seq=seq))
         failed = next((i for i, c in enumerate(calls) if c.outcome == FAIL), None)
@@ -198,6 +200,15 @@ def learned_runs(runs: Iterable[RecordedRun]) -> Learned:
                               len(calls) - len(kept),
                               frozenset(obs.upstream for _, obs in observations)))
     return Learned(out, matches, upstreams)
+
+
+def _entries(obs: Observation) -> list[dict[str, Any]]:
+    """The match entries a call is reached by: its tool, its HTTP route, or both (an HTTP call
+    that executed a model's tool call)."""
+    route = {"upstream": obs.upstream, "method": obs.method, "path": obs.path}
+    if not obs.tool:
+        return [route]
+    return [{"tool": obs.tool}, route] if obs.traffic == "http" else [{"tool": obs.tool}]
 
 
 def _route(obs: Observation) -> tuple[str, str, str]:
@@ -226,6 +237,9 @@ def _identifier(text: str) -> str:
 
 def _call(step: str, obs: Observation) -> Call:
     outcome, shape = _outcome(obs)
+    if obs.joined is not None:     # the execution of a model's tool call: that call, answered
+        return Call(step, "model", obs.input, obs.output, obs.status, obs.error, obs.at,
+                    outcome, shape, obs.joined, None, frozenset(obs.redacted), joined=True)
     rpc = obs.call_id if obs.traffic == "mcp" else None
     model = obs.call_id if obs.traffic == "model" else None
     return Call(step, obs.traffic, obs.input, obs.output, obs.status, obs.error, obs.at, outcome,

@@ -25,7 +25,8 @@ class Observation:
     """One call as learn mode saw it.
 
     - `traffic`, `upstream`: the traffic kind and the contract's upstream name it came through;
-    - `tool`: the model or MCP tool name (None for plain HTTP);
+    - `tool`: the model or MCP tool name (None for plain HTTP, unless the call executed a
+      model's tool call: then that call's tool);
     - `method`, `path`: the HTTP method and the path as steps match it (`normal_path`);
       None for model and MCP calls;
     - `input`: the call's arguments (model tool-call arguments, MCP `arguments`, the HTTP JSON
@@ -38,6 +39,9 @@ class Observation:
     - `at`: when the call arrived at stepguard, seconds since the epoch;
     - `final`: a model's final answer (no tool call), whose parsed content is `output`;
     - `call_id`: the model tool-call id or MCP request id, when there is one;
+    - `joined`: on an MCP or HTTP call that executed a tool call a model issued (cross-traffic
+      joining), that call's id: the one observation of the call (the model's tool call is not
+      stored again), whose output is the tool's answer;
     - `redacted`: the dotted paths (`input.card.token`, `output.secret`) whose values were
       replaced before storing.
     """
@@ -54,13 +58,15 @@ class Observation:
     error: str | None = None
     final: bool = False
     call_id: str | None = None
+    joined: str | None = None
     redacted: tuple[str, ...] = ()
 
     def fields(self) -> dict[str, Any]:
         """The event fields this observation is stored as (the store adds `seq` and `ts`)."""
         out: dict[str, Any] = {"kind": LEARNED, "traffic": self.traffic,
                                "upstream": self.upstream, "at": self.at}
-        for name in ("tool", "method", "path", "input", "output", "status", "error", "call_id"):
+        for name in ("tool", "method", "path", "input", "output", "status", "error", "call_id",
+                     "joined"):
             value = getattr(self, name)
             if value is not None:
                 out[name] = value
@@ -80,4 +86,4 @@ class Observation:
                    input=event.get("input"), output=event.get("output"),
                    status=event.get("status"), error=event.get("error"),
                    final=bool(event.get("final")), call_id=event.get("call_id"),
-                   redacted=tuple(event.get("redacted") or ()))
+                   joined=event.get("joined"), redacted=tuple(event.get("redacted") or ()))

@@ -50,9 +50,13 @@ def holds_redacted(value: Any) -> bool:
     return False
 
 
+CLEAN_KEYS = 4096      # keys a Redactor remembers as not redacted (then it forgets them all)
+
+
 class Redactor:
     def __init__(self, fields: Iterable[str] = ()) -> None:
         self.keys = ALWAYS | {normal_key(f) for f in fields}
+        self._clean: set[str] = set()      # keys seen that are not redacted (`clean`)
 
     def __call__(self, value: Any) -> Any:
         """`value` with every sensitive key's value replaced; containers are copied only where
@@ -64,6 +68,32 @@ class Redactor:
         by index: `input.cards.0.token`) whose values were replaced."""
         replaced: list[str] = []
         return _redacted(value, self.keys, root, replaced), replaced
+
+    def clean(self, value: Any) -> bool:
+        """Whether `value` holds no key to redact (redacting it would change nothing): one
+        look per object while its keys are known clean (learn mode records every call)."""
+        known, keys = self._clean, self.keys
+        stack = [value]
+        pop, push = stack.pop, stack.append
+        while stack:
+            node = pop()
+            if type(node) is dict:
+                if not known.issuperset(node):
+                    for k in node:
+                        if type(k) is str and k not in known:
+                            if is_redacted(k, keys):
+                                return False
+                            if len(known) >= CLEAN_KEYS:
+                                known.clear()
+                            known.add(k)
+                node = node.values()
+            elif type(node) is not list:
+                continue
+            for item in node:
+                kind = type(item)
+                if kind is dict or kind is list:
+                    push(item)
+        return True
 
     def path(self, path: str) -> str:
         """A URL path as logs and spans show it: a value a segment names by a sensitive key,

@@ -131,6 +131,20 @@ class PendingCalls:
         checked, may be waiting for an execution: False costs nothing to look for."""
         return (workflow, step) in self._steps or workflow in self._streaming
 
+    def steps_issued(self, workflow: str, arguments: Any) -> list[str]:
+        """The steps of `workflow` for which a model issued a call with these arguments, still
+        waiting (learn mode names an HTTP call's step by it: its route names no tool)."""
+        steps = [step for wf, step in self._steps if wf == workflow]
+        if not steps:
+            return []
+        args = digest(arguments if arguments is not None else {})
+        if args is None:
+            return []
+        now = time.monotonic()
+        return sorted(step for step in steps
+                      if any(i.expires > now for i in self._issued.get((workflow, step, args))
+                             or ()))
+
     def take(self, workflow: str, step: str, arguments: Any,
              run_id: str | None = None) -> Issued | None:
         """The oldest unexpired call the model issued for `step` with these arguments, consumed;

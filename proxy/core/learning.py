@@ -4,7 +4,12 @@ unchanged and never refused, and recorded in its run's history as one `learned` 
 
 Runs are found as enforcement finds them (headers, trace context, MCP sessions, `arg:` keys, a
 model's tool-call ids, a tool-side call joined to the model call that issued it), with a step
-made up for the call (`learn_step`): no step of a contract is ever checked in learn mode.
+made up for the call (`learn_step`): no step of a contract is ever checked in learn mode. An
+HTTP call's step is the tool of a model's waiting call with the same arguments, if one is
+(`joined_step`), so that it joins that call as an MCP call of the tool does. A call so joined
+is the one observation of the model's tool call (`Observation.joined`: the execution carries the
+tool's answer, as the joined exit does in enforcement); the model's side does not record it
+again (`Learner.executed`).
 What is stored is redacted first (the built-in secret names and the contract's `redact` keys),
 and bounded: at most `--learn-max-runs` runs and `--learn-max-run-bytes` bytes of events per
 run are recorded by one process; a call past a bound is forwarded all the same, not recorded,
@@ -19,16 +24,20 @@ from typing import Any
 
 import orjson
 
+from stepguard.contracts.bounded import Bounded
 from stepguard.contracts.errors import ConflictError, RunOfAnotherWorkflow, StoreError
 from stepguard.contracts.learned import Observation
 from stepguard.contracts.model import Contract, Match, Step
 from stepguard.contracts.redact import Redactor
 from stepguard.contracts.runs import RunBook
 from stepguard.metrics.observer import Observer
+from stepguard.proxy.core.correlation import issues_calls
+from stepguard.proxy.core.joining import PendingCalls
 
 DEFAULT_MAX_RUNS = 1000
 DEFAULT_MAX_RUN_BYTES = 1024 * 1024
 CONFLICT_TRIES = 8      # appends of one recording lost to another writer of the run, at most
+JOINED_LIMIT = 65536    # model tool calls known executed over MCP or HTTP, kept at most
 
 
 def learning(contract: Contract) -> Contract:
@@ -47,6 +56,22 @@ def learn_step(name: str, upstream: str, method: str | None = None, path: str | 
     return Step(name, 0, Match(upstream, method, path, tool))
 
 
+async def joined_step(pending: PendingCalls, contract: Contract, upstream: str, method: str,
+                      path: str, arguments: Any) -> Step:
+    """The step an HTTP call is correlated as: named for the tool of the model's call waiting
+    with these arguments (after the streamed turns being checked, which may be issuing it; of
+    several, the one the path ends with), else for its route (`METHOD /path`)."""
+    if issues_calls(contract):
+        tools = pending.steps_issued(contract.workflow, arguments)
+        if not tools and await pending.settled(contract.workflow):
+            tools = pending.steps_issued(contract.workflow, arguments)
+        if len(tools) > 1:
+            tools = [t for t in tools if path.rstrip("/").rsplit("/", 1)[-1] == t]
+        if len(tools) == 1:
+            return learn_step(tools[0], upstream, method, path)
+    return learn_step(f"{method} {path}", upstream, method, path)
+
+
 class Learner:
     """Records observations in their runs' histories, redacted and bounded."""
 
@@ -61,6 +86,21 @@ class Learner:
         self.max_run_bytes = max_run_bytes
         # run id -> bytes of events recorded in it (at most `max_runs` runs: the bound itself)
         self._recorded: dict[str, int] = {}
+        # (run id, model tool-call id) of calls an MCP or HTTP call executed (joined), until the
+        # model's side sees their results (oldest out first)
+        self._executed: Bounded[tuple[str, str], None] = Bounded(JOINED_LIMIT)
+
+    def joined(self, run_id: str, call_id: str) -> None:
+        """The model's tool call `call_id` of `run_id` is executed by an MCP or HTTP call that
+        records it (before that call is forwarded: the agent hands its result on after)."""
+        self._executed.put((run_id, call_id), None)
+
+    def executed(self, run_id: str, call_id: str) -> bool:
+        """Whether the tool call was recorded by its execution (`joined`); asked once."""
+        if (run_id, call_id) not in self._executed:
+            return False
+        self._executed.pop((run_id, call_id))
+        return True
 
     def dropped(self, contract: Contract, reason: str, run_id: str | None = None) -> None:
         self.observer.learn_dropped(contract.workflow, reason, run_id)
@@ -78,10 +118,13 @@ class Learner:
         """`seen` redacted and stored as one event of `run_id` (with correlation `keys`), unless
         a bound is passed or the store fails: then counted, and False. Never raises."""
         redact = self.redactor(contract)
-        given, in_paths = redact.paths(seen.input, "input")
-        got, out_paths = redact.paths(seen.output, "output")
-        fields = dataclasses.replace(seen, input=given, output=got,
-                                     redacted=(*seen.redacted, *in_paths, *out_paths)).fields()
+        if redact.clean(seen.input) and redact.clean(seen.output):
+            fields = seen.fields()      # nothing to redact: no copy, no paths to note
+        else:
+            given, in_paths = redact.paths(seen.input, "input")
+            got, out_paths = redact.paths(seen.output, "output")
+            fields = dataclasses.replace(seen, input=given, output=got,
+                                         redacted=(*seen.redacted, *in_paths, *out_paths)).fields()
         size = len(orjson.dumps(fields, default=str))
         used = self._recorded.get(run_id)
         if used is None and len(self._recorded) >= self.max_runs:

@@ -57,7 +57,7 @@ from stepguard.proxy.core.forward import (
     UpstreamError,
     end_to_end,
 )
-from stepguard.proxy.core.learning import learn_step
+from stepguard.proxy.core.learning import joined_step
 from stepguard.proxy.core.problems import halted_problem, problem, violation_problem
 from stepguard.proxy.core.routing import Route
 from stepguard.proxy.core.unchecked import REPLAYED_FROM, unreachable_problem, upstream_url
@@ -164,15 +164,18 @@ class HttpToolAdapter:
         query = query_input(request.query)
         if not body and not query:
             arguments = None     # no arguments at all (a GET without a query)
-        step = learn_step(f"{request.method} {route.path}", route.upstream.name,
-                          request.method, route.path)
+        call_input = arguments if arguments is not None else query
+        step = await joined_step(self.boundaries.pending, contract, route.upstream.name,
+                                 request.method, route.path, call_input)
         keyed = await self.boundaries.run_keys.resolve(
             contract, step, request.headers,
             ChainMap(arguments, query) if isinstance(arguments, dict) else query,
-            call_input=arguments if arguments is not None else query)
+            call_input=call_input)
         if keyed.run_id is None:
             learner.dropped(contract, keyed.reason or NO_RUN_KEY)
             return await self.forward_unchecked(request, route, headers, body, timing)
+        if keyed.joined is not None:
+            learner.joined(keyed.run_id, keyed.joined)
         if not learner.room(contract, keyed.run_id):
             return await self.forward_unchecked(request, route, headers, body, timing)
         kept = Kept(learner.max_run_bytes)
@@ -187,7 +190,8 @@ class HttpToolAdapter:
         output, error = learned_output(kept, error, self.settings.max_json_depth)
         await learner.record(contract, keyed.run_id, Observation(
             TRAFFIC, route.upstream.name, timing.arrived, method=request.method, path=route.path,
-            input=arguments, output=output, status=kept.status, error=error))
+            input=arguments, output=output, status=kept.status, error=error,
+            tool=None if keyed.joined is None else step.name, joined=keyed.joined))
         return answer
 
     async def _unmatched(self, request: web.Request, route: Route, headers: CIMultiDict[str],

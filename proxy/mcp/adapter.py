@@ -154,6 +154,8 @@ class McpAdapter:
         if keyed.run_id is None:
             learner.dropped(contract, keyed.reason or NO_RUN_KEY)
             return await self.http.forward_unchecked(request, route, headers, body, timing)
+        if keyed.joined is not None:
+            learner.joined(keyed.run_id, keyed.joined)
         if not learner.room(contract, keyed.run_id):
             return await self.http.forward_unchecked(request, route, headers, body, timing)
         kept = Kept(learner.max_run_bytes)
@@ -164,7 +166,7 @@ class McpAdapter:
         await learner.record(contract, keyed.run_id, Observation(
             TRAFFIC, route.upstream.name, timing.arrived, tool=tool, input=arguments,
             output=output, status=kept.status, error=error,
-            call_id=None if rpc_id is None else str(rpc_id)))
+            call_id=None if rpc_id is None else str(rpc_id), joined=keyed.joined))
         return answer
 
     # -- the call loop's protocol -----------------------------------------------------------------

@@ -11,7 +11,9 @@ and what it says is recorded.
   it holds, else its text) as output; the run's calls whose result never came are recorded then,
   without an output;
 - the tool calls issued are registered for joining (`PendingCalls`, under the tool's name), so
-  an execution of one over MCP lands in the model's run.
+  an execution of one over MCP or HTTP lands in the model's run; that execution is then the
+  call's one observation (with the tool's answer and the call's id as `joined`), and the
+  result the agent hands back is not recorded again (`Learner.executed`).
 """
 
 from __future__ import annotations
@@ -64,8 +66,8 @@ class ModelLearning:
         outputs: list[ToolOutput] = parsed(ex, lambda: ex.dialect.tool_outputs(ex.body))
         for output in outputs:
             issued = self._take(ex.run_id, output.call_id)
-            if issued is None:
-                continue
+            if issued is None or self.learner.executed(ex.run_id, output.call_id):
+                continue    # not issued here, or recorded by its execution (MCP or HTTP)
             error = issued.error or output.error or (
                 "the agent reported the tool failed" if output.is_error else None)
             await self.learner.record(ex.contract, ex.run_id, Observation(
@@ -96,7 +98,7 @@ class ModelLearning:
                 final=True))
             for call_id in sorted(self._of_run.get(run_id, ())):
                 issued = self._take(run_id, call_id)
-                if issued is not None:
+                if issued is not None and not self.learner.executed(run_id, call_id):
                     await self.learner.record(contract, run_id, Observation(
                         TRAFFIC, issued.upstream, issued.at, tool=issued.tool,
                         input=issued.arguments, error=issued.error or NO_RESULT,

@@ -4,8 +4,10 @@ contract marks, matched the same way."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from stepguard.contracts.redact import REDACTED, Redactor
+from stepguard.contracts.redact import CLEAN_KEYS, REDACTED, Redactor
 
 
 @pytest.mark.parametrize("key", ["token", "Token", "private_key", "Private-Key", "x_api_key",
@@ -33,3 +35,28 @@ def test_a_contract_field_matches_whatever_its_case_and_separators():
 
     assert redact({"Card_Number": "4111", "card-number": "4111", "CARD-NUMBER": "4111"}) == {
         "Card_Number": REDACTED, "card-number": REDACTED, "CARD-NUMBER": REDACTED}
+
+
+KEYS = st.sampled_from(["order_id", "Token", "x-api-key", "card_number", "Card-Number", "items",
+                        "note", "SECRET", "secrets"])
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=5),
+                    lambda inner: st.lists(inner, max_size=4)
+                    | st.dictionaries(KEYS, inner, max_size=4), max_leaves=20)
+
+
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(JSON, min_size=1, max_size=4))
+def test_a_value_is_clean_exactly_when_redacting_it_changes_nothing(values):
+    redact = Redactor(["card_number"])     # one redactor: what it learned of earlier values kept
+
+    for value in values:
+        assert redact.clean(value) == (redact(value) is value)
+
+
+def test_keys_seen_clean_are_forgotten_past_their_bound_and_still_checked():
+    redact = Redactor()
+    for n in range(CLEAN_KEYS + 10):
+        assert redact.clean({f"k{n}": 1})
+
+    assert len(redact._clean) <= CLEAN_KEYS
+    assert not redact.clean({"k1": {"token": 1}})
