@@ -5,6 +5,7 @@ Agents reach stepguard through base URLs only. The `stack` fixture (conftest.py)
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 from collections.abc import AsyncIterator, Callable
@@ -113,7 +114,7 @@ def stack_starter(tmp_path: Path) -> StartStack:
                 assert mcp in ("stateless", "session")
                 mcp_base = parts.enter_context(serving_mcp(desk, sessions=mcp == "session"))
                 upstreams.append(f"mcp={mcp_base}")
-            declared = yaml.safe_load(contract.read_text())["upstreams"]
+            declared = yaml.safe_load(await asyncio.to_thread(contract.read_text))["upstreams"]
             config = Settings.from_env(
                 store=str(tmp_path / f"s{next(stores)}.db"), store_timeout=STORE_TIMEOUT_S,
                 vars=list(vars), upstreams=[u for u in upstreams if u.partition("=")[0] in declared],

@@ -13,6 +13,7 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+from refund_agents import ToolFailed
 from refund_checks import assert_caught, assert_clean
 from refund_desk import (
     AGING_IDENTITY,
@@ -32,12 +33,6 @@ from refund_desk import (
 from refund_stack import Stack, StartStack
 
 CACHED_RESULT = "cached_result"   # the agent hands the model another ticket's policy result
-
-
-class ToolFailed(Exception):
-    def __init__(self, status: int, body: Any) -> None:
-        super().__init__(status, body)
-        self.status, self.body = status, body
 
 
 async def agent(s: Stack, ticket: str, *, stream: bool = False, eager: bool = False,
