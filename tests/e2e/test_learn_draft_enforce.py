@@ -1,7 +1,7 @@
 """From traffic to an enforced contract, with real agents (issue #26): stepguard in learn mode
 (`--learn`, a contract naming only the workflow, its upstreams and how runs are found) records
 clean runs of an agent; `stepguard draft` writes a contract from them and verifies it by replay;
-`stepguard check` accepts it; stepguard restarted enforcing it lets a clean run complete and
+`stepguard check` accepts it; stepguard restarted enforcing it lets a clean run through and
 halts, as freshness drift, a run whose policy lookup answers for the previous ticket's order.
 
 One agent per traffic kind, none sending a stepguard header: the `openai` SDK loop with its
@@ -11,8 +11,7 @@ plain aiohttp client of the desk's HTTP service."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,26 +41,27 @@ class Agent:
     runs: Runs                  # one agent's concurrent runs, a ticket each: answers or errors
     refused: type[Exception]    # what a run raises when stepguard refuses a call
     answer: Callable[[str], Any]                      # what a clean run of a ticket returns
+    decision: Callable[[Any], str]                    # the decision id its refusal carries
 
 
 async def by_model(s: Stack, tickets: Sequence[str]) -> list[Any]:
     for ticket in tickets:
         s.model.work_on(ticket)
     async with openai.AsyncOpenAI(base_url=s.model_url, api_key="sk-test") as client:
-        return await asyncio.gather(*(model_agent(client, s.desk, t) for t in tickets),
-                                    return_exceptions=True)
+        return list(await asyncio.gather(*(model_agent(client, s.desk, t) for t in tickets),
+                                         return_exceptions=True))
 
 
 async def by_mcp(s: Stack, tickets: Sequence[str]) -> list[Any]:
     async with mcp_client(s, "stateless") as client:
-        return await asyncio.gather(*(refund(over_mcp(client), t) for t in tickets),
-                                    return_exceptions=True)
+        return list(await asyncio.gather(*(refund(over_mcp(client), t) for t in tickets),
+                                         return_exceptions=True))
 
 
 async def by_http(s: Stack, tickets: Sequence[str]) -> list[Any]:
     async with aiohttp.ClientSession() as session:
-        return await asyncio.gather(*(refund(over_http(session, s.tools_url), t) for t in tickets),
-                                    return_exceptions=True)
+        return list(await asyncio.gather(*(refund(over_http(session, s.tools_url), t)
+                                           for t in tickets), return_exceptions=True))
 
 
 def closed(ticket: str) -> dict[str, Any]:
@@ -69,9 +69,10 @@ def closed(ticket: str) -> dict[str, Any]:
 
 
 AGENTS = {
-    "model": Agent(None, by_model, openai.APIStatusError, lambda t: {"done": True, "ticket_id": t}),
-    "mcp": Agent("stateless", by_mcp, MCPError, closed),
-    "http": Agent(None, by_http, ToolFailed, closed),
+    "model": Agent(None, by_model, openai.APIStatusError, lambda t: {"done": True, "ticket_id": t},
+                   lambda e: e.body["stepguard"]["decision_id"]),
+    "mcp": Agent("stateless", by_mcp, MCPError, closed, lambda e: e.error.data["decision_id"]),
+    "http": Agent(None, by_http, ToolFailed, closed, lambda e: e.body["decision_id"]),
 }
 
 
@@ -85,28 +86,23 @@ def learn_contract(tmp_path: Path) -> Path:
     return path
 
 
-@contextlib.asynccontextmanager
-async def learning(stack: StartStack, agent: Agent, tmp_path: Path) -> AsyncIterator[Stack]:
-    async with stack(mcp=agent.mcp, contract=learn_contract(tmp_path), learn=True) as s:
-        yield s
-
-
 @pytest.mark.parametrize("traffic", list(AGENTS))
 async def test_a_contract_drafted_from_learned_runs_lets_a_clean_run_through_and_halts_a_stale_result(
         stack: StartStack, tmp_path: Path, capsys: pytest.CaptureFixture[str],
         traffic: str) -> None:
-    agent = AGENTS[traffic]
-    async with learning(stack, agent, tmp_path) as s:
+    agent, learn = AGENTS[traffic], learn_contract(tmp_path)
+    async with stack(mcp=agent.mcp, contract=learn, learn=True) as s:     # serve --learn
         answers = await agent.runs(s, LEARNED)
         assert answers == [agent.answer(t) for t in LEARNED]
         store = s.sg.settings.store
         assert len(await s.runs()) == len(LEARNED)
 
     drafted = tmp_path / "drafted.yaml"
-    code = main(["draft", "--store", store, "--upstreams", str(tmp_path / "learn.yaml"),
+    code = main(["draft", "--store", store, "--upstreams", str(learn),
                  "-o", str(drafted)])
     report = capsys.readouterr()
     assert code == 0, report.out + report.err
+    assert f"Drafted {len(TOOLS)} step(s) from {len(LEARNED)} learned run(s)" in report.out
     assert f"Verified by replay: {len(LEARNED)} of {len(LEARNED)} learned run(s) pass." in report.out
     assert main(["check", str(drafted)]) == 0, capsys.readouterr()
     assert f"ok: workflow '{WORKFLOW}'" in capsys.readouterr().out
@@ -125,6 +121,7 @@ async def test_a_contract_drafted_from_learned_runs_lets_a_clean_run_through_and
         run = await s.run_of(STALE)
         event = assert_caught(run, await s.history(run.run_id), step="lookup_policy",
                               boundary="exit", check="postcondition", drift="freshness")
+    assert agent.decision(stale) == event["decision_id"]      # the agent got stepguard's refusal
     assert event["violation"]["expression"].startswith("output.order_id == state."), event
     # the stale answer reached no step after it
     assert [c.tool for c in s.desk.calls(ticket=STALE)] == list(TOOLS[:TOOLS.index("lookup_policy") + 1])
