@@ -1,7 +1,8 @@
 """The agents of the end-to-end suite, each built from a base URL alone and sending no stepguard
-header: a plain `openai` SDK loop whose tools run in-process (`model_agent`), and a scripted
-tool agent (`refund`) that calls the desk's five tools itself, taking each call's arguments from
-the results before it, over the `mcp` SDK's `Client` (`over_mcp`) or plain HTTP with aiohttp
+header: a plain `openai` SDK loop whose tools run in-process (`model_agent`), the same loop
+running its tools over the desk's HTTP service (`hybrid_agent`), and a scripted tool agent
+(`refund`) that calls the desk's five tools itself, taking each call's arguments from the
+results before it, over the `mcp` SDK's `Client` (`over_mcp`) or plain HTTP with aiohttp
 (`over_http`)."""
 
 from __future__ import annotations
@@ -14,6 +15,16 @@ import aiohttp
 import openai
 from mcp import Client
 from refund_desk import CHAT_TOOLS, MODEL, SKIP_POLICY, STALE_ORDER, Desk, number, task
+from refund_stack import Stack
+
+
+class ToolFailed(Exception):
+    """An HTTP tool call answered with an error status (stepguard's refusal, or the desk's)."""
+
+    def __init__(self, status: int, body: Any) -> None:
+        super().__init__(status, body)
+        self.status, self.body = status, body
+
 
 # --- the openai SDK loop ---------------------------------------------------------------------------
 
@@ -50,17 +61,67 @@ async def model_agent(client: openai.AsyncOpenAI, desk: Desk, ticket: str,
     raise AssertionError("no final answer")
 
 
+# --- the hybrid agent: the openai SDK loop, its tools over HTTP -------------------------------------
+
+CACHED_RESULT = "cached_result"   # the agent hands the model another ticket's policy result
+
+
+async def hybrid_agent(s: Stack, ticket: str, *, stream: bool = False, eager: bool = False,
+                       drift: str | None = None) -> Any:
+    """Ask the model; run each tool call it makes as an HTTP POST to the desk; hand the results
+    back; ToolFailed for an HTTP call answered with an error status. `eager`: streamed, and the
+    calls run as soon as the model says the turn is done (its finish_reason), before the
+    stream's end."""
+    stream = stream or eager
+    messages: list[Any] = [{"role": "system", "content": "You resolve support tickets."},
+                           {"role": "user", "content": task(ticket)}]
+    async with openai.AsyncOpenAI(base_url=s.model_url, api_key="sk-test") as model, \
+            aiohttp.ClientSession() as http:
+        for _ in range(8):
+            reply = await model.chat.completions.create(
+                model=MODEL, messages=messages, tools=CHAT_TOOLS, stream=stream)
+            message = await whole(reply, eager) if stream else reply.choices[0].message
+            if not message.tool_calls:
+                return json.loads(message.content)
+            messages.append(message.model_dump(exclude_none=True))
+            for call in message.tool_calls:
+                arguments = json.loads(call.function.arguments)
+                async with http.post(f"{s.tools_url}/{call.function.name}", json=arguments) as r:
+                    result = await r.json(content_type=None)
+                    if r.status != 200:
+                        raise ToolFailed(r.status, result)
+                if drift == CACHED_RESULT and call.function.name == "lookup_policy":
+                    result = {**result, "ticket_id": "T-1"}
+                messages.append({"role": "tool", "tool_call_id": call.id,
+                                 "content": json.dumps(result)})
+    raise AssertionError("no final answer")
+
+
+async def whole(stream: Any, eager: bool = False) -> Any:
+    """The assistant message of a streamed answer, assembled as an agent would; `eager`: up to
+    the finish_reason of a turn of tool calls, the rest of the stream left unread."""
+    content, calls = "", {}
+    async for chunk in stream:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for part in choice.delta.tool_calls or ():
+                call = calls.setdefault(part.index, {"id": "", "name": "", "arguments": ""})
+                call["id"] = part.id or call["id"]
+                call["name"] = part.function.name or call["name"]
+                call["arguments"] += part.function.arguments or ""
+        if eager and any(c.finish_reason == "tool_calls" for c in chunk.choices):
+            await stream.close()
+            break
+    tool_calls = [{"id": c["id"], "type": "function",
+                   "function": {"name": c["name"], "arguments": c["arguments"]}}
+                  for c in calls.values()]
+    return openai.types.chat.ChatCompletionMessage.model_validate(
+        {"role": "assistant", "content": content or None, "tool_calls": tool_calls or None})
+
+
 # --- the scripted tool agent ------------------------------------------------------------------------
 
 ToolCall = Callable[..., Awaitable[dict[str, Any]]]    # call(tool, **arguments) -> its result
-
-
-class ToolFailed(Exception):
-    """An HTTP tool call answered with an error status (stepguard's refusal, or the desk's)."""
-
-    def __init__(self, status: int, body: Any) -> None:
-        super().__init__(status, body)
-        self.status, self.body = status, body
 
 
 def over_mcp(client: Client) -> ToolCall:

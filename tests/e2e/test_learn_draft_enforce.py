@@ -5,8 +5,9 @@ clean runs of an agent; `stepguard draft` writes a contract from them and verifi
 halts, as freshness drift, a run whose policy lookup answers for the previous ticket's order.
 
 One agent per traffic kind, none sending a stepguard header: the `openai` SDK loop with its
-tools in-process (model traffic), the `mcp` SDK client of a real MCP server (stateless), and a
-plain aiohttp client of the desk's HTTP service."""
+tools in-process (model traffic), the `mcp` SDK client of a real MCP server (stateless), a
+plain aiohttp client of the desk's HTTP service, and the `openai` loop running its tools over
+that HTTP service (hybrid: each tool call is one step of the model's run)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import openai
 import pytest
 import yaml
 from mcp import MCPError
-from refund_agents import ToolFailed, model_agent, over_http, over_mcp, refund
+from refund_agents import ToolFailed, hybrid_agent, model_agent, over_http, over_mcp, refund
 from refund_checks import assert_caught, assert_passed
 from refund_desk import STALE_RESULT, TOOLS, number
 from refund_stack import CONTRACT, WORKFLOW, Stack, StartStack, mcp_client
@@ -64,6 +65,13 @@ async def by_http(s: Stack, tickets: Sequence[str]) -> list[Any]:
                                            for t in tickets), return_exceptions=True))
 
 
+async def by_hybrid(s: Stack, tickets: Sequence[str]) -> list[Any]:
+    for ticket in tickets:
+        s.model.work_on(ticket)
+    return list(await asyncio.gather(*(hybrid_agent(s, t) for t in tickets),
+                                     return_exceptions=True))
+
+
 def closed(ticket: str) -> dict[str, Any]:
     return {"ticket_id": ticket, "done": True, "closed": True, "closure_id": f"CL-{number(ticket)}"}
 
@@ -73,7 +81,14 @@ AGENTS = {
                    lambda e: e.body["stepguard"]["decision_id"]),
     "mcp": Agent("stateless", by_mcp, MCPError, closed, lambda e: e.error.data["decision_id"]),
     "http": Agent(None, by_http, ToolFailed, closed, lambda e: e.body["decision_id"]),
+    "hybrid": Agent(None, by_hybrid, ToolFailed, lambda t: {"done": True, "ticket_id": t},
+                    lambda e: e.body["decision_id"]),
 }
+# learn mode does not yet join an HTTP call to the model call that issued it: each hybrid run
+# is learned as two runs, the model's and its HTTP calls'
+KNOWN = {"hybrid": pytest.mark.xfail(reason="learn mode records a model's tool call and the HTTP "
+                                            "call that runs it in two runs",
+                                     raises=AssertionError, strict=True)}
 
 
 def learn_contract(tmp_path: Path) -> Path:
@@ -86,7 +101,7 @@ def learn_contract(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("traffic", list(AGENTS))
+@pytest.mark.parametrize("traffic", [pytest.param(t, marks=KNOWN.get(t, ())) for t in AGENTS])
 async def test_a_contract_drafted_from_learned_runs_lets_a_clean_run_through_and_halts_a_stale_result(
         stack: StartStack, tmp_path: Path, capsys: pytest.CaptureFixture[str],
         traffic: str) -> None:
@@ -115,7 +130,7 @@ async def test_a_contract_drafted_from_learned_runs_lets_a_clean_run_through_and
         assert_passed(run, await s.history(run.run_id))
         # completed if the draft says when a run is (a model's final answer always does)
         completes = "completion" in yaml.safe_load(drafted.read_text())
-        assert completes or traffic != "model"
+        assert completes or traffic not in ("model", "hybrid")
         assert run.status == ("completed" if completes else "active")
         assert isinstance(stale, agent.refused), stale
         run = await s.run_of(STALE)
