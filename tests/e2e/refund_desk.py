@@ -47,6 +47,7 @@ SHAPE = "shape"                      # get_ticket names the customer `customer`,
 STALE_IDENTITY = "stale_identity"    # verify_identity hands back a check made 2 h ago
 AGING_IDENTITY = "aging_identity"    # ... one made 30 min ago (fresh under the default 1 h)
 OLD_POLICY = "old_policy"            # lookup_policy: the version in force dates from 2 years ago
+STALE_RESULT = "stale_result"        # lookup_policy answers for the previous ticket's order
 GATEWAY_TIMEOUT = "gateway_timeout"  # issue_refund: 200 with a partial, timed-out refund
 NO_CLOSURE = "no_closure"            # close_ticket: done, without closing anything
 # agent side: what the model (or the scripted MCP agent) asks for
@@ -108,7 +109,8 @@ class Desk:
                     "verified": True, "verified_at": iso(now - age.get(drift, timedelta(0)))}
         if tool == "lookup_policy":
             effective = now - (timedelta(days=730) if drift == OLD_POLICY else timedelta(days=30))
-            return {"ticket_id": ticket, "order_id": arguments.get("order_id"),
+            order = f"O-{n - 1}" if drift == STALE_RESULT else arguments.get("order_id")
+            return {"ticket_id": ticket, "order_id": order,
                     "policy_id": "P-7", "effective_date": iso(effective), "refundable": True,
                     "max_refund_cents": 20000}
         if tool == "issue_refund":

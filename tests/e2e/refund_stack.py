@@ -5,6 +5,7 @@ Agents reach stepguard through base URLs only. The `stack` fixture (conftest.py)
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 from collections.abc import AsyncIterator, Callable
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
 from aiohttp import web
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
@@ -97,7 +99,8 @@ def stack_starter(tmp_path: Path) -> StartStack:
     on a store of its own. `mcp`: also serve the desk over MCP, "stateless" (handshake-era
     clients get no session; 2026-07-28 clients never do) or "session". `vars` are `--var
     NAME=VALUE` flags; STEPGUARD_VAR_* in the environment apply as well. `contract`: another
-    file of the workflow (a variant of refund.contract.yaml)."""
+    file of the workflow (a variant of refund.contract.yaml, or one drafted from learned
+    traffic): the desk's and the model's URLs are set for the upstreams it declares."""
     stores = itertools.count(1)
 
     @contextlib.asynccontextmanager
@@ -111,9 +114,11 @@ def stack_starter(tmp_path: Path) -> StartStack:
                 assert mcp in ("stateless", "session")
                 mcp_base = parts.enter_context(serving_mcp(desk, sessions=mcp == "session"))
                 upstreams.append(f"mcp={mcp_base}")
+            declared = yaml.safe_load(await asyncio.to_thread(contract.read_text))["upstreams"]
             config = Settings.from_env(
                 store=str(tmp_path / f"s{next(stores)}.db"), store_timeout=STORE_TIMEOUT_S,
-                vars=list(vars), upstreams=upstreams, **settings)
+                vars=list(vars), upstreams=[u for u in upstreams if u.partition("=")[0] in declared],
+                **settings)
             sg = build(config, load_contracts([contract], config.vars, config.upstreams))
             await sg.start()
             parts.push_async_callback(sg.stop)

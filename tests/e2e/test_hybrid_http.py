@@ -7,19 +7,15 @@ the agent (and so the model) has it."""
 from __future__ import annotations
 
 import asyncio
-import json
-from typing import Any
 
-import aiohttp
 import openai
 import pytest
+from refund_agents import CACHED_RESULT, ToolFailed, hybrid_agent
 from refund_checks import assert_caught, assert_clean
 from refund_desk import (
     AGING_IDENTITY,
-    CHAT_TOOLS,
     CLAIM_EARLY,
     GATEWAY_TIMEOUT,
-    MODEL,
     NO_CLOSURE,
     SHAPE,
     SKIP_POLICY,
@@ -27,69 +23,8 @@ from refund_desk import (
     STALE_ORDER,
     STALE_TICKET,
     TOOLS,
-    task,
 )
-from refund_stack import Stack, StartStack
-
-CACHED_RESULT = "cached_result"   # the agent hands the model another ticket's policy result
-
-
-class ToolFailed(Exception):
-    def __init__(self, status: int, body: Any) -> None:
-        super().__init__(status, body)
-        self.status, self.body = status, body
-
-
-async def agent(s: Stack, ticket: str, *, stream: bool = False, eager: bool = False,
-                drift: str | None = None) -> Any:
-    """Ask the model; run each tool call it makes as an HTTP POST; hand the results back.
-    `eager`: streamed, and the calls run as soon as the model says the turn is done (its
-    finish_reason), before the stream's end."""
-    stream = stream or eager
-    messages: list[Any] = [{"role": "system", "content": "You resolve support tickets."},
-                           {"role": "user", "content": task(ticket)}]
-    async with openai.AsyncOpenAI(base_url=s.model_url, api_key="sk-test") as model, \
-            aiohttp.ClientSession() as http:
-        for _ in range(8):
-            reply = await model.chat.completions.create(
-                model=MODEL, messages=messages, tools=CHAT_TOOLS, stream=stream)
-            message = await whole(reply, eager) if stream else reply.choices[0].message
-            if not message.tool_calls:
-                return json.loads(message.content)
-            messages.append(message.model_dump(exclude_none=True))
-            for call in message.tool_calls:
-                arguments = json.loads(call.function.arguments)
-                async with http.post(f"{s.tools_url}/{call.function.name}", json=arguments) as r:
-                    result = await r.json(content_type=None)
-                    if r.status != 200:
-                        raise ToolFailed(r.status, result)
-                if drift == CACHED_RESULT and call.function.name == "lookup_policy":
-                    result = {**result, "ticket_id": "T-1"}
-                messages.append({"role": "tool", "tool_call_id": call.id,
-                                 "content": json.dumps(result)})
-    raise AssertionError("no final answer")
-
-
-async def whole(stream: Any, eager: bool = False) -> Any:
-    """The assistant message of a streamed answer, assembled as an agent would; `eager`: up to
-    the finish_reason of a turn of tool calls, the rest of the stream left unread."""
-    content, calls = "", {}
-    async for chunk in stream:
-        for choice in chunk.choices:
-            content += choice.delta.content or ""
-            for part in choice.delta.tool_calls or ():
-                call = calls.setdefault(part.index, {"id": "", "name": "", "arguments": ""})
-                call["id"] = part.id or call["id"]
-                call["name"] = part.function.name or call["name"]
-                call["arguments"] += part.function.arguments or ""
-        if eager and any(c.finish_reason == "tool_calls" for c in chunk.choices):
-            await stream.close()
-            break
-    tool_calls = [{"id": c["id"], "type": "function",
-                   "function": {"name": c["name"], "arguments": c["arguments"]}}
-                  for c in calls.values()]
-    return openai.types.chat.ChatCompletionMessage.model_validate(
-        {"role": "assistant", "content": content or None, "tool_calls": tool_calls or None})
+from refund_stack import StartStack
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
@@ -99,7 +34,7 @@ async def test_concurrent_clean_runs_each_join_model_and_http_calls_into_one_run
     async with stack() as s:
         for ticket in tickets:
             s.model.work_on(ticket)
-        answers = await asyncio.gather(*(agent(s, t, stream=stream) for t in tickets))
+        answers = await asyncio.gather(*(hybrid_agent(s, t, stream=stream) for t in tickets))
 
         assert answers == [{"done": True, "ticket_id": t} for t in tickets]
         assert len(await s.runs()) == 3
@@ -129,7 +64,7 @@ async def test_an_agent_running_streamed_calls_before_the_stream_ends_is_joined_
         s.model.chunk_delay = 0.01
         for ticket in tickets:
             s.model.work_on(ticket)
-        answers = await asyncio.gather(*(agent(s, t, eager=True) for t in tickets))
+        answers = await asyncio.gather(*(hybrid_agent(s, t, eager=True) for t in tickets))
 
         assert answers == [{"done": True, "ticket_id": t} for t in tickets]
         assert len(await s.runs()) == 2
@@ -144,7 +79,7 @@ async def test_a_streamed_call_refused_after_the_agent_ran_it_early_never_reache
         s.model.chunk_delay = 0.01
         s.model.work_on("T-67", SKIP_POLICY)
         with pytest.raises(ToolFailed) as refused:
-            await agent(s, "T-67", eager=True)
+            await hybrid_agent(s, "T-67", eager=True)
         run = await s.run_of("T-67")
         assert_caught(run, await s.history(run.run_id), step="issue_refund", boundary="entry",
                       check="order", drift="order")
@@ -179,7 +114,7 @@ async def test_a_drifting_run_is_stopped_at_the_first_boundary_that_sees_the_dri
         s.model.work_on("T-73")
         if drift not in MODEL_SIDE | AGENT_SIDE:
             s.desk.drift("T-72", drift)
-        drifting, clean = await asyncio.gather(agent(s, "T-72", drift=drift), agent(s, "T-73"),
+        drifting, clean = await asyncio.gather(hybrid_agent(s, "T-72", drift=drift), hybrid_agent(s, "T-73"),
                                                return_exceptions=True)
         assert clean == {"done": True, "ticket_id": "T-73"}
         run = await s.run_of("T-72")
@@ -214,7 +149,7 @@ async def test_a_var_from_the_environment_tightens_the_clock_for_a_hybrid_run(
         s.model.work_on("T-81")
         s.desk.drift("T-81", AGING_IDENTITY)      # checked 30 minutes ago
         with pytest.raises(ToolFailed) as refused:
-            await agent(s, "T-81")
+            await hybrid_agent(s, "T-81")
         run = await s.run_of("T-81")
         event = assert_caught(run, await s.history(run.run_id), step="verify_identity",
                               boundary="exit", check="postcondition", drift="freshness")

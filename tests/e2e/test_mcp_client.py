@@ -6,10 +6,10 @@ found by the ticket_id argument. Several runs share one client, as an agent proc
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import pytest
-from mcp import Client, MCPError
+from mcp import MCPError
+from refund_agents import over_mcp, refund
 from refund_checks import assert_caught, assert_clean
 from refund_desk import (
     AGING_IDENTITY,
@@ -33,31 +33,12 @@ MODES = ["stateless", "session"]
 modes = pytest.mark.parametrize("mode", MODES)
 
 
-async def call(client: Client, tool: str, **arguments: Any) -> dict[str, Any]:
-    result = await client.call_tool(tool, arguments)
-    assert not result.is_error and isinstance(result.structured_content, dict), result
-    return result.structured_content
-
-
-async def refund(client: Client, ticket: str, drift: str | None = None) -> dict[str, Any]:
-    """The agent: each call takes its arguments from the results before it, as written;
-    `drift` makes it misbehave (a stale order id from the ticket before, a skipped step)."""
-    found = await call(client, "get_ticket", ticket_id=ticket)
-    await call(client, "verify_identity", ticket_id=ticket, customer_id=found["customer_id"])
-    if drift != SKIP_POLICY:
-        order = f"O-{number(ticket) - 1}" if drift == STALE_ORDER else found["order_id"]
-        await call(client, "lookup_policy", ticket_id=ticket, order_id=order)
-    refunded = await call(client, "issue_refund", ticket_id=ticket,
-                          amount_cents=found["amount_cents"])
-    return await call(client, "close_ticket", ticket_id=ticket, refund_id=refunded["refund_id"])
-
-
 @modes
 async def test_concurrent_clean_runs_of_one_client_are_one_completed_run_each(
         stack: StartStack, mode: str) -> None:
     tickets = ["T-11", "T-12", "T-13"]
     async with stack(mcp=mode) as s, mcp_client(s, mode) as client:
-        closed = await asyncio.gather(*(refund(client, t) for t in tickets))
+        closed = await asyncio.gather(*(refund(over_mcp(client), t) for t in tickets))
 
         assert closed == [{"ticket_id": t, "done": True, "closed": True,
                            "closure_id": f"CL-{number(t)}"} for t in tickets]
@@ -96,8 +77,8 @@ async def caught(s: Stack, mode: str, drift: str) -> None:
     if drift not in AGENT_SIDE:
         s.desk.drift("T-22", drift)
     async with mcp_client(s, mode) as client:
-        drifting, clean = await asyncio.gather(refund(client, "T-22", drift),
-                                               refund(client, "T-23"), return_exceptions=True)
+        drifting, clean = await asyncio.gather(refund(over_mcp(client), "T-22", drift),
+                                               refund(over_mcp(client), "T-23"), return_exceptions=True)
     assert isinstance(clean, dict) and clean["closure_id"] == "CL-23"
     assert isinstance(drifting, MCPError), drifting
     run = await s.run_of("T-22")
@@ -136,14 +117,14 @@ async def test_the_identity_age_a_var_allows_is_set_at_start(stack: StartStack) 
     10 min an operator sets with --var: the same contract, tightened at start."""
     async with stack(mcp="stateless") as s, mcp_client(s, "stateless") as client:
         s.desk.drift("T-31", AGING_IDENTITY)
-        await refund(client, "T-31")
+        await refund(over_mcp(client), "T-31")
         run = await s.run_of("T-31")
         assert_clean(run, await s.history(run.run_id))
     async with stack(mcp="stateless", vars=("max_identity_age=10m",)) as s, \
             mcp_client(s, "stateless") as client:
         s.desk.drift("T-31", AGING_IDENTITY)
         with pytest.raises(MCPError) as refused:
-            await refund(client, "T-31")
+            await refund(over_mcp(client), "T-31")
         run = await s.run_of("T-31")
         event = assert_caught(run, await s.history(run.run_id), step="verify_identity",
                               boundary="exit", check="postcondition", drift="freshness")

@@ -7,18 +7,15 @@ drift in the model's answer, before the agent can act on it."""
 from __future__ import annotations
 
 import asyncio
-import json
-from typing import Any
 
 import aiohttp
 import openai
 import pytest
+from refund_agents import ask, model_agent
 from refund_checks import assert_caught, assert_clean
 from refund_desk import (
-    CHAT_TOOLS,
     CLAIM_EARLY,
     GATEWAY_TIMEOUT,
-    MODEL,
     NO_CLOSURE,
     SHAPE,
     SKIP_POLICY,
@@ -26,7 +23,6 @@ from refund_desk import (
     STALE_ORDER,
     STALE_TICKET,
     TOOLS,
-    Desk,
     task,
 )
 from refund_stack import Stack, StartStack
@@ -35,35 +31,6 @@ from stepguard.bench.harness import running
 from stepguard.proxy.ops.app import create_admin_app
 
 streams = pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-
-
-async def ask(client: openai.AsyncOpenAI, messages: list[Any], stream: bool) -> Any:
-    if not stream:
-        return (await client.chat.completions.create(model=MODEL, messages=messages,
-                                                     tools=CHAT_TOOLS)).choices[0].message
-    async with client.chat.completions.stream(model=MODEL, messages=messages,
-                                              tools=CHAT_TOOLS) as events:
-        async for _ in events:
-            pass
-        return (await events.get_final_completion()).choices[0].message
-
-
-async def agent(client: openai.AsyncOpenAI, desk: Desk, ticket: str, stream: bool) -> Any:
-    """Ask, run the tools the model calls, hand their results back, until the final answer."""
-    messages: list[Any] = [{"role": "system", "content": "You resolve support tickets."},
-                           {"role": "user", "content": task(ticket)}]
-    for _ in range(8):
-        message = await ask(client, messages, stream)
-        if not message.tool_calls:
-            return json.loads(message.content)
-        messages.append({"role": "assistant", "content": message.content, "tool_calls": [
-            {"id": c.id, "type": "function",
-             "function": {"name": c.function.name, "arguments": c.function.arguments}}
-            for c in message.tool_calls]})
-        for call in message.tool_calls:
-            result = desk.answer("local", call.function.name, json.loads(call.function.arguments))
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps(result)})
-    raise AssertionError("no final answer")
 
 
 def client_of(s: Stack) -> openai.AsyncOpenAI:
@@ -77,7 +44,7 @@ async def test_concurrent_clean_conversations_are_one_completed_run_each(
     async with stack() as s, client_of(s) as client:
         for ticket in tickets:
             s.model.work_on(ticket)
-        answers = await asyncio.gather(*(agent(client, s.desk, t, stream) for t in tickets))
+        answers = await asyncio.gather(*(model_agent(client, s.desk, t, stream) for t in tickets))
 
         assert answers == [{"done": True, "ticket_id": t} for t in tickets]
         assert len(await s.runs()) == 3
@@ -117,8 +84,8 @@ async def test_a_drifting_conversation_is_stopped_where_the_drift_first_shows(
         s.model.work_on("T-53")
         if drift not in MODEL_SIDE:
             s.desk.drift("T-52", drift)
-        drifting, clean = await asyncio.gather(agent(client, s.desk, "T-52", stream),
-                                               agent(client, s.desk, "T-53", stream),
+        drifting, clean = await asyncio.gather(model_agent(client, s.desk, "T-52", stream),
+                                               model_agent(client, s.desk, "T-53", stream),
                                                return_exceptions=True)
         assert clean == {"done": True, "ticket_id": "T-53"}
         assert isinstance(drifting, openai.APIError), drifting
@@ -156,7 +123,7 @@ async def test_a_ticket_started_over_while_its_abandoned_run_is_live_is_refused(
         s.model.work_on("T-57")          # the restarted agent starts the ticket over
 
         with pytest.raises(openai.APIStatusError) as refused:
-            await agent(client, s.desk, "T-57", stream=False)
+            await model_agent(client, s.desk, "T-57", stream=False)
 
         assert refused.value.status_code == 422
         assert "run_key" in str(refused.value) and "ticket_id" in str(refused.value)
@@ -177,7 +144,7 @@ async def test_a_ticket_started_over_after_an_operator_cancelled_its_abandoned_r
             assert reply.status == 200, await reply.text()
         s.model.work_on("T-57")          # the restarted agent starts the ticket over
 
-        answer = await agent(client, s.desk, "T-57", stream=False)
+        answer = await model_agent(client, s.desk, "T-57", stream=False)
 
         assert answer == {"done": True, "ticket_id": "T-57"}
         statuses = sorted(e.status for e in await s.runs())
