@@ -370,17 +370,25 @@ async def learn_and_draft(traffic: str, hosting: Hosting, learn_runs: int,
     mode (the hand-written contract's upstreams and run keys, no step: what `mode: learn` takes),
     then draft a contract from the store with `stepguard draft`'s code and verify it by replay.
     Nothing here sees a drift run: the agents are the clean ones, on orders of their own."""
-    source = example_contract_path(CONTRACTS[traffic])
-    handwritten = load_contract(source)
+    handwritten = load_contract(example_contract_path(CONTRACTS[traffic]))
     learning_at = hosting.beside("learned.db", learn=True, first_order=LEARN_FIRST_ORDER)
     agents = await DRIVES[traffic](handwritten, False,
                                    [("learn", None, i) for i in range(learn_runs)], learning_at)
-    with recorded_store(learning_at.store) as store:
-        learned = learned_runs(store.runs(store.run_ids(handwritten.workflow)))
-    upstreams = yaml.safe_load(Path(source).read_text())["upstreams"]
-    result = draft(learned, handwritten.workflow, min_runs, upstreams)
     assert hosting.workdir is not None
-    path = hosting.workdir / f"drafted.{traffic}.yaml"
+    return await asyncio.to_thread(_draft_learned, traffic, learning_at.store, hosting.workdir,
+                                   sum(a.completed for a in agents), min_runs)
+
+
+def _draft_learned(traffic: str, store: str, workdir: Path, completed: int,
+                   min_runs: int) -> Drafted:
+    """`stepguard draft` over the learned store: the contract written beside it, verified."""
+    source = example_contract_path(CONTRACTS[traffic])
+    workflow = load_contract(source).workflow
+    with recorded_store(store) as recorded:
+        learned = learned_runs(recorded.runs(recorded.run_ids(workflow)))
+    upstreams = yaml.safe_load(Path(source).read_text())["upstreams"]
+    result = draft(learned, workflow, min_runs, upstreams)
+    path = workdir / f"drafted.{traffic}.yaml"
 
     def compile_(document: dict[str, Any]) -> Contract:
         return parse_contract(yaml.safe_dump(document, sort_keys=False).encode(), str(path))
@@ -388,7 +396,7 @@ async def learn_and_draft(traffic: str, hosting: Hosting, learn_runs: int,
     verdicts = settle(result, learned.runs, compile_)
     path.write_text(render(result, [f"Drafted from {len(learned.runs)} learned {traffic} runs "
                                     "by `stepguard bench drift --drafted`."]))
-    return Drafted(load_contract(path), len(learned.runs), sum(a.completed for a in agents),
+    return Drafted(load_contract(path), len(learned.runs), completed,
                    sum(v.status == PASSED for v in verdicts), tuple(result.dropped),
                    len(result.left_out))
 

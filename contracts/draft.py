@@ -555,11 +555,12 @@ class _Drafter:
         self.conventional_error(step)
 
     def conventional_error(self, step: str) -> None:
-        """`has(output.error)`, the conventional error shape, for a step whose every successful
-        result was an object without an `error` field, when no failed call showed it already:
-        a result that carries one is a tool error, not a changed shape."""
+        """`has(output.error)`, the conventional error shape, for a step never seen to fail (a
+        tool seen failing showed how it reports failures: a status, a shape) whose every
+        successful result was an object without an `error` field: a result that carries one is
+        a tool error, not a changed shape."""
         shape = "has(output.error)"
-        if any(e["expr"] == shape for e in self.steps[step].get("error_when", [])):
+        if any(c.step == step and c.outcome == FAIL for r in self.with_step[step] for c in r.calls):
             return
         runs = [r for r in self.with_step[step]
                 if any(c.step == step and c.outcome == PASS for c in r.calls)]
@@ -616,7 +617,7 @@ class _Drafter:
         requires = [s for s in requires if s not in implied]
         if requires:
             out["requires"] = requires
-        proofs = []
+        proofs, repeated = [], set()
         for field_name in _fields([r for r, _ in ends], ends[0][1].step, "output"):
             if field_name == name:
                 continue
@@ -624,7 +625,8 @@ class _Drafter:
             if source is not None:
                 key = self.record(*source)
                 proofs.append(f"output.{field_name} == state.{key}")
-        receipts = self.receipts(ends)
+                repeated.add(source)
+        receipts = self.receipts(ends, repeated)
         proofs += receipts
         if proofs:
             out["proof"] = " && ".join(proofs)
@@ -660,7 +662,7 @@ class _Drafter:
     def step_claim(self) -> tuple[list[tuple[LearnedRun, Call]], str, Any] | None:
         """With no final answer (HTTP or MCP traffic), the completion a step's result claims: a
         step whose verified call ends every run it occurs in, and a field of its output with
-        one value in all of them that no other step's output ever had."""
+        one value in all of them that no other step's result ever carried."""
         ends = [(r, r.calls[-1]) for r in self.runs if r.calls and r.calls[-1].outcome == PASS]
         steps = {c.step for _, c in ends}
         if len(steps) != 1 or FINAL in steps:
@@ -668,21 +670,23 @@ class _Drafter:
         [step] = steps
         if any(c.step == step and c is not r.calls[-1] for r in self.runs for c in r.calls):
             return None     # the step is not always last: its result claims no completion
-        claim = _one_value_field([c for _, c in ends],
-                                 _fields([r for r, _ in ends], step, "output"))
+        # a field another step's result also carried says nothing about the end
+        elsewhere = {n for r in self.runs for c in r.calls if c.step != step
+                     and isinstance(c.output, dict) for n in c.output}
+        claim = _one_value_field([c for _, c in ends], [
+            n for n in _fields([r for r, _ in ends], step, "output") if n not in elsewhere])
         if claim is None:
             return None
         name, value = claim
-        if any(c.step != step and c.usable("output", name) and c.output[name] == value
-               for r in self.runs for c in r.calls):
-            return None     # another step's result says the same: not a claim of the end
         return ends, name, value
 
-    def receipts(self, ends: list[tuple[LearnedRun, Call]]) -> list[str]:
+    def receipts(self, ends: list[tuple[LearnedRun, Call]],
+                 repeated: set[tuple[str, str, str]]) -> list[str]:
         """Proofs that the work was done: each output field the last step verified at the
         claim returned in every run, one value per run and no two runs alike, that came from
-        nowhere earlier (a confirmation id, not a looked-up order id). Recorded there, and no
-        longer required by its output schema: a result without it is a false completion."""
+        nowhere earlier (a confirmation id, not a looked-up order id) and that the claiming
+        answer does not repeat already (`repeated`). Recorded there, and no longer required by
+        its output schema: a result without it is a false completion."""
         lasts = [_last_verified(r, c) for r, c in ends]
         if any(c is None for c in lasts) or len({c.step for c in lasts if c}) != 1:
             return []
@@ -694,6 +698,7 @@ class _Drafter:
             if len(values) < self.min_runs or len(values) != len(calls) \
                     or len(set(values)) != len(values) or is_redacted(name) \
                     or not all(isinstance(c.output[name], str | int) for c in calls) \
+                    or (step, "output", name) in repeated \
                     or self.source(step, "output", name) is not None:
                 continue
             key = self.record(step, "output", name)
