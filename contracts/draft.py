@@ -605,8 +605,8 @@ class _Drafter:
         found = self.final_claim() or self.step_claim()
         if found is None:
             return None
-        ends, name, value = found
-        held, of = len(ends), len(self.runs)
+        ends, name, value, of = found
+        held = len(ends)
         expr = f"has(output.{name}) && output.{name} == {_literal(value)}"
         if not self.keep(held, of, "completion.claim", expr):
             return None
@@ -640,9 +640,10 @@ class _Drafter:
                                        if receipts else ""))
         return out
 
-    def final_claim(self) -> tuple[list[tuple[LearnedRun, Call]], str, Any] | None:
+    def final_claim(self) -> tuple[list[tuple[LearnedRun, Call]], str, Any, int] | None:
         """A field of one value in every run's last final answer (and no other value in an
-        earlier one): ((run, its last final answer) for each run that has one, field, value)."""
+        earlier one): ((run, its last final answer) for each run that has one, field, value,
+        of how many runs: all of them)."""
         finals = [(r, [c for c in r.calls if c.step == FINAL and c.outcome == PASS])
                   for r in self.runs]
         finals = [(r, f) for r, f in finals if f]
@@ -657,12 +658,13 @@ class _Drafter:
         if any(c.usable("output", name) and c.output[name] != value
                for _, f in finals for c in f):
             return None
-        return [(r, f[-1]) for r, f in finals], name, value
+        return [(r, f[-1]) for r, f in finals], name, value, len(self.runs)
 
-    def step_claim(self) -> tuple[list[tuple[LearnedRun, Call]], str, Any] | None:
+    def step_claim(self) -> tuple[list[tuple[LearnedRun, Call]], str, Any, int] | None:
         """With no final answer (HTTP or MCP traffic), the completion a step's result claims: a
         step whose verified call ends every run it occurs in, and a field of its output with
-        one value in all of them that no other step's result ever carried."""
+        one value in all of them that no other step's result ever carried. It held in the runs
+        that reached the step: a run that failed earlier could not claim anything."""
         ends = [(r, r.calls[-1]) for r in self.runs if r.calls and r.calls[-1].outcome == PASS]
         steps = {c.step for _, c in ends}
         if len(steps) != 1 or FINAL in steps:
@@ -678,7 +680,7 @@ class _Drafter:
         if claim is None:
             return None
         name, value = claim
-        return ends, name, value
+        return ends, name, value, len(ends)
 
     def receipts(self, ends: list[tuple[LearnedRun, Call]],
                  repeated: set[tuple[str, str, str]]) -> list[str]:
