@@ -24,12 +24,15 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import yaml
 
 from stepguard.bench.harness import contract_with_upstreams, running
 from stepguard.bench.replicas import balanced, is_url
 from stepguard.bench.replicas import replicas as serving
-from stepguard.contracts.loader import load_contract
+from stepguard.contracts.draft import PASSED, draft, learned_runs, render, settle
+from stepguard.contracts.loader import load_contract, parse_contract
 from stepguard.contracts.model import Contract
+from stepguard.contracts.recorded_stores import recorded_store
 from stepguard.contracts.store import Store
 from stepguard.contracts.stores import make_store
 from stepguard.examples.order_confirmation import agent as agent_mod
@@ -54,6 +57,8 @@ CONTRACTS = {"http": "contract.yaml", "model": "contract.model.yaml", "mcp": "co
 # own agent's call (no header, session or trace says otherwise): stale input there is the article's
 # other form, a policy result for the previous order (`ord-16` inside a result for `ord-17`).
 INJECTORS = {"mcp-stateless": {"freshness": "stale_result"}}
+FIRST_ORDER = 100       # the drift and control runs handle ord-100, ord-101, ...
+LEARN_FIRST_ORDER = 900     # ... the clean runs learned from, orders of their own: ord-900, ...
 
 
 @dataclass
@@ -125,11 +130,17 @@ class Hosting:
     store: str
     replicas: int = 0
     workdir: Path | None = None
+    learn: bool = False         # stepguard in learn mode (`serve --learn`): records, checks nothing
+    first_order: int = FIRST_ORDER      # the plan's n-th agent run handles ord-<first_order + n>
 
-    def beside(self, name: str) -> Hosting:
-        """The same hosting on another store (the pass-through baseline's), in `workdir`."""
+    def beside(self, name: str, learn: bool = False, first_order: int = FIRST_ORDER) -> Hosting:
+        """The same hosting on another store (the pass-through baseline's, the learned runs'),
+        in `workdir`."""
         assert self.workdir is not None
-        return Hosting(str(self.workdir / name), self.replicas, self.workdir)
+        return Hosting(str(self.workdir / name), self.replicas, self.workdir, learn, first_order)
+
+    def order(self, n: int) -> int:
+        return self.first_order + n
 
 
 class _Observed:
@@ -152,13 +163,14 @@ async def _stepguard(contract: Contract, passthrough: bool, hosting: Hosting,
     upstreams at `urls`."""
     contract = _repointed(contract, urls)
     if hosting.replicas <= 0:
-        sg = build(Settings(store=hosting.store, passthrough=passthrough), [contract])
+        sg = build(Settings(store=hosting.store, passthrough=passthrough, learn=hosting.learn),
+                   [contract])
         async with running(create_app(sg)) as url:
             yield sg, url
         return
     assert hosting.workdir is not None
     reader = shared_reader(hosting.store)
-    more = ["--passthrough"] if passthrough else []
+    more = (["--passthrough"] if passthrough else []) + (["--learn"] if hosting.learn else [])
     async with serving(hosting.replicas, Path(contract.source), hosting.store,
                         hosting.workdir, upstreams=urls, more=more) as members, \
             balanced(members.urls) as (url, _):
@@ -185,7 +197,7 @@ async def _drive_http(contract: Contract, passthrough: bool, plan: Plan,
             aiohttp.ClientSession() as session:
         mount = contract.upstreams["tools"].mount
         finished = await asyncio.gather(*(
-            agent_mod.run_agent(session, proxy_url + mount, f"{cls}-{i}", 100 + n, injector)
+            agent_mod.run_agent(session, proxy_url + mount, f"{cls}-{i}", hosting.order(n), injector)
             for n, (cls, injector, i) in enumerate(plan)))
         return await _collect(
             sg, finished,
@@ -202,14 +214,14 @@ async def _drive_model(contract: Contract, passthrough: bool, plan: Plan,
 
     model = fake_model.FakeModel()
     for n, (cls, injector, i) in enumerate(plan):
-        model.script(f"{cls}-{i}", model_agent.script_for(100 + n, injector))
+        model.script(f"{cls}-{i}", model_agent.script_for(hosting.order(n), injector))
     async with fake_model.serve(model) as model_url:
         mount = contract.upstreams["model"].mount
         async with _stepguard(contract, passthrough, hosting, {"model": model_url}) as (
                 sg, proxy_url), openai.AsyncOpenAI(
                 base_url=f"{proxy_url}{mount}/v1", api_key="bench", max_retries=0) as client:
             finished = await asyncio.gather(*(
-                model_agent.run_model_agent(client, f"{cls}-{i}", 100 + n, injector)
+                model_agent.run_model_agent(client, f"{cls}-{i}", hosting.order(n), injector)
                 for n, (cls, injector, i) in enumerate(plan)))
             return await _collect(sg, finished, by_stepguard=_stopped_by_stepguard,
                                   saw_failure=_saw_failure)
@@ -227,13 +239,13 @@ async def _drive_mcp(contract: Contract, passthrough: bool, plan: Plan, hosting:
                 sg, proxy_url):
             url = f"{proxy_url}{mount}{mcp_tools.MCP_PATH}"
             finished = await asyncio.gather(*(
-                mcp_agent.run_mcp_agent(url, f"{cls}-{i}", 100 + n, injector,
+                mcp_agent.run_mcp_agent(url, f"{cls}-{i}", hosting.order(n), injector,
                                         run_header=run_header)
                 for n, (cls, injector, i) in enumerate(plan)))
             run_ids = None
             if not run_header:      # the agent never learns its run: found by its order id
                 runs = await _runs_by_order(sg, limit=2 * len(plan))
-                run_ids = [runs.get(f"ord-{100 + n}") for n in range(len(plan))]
+                run_ids = [runs.get(f"ord-{hosting.order(n)}") for n in range(len(plan))]
             return await _collect(sg, finished, by_stepguard=_stopped_by_stepguard,
                                   saw_failure=_saw_failure, run_ids=run_ids)
 
@@ -256,7 +268,7 @@ async def _drive_hybrid(contract: Contract, passthrough: bool, plan: Plan,
 
     model = fake_model.FakeModel()
     for n, (cls, injector, i) in enumerate(plan):
-        model.script(f"{cls}-{i}", model_agent.script_for(100 + n, injector))
+        model.script(f"{cls}-{i}", model_agent.script_for(hosting.order(n), injector))
     with mcp_tools.serve(mcp_tools.create_app(slot_ids=hybrid_agent.slot_of)) as tools_url:
         async with fake_model.serve(model) as model_url:
             model_mount = contract.upstreams["model"].mount
@@ -268,7 +280,7 @@ async def _drive_hybrid(contract: Contract, passthrough: bool, plan: Plan,
                     max_retries=0) as client:
                 finished = await asyncio.gather(*(
                     hybrid_agent.run_hybrid_agent(client, proxy_url + mcp_url, f"{cls}-{i}",
-                                                  100 + n, injector)
+                                                  hosting.order(n), injector)
                     for n, (cls, injector, i) in enumerate(plan)))
                 return await _collect(sg, finished, by_stepguard=_stopped_by_stepguard,
                                       saw_failure=_saw_failure)
@@ -333,16 +345,76 @@ DRIVES: dict[str, Drive] = {"http": _drive_http, "model": _drive_model, "mcp": _
                             "mcp-stateless": _drive_mcp_stateless, "hybrid": _drive_hybrid}
 
 
+@dataclass(frozen=True)
+class Drafted:
+    """The contract `stepguard draft` wrote from the learned runs, and how its verification
+    went: how many learned runs pass it on replay, the rules replay dropped, those left out."""
+
+    contract: Contract
+    learned: int                # learned runs (stored runs holding learned events)
+    agents_completed: int       # of the agent runs recorded, those that completed
+    passed: int                 # learned runs that pass the drafted contract on replay
+    dropped: tuple[str, ...]
+    left_out: int
+
+    def summary(self) -> dict[str, Any]:
+        return {"learned_runs": self.learned, "agents_completed": self.agents_completed,
+                "verified": self.passed, "dropped": list(self.dropped),
+                "left_out": self.left_out, "steps": len(self.contract.steps),
+                "contract": self.contract.source}
+
+
+async def learn_and_draft(traffic: str, hosting: Hosting, learn_runs: int,
+                          min_runs: int = 5) -> Drafted:
+    """Record `learn_runs` clean runs of the traffic kind's agents through stepguard in learn
+    mode (the hand-written contract's upstreams and run keys, no step: what `mode: learn` takes),
+    then draft a contract from the store with `stepguard draft`'s code and verify it by replay.
+    Nothing here sees a drift run: the agents are the clean ones, on orders of their own."""
+    handwritten = load_contract(example_contract_path(CONTRACTS[traffic]))
+    learning_at = hosting.beside("learned.db", learn=True, first_order=LEARN_FIRST_ORDER)
+    agents = await DRIVES[traffic](handwritten, False,
+                                   [("learn", None, i) for i in range(learn_runs)], learning_at)
+    assert hosting.workdir is not None
+    return await asyncio.to_thread(_draft_learned, traffic, learning_at.store, hosting.workdir,
+                                   sum(a.completed for a in agents), min_runs)
+
+
+def _draft_learned(traffic: str, store: str, workdir: Path, completed: int,
+                   min_runs: int) -> Drafted:
+    """`stepguard draft` over the learned store: the contract written beside it, verified."""
+    source = example_contract_path(CONTRACTS[traffic])
+    workflow = load_contract(source).workflow
+    with recorded_store(store) as recorded:
+        learned = learned_runs(recorded.runs(recorded.run_ids(workflow)))
+    upstreams = yaml.safe_load(Path(source).read_text())["upstreams"]
+    result = draft(learned, workflow, min_runs, upstreams)
+    path = workdir / f"drafted.{traffic}.yaml"
+
+    def compile_(document: dict[str, Any]) -> Contract:
+        return parse_contract(yaml.safe_dump(document, sort_keys=False).encode(), str(path))
+
+    verdicts = settle(result, learned.runs, compile_)
+    path.write_text(render(result, [f"Drafted from {len(learned.runs)} learned {traffic} runs "
+                                    "by `stepguard bench drift --drafted`."]))
+    return Drafted(load_contract(path), len(learned.runs), completed,
+                   sum(v.status == PASSED for v in verdicts), tuple(result.dropped),
+                   len(result.left_out))
+
+
 async def run_bench(runs: int = 5, controls: int = 10, traffic: str = "http",
-                    store: Path | str | None = None, replicas: int = 0) -> dict[str, Any]:
+                    store: Path | str | None = None, replicas: int = 0,
+                    learn_runs: int | None = None) -> dict[str, Any]:
     """`store`: where the enforced runs' store is kept (by default a temporary file; with
     `replicas`, a database URL too). `replicas` > 0: that many `stepguard serve` processes
     share it, every run's calls spread round-robin over them; the pass-through baseline runs
-    the same way on a store of its own."""
+    the same way on a store of its own. `learn_runs`: also draft a contract from that many
+    learned clean runs (`learn_and_draft`) and run the same plan against it (`drafted`)."""
     if traffic not in TRAFFIC:
         raise ValueError(f"unknown traffic {traffic!r}: one of {', '.join(TRAFFIC)}")
     if replicas < 0:
         raise ValueError(f"replicas must be 0 (in this process) or more, not {replicas}")
+    if learn_runs is not None and learn_runs < 1:
+        raise ValueError(f"learn_runs must be 1 or more, not {learn_runs}")
     plan = _plan(runs, controls, traffic)
     with tempfile.TemporaryDirectory(prefix="stepguard-bench-") as tmp:
         hosting = Hosting(str(store or Path(tmp) / "contract.db"), replicas, Path(tmp))
@@ -350,20 +422,30 @@ async def run_bench(runs: int = 5, controls: int = 10, traffic: str = "http",
         drive = DRIVES[traffic]
         enforced = await drive(contract, False, plan, hosting)
         baseline = await drive(contract, True, plan, hosting.beside("baseline.db"))
+        drafted = None
+        if learn_runs is not None:
+            made = await learn_and_draft(traffic, hosting, learn_runs)
+            checked = await drive(made.contract, False, plan, hosting.beside("drafted.db"))
+            drafted = {**summarize(made.contract, plan, checked, baseline), **made.summary()}
     result = summarize(contract, plan, enforced, baseline)
     result["traffic"] = traffic
     result["injectors"] = injectors(traffic)
     result["replicas"] = replicas
+    if drafted is not None:
+        result["drafted"] = drafted
     return result
 
 
 def render_table(result: dict[str, Any]) -> str:
-    head = ("Drift class", "Pass-through: agent saw", "Contract detection", "First contract stop",
-            "Runtime action")
+    drafted = result.get("drafted")
+    head: tuple[str, ...] = ("Drift class", "Pass-through: agent saw", "Contract detection",
+                             *(("Drafted contract",) if drafted else ()), "First contract stop",
+                             "Runtime action")
     rows: list[tuple[str, ...]] = [head]
     for cls, row in result["classes"].items():
         rows.append((LABELS[cls], f"{row['passthrough_agent_saw']}/{row['runs']}",
                      f"{row['contract_detected']}/{row['runs']}",
+                     *((_detected(drafted["classes"][cls]),) if drafted else ()),
                      f"Step {row['first_stop_step']}" if row["first_stop_step"] else "-",
                      row["action"] or "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
@@ -377,6 +459,8 @@ def render_table(result: dict[str, Any]) -> str:
                   f"{injected - missed} and missed {missed}, the contract missed {false_neg}.",
               f"No-drift controls: {control['passed']}/{control['runs']} clean through the "
               f"contract ({control['passthrough_passed']}/{control['runs']} through pass-through)."]
+    if drafted:
+        lines += _drafted_lines(drafted, injected)
     runs = result["runs"]
     lines.append(f"Runs: {runs['stored']} stored for {runs['agents']} agent runs; "
                  + (f"{runs['named_by_agent']} named by the agent's run header." if
@@ -385,3 +469,20 @@ def render_table(result: dict[str, Any]) -> str:
     lines += [f"{LABELS[cls]} is injected as {injector} here (elsewhere {defaults[cls]})."
               for cls, injector in result.get("injectors", {}).items() if injector != defaults[cls]]
     return "\n".join(lines)
+
+
+def _detected(row: dict[str, Any]) -> str:
+    return f"{row['contract_detected']}/{row['runs']}"
+
+
+def _drafted_lines(drafted: dict[str, Any], injected: int) -> list[str]:
+    """What the drafted contract caught and passed, and what it was drafted from."""
+    caught = sum(r["contract_detected"] for r in drafted["classes"].values())
+    control = drafted["control"]
+    lines = [f"Drafted contract: caught {caught}/{injected} drifts (each as its own class), "
+             f"{control['passed']}/{control['runs']} controls clean; drafted by `stepguard "
+             f"draft` from {drafted['learned_runs']} learned clean runs ("
+             f"{drafted['agents_completed']} agent runs completed), {drafted['verified']} of "
+             f"them pass it on replay, {drafted['steps']} steps."]
+    lines += [f"  Dropped on replay: {text}" for text in drafted["dropped"]]
+    return lines

@@ -78,6 +78,7 @@ __all__ = [
 PASS, REJECT, FAIL, PENDING = "pass", "rejected", "failed", "pending"
 _NAME = re.compile(r"[^A-Za-z0-9_]+")
 _DATE_TIME = re.compile(r"^\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(\.\d+)?([Zz]|[+-]\d{2}:\d{2})$")
+_CODE = re.compile(r"[A-Za-z0-9_.:/+-]{1,64}")
 _ARG = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
 _EMPTY_RESULTS = ("results", "items", "data", "records", "matches")
 _ERROR_STATUSES = ("error", "failed", "failure")
@@ -565,6 +566,27 @@ class _Drafter:
                 "expr": shape, "x-evidence": _evidence(len(runs), len(runs),
                                                        f"matched {seen} failed calls, no "
                                                        "successful one")})
+        self.conventional_error(step)
+
+    def conventional_error(self, step: str) -> None:
+        """`has(output.error)`, the conventional error shape, for a step never seen to fail (a
+        tool seen failing showed how it reports failures: a status, a shape) whose every
+        successful result was an object without an `error` field: a result that carries one is
+        a tool error, not a changed shape."""
+        shape = "has(output.error)"
+        if any(c.step == step and c.outcome == FAIL for r in self.with_step[step] for c in r.calls):
+            return
+        runs = [r for r in self.with_step[step]
+                if any(c.step == step and c.outcome == PASS for c in r.calls)]
+        passed = [c for r in runs for c in r.calls if c.step == step and c.outcome == PASS]
+        if not passed or not all(isinstance(c.output, dict) and "error" not in c.output
+                                 for c in passed):
+            return
+        if self.keep(len(runs), len(runs), f"steps.{step}.error_when", shape):
+            self.steps[step].setdefault("error_when", []).append({
+                "expr": shape, "x-evidence": _evidence(
+                    len(runs), len(runs), f"no error field in {len(passed)} successful "
+                    "results: one that carries it is the conventional error shape")})
 
     def values(self, step: str) -> None:
         runs = [r for r in self.with_step[step]
@@ -580,7 +602,7 @@ class _Drafter:
             if len(seen) != 1 or not present:
                 continue
             value = orjson.loads(next(iter(seen)))
-            if not isinstance(value, bool | str):
+            if not _business_value(value):
                 continue
             rule = f"output.{name} == {_literal(value)}"
             if self.keep(len(runs), len(runs), f"steps.{step}.postcondition", rule):
@@ -591,21 +613,58 @@ class _Drafter:
     # --- completion -------------------------------------------------------------------------
 
     def completion(self) -> dict[str, Any] | None:
+        """The claim of a model's final answer, else of the step every run ends with
+        (`_step_claim`); its `requires`, and its proof: the recorded values the claiming answer
+        repeats and the receipts the last step minted (`receipts`)."""
+        found = self.final_claim() or self.step_claim()
+        if found is None:
+            return None
+        ends, name, value, of = found
+        held = len(ends)
+        expr = f"has(output.{name}) && output.{name} == {_literal(value)}"
+        if not self.keep(held, of, "completion.claim", expr):
+            return None
+        out: dict[str, Any] = {"claim": expr}
+        requires = [s for s in self.order if all(s in _verified_at(r, c) for r, c in ends)]
+        reduced = _reduce({s: set(self.steps[s].get("after", [])) for s in self.order})
+        implied = {a for s in requires for a in _ancestors(reduced, s)}
+        requires = [s for s in requires if s not in implied]
+        if requires:
+            out["requires"] = requires
+        proofs, repeated = [], set()
+        for field_name in _fields([r for r, _ in ends], ends[0][1].step, "output"):
+            if field_name == name:
+                continue
+            source = self.final_source(ends, field_name)
+            if source is not None:
+                key = self.record(*source)
+                proofs.append(f"output.{field_name} == state.{key}")
+                repeated.add(source)
+        receipts = self.receipts(ends, repeated)
+        proofs += receipts
+        if proofs:
+            out["proof"] = " && ".join(proofs)
+            out["message"] = "completion claimed with values the run's steps did not produce"
+        where = "the final answer" if ends[0][1].step == FINAL else ends[0][1].step
+        out["x-evidence"] = _evidence(held, of, f"{where}'s {name} was {_literal(value)} in "
+                                      "every run" +
+                                      ("; the proof's values repeat recorded ones"
+                                       if len(proofs) > len(receipts) else "") +
+                                      ("; the receipts the last step minted were in every run"
+                                       if receipts else ""))
+        return out
+
+    def final_claim(self) -> tuple[list[tuple[LearnedRun, Call]], str, Any, int] | None:
+        """A field of one value in every run's last final answer (and no other value in an
+        earlier one): ((run, its last final answer) for each run that has one, field, value,
+        of how many runs: all of them)."""
         finals = [(r, [c for c in r.calls if c.step == FINAL and c.outcome == PASS])
                   for r in self.runs]
         finals = [(r, f) for r, f in finals if f]
         if not finals:
             return None
-        claim = None
         last = [f[-1] for _, f in finals]
-        for name in _fields(self.runs, FINAL, "output"):
-            seen = {_canonical(c.output[name]) for c in last if c.usable("output", name)}
-            if len(seen) != 1 or not all(c.usable("output", name) for c in last):
-                continue
-            value = orjson.loads(next(iter(seen)))
-            if isinstance(value, bool | str):
-                claim = (name, value)
-                break
+        claim = _one_value_field(last, _fields(self.runs, FINAL, "output"))
         if claim is None:
             return None
         name, value = claim
@@ -613,49 +672,80 @@ class _Drafter:
         if any(c.usable("output", name) and c.output[name] != value
                for _, f in finals for c in f):
             return None
-        held = len(finals)
-        of = len(self.runs)
-        expr = f"has(output.{name}) && output.{name} == {_literal(value)}"
-        if not self.keep(held, of, "completion.claim", expr):
-            return None
-        out: dict[str, Any] = {"claim": expr}
-        requires = [s for s in self.order
-                    if all(_verified_before_final(r, s) for r, _ in finals)]
-        reduced = _reduce({s: set(self.steps[s].get("after", [])) for s in self.order})
-        implied = {a for s in requires for a in _ancestors(reduced, s)}
-        requires = [s for s in requires if s not in implied]
-        if requires:
-            out["requires"] = requires
-        proofs = []
-        for field_name in _fields(self.runs, FINAL, "output"):
-            if field_name == name:
-                continue
-            source = self.final_source(finals, field_name)
-            if source is not None:
-                key = self.record(*source)
-                proofs.append((f"output.{field_name} == state.{key}", source))
-        if proofs:
-            out["proof"] = " && ".join(p for p, _ in proofs)
-            out["message"] = "completion claimed with values the run's steps did not produce"
-        out["x-evidence"] = _evidence(held, of, f"the final answer's {name} was "
-                                      f"{_literal(value)} in every run" +
-                                      ("; the proof's values repeat recorded ones"
-                                       if proofs else ""))
-        return out
+        return [(r, f[-1]) for r, f in finals], name, value, len(self.runs)
 
-    def final_source(self, finals: list[tuple[LearnedRun, list[Call]]],
+    def step_claim(self) -> tuple[list[tuple[LearnedRun, Call]], str, Any, int] | None:
+        """With no final answer (HTTP or MCP traffic), the completion a step's result claims: a
+        step whose verified call ends every run it occurs in, and a field of its output with
+        one value in all of them that no other step's result ever carried. It held in the runs
+        that reached the step: a run that failed earlier could not claim anything."""
+        ends = [(r, r.calls[-1]) for r in self.runs if r.calls and r.calls[-1].outcome == PASS]
+        steps = {c.step for _, c in ends}
+        if len(steps) != 1 or FINAL in steps:
+            return None
+        [step] = steps
+        if any(c.step == step and c is not r.calls[-1] for r in self.runs for c in r.calls):
+            return None     # the step is not always last: its result claims no completion
+        # a field another step's result also carried says nothing about the end
+        elsewhere = {n for r in self.runs for c in r.calls if c.step != step
+                     and isinstance(c.output, dict) for n in c.output}
+        claim = _one_value_field([c for _, c in ends], [
+            n for n in _fields([r for r, _ in ends], step, "output") if n not in elsewhere])
+        if claim is None:
+            return None
+        name, value = claim
+        return ends, name, value, len(ends)
+
+    def receipts(self, ends: list[tuple[LearnedRun, Call]],
+                 repeated: set[tuple[str, str, str]]) -> list[str]:
+        """Proofs that the work was done: each output field the last step verified at the
+        claim returned in every run, one value per run and no two runs alike, that came from
+        nowhere earlier (a confirmation id, not a looked-up order id) and that the claiming
+        answer does not repeat already (`repeated`). Recorded there, and no longer required by
+        its output schema: a result without it is a false completion."""
+        lasts = [_last_verified(r, c) for r, c in ends]
+        if any(c is None for c in lasts) or len({c.step for c in lasts if c}) != 1:
+            return []
+        calls = [c for c in lasts if c is not None]
+        step = calls[0].step
+        proofs = []
+        for name in _fields([r for r, _ in ends], step, "output"):
+            values = [_canonical(c.output[name]) for c in calls if c.usable("output", name)]
+            if len(values) < self.min_runs or len(values) != len(calls) \
+                    or len(set(values)) != len(values) or is_redacted(name) \
+                    or not all(isinstance(c.output[name], str | int) for c in calls) \
+                    or (step, "output", name) in repeated \
+                    or self.source(step, "output", name) is not None:
+                continue
+            key = self.record(step, "output", name)
+            proofs.append(f"has(state.{key})" + (f" && state.{key} != \"\"" if all(
+                isinstance(c.output[name], str) for c in calls) else ""))
+            self.optional(step, name)
+        return proofs
+
+    def optional(self, step: str, name: str) -> None:
+        """`name` no longer required by the step's output schema (the completion proof checks
+        it: its absence is a false completion, not a changed shape)."""
+        schema = self.schemas.get(f"{step}.output")
+        if schema is None or name not in schema.get("required", []):
+            return
+        schema["required"] = [k for k in schema["required"] if k != name]
+        if not schema["required"]:
+            del schema["required"]
+        schema.setdefault("x-optional", {})[name] = "checked by the completion proof"
+
+    def final_source(self, ends: list[tuple[LearnedRun, Call]],
                      name: str) -> tuple[str, str, str] | None:
-        values = {_canonical(f[-1].output.get(name)) for _, f in finals
-                  if f[-1].usable("output", name)}
-        if len(values) < 2 or not all(f[-1].usable("output", name) for _, f in finals):
+        values = {_canonical(c.output.get(name)) for _, c in ends if c.usable("output", name)}
+        if len(values) < 2 or not all(c.usable("output", name) for _, c in ends):
             return None
         for origin in self.order:
             for side in ("output", "input"):
                 for origin_name in _fields(self.with_step[origin], origin, side):
                     if is_redacted(origin_name):
                         continue
-                    if all(_final_equal(r, f[-1], name, origin, side, origin_name)
-                           for r, f in finals):
+                    if all(_final_equal(r, c, name, origin, side, origin_name)
+                           for r, c in ends):
                         return origin, side, origin_name
         return None
 
@@ -733,9 +823,40 @@ def _always_before(run: LearnedRun, first: str, then: str) -> bool:
     return all(first in _verified(run, i) for i, c in enumerate(run.calls) if c.step == then)
 
 
-def _verified_before_final(run: LearnedRun, step: str) -> bool:
-    finals = [i for i, c in enumerate(run.calls) if c.step == FINAL and c.outcome == PASS]
-    return bool(finals) and step in _verified(run, finals[-1])
+def _verified_at(run: LearnedRun, call: Call) -> set[str]:
+    """The steps verified when `call` claimed completion: before a final answer, up to and
+    with a step's call."""
+    index = run.calls.index(call)
+    return _verified(run, index if call.step == FINAL else index + 1)
+
+
+def _last_verified(run: LearnedRun, call: Call) -> Call | None:
+    """The step call verified last when `call` claimed completion (`call` itself for a step)."""
+    if call.step != FINAL:
+        return call
+    index = run.calls.index(call)
+    return next((c for c in reversed(run.calls[:index])
+                 if c.step != FINAL and c.outcome == PASS), None)
+
+
+def _business_value(value: Any) -> bool:
+    """A value a business result can be held to: a boolean, or a code-like string (`issued`,
+    `p3`); free text with spaces (a name, a sentence) is data that happened to repeat."""
+    return isinstance(value, bool) or (isinstance(value, str) and _CODE.fullmatch(value)
+                                       is not None)
+
+
+def _one_value_field(calls: Sequence[Call], names: Iterable[str]) -> tuple[str, Any] | None:
+    """The first of `names` that every call's output carried as evidence with one value, a
+    boolean or a string: a claim."""
+    for name in names:
+        seen = {_canonical(c.output[name]) for c in calls if c.usable("output", name)}
+        if len(seen) != 1 or not all(c.usable("output", name) for c in calls):
+            continue
+        value = orjson.loads(next(iter(seen)))
+        if isinstance(value, bool | str):
+            return name, value
+    return None
 
 
 def _latest(run: LearnedRun, upto: int, step: str) -> Call | None:
@@ -1044,9 +1165,13 @@ def without_unread(contract: Contract, document: Mapping[str, Any], run: Learned
 
 
 def _claims(difference: Difference) -> bool:
-    """A final answer the contract sees claim completion, with proof: the run went on."""
-    return (difference.at.step == FINAL and difference.candidate.action == COMPLETE
-            and difference.recorded.action == FORWARD)
+    """A final answer, or a step's verified result, the contract sees claim completion, with
+    proof: the run went on."""
+    if difference.candidate.action != COMPLETE:
+        return False
+    recorded = difference.recorded.action
+    return ((difference.at.step == FINAL and recorded == FORWARD)
+            or (difference.at.boundary == "exit" and recorded == ADVANCE))
 
 
 def _verdict(run: LearnedRun, history: RecordedRun, learned: Mapping[int, int],

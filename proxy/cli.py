@@ -209,6 +209,13 @@ def _drift_parser(bench_sub: _Sub) -> None:
                        help="run N `stepguard serve` processes on one shared store and spread "
                             "every run's calls round-robin over them (default 0: one "
                             "stepguard in the bench process)")
+    drift.add_argument("--drafted", action="store_true",
+                       help="also record --learn-runs clean runs of the agents in learn mode, "
+                            "draft a contract from them (`stepguard draft`), and run the same "
+                            "drifts and controls against it: a column beside the hand-written "
+                            "contract's")
+    drift.add_argument("--learn-runs", type=int, default=20, metavar="N",
+                       help="with --drafted: how many clean runs are learned (default 20)")
     drift.add_argument("--json", action="store_true")
     drift.set_defaults(func=_bench_drift)
 
@@ -632,9 +639,12 @@ def _bench_drift(args: argparse.Namespace) -> int:
     if args.replicas < 0:
         print("stepguard bench drift: --replicas must be 0 or more", file=sys.stderr)
         return 2
+    if args.drafted and args.learn_runs < 1:
+        print("stepguard bench drift: --learn-runs must be 1 or more", file=sys.stderr)
+        return 2
     configure("json", "critical")
     result = asyncio.run(run_bench(args.runs, args.controls, args.traffic, args.store,
-                                   args.replicas))
+                                   args.replicas, args.learn_runs if args.drafted else None))
     print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode() if args.json
           else render_table(result))
     return 0
