@@ -43,15 +43,17 @@ from stepguard.proxy.core.learning import learn_step
 from stepguard.proxy.core.routing import Route
 from stepguard.proxy.core.sse import EventTooLarge, SSESplitter, decode_event
 from stepguard.proxy.core.unchecked import REPLAYED_FROM, UncheckedForwarder
+from stepguard.proxy.mcp.listing import ToolLists, lists_tools
 from stepguard.proxy.mcp.resumption import McpResumption, Resumptions
 from stepguard.proxy.mcp.rpc import (
     REQUEST_CODE,
     as_event,
+    calls_tool,
     error_response,
     message_result,
+    posted,
     refusal_for,
     rpc_error,
-    tools_call,
 )
 from stepguard.proxy.mcp.upstream import McpAnswer, McpCall, McpUpstream
 
@@ -75,6 +77,7 @@ class McpAdapter:
         self.resumptions = Resumptions()
         self.upstream = McpUpstream(forwarder, settings, boundaries, self.resumptions)
         self.calls = CallLoop(self, runs, boundaries, observer, settings)
+        self.lists = ToolLists(forwarder, settings, boundaries, runs)
         self.resumption = McpResumption(forwarder, settings, self.resumptions, self.upstream,
                                         self.calls)
 
@@ -86,8 +89,8 @@ class McpAdapter:
                      timing: Timing) -> web.StreamResponse:
         headers = end_to_end(request.headers)
         try:
-            message = tools_call(request, body, self.settings.max_request_bytes,
-                                 self.settings.max_json_depth)
+            parsed = posted(request, body, self.settings.max_request_bytes,
+                            self.settings.max_json_depth)
         except BodyError as exc:
             self.boundaries.call_refused(route, "unparseable", exc.detail, None, TRAFFIC)
             return error_response(None, REQUEST_CODE, f"stepguard: the request body cannot be "
@@ -95,6 +98,12 @@ class McpAdapter:
         if (request.method == "GET" and "last-event-id" in request.headers
                 and not self.settings.passthrough and _has_checked_tools(route)):
             return await self.resumption.resume(request, route, headers, timing)
+        message = calls_tool(parsed)
+        if message is None and lists_tools(parsed) and not self.settings.passthrough \
+                and not route.contract.learning:
+            listed = await self.lists.answer(request, route, headers, body, timing, parsed)
+            if listed is not None:
+                return listed
         if message is None or self.settings.passthrough:
             return await self.http.forward_unchecked(request, route, headers, body, timing,
                                                      read_timeout_s=None)
