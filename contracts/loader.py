@@ -444,6 +444,7 @@ class _Compiler:
             vars=self.constants,
             approval=approval,
             mcp_list=mcp_list_of(doc),
+            mcp_in_band_approval=(doc.get("mcp") or {}).get("in_band_approval", False),
             typed_conditions=self.typed,
             dynamic_conditions=tuple(self.dynamic),
         )
