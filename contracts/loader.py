@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Mapping
 from functools import cache
 from importlib import resources
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import jsonschema
 import jsonschema.validators
@@ -384,6 +384,15 @@ def _schema_message(error: jsonschema.ValidationError) -> str:
     return error.message
 
 
+def mcp_list_of(doc: Mapping[str, Any]) -> Literal["all", "steps", "ready"]:
+    """`mcp.list` as written, else `steps` under `unmatched: refuse` (a tool no step matches
+    would be refused) and `all` otherwise."""
+    written = (doc.get("mcp") or {}).get("list")
+    if written is not None:
+        return cast('Literal["all", "steps", "ready"]', written)
+    return "steps" if doc.get("unmatched") == "refuse" else "all"
+
+
 class _Compiler:
     def __init__(self, source: str, document: dict[str, Any],
                  overrides: Mapping[str, Override] = _NO_OVERRIDES,
@@ -434,6 +443,8 @@ class _Compiler:
             run_keys_declared="key" in run,
             vars=self.constants,
             approval=approval,
+            mcp_list=mcp_list_of(doc),
+            mcp_in_band_approval=(doc.get("mcp") or {}).get("in_band_approval", False),
             typed_conditions=self.typed,
             dynamic_conditions=tuple(self.dynamic),
         )

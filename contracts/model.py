@@ -232,6 +232,11 @@ class Contract:
     run_keys_declared: bool = False   # `run.key` written in the file, not the default
     vars: Mapping[str, Var] = field(default_factory=dict)
     approval: frozenset[str] = frozenset()   # steps held at entry for an operator, checks or not
+    # which tools an MCP `tools/list` answers: every tool (`all`), those of steps (`steps`), or
+    # those whose step may run next in the caller's run (`ready`); `mcp.list`, else by `unmatched`
+    mcp_list: Literal["all", "steps", "ready"] = "all"
+    # `mcp.in_band_approval`: a held MCP call may be approved by the client's own user
+    mcp_in_band_approval: bool = False
     # conditions and records checked at load against declared types only, and those reading
     # a value no schema or record types (`steps.first.postcondition[0]`): checked when they run
     typed_conditions: int = 0

@@ -223,6 +223,14 @@ class Observer:
         self.log.warning("model_stream_cut", upstream=upstream, workflow=workflow,
                          run_id=run_id, reason=reason, detail=detail)
 
+    def tool_changed(self, workflow: str, upstream: str, session: str, tool: str,
+                     what: list[str]) -> None:
+        """An MCP tool listed again in one session with another description or input schema
+        (`Metrics.mcp_tools_changed`); `session`: its Mcp-Session-Id ("" for none)."""
+        self.metrics.mcp_tools_changed.labels(workflow, upstream).inc()
+        self.log.warning("mcp_tool_changed", workflow=workflow, upstream=upstream,
+                         session=session or None, tool=tool, changed=what)
+
     def learned(self, workflow: str, traffic: str) -> None:
         self.metrics.learned.labels(workflow, traffic).inc()
 

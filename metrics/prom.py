@@ -103,6 +103,11 @@ class Metrics:
             "SDKs read it), too_large (past --max-stream-bytes), too_many_calls (past "
             "--max-turn-calls), budget (past --max-inflight-stream-bytes, all streamed turns "
             "together).", ["upstream", "reason"], registry=r)
+        self.mcp_tools_changed = Counter(
+            "stepguard_mcp_tools_changed", "MCP tools whose description or input schema "
+            "changed between two tools/list answers of one session (a \"rug pull\"), by "
+            "workflow and upstream. The lists pass on unchanged; this is counted and logged.",
+            ["workflow", "upstream"], registry=r)
         self.learned = Counter(
             "stepguard_learned", "Calls learn mode recorded, by workflow and traffic.",
             ["workflow", "traffic"], registry=r)

@@ -45,7 +45,7 @@ from stepguard.proxy.core.boundaries import Boundaries, Evidence, Settled, back_
 from stepguard.proxy.core.config import Settings
 from stepguard.proxy.core.correlation import ARGUMENT_RUN, Keyed
 from stepguard.proxy.core.forward import Timing, UpstreamError
-from stepguard.proxy.core.holds import HoldRefused, Target, http_target, sent_as
+from stepguard.proxy.core.holds import ASKED, Held, HoldRefused, Target, http_target, sent_as
 from stepguard.proxy.core.joining import digest as joining_digest
 from stepguard.proxy.core.joining import joined_extra
 from stepguard.proxy.core.routing import Route
@@ -285,6 +285,11 @@ class CallProtocol(Protocol[C_contra, A]):
         """The call is held for an operator: keep its client waiting (proxy/core/waiting.py)."""
         ...
 
+    async def ask(self, call: C_contra, held: Held) -> web.StreamResponse | None:
+        """The call is to be held: the answer that asks the client's own user to decide
+        in-band (the hold stays open in the store), else None to wait for an operator."""
+        ...
+
     def recording(self, call: C_contra, answer: A) -> dict[str, Any] | None:
         """A passing answer of a `replay: recorded` step as it is stored, whole, to answer the
         call's repeats (JSON; None: the answer cannot be given again)."""
@@ -336,6 +341,12 @@ class CallLoop(Generic[C, A]):
         entered = await retrying_conflicts(call.run_id, lambda: self._entry(call))
         if isinstance(entered, Replayed):
             return await self.protocol.replay(call, entered)
+        if entered is not None and entered.held is not None:
+            asked = await self.protocol.ask(call, entered.held)
+            if asked is not None:       # the client's user decides, in a later request
+                self.boundaries.holds.leave(None, call.contract.workflow)
+                self.boundaries.holds.ended(entered.held, ASKED)
+                return asked
         if entered is not None:         # held for an operator: on once approved
             await self._held(call, entered)
         return await self._attempts(call, 1, None)

@@ -19,7 +19,7 @@ from stepguard.metrics.observer import Observer
 from stepguard.proxy.core.bodies import query_input
 from stepguard.proxy.core.routing import METHOD_OVERRIDE_HEADERS, Route
 
-__all__ = ["HoldRefused", "Holds", "Target", "http_target", "tool_target"]
+__all__ = ["ASKED", "Held", "HoldRefused", "Holds", "Target", "http_target", "tool_target"]
 
 DEFAULT_MAX_HOLDS = 100
 T = TypeVar("T")
@@ -27,6 +27,7 @@ T = TypeVar("T")
 # how a hold ended, the `outcome` label of stepguard_holds_total
 APPROVED, REJECTED, EXPIRED, STOPPED_RUN, USED, LEFT, FULL, SHUTDOWN = (
     "approved", "rejected", "expired", "stopped", "used", "left", "full", "shutdown")
+ASKED = "asked"     # the client's user was asked in-band (proxy/mcp/approvals.py)
 
 
 @dataclass(frozen=True, slots=True)

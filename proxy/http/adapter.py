@@ -57,6 +57,7 @@ from stepguard.proxy.core.forward import (
     UpstreamError,
     end_to_end,
 )
+from stepguard.proxy.core.holds import Held
 from stepguard.proxy.core.learning import joined_step
 from stepguard.proxy.core.problems import halted_problem, problem, violation_problem
 from stepguard.proxy.core.routing import Route
@@ -274,6 +275,10 @@ class HttpToolAdapter:
 
     async def keepalive(self, call: HttpCall) -> None:
         """A plain HTTP client just waits for its answer: nothing is sent meanwhile."""
+
+    async def ask(self, call: HttpCall, held: Held) -> web.StreamResponse | None:
+        """A plain HTTP client cannot be asked in-band: it waits for an operator."""
+        return None
 
     async def unchecked(self, call: HttpCall) -> web.StreamResponse:
         return await self.forward_unchecked(call.request, call.route, call.headers, call.body,

@@ -37,21 +37,26 @@ from stepguard.proxy.core.bodies import BodyError, decode, parse_json
 from stepguard.proxy.core.boundaries import Boundaries
 from stepguard.proxy.core.calls import Answer, CallLoop, Replayed, Stopped
 from stepguard.proxy.core.config import Settings
-from stepguard.proxy.core.correlation import NO_RUN_KEY, STORE
+from stepguard.proxy.core.correlation import ARGUMENT_RUN, NO_RUN_KEY, STORE
 from stepguard.proxy.core.forward import ClientEnd, Forwarder, Kept, Timing, end_to_end
+from stepguard.proxy.core.holds import Held
 from stepguard.proxy.core.learning import learn_step
 from stepguard.proxy.core.routing import Route
 from stepguard.proxy.core.sse import EventTooLarge, SSESplitter, decode_event
 from stepguard.proxy.core.unchecked import REPLAYED_FROM, UncheckedForwarder
+from stepguard.proxy.mcp.approvals import InBand, Refused, answers_in_band, asks_in_band
+from stepguard.proxy.mcp.approvals import refused as refused_in_band
+from stepguard.proxy.mcp.listing import ToolLists, lists_tools
 from stepguard.proxy.mcp.resumption import McpResumption, Resumptions
 from stepguard.proxy.mcp.rpc import (
     REQUEST_CODE,
     as_event,
+    calls_tool,
     error_response,
     message_result,
+    posted,
     refusal_for,
     rpc_error,
-    tools_call,
 )
 from stepguard.proxy.mcp.upstream import McpAnswer, McpCall, McpUpstream
 
@@ -75,6 +80,8 @@ class McpAdapter:
         self.resumptions = Resumptions()
         self.upstream = McpUpstream(forwarder, settings, boundaries, self.resumptions)
         self.calls = CallLoop(self, runs, boundaries, observer, settings)
+        self.lists = ToolLists(forwarder, settings, boundaries, runs)
+        self.in_band = InBand(boundaries)
         self.resumption = McpResumption(forwarder, settings, self.resumptions, self.upstream,
                                         self.calls)
 
@@ -86,8 +93,8 @@ class McpAdapter:
                      timing: Timing) -> web.StreamResponse:
         headers = end_to_end(request.headers)
         try:
-            message = tools_call(request, body, self.settings.max_request_bytes,
-                                 self.settings.max_json_depth)
+            parsed = posted(request, body, self.settings.max_request_bytes,
+                            self.settings.max_json_depth)
         except BodyError as exc:
             self.boundaries.call_refused(route, "unparseable", exc.detail, None, TRAFFIC)
             return error_response(None, REQUEST_CODE, f"stepguard: the request body cannot be "
@@ -95,6 +102,12 @@ class McpAdapter:
         if (request.method == "GET" and "last-event-id" in request.headers
                 and not self.settings.passthrough and _has_checked_tools(route)):
             return await self.resumption.resume(request, route, headers, timing)
+        message = calls_tool(parsed)
+        if message is None and lists_tools(parsed) and not self.settings.passthrough \
+                and not route.contract.learning:
+            listed = await self.lists.answer(request, route, headers, body, timing, parsed)
+            if listed is not None:
+                return listed
         if message is None or self.settings.passthrough:
             return await self.http.forward_unchecked(request, route, headers, body, timing,
                                                      read_timeout_s=None)
@@ -127,9 +140,16 @@ class McpAdapter:
             return error_response(rpc_id, REQUEST_CODE, f"stepguard: {keyed.detail}",
                                   {"check": "correlation", "step": step.name},
                                   retry=reason == STORE)
+        if answers_in_band(params):
+            try:
+                await self.in_band.answered(keyed.run_id, params)
+            except Refused as exc:
+                shown = ARGUMENT_RUN if keyed.by_argument else keyed.shown or keyed.run_id
+                return refused_in_band(rpc_id, str(exc), shown, step.name)
+            body = orjson.dumps(message)     # without stepguard's own state and responses
         call = McpCall(route, step, keyed.run_id, request, headers, body, timing,
                        input=params.get("arguments"), key_drift=keyed, rpc_id=rpc_id,
-                       tool=str(params.get("name", "")),
+                       tool=str(params.get("name", "")), asks_in_band=asks_in_band(params),
                        safe_to_retry=step.idempotent,   # MCP calls carry no idempotency key
                        traceparent=traceparent if isinstance(
                            traceparent := meta.get("traceparent"), str) else None)
@@ -195,6 +215,13 @@ class McpAdapter:
         body = {"jsonrpc": "2.0", "id": call.rpc_id, "result": replayed.answer.get("result")}
         return web.Response(body=orjson.dumps(body), content_type="application/json",
                             headers={REPLAYED_FROM: str(replayed.seq)})
+
+    async def ask(self, call: McpCall, held: Held) -> web.StreamResponse | None:
+        """A held call whose client declares form elicitation, under a contract that lets the
+        client's user approve: asked in-band (`approvals.py`); else it waits for an operator."""
+        if not call.contract.mcp_in_band_approval or not call.asks_in_band:
+            return None
+        return await self.in_band.ask(call.rpc_id, held, call.tool)
 
     async def unchecked(self, call: McpCall) -> web.StreamResponse:
         return await self.http.forward_unchecked(call.request, call.route, call.headers,

@@ -94,13 +94,22 @@ def tools_call(request: web.Request, body: bytes, limit: int,
     r"""The JSON-RPC tools/call this POST carries (a list: a batch with one), else None.
     Every POST body is parsed (a byte search for "tools/call" would miss `tools\/call`);
     one that does not decode or is not strict JSON raises BodyError."""
+    return calls_tool(posted(request, body, limit, max_depth))
+
+
+def posted(request: web.Request, body: bytes, limit: int, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """The JSON-RPC message (or batch) a POST carries, else None; BodyError as `tools_call`."""
     if request.method != "POST" or not body:
         return None
     raw = decode(body, request.headers.get("content-encoding"), limit)
     # a body that is not strict JSON may still be a call a lenient server runs (NaN, 1e999,
     # \u-escaped names): it is refused (BodyError) rather than let through unchecked
-    message = parse_json(raw, "request body", max_depth,
-                         charset_of(request.headers.get("content-type")), unique_keys=True)
+    return parse_json(raw, "request body", max_depth,
+                      charset_of(request.headers.get("content-type")), unique_keys=True)
+
+
+def calls_tool(message: Any) -> Any:
+    """`message` if it is a tools/call (or a batch holding one), else None."""
     if isinstance(message, list):
         calls = [m for m in message if isinstance(m, dict) and m.get("method") == "tools/call"]
         return message if calls else None

@@ -50,6 +50,7 @@ class McpCall(Call):
     out: ClientEnd | None = None     # the client's stream, once an SSE answer starts flowing
     cut: Cut[McpCall] | None = None  # once an event with an id was relayed: resumable
     traceparent: str | None = None   # the message's `params._meta.traceparent`, if any
+    asks_in_band: bool = False       # its client declares form elicitation (approvals.py)
 
     @property
     def tool_name(self) -> str:

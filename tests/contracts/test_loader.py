@@ -124,6 +124,19 @@ def test_yaml_and_json_spellings_compile_to_the_same_contract(source):
     assert contract.completion == reference.completion
 
 
+def test_mcp_tool_lists_follow_unmatched_unless_mcp_list_says_otherwise(make_contract):
+    assert make_contract().mcp_list == "all"
+    assert make_contract(unmatched="refuse").mcp_list == "steps"
+    assert make_contract(unmatched="refuse", mcp={"list": "all"}).mcp_list == "all"
+    assert make_contract(mcp={"list": "ready"}).mcp_list == "ready"
+
+
+def test_an_unknown_mcp_list_is_named_in_the_error(make_contract):
+    with pytest.raises(ContractError) as caught:
+        make_contract(mcp={"list": "some"})
+    assert {(i.step, i.field) for i in caught.value.issues} == {(None, "mcp.list")}
+
+
 def test_a_json_file_is_read_as_json_not_as_yaml():
     with pytest.raises(ContractError) as caught:
         parse_contract(b"workflow: test-flow\n", "flow.json")
