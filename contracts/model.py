@@ -171,6 +171,7 @@ class Match:
     method: str | None
     path: str | None              # HTTP tools match by path
     tool: str | None = None       # model and MCP traffic match by tool name
+    skill: str | None = None      # A2A traffic matches by skill (None upstream: any A2A agent)
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,6 +259,18 @@ class Contract:
                 if m.tool == tool and m.upstream in (None, upstream):
                     return step
         return None
+
+    def step_for_skill(self, upstream: str, skill: str) -> Step | None:
+        for step in self.steps.values():
+            for m in step.matches:
+                if m.skill == skill and m.upstream in (None, upstream):
+                    return step
+        return None
+
+    def checks_skills_on(self, upstream: str) -> bool:
+        """Whether any step matches an A2A skill on `upstream`."""
+        return any(m.skill is not None and m.upstream in (None, upstream)
+                   for step in self.steps.values() for m in step.matches)
 
     def checks_tools_on(self, upstream: str) -> bool:
         """Whether any step matches a tool by name on `upstream`."""
