@@ -75,6 +75,7 @@ class A2aDesk:
     asked: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     public_url: str = "http://127.0.0.1:9"      # the address its card gives: stepguard's mount
     skills: tuple[str, ...] = SKILLS
+    protocol: str = "1.0"      # the version its card gives: "0.3" has clients send message/send
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def drift(self, ticket: str, kind: str) -> None:
@@ -147,7 +148,8 @@ def desk_card(desk: A2aDesk) -> AgentCard:
         default_output_modes=["application/json"],
         capabilities=AgentCapabilities(streaming=True),
         supported_interfaces=[AgentInterface(url=desk.public_url + RPC_PATH,
-                                             protocol_binding="JSONRPC", protocol_version="1.0")],
+                                             protocol_binding="JSONRPC",
+                                             protocol_version=desk.protocol)],
         skills=[AgentSkill(id=s, name=s, description=f"the desk's {s}", tags=["refund"])
                 for s in desk.skills])
 
@@ -160,7 +162,8 @@ def desk_app(desk: A2aDesk) -> Starlette:
 
     handler = DefaultRequestHandler(DeskExecutor(desk), InMemoryTaskStore(), card)
     return Starlette(routes=[*create_agent_card_routes(card, card_modifier=current),
-                             *create_jsonrpc_routes(handler, RPC_PATH)])
+                             *create_jsonrpc_routes(handler, RPC_PATH,
+                                                   enable_v0_3_compat=True)])
 
 
 @contextlib.contextmanager

@@ -64,8 +64,8 @@ class A2aStack:
 
 
 @contextlib.asynccontextmanager
-async def a2a_stack(tmp_path: Path) -> AsyncIterator[A2aStack]:
-    desk = A2aDesk()
+async def a2a_stack(tmp_path: Path, protocol: str = "1.0") -> AsyncIterator[A2aStack]:
+    desk = A2aDesk(protocol=protocol)
     with serving_desk(desk) as base:
         config = Settings.from_env(store=str(tmp_path / "a2a.db"), store_timeout=STORE_TIMEOUT_S,
                                    upstreams=[f"desk={base}"])
@@ -93,6 +93,21 @@ async def test_a_clean_refund_over_a2a_is_one_completed_run(tmp_path: Path,
             for boundary in ("entry", "exit")]
         assert {e["skill"] for e in history} == {"lookup", "check_policy", "refund", "close"}
         assert s.desk.skills_asked("T-7") == ["lookup", "check_policy", "refund", "close"]
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["message/send", "message/stream"])
+async def test_a_0_3_client_sending_the_0_3_method_names_is_checked_as_well(
+        tmp_path: Path, streaming: bool) -> None:
+    async with a2a_stack(tmp_path, protocol="0.3") as s, \
+            a2a_agent(s.desk_url, streaming=streaming) as agent:
+        assert type(agent.client._transport).__name__ == "CompatJsonRpcTransport"
+        assert (await refund_over_a2a(agent, "T-5"))["closure_id"] == "CL-5"
+        s.desk.drift("T-6", SHAPE)
+        with pytest.raises(A2AClientError, match="step 'lookup', exit output_schema"):
+            await refund_over_a2a(agent, "T-6")
+
+        assert (await s.run_of("T-5"))[0].status == "completed"
+        assert (await s.run_of("T-6"))[0].status == "halted"
 
 
 # (drift, step, boundary, check, drift class): desk-side drifts are caught at the task's final
