@@ -19,7 +19,12 @@ from a2a.client.errors import A2AClientError
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from a2a_desk import (
+from refund_stack import STORE_TIMEOUT_S, _serving
+
+from stepguard.contracts.envelope import Envelope
+from stepguard.contracts.loader import load_contracts
+from stepguard.examples.order_confirmation.a2a_agent import a2a_agent, refund_over_a2a
+from stepguard.examples.order_confirmation.a2a_desk import (
     FAILED_TASK,
     NO_CLOSURE,
     SHAPE,
@@ -27,19 +32,13 @@ from a2a_desk import (
     SKIP_POLICY,
     STALE_ORDER,
     A2aDesk,
-    a2a_agent,
     context_of,
-    refund_over_a2a,
     serving_desk,
 )
-from refund_stack import STORE_TIMEOUT_S, _serving
-
-from stepguard.contracts.envelope import Envelope
-from stepguard.contracts.loader import load_contracts
 from stepguard.proxy.core.config import Settings
 from stepguard.proxy.ops.app import Stepguard, build
 
-CONTRACT = Path(__file__).parent / "a2a.contract.yaml"
+CONTRACT = Path(__file__).parents[2] / "examples" / "order-confirmation" / "contract.a2a.yaml"
 VIOLATION = "JSON-RPC Error -31000"
 SENDS = pytest.mark.parametrize("streaming", [False, True], ids=["send", "stream"])
 

@@ -1,29 +1,29 @@
-"""The refund desk as an A2A agent, served by the real `a2a-sdk` server (its JSON-RPC routes and
-agent card on Starlette, uvicorn in a thread), and the agent that calls it with the real
-`a2a-sdk` client. Four skills, one task each: `lookup` a ticket, `check_policy` for its order,
-`refund` it, `close` it; every answer is a data artifact.
+"""A refund desk as an A2A agent, served by the real `a2a-sdk` server (its JSON-RPC routes and
+agent card on Starlette, under uvicorn): four skills, one task each: `lookup` a ticket,
+`check_policy` for its order, `refund` it, `close` it; every answer is a data artifact. The
+calling agent is `a2a_agent.py`; the contract, `contract.a2a.yaml`.
 
-Drift comes from the world: the desk drifts for the tickets a test names (`A2aDesk.drift`), and
-the calling agent's script for a ticket says what it sends (`refund_over_a2a(..., drift)`).
-Ticket `T-<n>` has customer `C-<n>`, order `O-<n>`, refund `R-<n>`, closure `CL-<n>`; the
-context id of its run is `ctx-T-<n>`.
+Drift comes from the world: the desk drifts for the tickets named (`A2aDesk.drift`, or
+`--drift T-<n>=KIND` on the command line). Ticket `T-<n>` has customer `C-<n>`, order `O-<n>`,
+refund `R-<n>`, closure `CL-<n>`; the context id of its run is `ctx-T-<n>`.
+
+Its card gives the address agents reach it at (`--public-url`): behind stepguard, stepguard's
+mount (`http://127.0.0.1:8080/desk`), as an agent behind any gateway gives the gateway's.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import threading
-import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
-from a2a.client import ClientConfig, ClientFactory
-from a2a.client.card_resolver import A2ACardResolver
-from a2a.helpers.proto_helpers import new_data_artifact, new_data_part, new_text_message
+import uvicorn
+from a2a.helpers.proto_helpers import get_data_parts, new_data_artifact, new_text_message
 from a2a.server.agent_execution import AgentExecutor, RequestContext
-from a2a.server.events.event_queue_v2 import EventQueue
+from a2a.server.events import EventQueue
 from a2a.server.request_handlers import DefaultRequestHandler
 from a2a.server.routes.agent_card_routes import create_agent_card_routes
 from a2a.server.routes.jsonrpc_routes import create_jsonrpc_routes
@@ -33,16 +33,11 @@ from a2a.types import (
     AgentCard,
     AgentInterface,
     AgentSkill,
-    Message,
-    Part,
     Role,
-    SendMessageRequest,
-    StreamResponse,
     Task,
     TaskState,
     TaskStatus,
 )
-from google.protobuf import json_format
 from starlette.applications import Starlette
 
 from stepguard.examples.order_confirmation import mcp_tools
@@ -119,9 +114,8 @@ class DeskExecutor(AgentExecutor):
         message = context.message
         assert message is not None and context.task_id and context.context_id
         data: dict[str, Any] = {}
-        for part in message.parts:
-            if part.HasField("data"):
-                data.update(json_format.MessageToDict(part.data))
+        for found in get_data_parts(message.parts):
+            data.update(found)
         skill = str(context.metadata.get("skill", ""))
         state, answer = self.desk.answer(skill, data)
         await event_queue.enqueue_event(Task(
@@ -130,8 +124,8 @@ class DeskExecutor(AgentExecutor):
         updater = TaskUpdater(event_queue, context.task_id, context.context_id)
         await updater.start_work()
         if state == TaskState.TASK_STATE_FAILED:
-            await updater.failed(new_text_message(answer["error"], context.context_id,
-                                                  context.task_id, Role.ROLE_AGENT))
+            await updater.failed(new_text_message(answer["error"], context_id=context.context_id,
+                                                  task_id=context.task_id, role=Role.ROLE_AGENT))
             return
         artifact = new_data_artifact(skill, answer)
         await updater.add_artifact(list(artifact.parts), name=skill)
@@ -173,53 +167,36 @@ def serving_desk(desk: A2aDesk) -> Iterator[str]:
         yield base
 
 
-# --- the calling agent ------------------------------------------------------------------------
+
+PORT_ENV, DEFAULT_PORT = "EXAMPLE_A2A_PORT", 9004   # the port contract.a2a.yaml names
 
 
-@contextlib.asynccontextmanager
-async def a2a_agent(base_url: str, *, streaming: bool) -> AsyncIterator[A2aAgent]:
-    """An `a2a-sdk` client built from the agent card stepguard relays at `base_url`."""
-    async with httpx.AsyncClient(timeout=10) as http:
-        card = await A2ACardResolver(http, base_url).get_agent_card()
-        client = ClientFactory(ClientConfig(streaming=streaming, httpx_client=http)).create(card)
-        try:
-            yield A2aAgent(client)
-        finally:
-            await client.close()
+def main(argv: list[str] | None = None) -> None:
+    from stepguard.examples.order_confirmation.serving import (
+        add_listen_options,
+        announce,
+        chosen_port,
+        listening_socket,
+        url_of,
+    )
+
+    parser = argparse.ArgumentParser(description="a refund desk as an A2A agent (a2a-sdk server)")
+    add_listen_options(parser, PORT_ENV, DEFAULT_PORT)
+    parser.add_argument("--public-url", default="http://127.0.0.1:8080/desk",
+                        help="the address its card gives agents (default: stepguard's /desk mount)")
+    parser.add_argument("--drift", action="append", default=[], metavar="T-N=KIND",
+                        help=f"drift for a ticket: {SHAPE}, {FAILED_TASK} or {NO_CLOSURE}")
+    args = parser.parse_args(argv)
+    desk = A2aDesk(public_url=args.public_url.rstrip("/"))
+    for spec in args.drift:
+        ticket, _, kind = spec.partition("=")
+        desk.drift(ticket, kind)
+    sock = listening_socket(args.host, chosen_port(args.port, PORT_ENV, DEFAULT_PORT))
+    announce("refund desk A2A agent", url_of(sock), f" (its card gives {desk.public_url})")
+    config = uvicorn.Config(desk_app(desk), log_config=None, log_level="warning",
+                            access_log=False, timeout_graceful_shutdown=1)
+    uvicorn.Server(config).run(sockets=[sock])
 
 
-@dataclass
-class A2aAgent:
-    client: Any
-    events: list[StreamResponse] = field(default_factory=list)
-
-    async def ask(self, skill: str, ticket: str, **data: Any) -> dict[str, Any]:
-        """Send `data` (with the ticket id) to `skill`; the completed task's data artifact."""
-        message = Message(role=Role.ROLE_USER, message_id=str(uuid.uuid4()),
-                          context_id=context_of(ticket),
-                          parts=[Part(text=f"{skill} for {ticket}"),
-                                 new_data_part({"ticket_id": ticket, **data})])
-        request = SendMessageRequest(message=message)
-        request.metadata.update({"skill": skill})
-        task: Task | None = None
-        async for event in self.client.send_message(request):
-            self.events.append(event)
-            if event.HasField("task"):
-                task = event.task
-            elif event.HasField("status_update") and task is not None:
-                task.status.CopyFrom(event.status_update.status)
-            elif event.HasField("artifact_update") and task is not None:
-                task.artifacts.append(event.artifact_update.artifact)
-        assert task is not None and task.status.state == TaskState.TASK_STATE_COMPLETED, task
-        return dict(json_format.MessageToDict(task.artifacts[-1].parts[0].data))
-
-
-async def refund_over_a2a(agent: A2aAgent, ticket: str, drift: str | None = None) -> dict[str, Any]:
-    """The calling agent: each send takes its data from the answers before it, as written;
-    `drift` makes it misbehave (a stale order id, a skipped step)."""
-    found = await agent.ask("lookup", ticket)
-    if drift != SKIP_POLICY:
-        order = f"O-{number(ticket) - 1}" if drift == STALE_ORDER else found["order_id"]
-        await agent.ask("check_policy", ticket, order_id=order)
-    refunded = await agent.ask("refund", ticket, order_id=found["order_id"])
-    return await agent.ask("close", ticket, refund_id=refunded["refund_id"])
+if __name__ == "__main__":
+    main()
