@@ -267,11 +267,6 @@ class Contract:
                     return step
         return None
 
-    def checks_skills_on(self, upstream: str) -> bool:
-        """Whether any step matches an A2A skill on `upstream`."""
-        return any(m.skill is not None and m.upstream in (None, upstream)
-                   for step in self.steps.values() for m in step.matches)
-
     def checks_tools_on(self, upstream: str) -> bool:
         """Whether any step matches a tool by name on `upstream`."""
         return any(m.tool is not None and m.upstream in (None, upstream)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import sys
 import uuid
 from collections.abc import AsyncIterator
@@ -86,7 +87,7 @@ async def _run(url: str, ticket: str, drift: str | None, streaming: bool) -> int
         except A2AClientError as exc:
             print(f"{agent.asked[-1]} -> refused: {exc}")
             return 1
-    print(f"closed -> {closed}")
+    print(f"closed -> {json.dumps(closed, sort_keys=True)}")
     return 0
 
 
