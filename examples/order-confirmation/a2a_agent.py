@@ -24,9 +24,26 @@ from a2a.client.errors import A2AClientError
 from a2a.helpers.proto_helpers import get_data_parts, new_data_part
 from a2a.types import Message, Part, Role, SendMessageRequest, StreamResponse, Task, TaskState
 
-from stepguard.examples.order_confirmation.a2a_desk import SKIP_POLICY, STALE_ORDER, context_of, number
+from stepguard.examples.order_confirmation.a2a_desk import (
+    FAILED_TASK,
+    NO_CLOSURE,
+    SHAPE,
+    SKIP_POLICY,
+    STALE_ORDER,
+    context_of,
+    number,
+)
 
-__all__ = ["A2aAgent", "a2a_agent", "refund_over_a2a"]
+__all__ = ["A2aAgent", "A2aRun", "TaskNotCompleted", "a2a_agent", "refund_over_a2a",
+           "run_a2a_agent"]
+
+
+class TaskNotCompleted(Exception):
+    """The agent's task ended in another state than completed: the agent sees it failed."""
+
+    def __init__(self, skill: str, state: str) -> None:
+        super().__init__(f"the {skill} task ended {state}")
+        self.skill, self.state = skill, state
 
 
 @contextlib.asynccontextmanager
@@ -66,7 +83,8 @@ class A2aAgent:
                 task.status.CopyFrom(event.status_update.status)
             elif event.HasField("artifact_update") and task is not None:
                 task.artifacts.append(event.artifact_update.artifact)
-        assert task is not None and task.status.state == TaskState.TASK_STATE_COMPLETED, task
+        if task is None or task.status.state != TaskState.TASK_STATE_COMPLETED:
+            raise TaskNotCompleted(skill, TaskState.Name(task.status.state) if task else "none")
         return dict(get_data_parts(task.artifacts[-1].parts)[0])
 
 
@@ -80,12 +98,51 @@ async def refund_over_a2a(agent: A2aAgent, ticket: str, drift: str | None = None
     return await agent.ask("close", ticket, refund_id=refunded["refund_id"])
 
 
+# the bench's drift injectors (bench/drift.py) as this workflow has them: (desk side, agent side)
+INJECTED = {"shape": (SHAPE, None), "stale_input": (None, STALE_ORDER),
+            "reordered": (None, SKIP_POLICY), "tool_error": (FAILED_TASK, None),
+            "false_completion": (NO_CLOSURE, None)}
+
+
+@dataclass
+class A2aRun:
+    """One ticket's run as the agent saw it: completed, refused by stepguard (a JSON-RPC error
+    in stepguard's range), or failed otherwise (a task that did not complete)."""
+
+    ticket: str
+    completed: bool = False
+    refused: str | None = None
+    from_stepguard: bool = False
+    task_failed: bool = False
+
+
+async def run_a2a_agent(url: str, ticket: str, injector: str | None = None, *,
+                        streaming: bool = False) -> A2aRun:
+    """Refund `ticket` through the desk at `url`; `injector` (a bench injector) the drift on
+    the agent's side, if it is one of the agent's."""
+    agent_drift = INJECTED[injector][1] if injector else None
+    run = A2aRun(ticket)
+    async with a2a_agent(url, streaming=streaming) as agent:
+        try:
+            await refund_over_a2a(agent, ticket, agent_drift)
+            run.completed = True
+        except A2AClientError as exc:
+            run.refused = str(exc)
+            run.from_stepguard = "JSON-RPC Error -3100" in run.refused
+        except TaskNotCompleted:
+            run.task_failed = True
+    return run
+
+
 async def _run(url: str, ticket: str, drift: str | None, streaming: bool) -> int:
     async with a2a_agent(url, streaming=streaming) as agent:
         try:
             closed = await refund_over_a2a(agent, ticket, drift)
         except A2AClientError as exc:
             print(f"{agent.asked[-1]} -> refused: {exc}")
+            return 1
+        except TaskNotCompleted as exc:
+            print(f"{exc.skill} -> failed: {exc}")
             return 1
     print(f"closed -> {json.dumps(closed, sort_keys=True)}")
     return 0
