@@ -10,7 +10,9 @@ Traffic kinds (`TRAFFIC`): `http` (plain JSON tools, run header), `model` (the r
 tools in-process), `mcp` (the real `mcp` SDK client, run header), `mcp-stateless` (the `mcp` SDK
 client in its default 2026-07-28 mode with no header at all: the run is named by the `order_id`
 argument) and `hybrid` (an `openai` agent whose tool calls run on an MCP server through
-stepguard, no header: each execution is joined to the model's run).
+stepguard, no header: each execution is joined to the model's run), and `a2a` (the real
+`a2a-sdk` client sending to the refund desk, a real `a2a-sdk` agent, no header: the run is named
+by the context id).
 """
 
 from __future__ import annotations
@@ -49,9 +51,10 @@ CLASSES = (("shape", "shape"), ("freshness", "stale_input"), ("order", "reordere
            ("tool_error", "tool_error"), ("false_completion", "false_completion"))
 LABELS = {"shape": "Changed output shape", "freshness": "Stale input", "order": "Reordered step",
           "tool_error": "Tool error", "false_completion": "False completion"}
-TRAFFIC = ("http", "model", "mcp", "mcp-stateless", "hybrid")
+TRAFFIC = ("http", "model", "mcp", "mcp-stateless", "hybrid", "a2a")
 CONTRACTS = {"http": "contract.yaml", "model": "contract.model.yaml", "mcp": "contract.mcp.yaml",
-             "mcp-stateless": "contract.mcp-stateless.yaml", "hybrid": "contract.hybrid.yaml"}
+             "mcp-stateless": "contract.mcp-stateless.yaml", "hybrid": "contract.hybrid.yaml",
+             "a2a": "contract.a2a.yaml"}
 # Over stateless MCP the run is named by the order id itself, so an agent that sends the previous
 # order's id to step 2 makes a call of *that* order's run, indistinguishable on the wire from its
 # own agent's call (no header, session or trace says otherwise): stale input there is the article's
@@ -336,13 +339,44 @@ def summarize(contract: Contract, plan: Plan, enforced: list[Observed],
                                            for (cls, _, i), o in zip(plan, enforced, strict=True))}}
 
 
+async def _drive_a2a(contract: Contract, passthrough: bool, plan: Plan,
+                     hosting: Hosting) -> list[Observed]:
+    """The `a2a-sdk` client refunding a ticket per run at the refund desk (`a2a-sdk` server)
+    through stepguard, no header: each run is found by its ticket's context id."""
+    from stepguard.examples.order_confirmation import a2a_agent, a2a_desk
+
+    desk = a2a_desk.A2aDesk()
+    for n, (_, injector, _) in enumerate(plan):
+        desk_side = a2a_agent.INJECTED[injector][0] if injector is not None else None
+        if desk_side is not None:
+            desk.drift(f"T-{100 + n}", desk_side)
+    with a2a_desk.serving_desk(desk) as desk_url:
+        async with _stepguard(contract, passthrough, hosting, {"desk": desk_url}) as (
+                sg, proxy_url):
+            desk.public_url = proxy_url + contract.upstreams["desk"].mount
+            finished = await asyncio.gather(*(
+                a2a_agent.run_a2a_agent(desk.public_url, f"T-{100 + n}", injector)
+                for n, (_, injector, _) in enumerate(plan)))
+            contexts: dict[str, str] = {}
+            for envelope in await sg.store.runs(limit=2 * len(plan)):
+                history = await sg.store.history(envelope.run_id)
+                first = history[0].get("input") if history else None
+                if isinstance(first, dict) and isinstance(first.get("contextId"), str):
+                    contexts.setdefault(first["contextId"], envelope.run_id)
+            return await _collect(
+                sg, finished, by_stepguard=lambda r: r.from_stepguard,
+                saw_failure=lambda r: r.refused is not None or r.task_failed,
+                run_ids=[contexts.get(a2a_desk.context_of(r.ticket)) for r in finished])
+
+
 def _repointed(contract: Contract, urls: dict[str, str]) -> Contract:
     return contract_with_upstreams(contract.source, urls)
 
 
 Drive = Callable[[Contract, bool, Plan, Hosting], Awaitable[list[Observed]]]
 DRIVES: dict[str, Drive] = {"http": _drive_http, "model": _drive_model, "mcp": _drive_mcp,
-                            "mcp-stateless": _drive_mcp_stateless, "hybrid": _drive_hybrid}
+                            "mcp-stateless": _drive_mcp_stateless, "hybrid": _drive_hybrid,
+                            "a2a": _drive_a2a}
 
 
 @dataclass(frozen=True)

@@ -588,7 +588,8 @@ class _Compiler:
                              f"match[{i}]" if isinstance(written, list) else "match")
         matches = tuple(Match(m.get("upstream"), m.get("method"),
                               _step_path(m["path"], upstreams.get(m.get("upstream") or ""))
-                              if m.get("path") else None, m.get("tool")) for m in entries)
+                              if m.get("path") else None, m.get("tool"), m.get("skill"))
+                        for m in entries)
         record = {}
         for key, expr in spec.get("record", {}).items():
             if self.redacted(name, key):
@@ -796,14 +797,17 @@ class _Compiler:
                                                   f"(declared: {', '.join(upstreams)})")
             return
         kinds = {upstreams[name].kind} if name else {u.kind for u in upstreams.values()}
-        if "tool" in match and kinds == {"http"}:
+        if "tool" in match and not kinds & {"openai", "anthropic", "mcp"}:
             self.issue(step, f"{field}.tool", "a tool match needs a model or MCP upstream "
                                               "(kind openai, anthropic or mcp); HTTP tools match "
-                                              "by path")
+                                              "by path, A2A agents by skill")
+        if "skill" in match and "a2a" not in kinds:
+            self.issue(step, f"{field}.skill", "a skill match needs an A2A upstream (kind a2a)")
         if "path" in match and name and upstreams[name].kind != "http":
             self.issue(step, f"{field}.path", f"upstream {name!r} is kind "
                                               f"{upstreams[name].kind!r}: match its steps by "
-                                              "tool name")
+                                              + ("skill" if upstreams[name].kind == "a2a"
+                                                 else "tool name"))
 
     def approval(self, names: Iterable[str], steps: Mapping[str, Step]) -> frozenset[str]:
         """The steps that always wait for an operator at entry. A step's `hold_s` is how long
@@ -843,10 +847,13 @@ class _Compiler:
             for other, o in earlier:
                 same_tool = m.tool is not None and o.tool == m.tool and (
                     None in (o.upstream, m.upstream) or o.upstream == m.upstream)
+                same_skill = m.skill is not None and o.skill == m.skill and (
+                    None in (o.upstream, m.upstream) or o.upstream == m.upstream)
                 same_path = m.path is not None and (o.upstream, o.path) == (m.upstream, m.path) and (
                     None in (o.method, m.method) or o.method == m.method)
-                if same_tool or same_path:
-                    what = f"tool {m.tool}" if same_tool else f"{m.method or '*'} {m.upstream} {m.path}"
+                if same_tool or same_path or same_skill:
+                    what = (f"tool {m.tool}" if same_tool else f"skill {m.skill}" if same_skill
+                            else f"{m.method or '*'} {m.upstream} {m.path}")
                     self.issue(step.name, "match", f"same match as step {other.name!r} ({what})")
                     return
 

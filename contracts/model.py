@@ -171,6 +171,7 @@ class Match:
     method: str | None
     path: str | None              # HTTP tools match by path
     tool: str | None = None       # model and MCP traffic match by tool name
+    skill: str | None = None      # A2A traffic matches by skill (None upstream: any A2A agent)
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,6 +262,13 @@ class Contract:
         for step in self.steps.values():
             for m in step.matches:
                 if m.tool == tool and m.upstream in (None, upstream):
+                    return step
+        return None
+
+    def step_for_skill(self, upstream: str, skill: str) -> Step | None:
+        for step in self.steps.values():
+            for m in step.matches:
+                if m.skill == skill and m.upstream in (None, upstream):
                     return step
         return None
 

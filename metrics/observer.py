@@ -231,6 +231,14 @@ class Observer:
         self.log.warning("mcp_tool_changed", workflow=workflow, upstream=upstream,
                          session=session or None, tool=tool, changed=what)
 
+    def a2a_card_changed(self, upstream: str, workflow: str, before: tuple[str, ...],
+                         after: tuple[str, ...]) -> None:
+        """An A2A agent card whose skills changed since the card relayed before for the agent
+        (a changed card can steer which skill an agent's calls reach)."""
+        self.metrics.a2a_card_changes.labels(upstream).inc()
+        self.log.warning("a2a_card_changed", upstream=upstream, workflow=workflow,
+                         skills_before=list(before), skills_after=list(after))
+
     def learned(self, workflow: str, traffic: str) -> None:
         self.metrics.learned.labels(workflow, traffic).inc()
 

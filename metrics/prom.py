@@ -168,6 +168,9 @@ class Metrics:
         self.contract_info = Info(
             "stepguard_contract", "Each loaded contract: workflow, version and content hash.",
             ["workflow", "contract_version", "sha256"], registry=r)
+        self.a2a_card_changes = Counter(
+            "stepguard_a2a_card_changes", "A2A agent cards relayed whose skills differ from the "
+            "card relayed before for the same agent, by upstream.", ["upstream"], registry=r)
         self.log_lines_dropped = LOG_LINES_DROPPED
         r.register(LOG_LINES_DROPPED)
 

@@ -192,7 +192,8 @@ def _drift_parser(bench_sub: _Sub) -> None:
     drift = bench_sub.add_parser("drift", help="the drift table of the source article")
     drift.add_argument("--runs", type=int, default=5, help="injected runs per drift class")
     drift.add_argument("--controls", type=int, default=10, help="clean control runs")
-    drift.add_argument("--traffic", choices=["http", "model", "mcp", "mcp-stateless", "hybrid"],
+    drift.add_argument("--traffic", choices=["http", "model", "mcp", "mcp-stateless", "hybrid",
+                                             "a2a"],
                        default="http",
                        help="http: the agent calls its tools over HTTP through stepguard; model: "
                             "tools run in-process and only model traffic crosses stepguard; mcp: "
@@ -200,7 +201,9 @@ def _drift_parser(bench_sub: _Sub) -> None:
                             "mcp-stateless: the same with the mcp SDK's stateless 2026-07-28 "
                             "client and no stepguard header (runs named by the order_id "
                             "argument); hybrid: a model agent whose tool calls run over MCP "
-                            "through stepguard, no header (each call joined to the model's run)")
+                            "through stepguard, no header (each call joined to the model's run); "
+                            "a2a: the a2a-sdk client sending to an A2A agent behind stepguard, no "
+                            "header (runs named by the context id)")
     drift.add_argument("--store", metavar="FILE|URL",
                        help="keep the store of the enforced runs in FILE (a new file), for "
                             "`stepguard replay` or `runs show`; with --replicas, a database "

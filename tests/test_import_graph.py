@@ -6,7 +6,7 @@ command, so it alone may import bench/ and the examples, and nothing imports it.
 takes part in an import circle.
 
 Inside proxy/, every module but the entry points (the package's __init__ and cli.py) sits in a
-subpackage: core/ (the shared call core), one per traffic kind (http/, model/, mcp/), and ops/
+subpackage: core/ (the shared call core), one per traffic kind (http/, model/, mcp/, a2a/), and ops/
 (the operator surface). The traffic kinds never import each other, the core imports no traffic
 kind and not the operator surface, and only the operator surface (and cli.py above it) knows the
 traffic kinds besides themselves."""
@@ -187,7 +187,7 @@ def test_no_part_takes_part_in_an_import_circle() -> None:
 # the subpackages of proxy/, and what each may import of the others (besides itself)
 PROXY = "stepguard.proxy"
 ENTRY_POINTS = {PROXY, CLI}
-KINDS = ("http", "model", "mcp")
+KINDS = ("http", "model", "mcp", "a2a")
 SUBPACKAGE_ALLOWED = {
     "core": set(),
     **{kind: {"core"} for kind in KINDS},

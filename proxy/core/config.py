@@ -439,12 +439,13 @@ class Settings:
     # one streamed model turn: its bytes and its tool calls (past either, the turn is ended
     # with a stream error: docs/model.md)
     max_stream_bytes: int = declare(
-        10 * _MIB, _bytes(1), "bytes of one streamed model turn; past them it ends with a "
-        "stream error (as --max-response-bytes bounds a whole answer)", unit="bytes",
+        10 * _MIB, _bytes(1), "bytes of one streamed model turn or A2A send; past them it "
+        "ends with a stream error (as --max-response-bytes bounds a whole answer)", unit="bytes",
         doc="bytes of one streamed model turn (as `--max-response-bytes` bounds a whole "
             "answer); past them the turn ends with the provider's stream error, counted in "
             "`stepguard_stream_turns_cut{reason=\"too_large\"}` ([model guide]"
-            "(guides/model.md#what-stepguard-checks))")
+            "(guides/model.md#what-stepguard-checks)); likewise the event stream of one A2A "
+            "send, which then ends as a tool error ([A2A guide](guides/a2a.md))")
     max_turn_calls: int = declare(
         1000, _integer(1, what="a number of tool calls"), "tool calls in one model turn; past "
         "them a stream ends with a stream error, a whole answer gets 502",

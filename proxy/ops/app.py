@@ -39,6 +39,7 @@ from stepguard.metrics.logs import get_logger
 from stepguard.metrics.observer import Observer
 from stepguard.metrics.prom import Metrics
 from stepguard.metrics.tracing import Tracing
+from stepguard.proxy.a2a.adapter import A2aAdapter
 from stepguard.proxy.core.boundaries import Boundaries
 from stepguard.proxy.core.config import Settings, listen_error
 from stepguard.proxy.core.escalation import Escalator
@@ -168,6 +169,8 @@ class Stepguard:
                                           self.observer, self.boundaries, http,
                                           self.stream_budget)
         adapters["mcp"] = McpAdapter(self.runs, self.forwarder, self.settings, self.observer,
+                                     self.boundaries, http)
+        adapters["a2a"] = A2aAdapter(self.runs, self.forwarder, self.settings, self.observer,
                                      self.boundaries, http)
         self.budget = BodyBudget(self.limits.max_inflight_body_bytes)
         self.dispatcher = Dispatcher(Router(self.contracts), adapters, self.observer,

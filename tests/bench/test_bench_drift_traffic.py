@@ -1,7 +1,8 @@
 """`stepguard bench drift --traffic ...`: the article's table from model traffic alone (tools
 in-process, the real openai SDK), from MCP traffic (the real mcp SDK client, with a run header),
 from stateless MCP with no header at all (runs named by the order_id argument), and from a hybrid
-agent (openai SDK whose tool calls run over MCP through stepguard, no header: joined calls)."""
+agent (openai SDK whose tool calls run over MCP through stepguard, no header: joined calls),
+and from A2A sends (the a2a-sdk client and server, no header: runs named by the context id)."""
 
 from __future__ import annotations
 
@@ -62,3 +63,12 @@ def test_a_hybrid_agent_with_no_header_holds_the_table_each_tool_call_joined_to_
     # calls, carrying no key, would have been refused and no control would pass)
     assert result["runs"] == {"agents": 7, "stored": 7, "named_by_agent": 0}
     assert result["injectors"]["freshness"] == "stale_input"
+
+
+@pytest.mark.timeout(60)
+def test_a2a_sends_with_no_header_hold_the_table_each_run_named_by_its_context_id():
+    result = bench_drift("a2a", 2, 3, timeout=55)
+    assert_the_table_holds(result, 2, 3)
+    # the refund desk's contract halts on every class (no retry or escalation declared)
+    assert {row["action"] for row in result["classes"].values()} == {"halt"}
+    assert result["runs"] == {"agents": 13, "stored": 13, "named_by_agent": 0}

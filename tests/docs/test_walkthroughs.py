@@ -30,7 +30,7 @@ from docblocks import DOCS, ROOT, Block, blocks
 RUN_TIMEOUT_S = 150
 FOLLOW_WAIT_S = 20      # how long a second terminal (a follower) may take to show its lines
 PAGES = [ROOT / "README.md", DOCS / "guides" / "http.md", DOCS / "guides" / "model.md",
-         DOCS / "guides" / "mcp.md", DOCS / "guides" / "hybrid.md",
+         DOCS / "guides" / "mcp.md", DOCS / "guides" / "a2a.md", DOCS / "guides" / "hybrid.md",
          DOCS / "guides" / "from-traffic.md"]
 # brings the loopback interface of a fresh network namespace up (SIOCGIFFLAGS / SIOCSIFFLAGS)
 LOOPBACK_UP = ("import fcntl, socket, struct; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); "

@@ -1,0 +1,237 @@
+"""The adapter for A2A (Agent2Agent) traffic over the JSON-RPC binding (`kind: a2a` upstreams).
+
+A send (`SendMessage`, `SendStreamingMessage`, or 0.3's `message/send`, `message/stream`) is a
+step matched by skill (`match: {skill: NAME}`, with `upstream` when several agents offer it):
+the skill the message names in its metadata (`skill` or `skillId`, of the request or of the
+message), else the only skill of the agent's card as it last passed through. Its message is the
+entry boundary's input, the task's final state and artifacts the exit's output (`wire.py`). A
+failed, canceled or rejected task, a JSON-RPC error, a task left in a state that is not final,
+a transport failure or a timeout is a tool error. Every other request (`GetTask`, `CancelTask`,
+`SubscribeToTask`, `tasks/get`, the agent card, ...) passes through untouched.
+
+A violation is a JSON-RPC error answering the send's id (code -31000, details in `data`), as
+the JSON answer or as the event that ends the stream, so the `a2a-sdk` client raises. A stream
+is relayed event by event; only its final event is held until the exit check.
+
+Every POST body is parsed with `unique_keys`; one that is not strict JSON, a batch holding a
+send, or a send whose message cannot be read is refused (-31002), never passed unchecked.
+The agent card (`/.well-known/agent-card.json`) is relayed unchanged; one whose skills differ
+from the card this process relayed before for that agent is logged (`a2a_card_changed`) and
+counted (`stepguard_a2a_card_changes`), since a changed card can steer an agent's calls.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Final
+
+import orjson
+from aiohttp import web
+from multidict import CIMultiDict
+
+from stepguard.contracts.runs import RunBook
+from stepguard.metrics.observer import Observer
+from stepguard.proxy.a2a.rpc import REQUEST_CODE, as_event, error_response, refusal_for, rpc_error
+from stepguard.proxy.a2a.upstream import A2aAnswer, A2aCall, A2aUpstream
+from stepguard.proxy.a2a.wire import SEND_METHODS, Send, WireError, send_of, skills_of
+from stepguard.proxy.core.bodies import BodyError, charset_of, decode, parse_json
+from stepguard.proxy.core.boundaries import Boundaries
+from stepguard.proxy.core.calls import Answer, CallLoop, Replayed, Stopped
+from stepguard.proxy.core.config import Settings
+from stepguard.proxy.core.correlation import NO_RUN_KEY, STORE
+from stepguard.proxy.core.forward import ClientEnd, Forwarder, Kept, Timing, end_to_end
+from stepguard.proxy.core.routing import Route
+from stepguard.proxy.core.unchecked import UncheckedForwarder
+
+__all__ = ["CARD_PATH", "A2aAdapter"]
+
+TRAFFIC: Final = "a2a"
+CARD_PATH: Final = "/.well-known/agent-card.json"
+MAX_CARD_BYTES: Final = 1024 * 1024
+
+
+class A2aAdapter:
+    """Routes A2A traffic (checked sends, the rest passed through) and is the call loop's
+    protocol for a send: answers relayed as JSON or as the event that ends the stream, stops
+    answered as JSON-RPC errors for the send's id."""
+
+    traffic = TRAFFIC
+
+    def __init__(self, runs: RunBook, forwarder: Forwarder, settings: Settings,
+                 observer: Observer, boundaries: Boundaries, http: UncheckedForwarder) -> None:
+        self.settings = settings
+        self.observer = observer
+        self.boundaries = boundaries
+        self.http = http
+        self.upstream = A2aUpstream(forwarder, settings, boundaries)
+        self.calls = CallLoop(self, runs, boundaries, observer, settings)
+        self.skills: dict[tuple[str, str], tuple[str, ...]] = {}   # (workflow, upstream) -> card's
+
+    def error(self, route: Route, status: int, title: str, detail: str) -> web.Response:
+        body = rpc_error(None, REQUEST_CODE, f"stepguard: {title}: {detail}", {"title": title})
+        return web.json_response(body, status=status, dumps=lambda v: orjson.dumps(v).decode())
+
+    async def handle(self, request: web.Request, route: Route, body: bytes,
+                     timing: Timing) -> web.StreamResponse:
+        headers = end_to_end(request.headers)
+        if request.method == "GET" and route.raw_path.endswith(CARD_PATH):
+            return await self._card(request, route, headers, body, timing)
+        if request.method != "POST" or self.settings.passthrough or route.contract.learning:
+            return await self.http.forward_unchecked(request, route, headers, body, timing)
+        try:
+            send = self._send(request, body)
+        except (BodyError, WireError) as exc:
+            detail = exc.detail if isinstance(exc, BodyError) else str(exc)
+            self.boundaries.call_refused(route, "unparseable", detail, None, TRAFFIC)
+            return error_response(None, REQUEST_CODE, f"stepguard: the A2A request cannot be "
+                                  f"read to be checked: {detail}", {"check": "request"})
+        if send is None:
+            return await self.http.forward_unchecked(request, route, headers, body, timing,
+                                                     read_timeout_s=None)
+        return await self._checked(request, route, headers, body, timing, send)
+
+    def _send(self, request: web.Request, body: bytes) -> Send | None:
+        """The send this POST carries, None for any other request; a body that is not strict
+        JSON, a batch with a send, or an unreadable send raises."""
+        raw = decode(body, request.headers.get("content-encoding"), self.settings.max_request_bytes)
+        message = parse_json(raw, "request body", self.settings.max_json_depth,
+                             charset_of(request.headers.get("content-type")), unique_keys=True)
+        if isinstance(message, list):
+            if any(isinstance(m, dict) and m.get("method") in SEND_METHODS for m in message):
+                raise WireError("a JSON-RPC batch holds a send; send each message on its own")
+            return None
+        return send_of(message)
+
+    async def _checked(self, request: web.Request, route: Route, headers: CIMultiDict[str],
+                       body: bytes, timing: Timing, send: Send) -> web.StreamResponse:
+        contract, agent = route.contract, route.upstream.name
+        skill = send.skill
+        if skill is None:
+            known = self.skills.get((contract.workflow, agent), ())
+            skill = known[0] if len(known) == 1 else None
+        step = contract.step_for_skill(agent, skill) if skill is not None else None
+        if step is None:
+            if contract.unmatched == "refuse":
+                named = f"skill {skill[:200]!r}" if skill else "a message naming no skill"
+                detail = (f"{named} matches no step of workflow {contract.workflow!r}, and the "
+                          "contract refuses unmatched calls")
+                self.boundaries.call_refused(route, "unmatched", detail, None, TRAFFIC)
+                return error_response(send.rpc_id, REQUEST_CODE, f"stepguard: {detail}",
+                                      {"check": "unmatched"})
+            return await self.http.forward_unchecked(request, route, headers, body, timing,
+                                                     read_timeout_s=None)
+        keyed = await self.boundaries.run_keys.resolve(contract, step, request.headers,
+                                                       send.arguments)
+        if keyed.run_id is None:
+            reason = keyed.reason or NO_RUN_KEY
+            self.boundaries.call_refused(route, reason, keyed.detail, step.name, TRAFFIC)
+            return error_response(send.rpc_id, REQUEST_CODE, f"stepguard: {keyed.detail}",
+                                  {"check": "correlation", "step": step.name},
+                                  retry=reason == STORE)
+        call = A2aCall(route, step, keyed.run_id, request, headers, body, timing,
+                       input=send.input, key_drift=keyed, safe_to_retry=step.idempotent,
+                       send=send)
+        return await self.calls.checked(call)
+
+    async def _card(self, request: web.Request, route: Route, headers: CIMultiDict[str],
+                    body: bytes, timing: Timing) -> web.StreamResponse:
+        """The agent card, relayed unchanged; its skills noted, a change logged and counted."""
+        kept = Kept(MAX_CARD_BYTES)
+        answer = await self.http.forward_unchecked(request, route, headers, body, timing,
+                                                   kept=kept)
+        if kept.status != 200 or kept.over or not kept.whole:
+            return answer
+        try:
+            card = orjson.loads(bytes(kept.body))
+        except orjson.JSONDecodeError:
+            return answer
+        skills = skills_of(card)
+        if skills is None:
+            return answer
+        key = (route.contract.workflow, route.upstream.name)
+        before = self.skills.get(key)
+        self.skills[key] = skills
+        if before is not None and before != skills:
+            self.observer.a2a_card_changed(route.upstream.name, route.contract.workflow,
+                                           before, skills)
+        return answer
+
+    # -- the call loop's protocol -----------------------------------------------------------------
+
+    async def send(self, call: A2aCall) -> A2aAnswer:
+        return await self.upstream.attempt(call, time.perf_counter())
+
+    def extra(self, call: A2aCall) -> dict[str, Any] | None:
+        send = call.send
+        return {"rpc_id": call.rpc_id, "skill": send.skill if send is not None else None}
+
+    async def pause(self, call: A2aCall, answer: A2aAnswer,
+                    attempt: int) -> web.StreamResponse | None:
+        return None
+
+    def recording(self, call: A2aCall, answer: A2aAnswer) -> dict[str, Any] | None:
+        return None      # a send's answer is never given again from the record
+
+    async def replay(self, call: A2aCall, replayed: Replayed) -> web.StreamResponse:
+        raise AssertionError("A2A sends are never recorded to be replayed")   # pragma: no cover
+
+    async def unchecked(self, call: A2aCall) -> web.StreamResponse:
+        return await self.http.forward_unchecked(call.request, call.route, call.headers,
+                                                 call.body, call.timing, read_timeout_s=None)
+
+    async def keepalive(self, call: A2aCall) -> None:
+        """A held send: a streaming client gets its stream now, kept alive with comments (its
+        answer, whatever it is, ends that stream); any other client waits for its JSON."""
+        if call.out is None:
+            if call.send is None or not call.send.streaming:
+                return
+            out = web.StreamResponse(status=200, headers={"content-type": "text/event-stream",
+                                                          "cache-control": "no-cache"})
+            call.out = await ClientEnd(out).start(call.request)
+        await call.out.write(b": stepguard: the message is held for an operator's approval\n\n")
+
+    async def relay(self, call: A2aCall, answer: Answer) -> web.StreamResponse:
+        if isinstance(answer, A2aAnswer) and answer.event:
+            return await self._final_event(call, answer.body, answer.status or 200)
+        if call.out is not None:
+            return await self._final_event(call, _as_event(call, answer), 200)
+        if answer.status is None:   # no answer at all, but the contract let it pass (observe)
+            return error_response(call.rpc_id, REQUEST_CODE, f"stepguard: {answer.result.error}",
+                                  {"check": "tool_error"}, status=502)
+        return web.Response(status=answer.status, headers=answer.headers, body=answer.body)
+
+    async def render(self, call: A2aCall, why: Stopped) -> web.StreamResponse:
+        refusal = refusal_for(call, why)
+        if call.out is not None or (call.send is not None and call.send.streaming
+                                    and call.forwarded):
+            return await self._final_event(call, refusal.event(call.rpc_id), 200)
+        return web.Response(body=orjson.dumps(refusal.error(call.rpc_id)),
+                            content_type="application/json",
+                            headers={"x-should-retry": "true" if refusal.later else "false"})
+
+    @staticmethod
+    async def _final_event(call: A2aCall, event: bytes, status: int) -> web.StreamResponse:
+        """The event that ends a send's stream (opened now if nothing was relayed yet)."""
+        if call.out is None:
+            out = web.StreamResponse(status=status, headers={"content-type": "text/event-stream",
+                                                             "cache-control": "no-cache"})
+            call.timing.stamp(out)
+            call.out = await ClientEnd(out).start(call.request)
+        await call.out.write(event)
+        await call.out.close()
+        return call.out.out
+
+
+def _as_event(call: A2aCall, answer: Answer) -> bytes:
+    """A JSON answer for a client whose stream was opened before it came (a held send): the
+    same message as the event that ends the stream."""
+    if answer.status is not None and 200 <= answer.status < 300:
+        try:
+            message = orjson.loads(answer.body)
+        except orjson.JSONDecodeError:
+            message = None
+        if isinstance(message, dict):
+            return as_event(message)
+    what = answer.result.error or f"the A2A agent answered {answer.status}"
+    return as_event(rpc_error(call.rpc_id, REQUEST_CODE, f"stepguard: {what}",
+                              {"check": "tool_error", "status": answer.status}))

@@ -1,0 +1,198 @@
+"""A2A traffic at the wire: an `a2a` upstream that speaks the JSON-RPC binding as the `a2a-sdk`
+server writes it (a loopback aiohttp server, scripted per test), stepguard in front. The
+end-to-end suite (tests/e2e/test_a2a.py) runs the real SDK on both sides; these pin what the
+SDK cannot be made to do on cue: a stream held open mid-task, unreadable and oversized answers,
+requests no SDK sends."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+import pytest
+from aiohttp import web
+from sgtest import Proxy, Upstream
+
+from stepguard.contracts.loader import parse_contract
+from stepguard.contracts.model import Contract
+
+RUN = {"x-stepguard-run": "r1"}
+SEND = "/agent/rpc"
+
+
+def a2a_contract(url: str, **top: Any) -> Contract:
+    doc = {"workflow": "a2a-flow", "contract_version": 1, "unmatched": "refuse",
+           "upstreams": {"agent": {"url": url, "kind": "a2a", "mount": "/agent", "timeout_s": 5}},
+           "steps": {"quote": {"match": {"skill": "quote"},
+                               "precondition": ["input.data.sku != ''"],
+                               "postcondition": ["output.data.price > 0"]}},
+           **top}
+    return parse_contract(orjson.dumps(doc), "a2a.yaml")
+
+
+def send(method: str = "SendStreamingMessage", skill: str = "quote", **data: Any) -> dict[str, Any]:
+    parts: list[dict[str, Any]] = [{"text": "a quote please"}, {"data": {"sku": "S-1", **data}}]
+    return {"jsonrpc": "2.0", "id": "q1", "method": method,
+            "params": {"message": {"messageId": "m1", "role": "ROLE_USER", "parts": parts,
+                                   "contextId": "c1"}, "metadata": {"skill": skill}}}
+
+
+def event(result: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps({"jsonrpc": "2.0", "id": "q1", "result": result}) + b"\r\n\r\n"
+
+
+TASK = {"task": {"id": "t1", "contextId": "c1", "status": {"state": "TASK_STATE_SUBMITTED"}}}
+ARTIFACT = {"artifactUpdate": {"taskId": "t1", "contextId": "c1", "artifact": {
+    "artifactId": "a1", "name": "quote", "parts": [{"data": {"price": 12.5}}]}}}
+
+
+def final(state: str = "TASK_STATE_COMPLETED") -> dict[str, Any]:
+    return {"statusUpdate": {"taskId": "t1", "contextId": "c1", "status": {"state": state}}}
+
+
+def streaming(*before: dict[str, Any], last: dict[str, Any] | None = None,
+              released: asyncio.Event | None = None) -> Callable[[web.Request],
+                                                                 Awaitable[web.StreamResponse]]:
+    """An agent answering a send with an event stream: `before`, then (once `released` is
+    set, if given) `last`."""
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        out = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await out.prepare(request)
+        for result in before:
+            await out.write(event(result))
+        if released is not None:
+            await released.wait()
+        if last is not None:
+            await out.write(event(last))
+        await out.write_eof()
+        return out
+
+    return handle
+
+
+async def events_of(body: bytes) -> list[dict[str, Any]]:
+    return [orjson.loads(chunk.removeprefix(b"data: ")) for chunk in body.split(b"\r\n\r\n")
+            if chunk.startswith(b"data: ")]
+
+
+async def test_status_and_artifact_events_reach_the_client_before_the_task_ends(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    released = asyncio.Event()
+    agent: Upstream = await make_upstream(streaming(TASK, ARTIFACT, last=final(),
+                                                    released=released))
+    p = await proxy(a2a_contract(agent.url))
+    resp = await p.client.post(SEND, data=orjson.dumps(send()), headers=RUN)
+    got = b""
+    while b"artifactUpdate" not in got:         # the agent holds its final event until then
+        got += await resp.content.readany()
+    released.set()
+    got += await resp.content.read()
+
+    results = [e["result"] for e in await events_of(got)]
+    assert results == [TASK, ARTIFACT, final()]
+    assert [(e["boundary"], e["verdict"]) for e in await p.history("r1")] == [
+        ("entry", "pass"), ("exit", "pass")]
+
+
+async def test_a_final_event_that_fails_its_check_is_replaced_by_a_json_rpc_error_event(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    free = {"artifactUpdate": {**ARTIFACT["artifactUpdate"], "artifact": {
+        "artifactId": "a1", "parts": [{"data": {"price": 0}}]}}}
+    agent = await make_upstream(streaming(TASK, free, last=final()))
+    p = await proxy(a2a_contract(agent.url))
+    resp = await p.client.post(SEND, data=orjson.dumps(send()), headers=RUN)
+
+    events = await events_of(await resp.read())
+    assert [e.get("result") for e in events[:2]] == [TASK, free]
+    error = events[-1]["error"]
+    assert error["code"] == -31000 and events[-1]["id"] == "q1"
+    assert (error["data"]["check"], error["data"]["boundary"]) == ("postcondition", "exit")
+    assert await p.status("r1") == "halted"
+
+
+@pytest.mark.parametrize("state", ["TASK_STATE_FAILED", "TASK_STATE_REJECTED",
+                                   "TASK_STATE_INPUT_REQUIRED"])
+async def test_a_task_that_does_not_complete_is_a_tool_error(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]], state: str) -> None:
+    agent = await make_upstream(streaming(TASK, last=final(state)))
+    p = await proxy(a2a_contract(agent.url))
+    resp = await p.client.post(SEND, data=orjson.dumps(send()), headers=RUN)
+
+    error = (await events_of(await resp.read()))[-1]["error"]
+    assert (error["data"]["check"], error["data"]["drift"]) == ("tool_error", "tool_error")
+
+
+async def test_a_stream_that_ends_before_a_final_state_is_a_tool_error(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    agent = await make_upstream(streaming(TASK, ARTIFACT))
+    p = await proxy(a2a_contract(agent.url))
+    resp = await p.client.post(SEND, data=orjson.dumps(send()), headers=RUN)
+
+    error = (await events_of(await resp.read()))[-1]["error"]
+    assert "before the task reached a final state" in error["message"]
+
+
+async def test_a_stream_past_max_stream_bytes_is_cut_as_a_tool_error(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    chunk = {"artifactUpdate": {**ARTIFACT["artifactUpdate"], "append": True, "artifact": {
+        "artifactId": "a1", "parts": [{"text": "x" * 4000}]}}}
+    agent = await make_upstream(streaming(TASK, *[chunk] * 5, last=final()))
+    p = await proxy(a2a_contract(agent.url), max_stream_bytes=10_000)
+    resp = await p.client.post(SEND, data=orjson.dumps(send()), headers=RUN)
+
+    error = (await events_of(await resp.read()))[-1]["error"]
+    assert "exceeds 10000 bytes" in error["message"] and error["data"]["check"] == "tool_error"
+
+
+async def test_a_plain_send_answered_with_a_completed_task_passes_unchanged(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    task = {"task": {"id": "t1", "contextId": "c1", "status": {"state": "TASK_STATE_COMPLETED"},
+                     "artifacts": [ARTIFACT["artifactUpdate"]["artifact"]]}}
+    answer = orjson.dumps({"jsonrpc": "2.0", "id": "q1", "result": task})
+
+    async def handle(request: web.Request) -> web.Response:
+        return web.Response(body=answer, content_type="application/json")
+
+    agent = await make_upstream(handle)
+    p = await proxy(a2a_contract(agent.url))
+    resp = await p.client.post(SEND, data=orjson.dumps(send("SendMessage")), headers=RUN)
+
+    assert await resp.read() == answer
+    exit_event = (await p.history("r1"))[-1]
+    assert exit_event["verdict"] == "pass" and exit_event["skill"] == "quote"
+
+
+@pytest.mark.parametrize(("body", "why"), [
+    (b'{"jsonrpc": "2.0", "id": 1, "method": "SendMessage", "method": "GetTask"}', "twice"),
+    (orjson.dumps([send("SendMessage")]), "batch"),
+    (orjson.dumps({**send("SendMessage"), "params": {"message": {"parts": [{"blob": 1}]}}}),
+     "neither text, data nor a file"),
+    (orjson.dumps({**send("SendMessage"), "params": {}}), "no message"),
+])
+async def test_a_send_stepguard_cannot_read_is_refused_before_the_agent_sees_it(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]], body: bytes,
+        why: str) -> None:
+    agent = await make_upstream()
+    p = await proxy(a2a_contract(agent.url))
+    resp = await p.client.post(SEND, data=body, headers={**RUN, "content-type":
+                                                         "application/json"})
+
+    error = (await resp.json())["error"]
+    assert error["code"] == -31002 and why in error["message"]
+    assert agent.seen == []
+
+
+async def test_get_task_and_cancel_task_pass_through_unchanged(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    agent = await make_upstream()
+    p = await proxy(a2a_contract(agent.url))
+    for method in ("GetTask", "CancelTask", "tasks/get"):
+        body = orjson.dumps({"jsonrpc": "2.0", "id": 2, "method": method,
+                             "params": {"id": "t1"}})
+        resp = await p.client.post(SEND, data=body, headers={"content-type": "application/json"})
+        assert resp.status == 200 and agent.last().body == body
+
+    assert await p.history("r1") == []
