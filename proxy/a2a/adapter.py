@@ -40,6 +40,7 @@ from stepguard.proxy.core.calls import Answer, CallLoop, Replayed, Stopped
 from stepguard.proxy.core.config import Settings
 from stepguard.proxy.core.correlation import NO_RUN_KEY, STORE
 from stepguard.proxy.core.forward import ClientEnd, Forwarder, Kept, Timing, end_to_end
+from stepguard.proxy.core.holds import Held
 from stepguard.proxy.core.routing import Route
 from stepguard.proxy.core.unchecked import UncheckedForwarder
 
@@ -174,6 +175,10 @@ class A2aAdapter:
 
     async def replay(self, call: A2aCall, replayed: Replayed) -> web.StreamResponse:
         raise AssertionError("A2A sends are never recorded to be replayed")   # pragma: no cover
+
+    async def ask(self, call: A2aCall, held: Held) -> web.StreamResponse | None:
+        """An A2A client is not asked in-band (yet): a held send waits for an operator."""
+        return None
 
     async def unchecked(self, call: A2aCall) -> web.StreamResponse:
         return await self.http.forward_unchecked(call.request, call.route, call.headers,

@@ -84,11 +84,6 @@ AGENTS = {
     "hybrid": Agent(None, by_hybrid, ToolFailed, lambda t: {"done": True, "ticket_id": t},
                     lambda e: e.body["decision_id"]),
 }
-# learn mode does not yet join an HTTP call to the model call that issued it: each hybrid run
-# is learned as two runs, the model's and its HTTP calls'
-KNOWN = {"hybrid": pytest.mark.xfail(reason="learn mode records a model's tool call and the HTTP "
-                                            "call that runs it in two runs",
-                                     raises=AssertionError, strict=True)}
 
 
 def learn_contract(tmp_path: Path) -> Path:
@@ -101,7 +96,7 @@ def learn_contract(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("traffic", [pytest.param(t, marks=KNOWN.get(t, ())) for t in AGENTS])
+@pytest.mark.parametrize("traffic", list(AGENTS))
 async def test_a_contract_drafted_from_learned_runs_lets_a_clean_run_through_and_halts_a_stale_result(
         stack: StartStack, tmp_path: Path, capsys: pytest.CaptureFixture[str],
         traffic: str) -> None:
