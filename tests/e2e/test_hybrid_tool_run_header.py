@@ -17,10 +17,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from refund_agents import whole
 from refund_checks import assert_clean
 from refund_desk import CHAT_TOOLS, MODEL, TOOLS, task
 from refund_stack import CONTRACT, WORKFLOW, Stack, StartStack
-from test_hybrid_http import whole
 
 HEADER = "x-run-id"
 
