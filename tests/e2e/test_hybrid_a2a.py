@@ -14,12 +14,13 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import openai
 import pytest
 import yaml
 from a2a.client.errors import A2AClientError
 from refund_agents import STALE_ORDER_SENT, a2a_hybrid_agent
 from refund_checks import assert_caught, assert_clean
-from refund_desk import TOOLS
+from refund_desk import STALE_ORDER, TOOLS
 from refund_stack import CONTRACT, StartStack
 
 AGENTS = {"url": "http://127.0.0.1:9", "kind": "a2a", "mount": "/agents", "timeout_s": 10}
@@ -92,3 +93,20 @@ async def test_a_stale_id_in_an_a2a_send_halts_its_run_as_freshness_before_the_a
                       boundary="entry", check="precondition", drift="freshness")
     # the desk never had the stale send, nor anything after it
     assert [c.tool for c in s.desk.calls(ticket="T-72")] == ["get_ticket", "verify_identity"]
+
+
+async def test_a_stale_id_the_model_asks_for_is_refused_in_its_answer_and_never_sent(
+        stack: StartStack, a2a_contract: Path) -> None:
+    """The model asks for the previous ticket's order: the tool call is the step's entry,
+    refused in the model's answer, so the agent never sends it."""
+    async with stack(a2a=True, contract=a2a_contract) as s:
+        s.model.work_on("T-74", STALE_ORDER)
+        with pytest.raises(openai.UnprocessableEntityError) as refused:
+            await a2a_hybrid_agent(s, "T-74")
+
+        run = await s.run_of("T-74")
+        event = assert_caught(run, await s.history(run.run_id), step="lookup_policy",
+                              boundary="entry", check="precondition", drift="freshness")
+    body = refused.value.body
+    assert isinstance(body, dict) and body["stepguard"]["decision_id"] == event["decision_id"]
+    assert [c.tool for c in s.desk.calls(ticket="T-74")] == ["get_ticket", "verify_identity"]
