@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -47,11 +48,16 @@ def digest(value: Any) -> str | None:
     double); None for what orjson cannot write."""
     try:
         written = orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
-        if b".0" in written or b"e+" in written:    # perhaps an integral float: written again
+        if (b".0" in written or b"e+" in written) and _INTEGRAL_FLOAT.search(written):
             written = orjson.dumps(_integral(value), option=orjson.OPT_SORT_KEYS)
         return hashlib.sha256(written).hexdigest()
     except (TypeError, orjson.JSONEncodeError):
         return None
+
+
+# how orjson ends an integral float (`1061.0`, `1e+16`) before what may follow a value: the value
+# is then written again with it as an integer (a string that ends so only costs that rewrite)
+_INTEGRAL_FLOAT = re.compile(rb"\d\.0(?=[,\]}]|$)|\de\+\d+(?=[,\]}]|$)")
 
 
 def _integral(value: Any) -> Any:
