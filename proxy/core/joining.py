@@ -7,10 +7,9 @@ keyed by (workflow, step, digest of the canonical arguments). A tool-side call (
 run key of its own and matches such an entry is that call (`take` consumes it): it belongs
 to the model's run, its entry is the one the model's call already stored, and its exit is
 checked at the tool's answer and stored with the model's call id (which ends the call's
-pending state). What the agent then hands the model as the
-call's result must agree with what was checked (`agrees`). Everything is in memory and bounded:
-an entry not taken within `ttl_s`, or pushed out past `limit`, is forgotten (the tool-side call
-is then correlated as any other).
+pending state). What the agent then hands the model as the call's result must agree with what
+was checked (`agrees`). Everything is in memory and bounded: an entry not taken within `ttl_s`,
+or pushed out past `limit`, is forgotten (the tool-side call is then correlated as any other).
 
 An agent may execute a streamed tool call before the stream has ended: stepguard relays the
 call as it arrives and holds only the terminator until the turn is checked, so the execution
