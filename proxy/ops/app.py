@@ -254,8 +254,15 @@ def create_app(sg: Stepguard, manage: bool = True) -> web.Application:
     app[STEPGUARD] = sg
     if manage:
         app.cleanup_ctx.append(_lifecycle)
+        # before aiohttp waits for the handlers still running: calls held for an operator are
+        # answered now (503, send again), as `serve` does on a signal, not at their deadline
+        app.on_shutdown.append(_let_holds_go)
     app.router.add_route("*", "/{tail:.*}", sg.dispatcher.handle)
     return app
+
+
+async def _let_holds_go(app: web.Application) -> None:
+    await app[STEPGUARD].boundaries.holds.close()
 
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
