@@ -69,16 +69,25 @@ class Redactor:
         replaced: list[str] = []
         return _redacted(value, self.keys, root, replaced), replaced
 
-    def clean(self, value: Any) -> bool:
-        """Whether `value` holds no key to redact (redacting it would change nothing): one
-        look per object while its keys are known clean (learn mode records every call)."""
+    def clean(self, value: Any, max_depth: int | None = None) -> bool:
+        """Whether `value` holds no key to redact (redacting it would change nothing), and with
+        `max_depth`, also nests no container more than `max_depth` levels deep (False past it,
+        without saying which: the caller looks at the depth again, `bodies.check_depth`). Level
+        by level, one look per object while its keys are known clean (learn mode records every
+        call): the walk that checks the depth of a body is the one that checks its keys."""
+        if type(value) is not dict and type(value) is not list:
+            return True
         known, keys = self._clean, self.keys
-        stack = [value]
-        pop, push = stack.pop, stack.append
-        while stack:
-            node = pop()
-            if type(node) is dict:
-                if not known.issuperset(node):
+        known_clean = known.issuperset
+        level: list[Any] = [value]
+        depth = 0
+        while level:
+            if max_depth is not None and depth >= max_depth:
+                return False
+            depth += 1
+            dicts = [node for node in level if type(node) is dict]
+            if dicts and not all(map(known_clean, dicts)):
+                for node in dicts:
                     for k in node:
                         if type(k) is str and k not in known:
                             if is_redacted(k, keys):
@@ -86,13 +95,9 @@ class Redactor:
                             if len(known) >= CLEAN_KEYS:
                                 known.clear()
                             known.add(k)
-                node = node.values()
-            elif type(node) is not list:
-                continue
-            for item in node:
-                kind = type(item)
-                if kind is dict or kind is list:
-                    push(item)
+            level = [item for node in level
+                     for item in (node.values() if type(node) is dict else node)
+                     if type(item) is dict or type(item) is list]
         return True
 
     def path(self, path: str) -> str:
