@@ -153,6 +153,7 @@ async def _learn_append(n: int, concurrency: int) -> dict[str, Any]:
         await appends(min(500, max(50, n // 4)), "warm")
         cpu, wall = time.process_time(), time.perf_counter()
         await appends(n, "timed")
+        await store.close()     # its final checkpoint: every page appended copied back once
         cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     finally:
         await store.close()

@@ -13,6 +13,7 @@ size.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from itertools import chain
 from typing import Any
 
 __all__ = ["REDACTED", "Redactor", "holds_redacted", "is_redacted", "redacted_path"]
@@ -50,6 +51,7 @@ def holds_redacted(value: Any) -> bool:
     return False
 
 
+_CONTAINERS = frozenset((dict, list))
 CLEAN_KEYS = 4096      # keys a Redactor remembers as not redacted (then it forgets them all)
 
 
@@ -73,8 +75,9 @@ class Redactor:
         """Whether `value` holds no key to redact (redacting it would change nothing), and with
         `max_depth`, also nests no container more than `max_depth` levels deep (False past it,
         without saying which: the caller looks at the depth again, `bodies.check_depth`). Level
-        by level, one look per object while its keys are known clean (learn mode records every
-        call): the walk that checks the depth of a body is the one that checks its keys."""
+        by level, one look at all the keys of a level while they are known clean (learn mode
+        records every call): the walk that bounds a body's depth is the one that checks its
+        keys."""
         if type(value) is not dict and type(value) is not list:
             return True
         known, keys = self._clean, self.keys
@@ -86,7 +89,7 @@ class Redactor:
                 return False
             depth += 1
             dicts = [node for node in level if type(node) is dict]
-            if dicts and not all(map(known_clean, dicts)):
+            if dicts and not known_clean(chain.from_iterable(dicts)):   # every key of the level
                 for node in dicts:
                     for k in node:
                         if type(k) is str and k not in known:
@@ -97,7 +100,7 @@ class Redactor:
                             known.add(k)
             level = [item for node in level
                      for item in (node.values() if type(node) is dict else node)
-                     if type(item) is dict or type(item) is list]
+                     if type(item) in _CONTAINERS]
         return True
 
     def path(self, path: str) -> str:
