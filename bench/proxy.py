@@ -49,7 +49,9 @@ it records: `learn_append_micro()` appends the event the row stores per call (it
 as learn mode appends it, `--concurrency` at once, to a store opened as `serve` opens it, and
 gives the process's CPU time per append (writer and checkpoints included) in `learn_append`;
 once per round, after the rows, so that the figure it is compared with drifts with the machine
-as theirs do. The target: learn's CPU per call minus passthrough's <= that append.
+as theirs do. The target: learn's CPU per call minus passthrough's <= that append. Appends that
+many at once share their transactions; `cpu_ms_alone`, the same appended one at a time (each a
+transaction of its own), is the most an append costs.
 
 Every process started is stopped and every temporary file removed when `run()` returns (or
 fails). stepguard children get a clean environment: `STEPGUARD_*` and `OTEL_*` variables are not
@@ -401,7 +403,9 @@ def run(options: BenchOptions) -> dict[str, Any]:
             rounds.append({name: _measure_row(bench, name, upstream_url, wrk_missing)
                            for name in plan})
             if "learn" in plan and options.micro_n > 0:
-                appends.append(learn_append_micro(options.micro_n, options.concurrency))
+                appended = learn_append_micro(options.micro_n, options.concurrency)
+                appended["cpu_ms_alone"] = learn_append_micro(options.micro_n, 1)["cpu_ms"]
+                appends.append(appended)
     finally:
         bench.close()
     rows = {name: combine_rounds([r[name] for r in rounds]) for name in plan}
@@ -430,6 +434,8 @@ def run(options: BenchOptions) -> dict[str, Any]:
         learn_append = {**appends[0], "rounds": len(appends),
                         "cpu_ms": round(statistics.median(a["cpu_ms"] for a in appends), 4),
                         "cpu_ms_rounds": [a["cpu_ms"] for a in appends],
+                        "cpu_ms_alone": round(statistics.median(a["cpu_ms_alone"]
+                                                                for a in appends), 4),
                         "wall_us": round(statistics.median(a["wall_us"] for a in appends), 1)}
     ratios = {"contract/passthrough": _ratio(rps("contract"), rps("passthrough")),
               # what tracing every call costs: throughput and CPU per call, traced / untraced
