@@ -44,6 +44,15 @@ the row ran (/proc/stat), the worst of the rounds.
 bodies, the entry and exit checks, building the two events, and appending both to SQLite
 through `RunBook.commit`.
 
+The `learn` row's target is the `passthrough` row's CPU per call plus the store append of what
+it records: `learn_append_micro()` appends the event the row stores per call (its 10 KB answer)
+as learn mode appends it, `--concurrency` at once, to a store opened as `serve` opens it, and
+gives the process's CPU time per append (writer and checkpoints included) in `learn_append`;
+once per round, after the rows, so that the figure it is compared with drifts with the machine
+as theirs do. The target: learn's CPU per call minus passthrough's <= that append. Appends that
+many at once share their transactions; `cpu_ms_alone`, the same appended one at a time (each a
+transaction of its own), is the most an append costs.
+
 Every process started is stopped and every temporary file removed when `run()` returns (or
 fails). stepguard children get a clean environment: `STEPGUARD_*` and `OTEL_*` variables are not
 passed on.
@@ -70,7 +79,7 @@ import orjson
 from stepguard.bench import upstream as bench_upstream
 from stepguard.bench.hops import WARMUP_S, Bench, Proc, count_events, http_call
 from stepguard.bench.load import closed_loop, loadgen_main, refusal_reason
-from stepguard.bench.micro import boundary_micro
+from stepguard.bench.micro import boundary_micro, learn_append_micro
 from stepguard.bench.pg_lifecycle import PgDatabase, Unreachable
 from stepguard.bench.procstat import cpu_s, cpu_ticks, peak_rss_mb, steal_pct
 from stepguard.bench.proxy_setup import (
@@ -332,7 +341,8 @@ _OPS = {">=": lambda v, limit: v >= limit, "<=": lambda v, limit: v <= limit,
 
 
 def _targets(rows: dict[str, Row], ratios: dict[str, float | None],
-             micro: dict[str, Any] | None) -> list[dict[str, Any]]:
+             micro: dict[str, Any] | None,
+             learn_append: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Each target: what is compared (`value` `op` `limit`) and whether it is met (None: not
     measured in this run)."""
     targets: list[dict[str, Any]] = []
@@ -359,6 +369,11 @@ def _targets(rows: dict[str, Row], ratios: dict[str, float | None],
         add("model_stream: added TTFB p50", rows["model_stream"].ttfb_added_p50_ms, "<", 1.0, "ms")
     if micro is not None:
         add("boundary pair (micro) median", micro["median_us"], "<", 100.0, "µs")
+    learn, passthrough = rows.get("learn"), rows.get("passthrough")
+    if learn_append is not None and learn is not None and passthrough is not None:
+        add("learn: CPU per call over passthrough's, at most the store append",
+            _diff(learn.cpu_s_per_1k, passthrough.cpu_s_per_1k), "<=", learn_append["cpu_ms"],
+            "ms")
     return targets
 
 
@@ -380,12 +395,17 @@ def run(options: BenchOptions) -> dict[str, Any]:
     if not (Path(options.wrk).is_file() and os.access(options.wrk, os.X_OK)):
         wrk_missing = f"wrk not found at {options.wrk} (apt-get install -y wrk)"
     rounds: list[dict[str, Row]] = []
+    appends: list[dict[str, Any]] = []     # the learn row's store append, once per round
     bench = Bench(options)
     try:
         upstream_url = bench.start_upstream()
         for bench.round in range(options.repeat):   # rows interleaved: machine drift hits all alike
             rounds.append({name: _measure_row(bench, name, upstream_url, wrk_missing)
                            for name in plan})
+            if "learn" in plan and options.micro_n > 0:
+                appended = learn_append_micro(options.micro_n, options.concurrency)
+                appended["cpu_ms_alone"] = learn_append_micro(options.micro_n, 1)["cpu_ms"]
+                appends.append(appended)
     finally:
         bench.close()
     rows = {name: combine_rounds([r[name] for r in rounds]) for name in plan}
@@ -409,6 +429,14 @@ def run(options: BenchOptions) -> dict[str, Any]:
         row = rows.get(name)
         return row.cpu_s_per_1k if row is not None and row.status == "ok" else None
 
+    learn_append = None
+    if appends:
+        learn_append = {**appends[0], "rounds": len(appends),
+                        "cpu_ms": round(statistics.median(a["cpu_ms"] for a in appends), 4),
+                        "cpu_ms_rounds": [a["cpu_ms"] for a in appends],
+                        "cpu_ms_alone": round(statistics.median(a["cpu_ms_alone"]
+                                                                for a in appends), 4),
+                        "wall_us": round(statistics.median(a["wall_us"] for a in appends), 1)}
     ratios = {"contract/passthrough": _ratio(rps("contract"), rps("passthrough")),
               # what tracing every call costs: throughput and CPU per call, traced / untraced
               "traced/contract rps": _ratio(rps("contract_traced"), rps("contract")),
@@ -418,7 +446,8 @@ def run(options: BenchOptions) -> dict[str, Any]:
               "contract_workers2/contract": _ratio(rps("contract_workers2"), rps("contract")),
               "contract_pg/contract": _ratio(rps("contract_pg"), rps("contract"))}
     return {"rows": {name: asdict(row) for name, row in rows.items()}, "ratios": ratios,
-            "targets": _targets(rows, ratios, micro), "micro": micro, "bounds": hop_bounds(),
+            "targets": _targets(rows, ratios, micro, learn_append),
+            "micro": micro, "learn_append": learn_append, "bounds": hop_bounds(),
             "options": asdict(options),
             "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0],
                         "platform": sys.platform,

@@ -96,6 +96,14 @@ def render(result: dict[str, Any]) -> str:
                       f"per entry+exit pair (parse {micro['parse_median_us']:.1f}, checks "
                       f"{micro['checks_median_us']:.1f}, events {micro['events_median_us']:.1f}, "
                       f"SQLite {micro['store_median_us']:.1f})"]
+    appended = result.get("learn_append")
+    if appended:
+        lines += ["", f"learn store append ({appended['n']} appends of the {appended['event_bytes']} B "
+                      f"event the learn row stores, {appended['concurrency']} at once, median of "
+                      f"{appended['rounds']} round(s)): {appended['cpu_ms']:.4f} ms CPU per append "
+                      f"({', '.join(f'{c:.4f}' for c in appended['cpu_ms_rounds'])}), "
+                      f"{appended['wall_us']:.1f} µs elapsed; one at a time "
+                      f"{appended['cpu_ms_alone']:.4f} ms"]
     lines += ["", "targets:"]
     for t in result["targets"]:
         verdict = {True: "met", False: "MISSED", None: "n/a"}[t["met"]]

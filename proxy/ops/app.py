@@ -154,6 +154,7 @@ class Stepguard:
         self.boundaries.shadows = shadowed(self.contracts, self.shadows)
         self.boundaries.learner.max_runs = self.settings.learn_max_runs
         self.boundaries.learner.max_run_bytes = self.settings.learn_max_run_bytes
+        self.boundaries.learner.max_json_depth = self.settings.max_json_depth
         self._tallies: asyncio.Task[None] | None = None   # writes counted refusals (start)
         self.boundaries.holds = Holds(self.observer, self.limits.max_holds,
                                       self.settings.admin_url or f"http://{self.settings.admin_host}"

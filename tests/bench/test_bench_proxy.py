@@ -30,7 +30,7 @@ from stepguard.bench import upstream as bench_upstream
 from stepguard.bench.harness import free_port, percentile
 from stepguard.bench.hops import Bench, parse_wrk
 from stepguard.bench.load import closed_loop, loadgen
-from stepguard.bench.micro import boundary_micro
+from stepguard.bench.micro import boundary_micro, learn_append_micro
 from stepguard.bench.procstat import children, parse_cpu_line, steal_pct
 from stepguard.bench.proxy import (
     ROWS,
@@ -249,11 +249,15 @@ def test_quick_run_measures_every_row() -> None:
     assert all(v is not None and v > 0 for v in result["ratios"].values())
     assert {t["met"] for t in result["targets"]} <= {True, False}
     assert result["micro"]["n"] == 30
+    assert (result["learn_append"]["n"], result["learn_append"]["rounds"]) == (30, 1)
+    [learn_target] = [t for t in result["targets"] if t["target"].startswith("learn:")]
+    assert learn_target["limit"] == result["learn_append"]["cpu_ms"]
     assert children(os.getpid()) == []                     # upstream, nginx, stepguards: gone
     text = render(result)
     for name in [*ALL_ROWS, "contract/passthrough", "contract/nginx", "passthrough/nginx",
                  "traced/contract rps", "traced/contract cpu", "contract_workers2/contract",
-                 "contract_pg/contract", "contract_pg: closed-loop added p50", "targets:", "micro-benchmark"]:
+                 "contract_pg/contract", "contract_pg: closed-loop added p50", "targets:", "micro-benchmark",
+                 "learn store append"]:
         assert name in text
 
 
@@ -379,6 +383,15 @@ def test_boundary_micro_returns_sane_numbers() -> None:
     assert all(p > 0 for p in parts)
     with pytest.raises(ValueError):
         boundary_micro(0)
+
+
+def test_learn_append_micro_weighs_the_event_the_learn_row_stores() -> None:
+    appended = learn_append_micro(50, concurrency=4)
+    assert (appended["n"], appended["concurrency"]) == (50, 4)
+    assert len(bench_upstream.order_body()) < appended["event_bytes"] < 12_500
+    assert appended["cpu_ms"] > 0 and appended["wall_us"] > 0
+    with pytest.raises(ValueError):
+        learn_append_micro(0)
 
 
 def test_plan_adds_the_reference_rows_and_names_unknown_ones() -> None:
