@@ -38,7 +38,13 @@ bench process sends requests back to back on one connection, each once the previ
 read, as an agent waiting for every call does: `seq_p50_ms`/`seq_p99_ms` (and
 `seq_ttfb_p50_ms` for streams), `added_seq_p50_ms` against the reference row. `rss_mb` is the
 hop's peak RSS (VmHWM); `steal_pct` the share of all CPU time the hypervisor gave elsewhere while
-the row ran (/proc/stat), the worst of the rounds.
+the row ran (/proc/stat), the worst of the rounds. Over the throughput phase (`scaling`):
+`cores`, the hop's CPU seconds per wall second; `busy_pct`, the share of all CPU time that was
+not idle; `other_pct`, the part of it no process the bench started took (None where this host
+cannot tell); and for `--workers N` rows `workers`, each worker's calls and CPU with their shares.
+The workers target is one of efficiency: `contract_workers2`'s CPU per call at most
+`WORKERS_CPU_LIMIT` times `contract`'s, and no worker checking more than
+`WORKERS_SPLIT_LIMIT_PCT`% of the calls.
 
 `boundary_micro()` times one checked boundary pair in-process, without sockets: parsing both
 bodies, the entry and exit checks, building the two events, and appending both to SQLite
@@ -50,7 +56,7 @@ passed on.
 
 This module holds the rows and the run; the parts are `proxy_setup` (options, contracts),
 `hops` (the processes, wrk and nginx), `load` (the open-loop and closed-loop clients),
-`procstat` (/proc), `micro`, `pg_lifecycle`, `wal_soak` and `render`.
+`procstat` (/proc), `scaling` (where the CPU went), `micro`, `pg_lifecycle`, `wal_soak` and `render`.
 """
 
 from __future__ import annotations
