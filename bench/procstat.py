@@ -10,8 +10,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
-__all__ = ["CLK_TCK", "MachineTicks", "busy_pct", "children", "cpu_s", "machine_ticks",
-           "parse_machine_line", "parse_pid_stat", "peak_rss_mb", "pid_cpu_s", "steal_pct"]
+__all__ = ["CLK_TCK", "MachineTicks", "busy_pct", "children", "cpu_quota", "cpu_s",
+           "machine_ticks", "parse_machine_line", "parse_pid_stat", "peak_rss_mb", "pid_cpu_s",
+           "proc_stat_cpus", "steal_pct", "usable_cpus"]
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -78,6 +79,34 @@ def busy_pct(before: MachineTicks | None, after: MachineTicks | None) -> float |
         return None
     total = after.total - before.total
     return round((total - (after.idle - before.idle)) / total * 100, 1)
+
+
+def proc_stat_cpus(text: str) -> int:
+    """How many CPUs /proc/stat counts (its `cpuN` lines): the CPUs `busy_pct` is a share of,
+    which in a container are the host's."""
+    return sum(1 for line in text.splitlines() if line[:3] == "cpu" and line[3:4].isdigit())
+
+
+def cpu_quota(text: str) -> float | None:
+    """The CPUs a cgroup v2 `cpu.max` (`QUOTA PERIOD`, or `max PERIOD`) allows, None if no
+    quota."""
+    quota, _, period = text.strip().partition(" ")
+    if quota == "max" or not period:
+        return None
+    return int(quota) / int(period)
+
+
+def usable_cpus() -> float | None:
+    """The CPUs this process may run on: its affinity, or its cgroup's quota if lower; None
+    where neither can be read."""
+    affinity: float | None = None
+    with contextlib.suppress(AttributeError, OSError):
+        affinity = len(os.sched_getaffinity(0))
+    quota = None
+    with contextlib.suppress(OSError, ValueError):
+        quota = cpu_quota(Path("/sys/fs/cgroup/cpu.max").read_text())
+    limits = [v for v in (affinity, quota) if v is not None]
+    return min(limits) if limits else None
 
 
 def peak_rss_mb(pids: Sequence[int]) -> float | None:

@@ -61,6 +61,7 @@ This module holds the rows and the run; the parts are `proxy_setup` (options, co
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import subprocess
@@ -78,7 +79,14 @@ from stepguard.bench.hops import WARMUP_S, Bench, Proc, count_events, http_call
 from stepguard.bench.load import closed_loop, loadgen_main, refusal_reason
 from stepguard.bench.micro import boundary_micro
 from stepguard.bench.pg_lifecycle import PgDatabase, Unreachable
-from stepguard.bench.procstat import busy_pct, machine_ticks, peak_rss_mb, steal_pct
+from stepguard.bench.procstat import (
+    busy_pct,
+    machine_ticks,
+    peak_rss_mb,
+    proc_stat_cpus,
+    steal_pct,
+    usable_cpus,
+)
 from stepguard.bench.proxy_setup import (
     MODEL_MOUNT,
     MOUNT,
@@ -481,8 +489,17 @@ def run(options: BenchOptions) -> dict[str, Any]:
                         # the share of CPU time the hypervisor gave elsewhere during the run,
                         # and the share that was not idle (steal included)
                         "steal_pct": steal_pct(ticks, ended),
-                        "busy_pct": busy_pct(ticks, ended)},
+                        "busy_pct": busy_pct(ticks, ended),
+                        # the CPUs busy % is a share of, and those this bench may use: in a
+                        # container with fewer, busy % describes the host
+                        "proc_stat_cpus": _proc_stat_cpus(), "usable_cpus": usable_cpus()},
             "elapsed_s": round(time.perf_counter() - began, 1)}
+
+
+def _proc_stat_cpus() -> int | None:
+    with contextlib.suppress(OSError):
+        return proc_stat_cpus(Path("/proc/stat").read_text())
+    return None
 
 
 def hop_bounds() -> dict[str, Any]:

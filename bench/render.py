@@ -163,6 +163,10 @@ def render(result: dict[str, Any]) -> str:
     busy = machine.get("busy_pct")
     stolen += (f", {busy:.0f}% of all CPU time busy" if busy is not None
                else f", how busy the CPUs were: {NOT_MEASURABLE}")
+    counted, usable = machine.get("proc_stat_cpus"), machine.get("usable_cpus")
+    if busy is not None and counted and usable and usable < counted:
+        stolen += (f" (of the host's {counted} CPUs, of which this bench may use {usable:g}: "
+                   "busy % and other % describe the host)")
     lines += ["", f"{machine['cpus']} cpus, python {machine['python']}, 1-min load average "
                   f"{before:.2f} at start, {after:.2f} at end{stolen}; took "
                   f"{result['elapsed_s']:.1f} s"]

@@ -18,13 +18,15 @@ from stepguard.bench.procstat import (
     CLK_TCK,
     MachineTicks,
     busy_pct,
+    cpu_quota,
     parse_machine_line,
     parse_pid_stat,
+    proc_stat_cpus,
     steal_pct,
 )
 from stepguard.bench.proxy import Row, _targets, busiest_share, combine_rounds
 from stepguard.bench.proxy_setup import MOUNT, RUN_HEADER, TOOL_PATH, BenchOptions, bench_contract
-from stepguard.bench.render import NOT_MEASURABLE, render_workers
+from stepguard.bench.render import NOT_MEASURABLE, render, render_workers
 from stepguard.bench.scaling import (
     CALLS_METRIC,
     Snapshot,
@@ -74,6 +76,16 @@ def test_busy_and_steal_are_none_without_proc_stat_or_without_time() -> None:
     reading = MachineTicks(idle=1, steal=0, total=10)
     assert busy_pct(None, reading) is None and steal_pct(reading, None) is None
     assert busy_pct(reading, reading) is None and steal_pct(reading, reading) is None
+
+
+def test_proc_stat_counts_its_cpus_by_their_own_lines() -> None:
+    text = "cpu  1 2 3 4 5 6 7 8 0 0\ncpu0 1 2 3 4 5 6 7 8 0 0\ncpu1 1 2 3 4 5 6 7 8 0 0\nintr 5\n"
+    assert proc_stat_cpus(text) == 2
+
+
+def test_a_cgroup_quota_gives_the_cpus_it_allows_and_max_gives_none() -> None:
+    assert cpu_quota("150000 100000\n") == 1.5
+    assert cpu_quota("max 100000\n") is None
 
 
 # --- the arithmetic of a phase ------------------------------------------------------------------
@@ -250,3 +262,24 @@ def test_the_old_throughput_ratio_target_for_workers_is_gone() -> None:
                    for t in targets)
     (cpu,) = [t for t in targets if t["target"].startswith("contract_workers2 CPU per call")]
     assert (cpu["value"], cpu["op"], cpu["limit"], cpu["met"]) == (1.08, "<=", 1.10, True)
+
+
+def test_without_proc_stat_the_report_says_how_busy_the_cpus_were_is_not_measurable() -> None:
+    row = Row("contract", rps=1000.0, requests=4000, cpu_s_per_1k=0.5, cores=0.5)
+    result = {"rows": {"contract": vars(row)}, "ratios": {}, "targets": [], "bounds": None,
+              "options": vars(BenchOptions(repeat=1)),
+              "machine": {"cpus": 2, "python": "3", "load_avg": [1.0, 1.0], "steal_pct": None,
+                          "busy_pct": None, "proc_stat_cpus": None, "usable_cpus": 2},
+              "elapsed_s": 1.0}
+    text = render(result)
+    assert f"contract: busy % and other %: {NOT_MEASURABLE}" in text
+    assert f"how busy the CPUs were: {NOT_MEASURABLE}" in text
+
+
+def test_in_a_container_with_fewer_cpus_than_the_host_busy_is_said_to_describe_the_host() -> None:
+    result = {"rows": {}, "ratios": {}, "targets": [], "bounds": None,
+              "options": vars(BenchOptions(repeat=1)),
+              "machine": {"cpus": 16, "python": "3", "load_avg": [1.0, 1.0], "steal_pct": 0.0,
+                          "busy_pct": 40.0, "proc_stat_cpus": 16, "usable_cpus": 2.0},
+              "elapsed_s": 1.0}
+    assert "of the host's 16 CPUs, of which this bench may use 2" in render(result)
