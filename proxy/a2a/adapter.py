@@ -36,7 +36,7 @@ from multidict import CIMultiDict
 
 from stepguard.contracts.runs import RunBook
 from stepguard.metrics.observer import Observer
-from stepguard.proxy.a2a.rpc import REQUEST_CODE, as_event, error_response, refusal_for, rpc_error
+from stepguard.proxy.a2a.rpc import refusal_for
 from stepguard.proxy.a2a.upstream import A2aAnswer, A2aCall, A2aUpstream
 from stepguard.proxy.a2a.wire import (
     SEND_METHODS,
@@ -53,6 +53,7 @@ from stepguard.proxy.core.config import Settings
 from stepguard.proxy.core.correlation import NO_RUN_KEY, STORE
 from stepguard.proxy.core.forward import ClientEnd, Forwarder, Kept, Timing, end_to_end
 from stepguard.proxy.core.holds import Held
+from stepguard.proxy.core.jsonrpc import REQUEST_CODE, as_event, error_response, rpc_error
 from stepguard.proxy.core.routing import Route
 from stepguard.proxy.core.unchecked import UncheckedForwarder
 
@@ -227,7 +228,7 @@ class A2aAdapter:
         refusal = refusal_for(call, why)
         if call.out is not None or (call.send is not None and call.send.streaming
                                     and call.forwarded):
-            return await self._final_event(call, refusal.event(call.rpc_id), 200)
+            return await self._final_event(call, as_event(refusal.error(call.rpc_id)), 200)
         return web.Response(body=orjson.dumps(refusal.error(call.rpc_id)),
                             content_type="application/json",
                             headers={"x-should-retry": "true" if refusal.later else "false"})

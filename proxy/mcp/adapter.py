@@ -40,6 +40,7 @@ from stepguard.proxy.core.config import Settings
 from stepguard.proxy.core.correlation import ARGUMENT_RUN, NO_RUN_KEY, STORE
 from stepguard.proxy.core.forward import ClientEnd, Forwarder, Kept, Timing, end_to_end
 from stepguard.proxy.core.holds import Held
+from stepguard.proxy.core.jsonrpc import REQUEST_CODE, error_response, rpc_error
 from stepguard.proxy.core.learning import learn_step
 from stepguard.proxy.core.routing import Route
 from stepguard.proxy.core.sse import EventTooLarge, SSESplitter, decode_event
@@ -48,16 +49,7 @@ from stepguard.proxy.mcp.approvals import InBand, Refused, answers_in_band, asks
 from stepguard.proxy.mcp.approvals import refused as refused_in_band
 from stepguard.proxy.mcp.listing import ToolLists, lists_tools
 from stepguard.proxy.mcp.resumption import McpResumption, Resumptions
-from stepguard.proxy.mcp.rpc import (
-    REQUEST_CODE,
-    as_event,
-    calls_tool,
-    error_response,
-    message_result,
-    posted,
-    refusal_for,
-    rpc_error,
-)
+from stepguard.proxy.mcp.rpc import as_event, calls_tool, message_result, posted, refusal_for
 from stepguard.proxy.mcp.upstream import McpAnswer, McpCall, McpUpstream
 
 __all__ = ["McpAdapter"]
@@ -252,7 +244,7 @@ class McpAdapter:
     async def render(self, call: McpCall, why: Stopped) -> web.StreamResponse:
         refusal = refusal_for(call, why)
         if call.out is not None:
-            return await self.resumption.final_event(call, refusal.event(call.rpc_id))
+            return await self.resumption.final_event(call, as_event(refusal.error(call.rpc_id)))
         return web.Response(body=orjson.dumps(refusal.error(call.rpc_id)),
                             content_type="application/json",
                             headers={"x-should-retry": "true" if refusal.later else "false"})
