@@ -14,6 +14,7 @@ from aiohttp import web
 from stepguard.contracts.envelope import Envelope
 from stepguard.proxy.core.boundaries import UNREACHABLE
 from stepguard.proxy.core.calls import (
+    Answer,
     Call,
     HoldEnded,
     NotStored,
@@ -27,7 +28,8 @@ from stepguard.proxy.core.calls import (
 from stepguard.proxy.core.problems import why_stopped
 
 __all__ = ["HALTED_CODE", "HOLD_CODE", "REQUEST_CODE", "VIOLATION_CODE", "Refusal", "Wording",
-           "as_event", "error_response", "refusal_for", "rpc_error"]
+           "answer_message", "answer_response", "as_event", "error_response", "refusal_for",
+           "rpc_error", "titled_error"]
 
 VIOLATION_CODE: Final = -31000
 HALTED_CODE: Final = -31001
@@ -47,6 +49,38 @@ def error_response(rpc_id: Any, code: int, message: str, data: dict[str, Any],
                         headers={"x-should-retry": "true" if retry else "false"})
 
 
+def titled_error(status: int, title: str, detail: str) -> web.Response:
+    """An error stepguard answers before any call is known (no id): the proxy's own refusals
+    (`CallProtocol.error`)."""
+    body = rpc_error(None, REQUEST_CODE, f"stepguard: {title}: {detail}", {"title": title})
+    return web.json_response(body, status=status, dumps=lambda v: orjson.dumps(v).decode())
+
+
+def answer_response(rpc_id: Any, answer: Answer) -> web.Response:
+    """The upstream's answer to a call, relayed as it came; no answer at all (the contract let
+    the failed call pass: observe) an error for the call's id."""
+    if answer.status is None:
+        return error_response(rpc_id, REQUEST_CODE, f"stepguard: {answer.result.error}",
+                              {"check": "tool_error"}, status=502)
+    return web.Response(status=answer.status, headers=answer.headers, body=answer.body)
+
+
+def answer_message(rpc_id: Any, answer: Answer, upstream: str) -> dict[str, Any]:
+    """A JSON answer for a client whose stream was opened before it came (the call was held):
+    the same message, to end that stream as its event; an answer that is no JSON-RPC message
+    (a failure, an error status), an error naming what `upstream` answered."""
+    if answer.status is not None and 200 <= answer.status < 300:
+        try:
+            message = orjson.loads(answer.body)
+        except orjson.JSONDecodeError:
+            message = None
+        if isinstance(message, dict):
+            return message
+    what = answer.result.error or f"{upstream} answered {answer.status}"
+    return rpc_error(rpc_id, REQUEST_CODE, f"stepguard: {what}",
+                     {"check": "tool_error", "status": answer.status})
+
+
 def as_event(message: dict[str, Any], name: str | None = None) -> bytes:
     """A JSON-RPC message as the SSE event that carries it, of type `name` if given."""
     head = f"event: {name}\r\n".encode() if name else b""
@@ -61,6 +95,10 @@ class Refusal:
 
     def error(self, rpc_id: Any) -> dict[str, Any]:
         return rpc_error(rpc_id, self.code, self.message, self.data)
+
+    def response(self, rpc_id: Any) -> web.Response:
+        """The refusal as the JSON answer to the call, `x-should-retry` saying whether `later`."""
+        return error_response(rpc_id, self.code, self.message, self.data, retry=self.later)
 
     @property
     def later(self) -> bool:
