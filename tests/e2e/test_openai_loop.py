@@ -12,7 +12,7 @@ import aiohttp
 import openai
 import pytest
 from refund_agents import ask, model_agent
-from refund_checks import assert_caught, assert_clean
+from refund_checks import assert_caught, clean_runs
 from refund_desk import (
     CLAIM_EARLY,
     GATEWAY_TIMEOUT,
@@ -42,16 +42,8 @@ async def test_concurrent_clean_conversations_are_one_completed_run_each(
         stack: StartStack, stream: bool) -> None:
     tickets = ["T-41", "T-42", "T-43"]
     async with stack() as s, client_of(s) as client:
-        for ticket in tickets:
-            s.model.work_on(ticket)
-        answers = await asyncio.gather(*(model_agent(client, s.desk, t, stream) for t in tickets))
-
-        assert answers == [{"done": True, "ticket_id": t} for t in tickets]
-        assert len(await s.runs()) == 3
-        for ticket in tickets:
-            run = await s.run_of(ticket)
-            history = await s.history(run.run_id)
-            assert_clean(run, history)
+        solved = await clean_runs(s, tickets, lambda t: model_agent(client, s.desk, t, stream))
+        for ticket, (_, history) in zip(tickets, solved, strict=True):
             assert [e["step"] for e in history][-1] == "final_answer"
             assert len(s.model.requests_for(ticket)) == 6     # every turn reached the model
         assert s.stepguard_headers() == set()
