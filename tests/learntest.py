@@ -1,5 +1,6 @@
 """Learned traffic for the `stepguard draft` tests: observations as learn mode stores them
-(contracts/learned.py), the recorded runs they make, and a real SQLite store holding them.
+(contracts/learned.py), the recorded runs they make, a real SQLite store holding them, and a
+drafted contract compiled and judging a new run by replay.
 
 The workflow is a refund desk: `lookup_ticket` (an MCP tool), `verify_identity` (a model tool
 call), `refund` (a model tool call executed over HTTP, POST /refund) and the model's final
@@ -9,13 +10,20 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from stepguard.contracts.draft import PASSED, Draft, boundary_history, learned_runs, without_unread
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.learned import Observation
+from stepguard.contracts.loader import parse_contract
+from stepguard.contracts.model import Contract
 from stepguard.contracts.recorded import RecordedRun
+from stepguard.contracts.replay import RunReport, replay_run
 from stepguard.contracts.stores import make_store
 
 WORKFLOW = "refunds"
@@ -76,6 +84,22 @@ def recorded(run_id: str, observations: Sequence[Observation],
 
 def refund_runs(n: int) -> list[RecordedRun]:
     return [recorded(f"run-{i}", refund_run(i)) for i in range(n)]
+
+
+def compile_(document: dict[str, Any]) -> Contract:
+    """A drafted contract's document, compiled as `stepguard draft` verifies it."""
+    return parse_contract(yaml.safe_dump(document, sort_keys=False).encode(), "draft.yaml")
+
+
+def replayed(result: Draft, observations: list[Observation], passed: bool = False) -> RunReport:
+    """How the drafted contract judges a new run, replayed as enforcement would see it
+    (`passed`: as if every call had gone through, however learn mode judged it)."""
+    contract = compile_(result.document)
+    [run] = learned_runs([recorded("run-new", observations)]).runs
+    if passed:
+        run = replace(run, calls=tuple(replace(c, outcome=PASSED, shape=None) for c in run.calls))
+    history = boundary_history(without_unread(contract, result.document, run))
+    return replay_run(contract, history, baseline=contract)
 
 
 async def store_runs(location: Path | str, runs: Iterable[tuple[str, Sequence[Observation]]],

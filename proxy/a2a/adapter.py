@@ -36,7 +36,7 @@ from multidict import CIMultiDict
 
 from stepguard.contracts.runs import RunBook
 from stepguard.metrics.observer import Observer
-from stepguard.proxy.a2a.rpc import REQUEST_CODE, as_event, error_response, refusal_for, rpc_error
+from stepguard.proxy.a2a.rpc import refusal_for
 from stepguard.proxy.a2a.upstream import A2aAnswer, A2aCall, A2aUpstream
 from stepguard.proxy.a2a.wire import (
     SEND_METHODS,
@@ -53,6 +53,14 @@ from stepguard.proxy.core.config import Settings
 from stepguard.proxy.core.correlation import NO_RUN_KEY, STORE
 from stepguard.proxy.core.forward import ClientEnd, Forwarder, Kept, Timing, end_to_end
 from stepguard.proxy.core.holds import Held
+from stepguard.proxy.core.jsonrpc import (
+    REQUEST_CODE,
+    answer_message,
+    answer_response,
+    as_event,
+    error_response,
+    titled_error,
+)
 from stepguard.proxy.core.routing import Route
 from stepguard.proxy.core.unchecked import UncheckedForwarder
 
@@ -81,8 +89,7 @@ class A2aAdapter:
         self.skills: dict[tuple[str, str], tuple[str, ...]] = {}   # (workflow, upstream) -> card's
 
     def error(self, route: Route, status: int, title: str, detail: str) -> web.Response:
-        body = rpc_error(None, REQUEST_CODE, f"stepguard: {title}: {detail}", {"title": title})
-        return web.json_response(body, status=status, dumps=lambda v: orjson.dumps(v).decode())
+        return titled_error(status, title, detail)
 
     async def handle(self, request: web.Request, route: Route, body: bytes,
                      timing: Timing) -> web.StreamResponse:
@@ -218,19 +225,14 @@ class A2aAdapter:
             return await self._final_event(call, answer.body, answer.status or 200)
         if call.out is not None:
             return await self._final_event(call, _as_event(call, answer), 200)
-        if answer.status is None:   # no answer at all, but the contract let it pass (observe)
-            return error_response(call.rpc_id, REQUEST_CODE, f"stepguard: {answer.result.error}",
-                                  {"check": "tool_error"}, status=502)
-        return web.Response(status=answer.status, headers=answer.headers, body=answer.body)
+        return answer_response(call.rpc_id, answer)
 
     async def render(self, call: A2aCall, why: Stopped) -> web.StreamResponse:
         refusal = refusal_for(call, why)
         if call.out is not None or (call.send is not None and call.send.streaming
                                     and call.forwarded):
-            return await self._final_event(call, refusal.event(call.rpc_id), 200)
-        return web.Response(body=orjson.dumps(refusal.error(call.rpc_id)),
-                            content_type="application/json",
-                            headers={"x-should-retry": "true" if refusal.later else "false"})
+            return await self._final_event(call, as_event(refusal.error(call.rpc_id)), 200)
+        return refusal.response(call.rpc_id)
 
     @staticmethod
     async def _final_event(call: A2aCall, event: bytes, status: int) -> web.StreamResponse:
@@ -246,15 +248,6 @@ class A2aAdapter:
 
 
 def _as_event(call: A2aCall, answer: Answer) -> bytes:
-    """A JSON answer for a client whose stream was opened before it came (a held send): the
-    same message as the event that ends the stream."""
-    if answer.status is not None and 200 <= answer.status < 300:
-        try:
-            message = orjson.loads(answer.body)
-        except orjson.JSONDecodeError:
-            message = None
-        if isinstance(message, dict):
-            return as_event(message)
-    what = answer.result.error or f"the A2A agent answered {answer.status}"
-    return as_event(rpc_error(call.rpc_id, REQUEST_CODE, f"stepguard: {what}",
-                              {"check": "tool_error", "status": answer.status}))
+    """A JSON answer for a client whose stream was opened before it came (a held call), as the
+    event that ends that stream."""
+    return as_event(answer_message(call.rpc_id, answer, "the A2A agent"))

@@ -23,7 +23,7 @@ from stepguard.contracts.events import ToolResult
 from stepguard.proxy.a2a.wire import Send, StreamState, WireError, task_result
 from stepguard.proxy.core.bodies import BodyError, decode, parse_json
 from stepguard.proxy.core.boundaries import Boundaries
-from stepguard.proxy.core.calls import Answer, Call
+from stepguard.proxy.core.calls import Answer, Call, unanswered
 from stepguard.proxy.core.config import Settings
 from stepguard.proxy.core.forward import (
     HOP_BY_HOP,
@@ -92,26 +92,11 @@ class A2aUpstream:
         """One exchange, within the step's (or upstream's) timeout, the agent reached or else
         `unreachable` (a message never sent is not the agent's failure)."""
         timeout_s = call.step.timeout_s or call.route.upstream.timeout_s
-        late = A2aAnswer(ToolResult(None, error=f"A2A agent did not answer within "
-                                    f"{timeout_s:g} s", error_kind="timeout"))
         try:
             return await self._exchange(call, since, timeout_s)
-        except UpstreamError as exc:
+        except (UpstreamError, TimeoutError, UpstreamConnectionError) as exc:
             self._seen(call, None, since)
-            if exc.kind == "unreachable":
-                return A2aAnswer(ToolResult(None, error=f"A2A agent unreachable: {exc.detail}",
-                                            error_kind="transport"), unreachable=exc)
-            if exc.kind == "timeout":
-                return late
-            return A2aAnswer(ToolResult(None, error=f"A2A agent unreachable: {exc.detail}",
-                                        error_kind="transport"))
-        except TimeoutError:
-            self._seen(call, None, since)
-            return late
-        except UpstreamConnectionError as exc:
-            self._seen(call, None, since)
-            return A2aAnswer(ToolResult(None, error=f"A2A agent unreachable: {exc}",
-                                        error_kind="transport"))
+            return unanswered(A2aAnswer, "A2A agent", exc, timeout_s)
 
     async def _exchange(self, call: A2aCall, since: float, timeout_s: float) -> A2aAnswer:
         deadline = asyncio.get_running_loop().time() + timeout_s

@@ -45,6 +45,7 @@ from stepguard.proxy.core.boundaries import Boundaries, Evidence, Settled, back_
 from stepguard.proxy.core.config import Settings
 from stepguard.proxy.core.correlation import ARGUMENT_RUN, Keyed
 from stepguard.proxy.core.forward import Timing, UpstreamError
+from stepguard.proxy.core.h1client import UpstreamConnectionError
 from stepguard.proxy.core.holds import ASKED, Held, HoldRefused, Target, http_target, sent_as
 from stepguard.proxy.core.joining import digest as joining_digest
 from stepguard.proxy.core.joining import joined_extra
@@ -248,6 +249,20 @@ class OtherWorkflow(Stopped):
 C = TypeVar("C", bound=Call)
 A = TypeVar("A", bound=Answer)
 C_contra = TypeVar("C_contra", bound=Call, contravariant=True)
+
+
+def unanswered(kind: type[A], upstream: str, exc: UpstreamError | UpstreamConnectionError
+               | TimeoutError, timeout_s: float) -> A:
+    """The answer (of type `kind`) to an attempt that got none from `upstream` (as its errors
+    name it: "MCP server"): not within `timeout_s`, a timeout; else a transport failure, and
+    `unreachable` if the call was never sent (then not the tool's failure)."""
+    if isinstance(exc, TimeoutError) or (isinstance(exc, UpstreamError) and exc.kind == "timeout"):
+        return kind(ToolResult(None, error=f"{upstream} did not answer within {timeout_s:g} s",
+                               error_kind="timeout"))
+    detail = exc.detail if isinstance(exc, UpstreamError) else str(exc)
+    never_sent = exc if isinstance(exc, UpstreamError) and exc.kind == "unreachable" else None
+    return kind(ToolResult(None, error=f"{upstream} unreachable: {detail}",
+                           error_kind="transport"), unreachable=never_sent)
 
 
 class CallProtocol(Protocol[C_contra, A]):

@@ -40,6 +40,13 @@ from stepguard.proxy.core.config import Settings
 from stepguard.proxy.core.correlation import ARGUMENT_RUN, NO_RUN_KEY, STORE
 from stepguard.proxy.core.forward import ClientEnd, Forwarder, Kept, Timing, end_to_end
 from stepguard.proxy.core.holds import Held
+from stepguard.proxy.core.jsonrpc import (
+    REQUEST_CODE,
+    answer_message,
+    answer_response,
+    error_response,
+    titled_error,
+)
 from stepguard.proxy.core.learning import learn_step
 from stepguard.proxy.core.routing import Route
 from stepguard.proxy.core.sse import EventTooLarge, SSESplitter, decode_event
@@ -48,16 +55,7 @@ from stepguard.proxy.mcp.approvals import InBand, Refused, answers_in_band, asks
 from stepguard.proxy.mcp.approvals import refused as refused_in_band
 from stepguard.proxy.mcp.listing import ToolLists, lists_tools
 from stepguard.proxy.mcp.resumption import McpResumption, Resumptions
-from stepguard.proxy.mcp.rpc import (
-    REQUEST_CODE,
-    as_event,
-    calls_tool,
-    error_response,
-    message_result,
-    posted,
-    refusal_for,
-    rpc_error,
-)
+from stepguard.proxy.mcp.rpc import as_event, calls_tool, message_result, posted, refusal_for
 from stepguard.proxy.mcp.upstream import McpAnswer, McpCall, McpUpstream
 
 __all__ = ["McpAdapter"]
@@ -86,8 +84,7 @@ class McpAdapter:
                                         self.calls)
 
     def error(self, route: Route, status: int, title: str, detail: str) -> web.Response:
-        body = rpc_error(None, REQUEST_CODE, f"stepguard: {title}: {detail}", {"title": title})
-        return web.json_response(body, status=status, dumps=lambda v: orjson.dumps(v).decode())
+        return titled_error(status, title, detail)
 
     async def handle(self, request: web.Request, route: Route, body: bytes,
                      timing: Timing) -> web.StreamResponse:
@@ -244,33 +241,19 @@ class McpAdapter:
             event = answer.body if isinstance(answer, McpAnswer) and answer.event else \
                 _as_event(call, answer)
             return await self.resumption.final_event(call, event)
-        if answer.status is None:   # no answer at all, but the contract let it pass (observe)
-            return error_response(call.rpc_id, REQUEST_CODE, f"stepguard: {answer.result.error}",
-                                  {"check": "tool_error"}, status=502)
-        return web.Response(status=answer.status, headers=answer.headers, body=answer.body)
+        return answer_response(call.rpc_id, answer)
 
     async def render(self, call: McpCall, why: Stopped) -> web.StreamResponse:
         refusal = refusal_for(call, why)
         if call.out is not None:
-            return await self.resumption.final_event(call, refusal.event(call.rpc_id))
-        return web.Response(body=orjson.dumps(refusal.error(call.rpc_id)),
-                            content_type="application/json",
-                            headers={"x-should-retry": "true" if refusal.later else "false"})
+            return await self.resumption.final_event(call, as_event(refusal.error(call.rpc_id)))
+        return refusal.response(call.rpc_id)
 
 
 def _as_event(call: McpCall, answer: Answer) -> bytes:
-    """A JSON answer for a client whose event stream was opened before it came (the call was
-    held): the same message, as the event that ends that stream."""
-    if answer.status is not None and 200 <= answer.status < 300:
-        try:
-            message = orjson.loads(answer.body)
-        except orjson.JSONDecodeError:
-            message = None
-        if isinstance(message, dict):
-            return as_event(message)
-    what = answer.result.error or f"the MCP server answered {answer.status}"
-    return as_event(rpc_error(call.rpc_id, REQUEST_CODE, f"stepguard: {what}",
-                              {"check": "tool_error", "status": answer.status}))
+    """A JSON answer for a client whose stream was opened before it came (a held call), as the
+    event that ends that stream."""
+    return as_event(answer_message(call.rpc_id, answer, "the MCP server"))
 
 
 def _has_checked_tools(route: Route) -> bool:

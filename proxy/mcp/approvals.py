@@ -40,7 +40,7 @@ from stepguard.contracts.holds import Expired, decision_event, expire_fields
 from stepguard.contracts.operations import OperationRefused
 from stepguard.proxy.core.boundaries import Boundaries, new_decision_id, retrying_conflicts
 from stepguard.proxy.core.holds import Held
-from stepguard.proxy.mcp.rpc import HOLD_CODE, rpc_error
+from stepguard.proxy.core.jsonrpc import HOLD_CODE, rpc_error
 
 __all__ = ["InBand", "asks_in_band"]
 

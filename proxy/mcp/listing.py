@@ -53,6 +53,7 @@ from stepguard.proxy.core.forward import (
     end_to_end,
 )
 from stepguard.proxy.core.h1client import H1Response, UpstreamConnectionError
+from stepguard.proxy.core.jsonrpc import REQUEST_CODE, error_response, rpc_error
 from stepguard.proxy.core.routing import Route
 from stepguard.proxy.core.sse import (
     EventTooDeep,
@@ -63,7 +64,7 @@ from stepguard.proxy.core.sse import (
     events_to_end,
 )
 from stepguard.proxy.core.unchecked import upstream_url
-from stepguard.proxy.mcp.rpc import REQUEST_CODE, as_event, error_response, rpc_error
+from stepguard.proxy.mcp.rpc import as_event
 
 __all__ = ["ToolLists", "lists_tools"]
 

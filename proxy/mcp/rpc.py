@@ -1,60 +1,34 @@
 """The JSON-RPC side of MCP tool calls: the `tools/call` a POST carries, its answer read into a
-`ToolResult`, and the JSON-RPC errors stepguard answers with (codes outside JSON-RPC's and
-MCP's reserved ranges, details in `data`, so MCP clients raise `MCPError`)."""
+`ToolResult`, and the JSON-RPC errors stepguard answers with (`core/jsonrpc.py`: codes outside
+JSON-RPC's and MCP's reserved ranges, details in `data`, so MCP clients raise `MCPError`) in
+MCP's words, each as the JSON answer or as an SSE `message` event."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 import orjson
 from aiohttp import web
 
-from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.events import ToolResult
 from stepguard.proxy.core.bodies import MAX_JSON_DEPTH, BodyError, charset_of, decode, parse_json
-from stepguard.proxy.core.boundaries import UNREACHABLE
-from stepguard.proxy.core.calls import (
-    Call,
-    HoldEnded,
-    NotStored,
-    OtherWorkflow,
-    Rejected,
-    RunStopped,
-    Stopped,
-    Unreached,
-    Violated,
-)
-from stepguard.proxy.core.problems import why_stopped
+from stepguard.proxy.core.calls import Call, Stopped
+from stepguard.proxy.core.jsonrpc import REQUEST_CODE, Refusal, Wording, rpc_error
+from stepguard.proxy.core.jsonrpc import as_event as _as_event
+from stepguard.proxy.core.jsonrpc import refusal_for as _refusal_for
 
 __all__ = ["mcp_trace_meta"]
 
-VIOLATION_CODE = -31000      # outside JSON-RPC's and MCP's reserved ranges
-HALTED_CODE = -31001
-REQUEST_CODE = -31002        # the call itself cannot be checked (no run key, a batch of calls)
-HOLD_CODE = -31003           # the call was held for an operator and not let through
-
-
-class Refusal(Exception):
-    """A JSON-RPC error stepguard answers a call's id with."""
-
-    def __init__(self, code: int, message: str, data: dict[str, Any]) -> None:
-        self.code, self.message, self.data = code, message, data
-        super().__init__(message)
-
-    def event(self, rpc_id: Any) -> bytes:
-        """The refusal as the SSE event that ends a call's stream."""
-        return b"event: message\r\ndata: " + orjson.dumps(self.error(rpc_id)) + b"\r\n\r\n"
-
-    def error(self, rpc_id: Any) -> dict[str, Any]:
-        return rpc_error(rpc_id, self.code, self.message, self.data)
-
-    @property
-    def later(self) -> bool:
-        """A store that failed before the call was forwarded, or an upstream never reached, may
-        work later; nothing else will."""
-        check = self.data.get("check")
-        return (check == "store" and not self.data.get("forwarded")) or check == UNREACHABLE \
-            or (check == "hold" and self.data.get("outcome") == "full")
+WORDING: Final = Wording(
+    noun="call",
+    unreadable="the call cannot be read to be checked",
+    unreached="the MCP server could not be reached, the call was not sent",
+    stored_before="the event could not be stored; the call was not forwarded",
+    stored_after="the tool was called, but its exit could not be stored; its answer is withheld "
+                 "(the side effect may have happened)",
+    unreached_own=True,
+    halt_in_full=True,
+)
 
 
 def mcp_trace_meta(body: bytes) -> tuple[str, str | None] | None:
@@ -75,18 +49,6 @@ def mcp_trace_meta(body: bytes) -> tuple[str, str | None] | None:
     assert isinstance(meta, dict)
     tracestate = meta.get("tracestate")
     return traceparent, tracestate if isinstance(tracestate, str) else None
-
-
-def rpc_error(rpc_id: Any, code: int, message: str, data: dict[str, Any]) -> dict[str, Any]:
-    return {"jsonrpc": "2.0", "id": rpc_id, "error": {"code": code, "message": message,
-                                                        "data": data}}
-
-
-def error_response(rpc_id: Any, code: int, message: str, data: dict[str, Any],
-                   status: int = 200, retry: bool = False) -> web.Response:
-    return web.Response(status=status, body=orjson.dumps(rpc_error(rpc_id, code, message, data)),
-                        content_type="application/json",
-                        headers={"x-should-retry": "true" if retry else "false"})
 
 
 def tools_call(request: web.Request, body: bytes, limit: int,
@@ -147,7 +109,7 @@ def message_result(message: dict[str, Any]) -> ToolResult:
 
 def as_event(message: dict[str, Any]) -> bytes:
     """A JSON-RPC message as the SSE event that carries it."""
-    return b"event: message\r\ndata: " + orjson.dumps(message) + b"\r\n\r\n"
+    return _as_event(message, "message")
 
 
 def withheld(rpc_id: Any, event_id: str) -> bytes:
@@ -156,59 +118,9 @@ def withheld(rpc_id: Any, event_id: str) -> bytes:
                       "cannot be checked there; send the request again",
                       {"check": "resumption"})
     head = f"id: {event_id}\r\n".encode() if event_id else b""
-    return head + b"event: message\r\ndata: " + orjson.dumps(error) + b"\r\n\r\n"
+    return head + as_event(error)
 
 
 def refusal_for(call: Call, why: Stopped) -> Refusal:
     """Why a checked call stops, as the JSON-RPC error that answers it."""
-    run_id, step = call.shown_run, call.step.name
-    if isinstance(why, Violated):
-        violation, settled = why.violation, why.settled
-        return Refusal(VIOLATION_CODE, f"stepguard: run {run_id!r}, step {step!r}, "
-                       f"{violation.boundary} {violation.check} ({violation.drift}): "
-                       f"{violation.detail}",
-                       {"run": run_id, "workflow": call.contract.workflow,
-                        "contract_version": call.contract.version, "step": step,
-                        **violation.to_dict(),
-                        "detection_point": f"{step}.{violation.boundary}.{violation.check}",
-                        "action": settled.action, "decision_id": settled.decision_id})
-    if isinstance(why, RunStopped):
-        return _halted(call, why.envelope, why.boundary, why.decision_id)
-    if isinstance(why, HoldEnded):
-        refusal = why.refusal
-        return Refusal(HOLD_CODE, f"stepguard: {refusal.title}: {refusal.detail}",
-                       {**refusal.members, "title": refusal.title})
-    if isinstance(why, Rejected):
-        return Refusal(REQUEST_CODE, f"stepguard: run {run_id!r}, step {step!r}: the call cannot "
-                       f"be read to be checked: {why.error.detail}",
-                       {"check": "request", "run": run_id, "step": step,
-                        "decision_id": why.decision_id})
-    if isinstance(why, Unreached):
-        return Refusal(REQUEST_CODE, f"stepguard: run {run_id!r}, step {step!r}: the MCP server "
-                       f"could not be reached, the call was not sent ({why.error.detail}); "
-                       "try again",
-                       {"check": UNREACHABLE, "run": run_id, "step": step,
-                        "own": why.error.own, "decision_id": why.decision_id})
-    if isinstance(why, NotStored):
-        what = ("the tool was called, but its exit could not be stored; its answer is withheld "
-                "(the side effect may have happened)") if why.forwarded else (
-                "the event could not be stored; the call was not forwarded")
-        return Refusal(REQUEST_CODE, f"stepguard: run {run_id!r}, step {step!r}: {what} "
-                       f"({call.shown_text(str(why.error))})",
-                       {"check": "store", "forwarded": why.forwarded})
-    assert isinstance(why, OtherWorkflow)
-    return Refusal(REQUEST_CODE, f"stepguard: {call.shown_text(str(why.error))}",
-                   {"check": "correlation", "run": run_id})
-
-
-def _halted(call: Call, envelope: Envelope, boundary: str, decision_id: str) -> Refusal:
-    halt = envelope.halt or {}
-    violation = halt.get("violation") or {}
-    return Refusal(HALTED_CODE, f"stepguard: {why_stopped(call.shown_run, envelope.status, halt)}; "
-                   f"call of step {call.step.name!r} refused",
-                   {"run": call.shown_run, "workflow": call.contract.workflow,
-                    "run_status": envelope.status, "halted_by": halt, "step": halt.get("step"),
-                    "check": violation.get("check"), "drift": violation.get("drift"),
-                    "refused_step": call.step.name, "boundary": boundary, "action": "refuse",
-                    "detection_point": f"{call.step.name}.{boundary}.run_status",
-                    "decision_id": decision_id})
+    return _refusal_for(call, why, WORDING)

@@ -22,7 +22,7 @@ from stepguard.contracts.events import ToolResult
 from stepguard.metrics.tracing import with_traceparent
 from stepguard.proxy.core.bodies import BodyError, decode, parse_json
 from stepguard.proxy.core.boundaries import Boundaries
-from stepguard.proxy.core.calls import Answer, Call
+from stepguard.proxy.core.calls import Answer, Call, unanswered
 from stepguard.proxy.core.config import Settings
 from stepguard.proxy.core.forward import (
     HOP_BY_HOP,
@@ -108,24 +108,9 @@ class McpUpstream:
         timeout_s = call.step.timeout_s or call.route.upstream.timeout_s
         try:
             return await self._exchange(call, since, method, headers)
-        except UpstreamError as exc:
+        except (UpstreamError, TimeoutError, UpstreamConnectionError) as exc:
             self._seen(call, None, since)
-            if exc.kind == "unreachable":
-                return McpAnswer(ToolResult(None, error=f"MCP server unreachable: {exc.detail}",
-                                            error_kind="transport"), unreachable=exc)
-            if exc.kind == "timeout":
-                return McpAnswer(ToolResult(None, error=f"MCP server did not answer within "
-                                            f"{timeout_s:g} s", error_kind="timeout"))
-            return McpAnswer(ToolResult(None, error=f"MCP server unreachable: {exc.detail}",
-                                        error_kind="transport"))
-        except TimeoutError:
-            self._seen(call, None, since)
-            return McpAnswer(ToolResult(None, error=f"MCP server did not answer within "
-                                        f"{timeout_s:g} s", error_kind="timeout"))
-        except UpstreamConnectionError as exc:
-            self._seen(call, None, since)
-            return McpAnswer(ToolResult(None, error=f"MCP server unreachable: {exc}",
-                                        error_kind="transport"))
+            return unanswered(McpAnswer, "MCP server", exc, timeout_s)
 
     async def _exchange(self, call: McpCall, since: float, method: str,
                         headers: CIMultiDict[str] | None) -> McpAnswer:

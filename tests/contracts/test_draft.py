@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/learntest
 from learntest import (
     T0,
     WORKFLOW,
+    compile_,
     final,
     iso,
     lookup,
@@ -41,13 +42,8 @@ from stepguard.contracts.draft import (
 )
 from stepguard.contracts.learned import Observation
 from stepguard.contracts.loader import parse_contract
-from stepguard.contracts.model import Contract
 from stepguard.contracts.recorded import RecordedRun
 from stepguard.contracts.replay import HALTS, replay_run
-
-
-def compile_(document: dict[str, Any]) -> Contract:
-    return parse_contract(yaml.safe_dump(document, sort_keys=False).encode(), "draft.yaml")
 
 
 def drafted(runs: list[RecordedRun], min_runs: int = 5) -> Draft:

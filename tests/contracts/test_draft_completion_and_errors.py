@@ -6,34 +6,23 @@ checked on the contract replayed over learned runs (what `stepguard draft` verif
 from __future__ import annotations
 
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/learntest.py
 
-from learntest import T0, WORKFLOW, recorded
+from learntest import T0, WORKFLOW, compile_, recorded, replayed
 
 from stepguard.contracts.draft import (
     PASSED,
     Draft,
-    boundary_history,
     draft,
     learned_runs,
     settle,
-    without_unread,
 )
 from stepguard.contracts.learned import Observation
-from stepguard.contracts.loader import parse_contract
-from stepguard.contracts.model import Contract
 from stepguard.contracts.recorded import RecordedRun
-from stepguard.contracts.replay import HALTS, replay_run
-
-
-def compile_(document: dict[str, Any]) -> Contract:
-    return parse_contract(yaml.safe_dump(document, sort_keys=False).encode(), "draft.yaml")
+from stepguard.contracts.replay import HALTS
 
 
 def call(t: float, path: str, input: Any, output: Any, status: int = 200) -> Observation:
@@ -62,17 +51,6 @@ def runs(make: Any = booking, n: int = 6) -> list[RecordedRun]:
 
 def drafted(learned: list[RecordedRun]) -> Draft:
     return draft(learned_runs(learned), WORKFLOW)
-
-
-def replayed(result: Draft, observations: list[Observation], passed: bool = False) -> Any:
-    """How the drafted contract judges a new run, replayed as enforcement would see it
-    (`passed`: as if every call had gone through, however learn mode judged it)."""
-    contract = compile_(result.document)
-    [run] = learned_runs([recorded("run-new", observations)]).runs
-    if passed:
-        run = replace(run, calls=tuple(replace(c, outcome=PASSED, shape=None) for c in run.calls))
-    history = boundary_history(without_unread(contract, result.document, run))
-    return replay_run(contract, history, baseline=contract)
 
 
 # --- completion claimed by the step that ends every run -------------------------------------
@@ -112,8 +90,9 @@ def test_a_step_claimed_completion_passes_every_learned_run_on_replay() -> None:
 def test_a_result_that_claims_completion_without_its_receipt_is_a_false_completion() -> None:
     result = drafted(runs())
     report = replayed(result, booking(9, book={"booked": True, "quote_id": "q-9"}))
-    assert report.kind == HALTS
+    assert report.kind == HALTS and report.change is not None
     violation = report.change.candidate.violation
+    assert violation is not None
     assert (report.change.at.step, violation["check"], violation["drift"]) == \
         ("book", "completion_proof", "false_completion")
 
@@ -146,8 +125,9 @@ def test_a_step_never_seen_failing_gets_the_conventional_error_shape() -> None:
 def test_a_result_carrying_an_error_field_is_a_tool_error_not_a_changed_shape() -> None:
     report = replayed(drafted(runs()), booking(9, book={"error": "calendar timed out"}),
                       passed=True)
-    assert report.kind == HALTS
+    assert report.kind == HALTS and report.change is not None
     violation = report.change.candidate.violation
+    assert violation is not None
     assert (report.change.at.step, violation["check"], violation["drift"]) == \
         ("book", "tool_error", "tool_error")
 

@@ -1,6 +1,6 @@
 """Helpers for the tests of the compose files in deploy/compose, imported as `composetest`:
 what the Dockerfile sets, a service's mounts, the admin listener's paths, and Prometheus's
-configuration checked by promtool in the layout a service's mounts make."""
+configuration: its scrape job, and checked by promtool in the layout a service's mounts make."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from stepguard.proxy.core.config import Settings
 from stepguard.proxy.ops.app import build, create_admin_app
@@ -33,14 +35,23 @@ def admin_paths() -> set[str]:
     return {resource.canonical for resource in app.router.resources()}
 
 
-def promtool_check_config(service: dict[str, Any], promtool: str,
-                          folder: Path) -> subprocess.CompletedProcess[str]:
-    """`promtool check config` of a Prometheus service's `--config.file`, with every file the
-    service mounts copied below `folder` where the container sees it."""
+def scrape_job(config: Path) -> tuple[list[str], str]:
+    """The targets and the metrics path of the one scrape job of a Prometheus configuration."""
+    (job,) = yaml.safe_load(config.read_text())["scrape_configs"]
+    return [t for s in job["static_configs"] for t in s["targets"]], \
+        job.get("metrics_path", "/metrics")
+
+
+def promtool_checked(service: dict[str, Any], promtool: str, folder: Path) -> str:
+    """What `promtool check config` says of a Prometheus service's `--config.file`, with every
+    file the service mounts copied below `folder` where the container sees it; a check that
+    fails is an AssertionError carrying promtool's words."""
     for target, source in mounts_of(service).items():
         place = folder / target.lstrip("/")
         place.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(COMPOSE_DIR / source, place)
     (config,) = [a.split("=", 1)[1] for a in service["command"] if a.startswith("--config.file=")]
-    return subprocess.run([promtool, "check", "config", str(folder / config.lstrip("/"))],
-                          capture_output=True, text=True, check=False)
+    checked = subprocess.run([promtool, "check", "config", str(folder / config.lstrip("/"))],
+                             capture_output=True, text=True, check=False)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    return checked.stdout

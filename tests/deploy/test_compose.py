@@ -22,7 +22,8 @@ from composetest import (
     admin_paths,
     dockerfile_env,
     mounts_of,
-    promtool_check_config,
+    promtool_checked,
+    scrape_job,
 )
 
 from stepguard.bench.harness import contract_with_upstreams, running
@@ -179,21 +180,16 @@ def test_services_wait_for_the_healthy_services_they_call(services: dict[str, di
 
 
 def test_prometheus_scrapes_the_stepguard_service_admin_port(services: dict[str, dict[str, Any]]) -> None:
-    config = yaml.safe_load((COMPOSE_DIR / "prometheus.yml").read_text())
-    (job,) = config["scrape_configs"]
+    targets, metrics_path = scrape_job(COMPOSE_DIR / "prometheus.yml")
     env = {**dockerfile_env(), **services["stepguard"].get("environment", {})}
-    assert [t for s in job["static_configs"] for t in s["targets"]] == [
-        f"stepguard:{env['STEPGUARD_ADMIN_PORT']}"]
-    assert job.get("metrics_path", "/metrics") in admin_paths()
+    assert targets == [f"stepguard:{env['STEPGUARD_ADMIN_PORT']}"]
+    assert metrics_path in admin_paths()
 
 
 def test_prometheus_config_and_its_mounted_rules_pass_promtool(
         services: dict[str, dict[str, Any]], promtool: str, tmp_path: Path) -> None:
     """The container's /etc/prometheus, laid out from the service's mounts, passes check config."""
-    service = services["prometheus"]
-    checked = promtool_check_config(service, promtool, tmp_path)
-    assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert "1 rule files found" in checked.stdout
+    assert "1 rule files found" in promtool_checked(services["prometheus"], promtool, tmp_path)
 
 
 def test_agent_loop_alternates_clean_runs_and_drifts() -> None:

@@ -23,7 +23,8 @@ from composetest import (
     admin_paths,
     dockerfile_env,
     mounts_of,
-    promtool_check_config,
+    promtool_checked,
+    scrape_job,
 )
 
 from stepguard.contracts.loader import load_contract
@@ -385,21 +386,16 @@ def test_prometheus_scrapes_every_replica_admin_port_with_exemplar_storage(
         services: dict[str, dict[str, Any]]) -> None:
     service = services["prometheus"]
     assert "--enable-feature=exemplar-storage" in service["command"]
-    config = yaml.safe_load(_config(service, "--config.file").read_text())
-    (job,) = config["scrape_configs"]
-    targets = [t for s in job["static_configs"] for t in s["targets"]]
+    targets, metrics_path = scrape_job(_config(service, "--config.file"))
     assert targets == [f"{n}:{_env(services[n])['STEPGUARD_ADMIN_PORT']}" for n in REPLICAS]
-    assert job.get("metrics_path", "/metrics") in admin_paths()
+    assert metrics_path in admin_paths()
     for name in REPLICAS:
         assert services["prometheus"]["depends_on"][name] == {"condition": "service_healthy"}
 
 
 def test_prometheus_replicas_config_and_its_mounted_rules_pass_promtool(
         services: dict[str, dict[str, Any]], promtool: str, tmp_path: Path) -> None:
-    service = services["prometheus"]
-    checked = promtool_check_config(service, promtool, tmp_path)
-    assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert "1 rule files found" in checked.stdout
+    assert "1 rule files found" in promtool_checked(services["prometheus"], promtool, tmp_path)
 
 
 def test_grafana_prometheus_datasource_links_trace_id_exemplars_to_tempo(

@@ -1,13 +1,17 @@
 """What the end-to-end tests assert on a run's stored events: a clean run has each of the five
 steps checked once at entry and once at exit and ends completed; a drifting run holds exactly
-one violation, at the step, boundary and check that first could see the drift, and stops there."""
+one violation, at the step, boundary and check that first could see the drift, and stops there;
+tickets resolved at once are each done, in a clean run of its own."""
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from refund_desk import TOOLS
+from refund_stack import Stack
 
 from stepguard.contracts.envelope import Envelope
 
@@ -24,6 +28,25 @@ def assert_clean(envelope: Envelope, history: list[dict[str, Any]], *,
     steps' exits in the workflow's order (not so for calls run in parallel)."""
     assert envelope.status == "completed", (envelope.status, envelope.halt)
     assert_passed(envelope, history, in_order=in_order)
+
+
+async def clean_runs(s: Stack, tickets: Sequence[str], solve: Callable[[str], Awaitable[Any]]
+                     ) -> list[tuple[Envelope, list[dict[str, Any]]]]:
+    """The model set to work on each ticket and `solve` resolving them all at once: every
+    answer done, one clean run a ticket (`assert_clean`); each run and its history, in the
+    tickets' order."""
+    for ticket in tickets:
+        s.model.work_on(ticket)
+    answers = await asyncio.gather(*(solve(t) for t in tickets))
+    assert answers == [{"done": True, "ticket_id": t} for t in tickets]
+    assert len(await s.runs()) == len(tickets)
+    found = []
+    for ticket in tickets:
+        run = await s.run_of(ticket)
+        history = await s.history(run.run_id)
+        assert_clean(run, history)
+        found.append((run, history))
+    return found
 
 
 def assert_passed(envelope: Envelope, history: list[dict[str, Any]], *,

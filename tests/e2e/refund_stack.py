@@ -18,7 +18,6 @@ import yaml
 from aiohttp import web
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
-from refund_checks import assert_clean
 from refund_desk import A2aFront, Desk, TicketModel, http_app, serving_a2a, serving_mcp
 
 from stepguard.bench.harness import running
@@ -62,20 +61,6 @@ class Stack:
 
     async def history(self, run_id: str) -> list[dict[str, Any]]:
         return await self.sg.store.history(run_id)
-
-    async def clean_histories(self, tickets: list[str], answers: list[Any], *,
-                              in_order: bool = True) -> list[list[dict[str, Any]]]:
-        """Each agent answered done for its ticket, each ticket is one run of its own, and each
-        run is clean (`assert_clean`); the runs' histories, in the tickets' order."""
-        assert answers == [{"done": True, "ticket_id": t} for t in tickets]
-        assert len(await self.runs()) == len(tickets)
-        histories = []
-        for ticket in tickets:
-            run = await self.run_of(ticket)
-            history = await self.history(run.run_id)
-            assert_clean(run, history, in_order=in_order)
-            histories.append(history)
-        return histories
 
     async def run_of(self, ticket: str) -> Envelope:
         """The one run whose first call named `ticket`."""

@@ -17,7 +17,7 @@ import openai
 import pytest
 from agents import Agent, OpenAIChatCompletionsModel, Runner, set_tracing_disabled
 from agents.mcp import MCPServerStreamableHttp
-from refund_checks import assert_caught, assert_clean
+from refund_checks import assert_caught, assert_clean, clean_runs
 from refund_desk import (
     MODEL,
     NO_CLOSURE,
@@ -62,11 +62,7 @@ async def test_concurrent_clean_runs_of_one_agent_are_one_joined_run_each(
         stack: StartStack) -> None:
     tickets = ["T-91", "T-92", "T-93"]
     async with stack(mcp="stateless") as s, refund_agent(s) as agent:
-        for ticket in tickets:
-            s.model.work_on(ticket)
-        answers = await asyncio.gather(*(resolve(agent, t) for t in tickets))
-
-        for history in await s.clean_histories(tickets, answers):
+        for _, history in await clean_runs(s, tickets, lambda t: resolve(agent, t)):
             entries = {e["step"]: e for e in history if e["boundary"] == "entry"}
             exits = {e["step"]: e for e in history if e["boundary"] == "exit"}
             for step in TOOLS:   # entry on the model's answer, exit at the MCP answer

@@ -19,7 +19,7 @@ import pytest
 import yaml
 from a2a.client.errors import A2AClientError
 from refund_agents import STALE_ORDER_SENT, a2a_hybrid_agent
-from refund_checks import assert_caught
+from refund_checks import assert_caught, clean_runs
 from refund_desk import STALE_ORDER, TOOLS
 from refund_stack import CONTRACT, StartStack
 
@@ -44,12 +44,9 @@ async def test_concurrent_runs_each_join_model_calls_and_a2a_sends_into_one_run_
         stack: StartStack, a2a_contract: Path, streaming: bool) -> None:
     tickets = ["T-61", "T-62", "T-63"]
     async with stack(a2a=True, contract=a2a_contract) as s:
-        for ticket in tickets:
-            s.model.work_on(ticket)
-        answers = await asyncio.gather(*(a2a_hybrid_agent(s, t, streaming=streaming)
-                                         for t in tickets))
-
-        for history in await s.clean_histories(tickets, answers):
+        solved = await clean_runs(s, tickets,
+                                  lambda t: a2a_hybrid_agent(s, t, streaming=streaming))
+        for _, history in solved:
             # each step once: one entry, on the model's answer; one exit, at the A2A task's
             # final state, stored with the model's call id
             assert [(e["step"], e["boundary"]) for e in history] == [

@@ -11,7 +11,7 @@ import asyncio
 import openai
 import pytest
 from refund_agents import CACHED_RESULT, ToolFailed, hybrid_agent
-from refund_checks import assert_caught, assert_clean
+from refund_checks import assert_caught, clean_runs
 from refund_desk import (
     AGING_IDENTITY,
     CLAIM_EARLY,
@@ -32,11 +32,8 @@ async def test_concurrent_clean_runs_each_join_model_and_http_calls_into_one_run
         stack: StartStack, stream: bool) -> None:
     tickets = ["T-61", "T-62", "T-63"]
     async with stack() as s:
-        for ticket in tickets:
-            s.model.work_on(ticket)
-        answers = await asyncio.gather(*(hybrid_agent(s, t, stream=stream) for t in tickets))
-
-        for history in await s.clean_histories(tickets, answers):
+        for _, history in await clean_runs(s, tickets,
+                                           lambda t: hybrid_agent(s, t, stream=stream)):
             # each step once: its entry on the model's answer, its exit at the HTTP answer,
             # stored with the model's call id
             entries = {e["step"]: e for e in history if e["boundary"] == "entry"}
@@ -57,15 +54,7 @@ async def test_an_agent_running_streamed_calls_before_the_stream_ends_is_joined_
     tickets = ["T-65", "T-66"]
     async with stack() as s:
         s.model.chunk_delay = 0.01
-        for ticket in tickets:
-            s.model.work_on(ticket)
-        answers = await asyncio.gather(*(hybrid_agent(s, t, eager=True) for t in tickets))
-
-        assert answers == [{"done": True, "ticket_id": t} for t in tickets]
-        assert len(await s.runs()) == 2
-        for ticket in tickets:
-            run = await s.run_of(ticket)
-            assert_clean(run, await s.history(run.run_id))
+        await clean_runs(s, tickets, lambda t: hybrid_agent(s, t, eager=True))
 
 
 async def test_a_streamed_call_refused_after_the_agent_ran_it_early_never_reaches_the_tool(

@@ -5,14 +5,13 @@ model issued joins that model conversation's run."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
 import openai
 import pytest
 from mcp import Client, MCPError
-from refund_checks import assert_caught
+from refund_checks import assert_caught, clean_runs
 from refund_desk import CHAT_TOOLS, MODEL, STALE_IDENTITY, TOOLS, task
 from refund_stack import Stack, StartStack, mcp_client
 
@@ -38,11 +37,7 @@ async def test_concurrent_tickets_over_one_session_are_one_joined_run_each(
         stack: StartStack) -> None:
     tickets = ["T-31", "T-32", "T-33"]
     async with stack(mcp="session") as s, mcp_client(s, "session") as tools:
-        for ticket in tickets:
-            s.model.work_on(ticket)
-        answers = await asyncio.gather(*(agent(s, tools, t) for t in tickets))
-
-        for history in await s.clean_histories(tickets, answers):
+        for _, history in await clean_runs(s, tickets, lambda t: agent(s, tools, t)):
             assert all("rpc_id" in e for e in history if e["boundary"] == "exit"
                        and e["step"] in TOOLS)     # each exit at the MCP answer
         assert {c.transport for c in s.desk.calls()} == {"mcp"}

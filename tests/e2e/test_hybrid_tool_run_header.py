@@ -8,7 +8,6 @@ own is never joined (issue #24, 2)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import uuid
 from pathlib import Path
@@ -18,7 +17,7 @@ import httpx
 import openai
 import pytest
 from refund_agents import whole
-from refund_checks import assert_clean
+from refund_checks import clean_runs
 from refund_desk import CHAT_TOOLS, MODEL, TOOLS, task
 from refund_stack import CONTRACT, WORKFLOW, Stack, StartStack
 
@@ -69,19 +68,11 @@ async def test_a_tool_client_naming_its_own_run_joins_the_models_run_on_every_cl
     tickets = {"T-81": f"tools-{uuid.uuid4().hex}", "T-82": f"tools-{uuid.uuid4().hex}",
                "T-83": f"tools-{uuid.uuid4().hex}"}
     async with stack(contract=tool_header_contract, shared_store=shared) as s:
-        for ticket in tickets:
-            s.model.work_on(ticket)
-        answers = await asyncio.gather(*(agent(s, t, h, stream=stream)
-                                         for t, h in tickets.items()))
-
-        assert answers == [{"done": True, "ticket_id": t} for t in tickets]
+        solved = await clean_runs(s, list(tickets),
+                                  lambda t: agent(s, t, tickets[t], stream=stream))
         runs = await s.runs()
-        assert len(runs) == 3
         assert not {r.run_id for r in runs} & set(tickets.values())   # no run of the header's
-        for ticket, tool_run in tickets.items():
-            run = await s.run_of(ticket)
-            history = await s.history(run.run_id)
-            assert_clean(run, history)
+        for tool_run, (run, history) in zip(tickets.values(), solved, strict=True):
             exits = {e["step"]: e for e in history if e["boundary"] == "exit"}
             entries = {e["step"]: e for e in history if e["boundary"] == "entry"}
             for step in TOOLS:      # each entry the model's call, each exit its HTTP execution

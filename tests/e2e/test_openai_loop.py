@@ -12,7 +12,7 @@ import aiohttp
 import openai
 import pytest
 from refund_agents import ask, model_agent
-from refund_checks import assert_caught
+from refund_checks import assert_caught, clean_runs
 from refund_desk import (
     CLAIM_EARLY,
     GATEWAY_TIMEOUT,
@@ -42,12 +42,8 @@ async def test_concurrent_clean_conversations_are_one_completed_run_each(
         stack: StartStack, stream: bool) -> None:
     tickets = ["T-41", "T-42", "T-43"]
     async with stack() as s, client_of(s) as client:
-        for ticket in tickets:
-            s.model.work_on(ticket)
-        answers = await asyncio.gather(*(model_agent(client, s.desk, t, stream) for t in tickets))
-
-        histories = await s.clean_histories(tickets, answers)
-        for ticket, history in zip(tickets, histories, strict=True):
+        solved = await clean_runs(s, tickets, lambda t: model_agent(client, s.desk, t, stream))
+        for ticket, (_, history) in zip(tickets, solved, strict=True):
             assert [e["step"] for e in history][-1] == "final_answer"
             assert len(s.model.requests_for(ticket)) == 6     # every turn reached the model
         assert s.stepguard_headers() == set()

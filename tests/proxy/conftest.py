@@ -14,6 +14,7 @@ from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from consoletest import Console, start_console
 from sgtest import EXAMPLE, Guard, Handler, Proxy, RefundTools, Seen, Upstream, answer_ok, recording, relaxed
 
 from stepguard.contracts.model import Contract
@@ -64,6 +65,25 @@ def make_upstream(aiohttp_server: Any) -> Callable[..., Awaitable[Upstream]]:
         return Upstream(await aiohttp_server(app), seen)
 
     return make
+
+
+@pytest.fixture
+async def console_tools(make_upstream: Any) -> Upstream:
+    """The console tests' tool service: a recording upstream answering 200 everywhere."""
+    made: Upstream = await make_upstream()
+    return made
+
+
+@pytest.fixture
+def console(aiohttp_client: Any, tmp_path: Path,
+            console_tools: Upstream) -> Callable[..., Awaitable[Console]]:
+    """console(**settings) -> stepguard with its operator console, in front of `console_tools`
+    (consoletest.start_console: operator and viewer tokens, `refund` held for approval)."""
+
+    async def started(**settings: Any) -> Console:
+        return await start_console(aiohttp_client, tmp_path, console_tools, **settings)
+
+    return started
 
 
 @pytest.fixture

@@ -1,12 +1,13 @@
 """Helpers for the proxy tests, imported by the test modules as `sgtest`: upstreams that
 record what reaches them, contract factories, stepguard in front of them, a client for the
-example workflow, and the assertions every blocked call must satisfy (problem+json,
+example workflow, a model agent's tool loop, and the assertions every blocked call must satisfy (problem+json,
 x-should-retry: false, a stored decision behind it)."""
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import os
 import signal
 import sys
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import openai
 import orjson
 import yaml
 from aiohttp import web
@@ -31,6 +33,7 @@ from stepguard.contracts.errors import StoreError
 from stepguard.contracts.loader import parse_contract
 from stepguard.contracts.model import Contract
 from stepguard.contracts.sqlite_store import SQLiteStore
+from stepguard.examples.order_confirmation import model_agent
 from stepguard.examples.order_confirmation import tools as tools_mod
 from stepguard.proxy.ops.app import Stepguard
 
@@ -405,3 +408,42 @@ async def stored_hold(store: Any, run: str = "r1") -> dict[str, Any]:
     envelope = await stored_envelope(store, run, lambda e: bool(e.holds), f"nothing held in run {run}")
     ((hold_id, held),) = envelope.holds.items()
     return {"decision_id": hold_id, **held}
+
+
+class LoopEnds(Exception):
+    """Raised by a tool runner to end `tool_loop` with `value` (the tool's own error, say)."""
+
+    def __init__(self, value: Any) -> None:
+        super().__init__(value)
+        self.value = value
+
+
+async def tool_loop(model_url: str,
+                    run: Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]], *,
+                    tamper: str | None = None) -> Any:
+    """A plain openai-SDK agent loop on the example's model (asked to confirm ord-1): each tool
+    call run by `run` (its name and arguments -> the result handed back to the model; for
+    `tamper`, that result with `approved` flipped). The final answer, the model API's error
+    (stepguard's answer ends the loop), or the value a runner ended it with (`LoopEnds`)."""
+    model = openai.AsyncOpenAI(base_url=model_url, api_key="sk-test", max_retries=0)
+    messages: list[Any] = [{"role": "user", "content": "Please confirm order ord-1."}]
+    async with model:
+        while True:
+            try:
+                reply = await model.chat.completions.create(
+                    model="fake-model", messages=messages, tools=model_agent.TOOLS)
+            except openai.APIStatusError as exc:
+                return exc
+            message = reply.choices[0].message
+            if not message.tool_calls:
+                return json.loads(message.content or "null")
+            messages.append(message.model_dump(exclude_none=True))
+            for call in message.tool_calls:
+                try:
+                    content = await run(call.function.name, json.loads(call.function.arguments))
+                except LoopEnds as ended:
+                    return ended.value
+                if call.function.name == tamper:
+                    content = {**content, "approved": not content.get("approved")}
+                messages.append({"role": "tool", "tool_call_id": call.id,
+                                 "content": json.dumps(content)})

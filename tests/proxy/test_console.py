@@ -8,7 +8,6 @@ HTTP server on loopback, driven by an aiohttp client whose cookie jar keeps the 
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import orjson
 import pytest
@@ -20,7 +19,7 @@ from consoletest import (
     sign_in,
     start_console,
 )
-from sgtest import Upstream, make_contract
+from sgtest import make_contract
 
 from stepguard.proxy.core.config import Settings
 from stepguard.proxy.ops.app import build
@@ -30,19 +29,6 @@ from stepguard.proxy.ops.console.views import ACTIONS_PER_MINUTE, CSP
 from stepguard.proxy.ops.console.views import Console as Pages
 
 pytestmark = pytest.mark.timeout(30)
-
-
-@pytest.fixture
-async def tools(make_upstream: Any) -> Upstream:
-    made: Upstream = await make_upstream()
-    return made
-
-
-@pytest.fixture
-def console(aiohttp_client: Any, tmp_path: Any, tools: Upstream) -> Any:
-    async def started(**settings: Any) -> Any:
-        return await start_console(aiohttp_client, tmp_path, tools, **settings)
-    return started
 
 
 async def test_a_page_without_a_session_sends_the_browser_to_sign_in(console):
@@ -293,19 +279,19 @@ async def test_a_resume_from_the_run_page_marks_the_events_it_superseded(console
      "https://traces.example/trace/4bf92f3577b34da6a3ce929d0e0e4736"),
     ("javascript:alert('{trace_id}')", None),         # only an http(s) address is a link
 ])
-def test_a_traced_event_links_to_the_configured_trace_ui(tmp_path, tools, template, link):
+def test_a_traced_event_links_to_the_configured_trace_ui(tmp_path, console_tools, template, link):
     sg = build(Settings(store=str(tmp_path / "s.db"), trace_url=template),
-               [make_contract(tools.url)])
+               [make_contract(console_tools.url)])
     event = {"seq": 1, "ts": 1.0, "trace_id": "4bf92f3577b34da6a3ce929d0e0e4736"}
     assert Pages(sg)._event_view(event, False)["trace"] == link
 
 
 async def test_a_replicas_console_shows_and_decides_a_call_held_by_another(
-        aiohttp_client, tmp_path, tools):
+        aiohttp_client, tmp_path, console_tools):
     """Two stepguards on one shared store: the call is held by the first, and the second's
     console lists it and approves it; the first lets its waiting call through."""
-    first = await start_console(aiohttp_client, tmp_path, tools, shared_store=True)
-    second = await start_console(aiohttp_client, tmp_path, tools, shared_store=True)
+    first = await start_console(aiohttp_client, tmp_path, console_tools, shared_store=True)
+    second = await start_console(aiohttp_client, tmp_path, console_tools, shared_store=True)
     await first.call("lookup", {"ticket": "T-1"})
     waiting = first.calling("refund", {"ticket": "T-1", "amount": 40})
     hold = await first.held()
@@ -318,7 +304,7 @@ async def test_a_replicas_console_shows_and_decides_a_call_held_by_another(
         "csrf": csrf_of(page), "decision_id": hold["decision_id"], "reason": "ok"})
     assert reply.status == 303
     assert (await waiting).status == 200
-    assert tools.hits("/refund") == 1
+    assert console_tools.hits("/refund") == 1
 
 
 async def test_the_runs_list_filters_and_pages_newest_first(console):
@@ -344,9 +330,9 @@ async def test_the_runs_list_filters_and_pages_newest_first(console):
 
 
 async def test_the_violations_stream_carries_another_replicas_violation(
-        aiohttp_client, tmp_path, tools):
-    first = await start_console(aiohttp_client, tmp_path, tools, shared_store=True)
-    second = await start_console(aiohttp_client, tmp_path, tools, shared_store=True)
+        aiohttp_client, tmp_path, console_tools):
+    first = await start_console(aiohttp_client, tmp_path, console_tools, shared_store=True)
+    second = await start_console(aiohttp_client, tmp_path, console_tools, shared_store=True)
     await sign_in(second.admin, OPERATOR_SECRET)
     stream = await second.admin.get("/ui/violations/stream?workflow=test-flow&step=audit")
     assert (await stream.content.readline()).startswith(b"retry:")

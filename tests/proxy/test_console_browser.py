@@ -23,10 +23,8 @@ from consoletest import (
     VIEWER_SECRET,
     Console,
     doc,
-    start_console,
     steps,
 )
-from sgtest import Upstream
 
 CHROMIUM = "/usr/bin/chromium"
 SHOTS = Path(__file__).resolve().parents[2] / "docs" / "img"
@@ -59,19 +57,6 @@ async def page() -> AsyncIterator[Any]:
             yield made
         finally:
             await browser.close()
-
-
-@pytest.fixture
-async def tools(make_upstream: Any) -> Upstream:
-    made: Upstream = await make_upstream()
-    return made
-
-
-@pytest.fixture
-def console(aiohttp_client: Any, tmp_path: Any, tools: Upstream) -> Any:
-    async def started(**settings: Any) -> Console:
-        return await start_console(aiohttp_client, tmp_path, tools, **settings)
-    return started
 
 
 async def sign_in(page: Any, c: Console, secret: str = OPERATOR_SECRET,
@@ -200,7 +185,7 @@ async def test_a_violation_arrives_in_the_live_feed(page, console):
 
 
 async def test_a_replay_of_a_stricter_candidate_shows_the_runs_it_would_halt(
-        page, console, tools):
+        page, console, console_tools):
     c = await console()
     for run, amount in (("small", 50), ("medium", 500), ("large", 5000)):
         assert (await c.call("charge", {"amount": amount}, run=run)).status == 200
@@ -208,7 +193,7 @@ async def test_a_replay_of_a_stricter_candidate_shows_the_runs_it_would_halt(
     stricter["charge"]["precondition"] = [{"expr": "input.amount < 100",
                                            "drift": "precondition",
                                            "message": "at most 99 without a review"}]
-    candidate = doc(tools.url, steps=stricter, contract_version=2)
+    candidate = doc(console_tools.url, steps=stricter, contract_version=2)
     await sign_in(page, c, where="replay")
     await page.fill("#contract", yaml.safe_dump(candidate, sort_keys=False))
     await page.fill("#since", "")

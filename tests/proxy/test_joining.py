@@ -22,6 +22,7 @@ import pytest
 import yaml
 from mcp import Client, MCPError
 from mcp.client.streamable_http import streamable_http_client
+from sgtest import tool_loop
 
 from stepguard.bench.harness import running
 from stepguard.contracts.loader import parse_contract
@@ -79,30 +80,15 @@ async def agent_loop(h: Hybrid, *, tamper: str | None = None, mode: str = "auto"
     one); `traced`: each tool call carries a traceparent of a trace of its own in `_meta`, as
     tracing instrumentation with no enclosing span stamps it. Returns the final answer, or the
     error the model API answered."""
-    model = openai.AsyncOpenAI(base_url=h.model_url, api_key="sk-test", max_retries=0)
-    messages: list[Any] = [{"role": "user", "content": "Please confirm order ord-1."}]
-    async with model, Client(streamable_http_client(h.mcp_url), mode=mode,  # type: ignore[arg-type]
-                             read_timeout_seconds=10) as tools:
-        while True:
-            try:
-                reply = await model.chat.completions.create(
-                    model="fake-model", messages=messages, tools=model_agent.TOOLS)
-            except openai.APIStatusError as exc:   # stepguard's answer: the loop ends
-                return exc
-            message = reply.choices[0].message
-            if not message.tool_calls:
-                return json.loads(message.content or "null")
-            messages.append(message.model_dump(exclude_none=True))
-            for call in message.tool_calls:
-                meta = {"traceparent": f"00-{uuid.uuid4().hex}-{uuid.uuid4().hex[:16]}-01"}
-                result = await tools.call_tool(call.function.name,
-                                               json.loads(call.function.arguments),
-                                               meta=meta if traced else None)
-                content = dict(result.structured_content or {})
-                if call.function.name == tamper:
-                    content["approved"] = not content.get("approved")
-                messages.append({"role": "tool", "tool_call_id": call.id,
-                                 "content": json.dumps(content)})
+    async with Client(streamable_http_client(h.mcp_url), mode=mode,  # type: ignore[arg-type]
+                      read_timeout_seconds=10) as tools:
+
+        async def run(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+            meta = {"traceparent": f"00-{uuid.uuid4().hex}-{uuid.uuid4().hex[:16]}-01"}
+            result = await tools.call_tool(name, arguments, meta=meta if traced else None)
+            return dict(result.structured_content or {})
+
+        return await tool_loop(h.model_url, run, tamper=tamper)
 
 
 async def test_a_model_agent_whose_tools_run_over_mcp_is_one_run_each_step_checked_once(

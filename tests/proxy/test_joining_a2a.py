@@ -8,7 +8,6 @@ the task's final state, read as the tool's result (the task's data). The end-to-
 from __future__ import annotations
 
 import contextlib
-import json
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ import openai
 import orjson
 import yaml
 from aiohttp import web
+from sgtest import LoopEnds, tool_loop
 
 from stepguard.bench.harness import running
 from stepguard.contracts.loader import parse_contract
@@ -103,32 +103,19 @@ async def agent_loop(h: Hybrid, *, tamper: str | None = None,
     back as the call's result (`tamper`: another result for that tool). `stale`: that tool's
     send carries another order id than the model asked for. The final answer, the model API's
     error, or the send's JSON-RPC error."""
-    model = openai.AsyncOpenAI(base_url=h.model_url, api_key="sk-test", max_retries=0)
-    messages: list[Any] = [{"role": "user", "content": "Please confirm order ord-1."}]
-    async with model, aiohttp.ClientSession() as http:     # no stepguard header anywhere
-        while True:
-            try:
-                reply = await model.chat.completions.create(
-                    model="fake-model", messages=messages, tools=model_agent.TOOLS)
-            except openai.APIStatusError as exc:
-                return exc
-            message = reply.choices[0].message
-            if not message.tool_calls:
-                return json.loads(message.content or "null")
-            messages.append(message.model_dump(exclude_none=True))
-            for call in message.tool_calls:
-                arguments = json.loads(call.function.arguments)
-                if call.function.name == stale:
-                    arguments["order_id"] = "ord-0"
-                answer = await send(http, h.rpc_url, call.function.name, arguments)
-                if "error" in answer:
-                    return answer["error"]
-                (artifact,) = answer["result"]["task"]["artifacts"]
-                content = artifact["parts"][0]["data"]
-                if call.function.name == tamper:
-                    content = {**content, "approved": not content.get("approved")}
-                messages.append({"role": "tool", "tool_call_id": call.id,
-                                 "content": json.dumps(content)})
+    async with aiohttp.ClientSession() as http:     # no stepguard header anywhere
+
+        async def run(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+            if name == stale:
+                arguments["order_id"] = "ord-0"
+            answer = await send(http, h.rpc_url, name, arguments)
+            if "error" in answer:
+                raise LoopEnds(answer["error"])
+            (artifact,) = answer["result"]["task"]["artifacts"]
+            content: dict[str, Any] = artifact["parts"][0]["data"]
+            return content
+
+        return await tool_loop(h.model_url, run, tamper=tamper)
 
 
 async def test_a_send_whose_data_parts_are_a_models_call_is_that_call_each_step_checked_once(
