@@ -201,9 +201,10 @@ def categorise(collapsed: str, categories: Sequence[tuple[str, str]] = CATEGORIE
 
 
 def profile(tree: Path, row: str, seconds: float, out: Path, rate: int = 250,
-            concurrency: int = 32, wrk: str = WRK) -> dict[str, Any]:
+            concurrency: int = 32, wrk: str = WRK, gil: bool = False) -> dict[str, Any]:
     """py-spy samples `tree`'s stepguard serving `row` under wrk; the collapsed stacks are
-    written to `out` (a flame graph's input), the shares per category returned."""
+    written to `out` (a flame graph's input), the shares per category returned. `gil`: only
+    the thread holding the GIL is sampled (Python's own work, not threads waiting for it)."""
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     if not Path(spy).is_file():
         raise BenchError("py-spy not found (pip install 'stepguard[bench]')")
@@ -219,14 +220,15 @@ def profile(tree: Path, row: str, seconds: float, out: Path, rate: int = 250,
         driver.start()
         recorded = subprocess.run([spy, "record", "--pid", str(hop.pid), "--duration",
                                    str(max(1, int(seconds))), "--rate", str(rate), "--format",
-                                   "raw", "--output", str(out), "--nonblocking"],
+                                   "raw", "--output", str(out), "--nonblocking",
+                                   *(["--gil"] if gil else [])],
                                   capture_output=True, check=False)
         driver.join()
         if recorded.returncode != 0 or not out.is_file():
             raise BenchError(f"py-spy failed: {recorded.stderr.decode(errors='replace')[-400:]}")
         shares = categorise(out.read_text())
-        return {"row": row, "rps": round(load.get("rps", 0.0), 1), "shares": shares,
-                "stacks": str(out)}
+        return {"row": row, "rps": round(load.get("rps", 0.0), 1), "gil_only": gil,
+                "shares": shares, "stacks": str(out)}
     finally:
         bench.close()
 
@@ -257,6 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     spy.add_argument("--row", default="contract")
     spy.add_argument("--out", type=Path, required=True, help="the collapsed stacks (raw)")
     spy.add_argument("--rate", type=int, default=250, help="samples per second")
+    spy.add_argument("--gil", action="store_true", help="sample only the thread holding the GIL")
     for p in (ab, spy):
         p.add_argument("--duration", type=float, default=4.0, help="seconds of wrk per sample")
         p.add_argument("--concurrency", type=int, default=32)
@@ -279,7 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 with source_tree(args.tree or str(here), here, Path(scratch)) as tree:
                     found = profile(tree, args.row, args.duration, args.out, args.rate,
-                                    args.concurrency, args.wrk)
+                                    args.concurrency, args.wrk, args.gil)
                 print(orjson.dumps(found, option=orjson.OPT_INDENT_2).decode())
         except (BenchError, ValueError) as exc:
             print(f"cpu_ab: {exc}", file=sys.stderr)
