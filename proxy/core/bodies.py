@@ -160,9 +160,10 @@ def _within(value: dict[Any, Any] | list[Any], left: int) -> bool:
 
 _DIGITS = bytes.maketrans(b"0123456789", b"0" * 10)
 _LONG_DIGITS = b"0" * 19        # the shortest run of digits that can leave the exact range
-# a whole number token (no fraction, no exponent) of 19 digits or more; strings removed first
-_LONG_INTEGER = re.compile(rb"(?<![\d.eE+-])-?\d{19,}(?![\d.eE])")
-_STRING = re.compile(rb'"[^"]*"')
+_ZEROS = re.compile(rb"0+")
+_MINUS = ord("-")
+_NOT_BEFORE = frozenset(b".eE+-")   # before a run (or its sign): a fraction's or exponent's
+_NOT_AFTER = frozenset((b".", b"e", b"E"))     # after it: the number has a fraction or exponent
 
 
 def inexact_integer(body: bytes) -> str | None:
@@ -172,13 +173,28 @@ def inexact_integer(body: bytes) -> str | None:
 
 
 def _inexact_integer(body: bytes) -> str | None:
-    """The first integer of a valid JSON `body` that orjson cannot hold exactly, else None."""
+    """The first integer of a valid JSON `body` that orjson cannot hold exactly, else None.
+    Only the runs of 19 digits or more are looked at: one inside a string (an odd number of
+    quotes before it, escaped ones removed first) is text; one after a `.`, `e`, `E` or `+`, or
+    followed by `.`, `e` or `E`, belongs to a number with a fraction or an exponent."""
     if b"\\" in body:
         # in valid JSON every run of backslashes starts an escape: pairs first, then \"
         body = body.replace(b"\\\\", b"").replace(b'\\"', b"")
-    for match in _LONG_INTEGER.finditer(_STRING.sub(b" ", body)):
-        if not _INT_MIN <= int(match.group()) <= _INT_MAX:
-            return match.group().decode()
+    digits = body.translate(_DIGITS)
+    quotes = counted = 0
+    at = digits.find(_LONG_DIGITS)
+    while at >= 0:
+        run = _ZEROS.match(digits, at)
+        end = run.end() if run is not None else at + len(_LONG_DIGITS)
+        quotes += body.count(b'"', counted, at)
+        counted = at
+        if quotes % 2 == 0:
+            start = at - 1 if body[at - 1] == _MINUS else at      # a number never starts a body
+            if body[start - 1] not in _NOT_BEFORE and body[end:end + 1] not in _NOT_AFTER:
+                token = body[start:end]
+                if not _INT_MIN <= int(token) <= _INT_MAX:
+                    return token.decode()
+        at = digits.find(_LONG_DIGITS, end)
     return None
 
 

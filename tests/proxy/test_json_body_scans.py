@@ -1,6 +1,7 @@
 """parse_json reads how deep a body nests from its bytes (brackets outside strings), not by
 walking the parsed value: the same verdict, and the same refusal, for bodies whose bracket count
-says nothing about their depth."""
+says nothing about their depth. Integers orjson cannot hold exactly are looked for among the
+long runs of digits outside strings."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 
 import pytest
 
-from stepguard.proxy.core.bodies import JsonTooDeep, parse_json
+from stepguard.proxy.core.bodies import BodyError, JsonTooDeep, parse_json
 
 
 def nest(depth: int, inner: object = 0) -> object:
@@ -70,3 +71,29 @@ def test_a_body_in_another_charset_is_measured_after_it_is_read():
     assert parse_json(body, "body", max_depth=4, charset="utf-16") == value
     with pytest.raises(JsonTooDeep):
         parse_json(body, "body", max_depth=3, charset="utf-16")
+
+
+# integers orjson cannot hold exactly are found among the long runs of digits alone
+
+
+@pytest.mark.parametrize("body", [
+    b'{"id": "call_999999999999999999999999", "n": 1}',
+    b'{"18446744073709551616": true}',
+    b'["\\"", "x99999999999999999999999"]',
+    b'[1.99999999999999999999999, 2e0000000000000000000005, 3E-0000000000000000000005]',
+    b'[18446744073709551615, -9223372036854775808]',
+], ids=["in-a-string", "a-key", "after-an-escaped-quote", "fraction-and-exponent", "the-edges"])
+def test_a_long_run_of_digits_that_is_no_inexact_integer_passes(body: bytes):
+    assert parse_json(body, "body") == json.loads(body)
+
+
+@pytest.mark.parametrize(("body", "integer"), [
+    (b'{"id": "call_000000000000000000000123", "n": 18446744073709551616}',
+     "18446744073709551616"),
+    (b'["a\\"b", -9223372036854775809]', "-9223372036854775809"),
+    (b'99999999999999999999', "99999999999999999999"),
+    (b'{"s": "\\\\", "n": [0, 123456789012345678901234]}', "123456789012345678901234"),
+], ids=["after-a-digit-string", "after-an-escaped-quote", "the-whole-body", "after-a-backslash"])
+def test_an_integer_past_64_bits_is_refused_naming_it(body: bytes, integer: str):
+    with pytest.raises(BodyError, match=f"holds the integer '{integer}', outside the 64-bit"):
+        parse_json(body, "body")
