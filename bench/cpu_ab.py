@@ -57,7 +57,7 @@ CATEGORIES: tuple[tuple[str, str], ...] = (
     ("engine", r"contracts/"),
     ("forwarding", r"proxy/core/(h1client|forward|sse)\.py|httptools"),
     ("server", r"aiohttp"),
-    ("adapters", r"stepguard/proxy/|/proxy/"),
+    ("adapters", r"\(proxy/"),
     ("event loop", r"asyncio|uvloop"),
 )
 
