@@ -49,7 +49,7 @@ AB_ROWS = ("contract", "model", "model_stream")
 # from the innermost frame out; a sample no frame matches is `other`
 CATEGORIES: tuple[tuple[str, str], ...] = (
     ("parse", r"proxy/core/bodies\.py|orjson"),
-    ("schema", r"jsonschema"),
+    ("schema", r"^Schema\.first_fault |jsonschema"),
     ("cel", r"contracts/conditions\.py|cel_expr"),
     ("logging", r"structlog|metrics/log|metrics/logs\.py"),
     ("metrics", r"prometheus_client|metrics/prom\.py|metrics/observer\.py"),
