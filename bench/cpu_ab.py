@@ -11,7 +11,8 @@ each side's median and rounds, and the median of the rounds' B/A ratios.
 
 `profile`: py-spy (the `bench` extra) samples one side's `stepguard serve` while wrk drives a
 row, and the samples are told apart by where they are (`CATEGORIES`: the first category a
-frame matches, from the innermost frame out): the share of samples in each.
+frame matches, from the innermost frame out): the share of samples in each. With `--gil` only
+the thread holding the GIL is sampled; without it every thread that is not idle.
 
 Every process started is stopped and every temporary file removed on return."""
 
@@ -104,7 +105,10 @@ def source_tree(spec: str, repo: Path, scratch: Path) -> Iterator[Path]:
         tar_path = target / "tree.tar"
         tar_path.write_bytes(archive.stdout)
         with tarfile.open(tar_path) as tar:
-            tar.extractall(target, filter="tar")
+            if hasattr(tarfile, "data_filter"):     # 3.11.4 on: links kept inside the tree
+                tar.extractall(target, filter="tar")
+            else:                                   # this repository's own archive
+                tar.extractall(target)
         tar_path.unlink()
         if not (target / "stepguard" / "proxy").is_dir():
             raise BenchError(f"{spec!r} has no stepguard/ package folder")

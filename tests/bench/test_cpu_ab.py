@@ -1,5 +1,6 @@
 """bench/cpu_ab.py: the A/B runner tells two source trees apart by the CPU each spends per call,
-and refuses to compare a tree it would not really run; the profile's categories."""
+serves a git ref from a tree extracted for it, and refuses to compare a tree it would not really
+run; the profile's categories."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 from programs import require_binary
 
-from stepguard.bench.cpu_ab import categorise, check_side, measure_ab
+from stepguard.bench.cpu_ab import categorise, check_side, measure_ab, source_tree
 from stepguard.bench.proxy_setup import BenchError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -55,6 +56,22 @@ def test_a_tree_spending_more_cpu_per_call_is_measured_as_b_over_a_above_one(tmp
 def test_a_directory_whose_processes_import_another_stepguard_is_refused(tmp_path: Path):
     with pytest.raises(BenchError, match="imports stepguard from"):
         check_side(tmp_path)
+
+
+def test_a_git_ref_is_served_from_its_own_extracted_tree_removed_afterwards(tmp_path: Path):
+    if not (REPO / ".git").exists():
+        pytest.skip("not a git checkout")
+    with source_tree("HEAD", REPO, tmp_path) as tree:
+        assert tree.is_relative_to(tmp_path)
+        assert (tree / "stepguard" / "proxy" / "cli.py").is_file()
+        check_side(tree)
+    assert not tree.exists()
+
+
+def test_a_name_that_is_neither_a_tree_nor_a_ref_is_refused(tmp_path: Path):
+    with pytest.raises(BenchError, match="neither a source tree nor a git ref"), \
+            source_tree("no-such-ref-anywhere", REPO, tmp_path):
+        pass
 
 
 def test_each_sample_counts_for_the_first_category_its_innermost_frames_match():
