@@ -11,7 +11,8 @@ BIN := $(VENV)/bin
 # its database cut, kill -9 recovery, MCP stream
 # resumption, correlation and cross-traffic joining across calls, reload under traffic, a
 # recorded answer across kill -9, run-key lock shards, counted refusals, listener slots, approvals
-# bound to their call, a tool client's own run header, stream faults), run REPEAT more times after the
+# bound to their call, a tool client's own run header, stream faults, A2A sends joined to a model's
+# calls), run REPEAT more times after the
 # suite: a race that passes by luck once fails here instead of on someone's clean clone.
 REPEAT ?= 5
 REPEATED := tests/contracts/test_store.py tests/contracts/test_sqlite_store_counts.py \
@@ -24,7 +25,10 @@ REPEATED := tests/contracts/test_store.py tests/contracts/test_sqlite_store_coun
 	tests/metrics/test_log_writer.py tests/proxy/test_run_key_locks.py \
 	tests/proxy/test_repeated_refusals.py tests/proxy/test_listener_slots.py \
 	tests/proxy/test_hold_binding.py tests/e2e/test_hybrid_tool_run_header.py \
-	tests/proxy/test_stream_faults.py
+	tests/proxy/test_stream_faults.py tests/proxy/test_joining_a2a.py \
+	tests/e2e/test_hybrid_a2a.py tests/proxy/test_learn_mode_joining.py \
+	tests/proxy/test_mcp_in_band_approval.py tests/proxy/test_mcp_tool_lists.py \
+	tests/proxy/test_a2a_traffic.py tests/e2e/test_a2a.py
 # ... and the multi-process ones (worker processes, replicas on one store: ~75 s a pass, each
 # test starting two or three stepguard processes) REPEAT_PROCESSES more times, so the repeat
 # pass stays within a few minutes of CI

@@ -121,6 +121,10 @@ class Bench:
         finally:
             shutil.rmtree(self.dir, ignore_errors=True)
 
+    def own_pids(self) -> list[int]:
+        """The bench's own servers running now: the upstream and the OTLP sink."""
+        return [p.pid for p in self.procs if p.name in ("upstream", "otlp-sink")]
+
     # the upstream, nginx, stepguard -----------------------------------------------------------
 
     def start_upstream(self, name: str = "upstream") -> str:

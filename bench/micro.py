@@ -1,6 +1,10 @@
 """`boundary_micro()`: one checked boundary pair of the `contract` row timed in-process, without
 sockets: parsing both bodies, the entry and exit checks, building the two events, and appending
-both to SQLite through `RunBook.commit`."""
+both to SQLite through `RunBook.commit`.
+
+`learn_append_micro()`: the store append of one call of the `learn` row, which its target adds
+to the `passthrough` row's CPU: the learned event that row stores, appended by the code learn
+mode appends with, to a store opened as `serve` opens it, as CPU time of the whole process."""
 
 from __future__ import annotations
 
@@ -18,18 +22,21 @@ import yaml
 
 from stepguard.bench import upstream as bench_upstream
 from stepguard.bench.harness import percentile
-from stepguard.bench.proxy_setup import bench_contract
+from stepguard.bench.proxy_setup import TOOL_PATH, bench_contract
 from stepguard.contracts.engine import check_entry, check_exit
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.events import ToolResult
+from stepguard.contracts.learned import Observation, Verbatim
 from stepguard.contracts.loader import parse_contract
 from stepguard.contracts.redact import Redactor
 from stepguard.contracts.runs import RunBook
 from stepguard.contracts.sqlite_store import SQLiteStore
 from stepguard.proxy.core.bodies import history_payload
 from stepguard.proxy.core.config import Settings
+from stepguard.proxy.core.learning import append_learned, learning, stored_fields
+from stepguard.proxy.ops.app import settings_store
 
-__all__ = ["PAYLOAD_HISTORY_BYTES", "boundary_micro"]
+__all__ = ["PAYLOAD_HISTORY_BYTES", "boundary_micro", "learn_append_micro"]
 
 PAYLOAD_HISTORY_BYTES = Settings().payload_history_bytes   # stepguard's default
 
@@ -107,3 +114,49 @@ def _event(boundary: str, version: str, payload: dict[str, Any]) -> dict[str, An
             "action": "forward" if boundary == "entry" else "advance",
             "decision_id": uuid.uuid4().hex[:16], "attempt": 1, "contract_version": version,
             **payload}
+
+
+def learn_append_micro(n: int = 2000, concurrency: int = 32) -> dict[str, Any]:
+    """The store append of a `learn` row call: the event that row stores for the bench call
+    (`stored_fields` of its 21 B request and 10 KB answer) appended `n` times, each to a run of
+    its own, by `concurrency` tasks at once (wrk's connections), through `append_learned` into a
+    SQLite store opened as `serve` opens it (`settings_store`, the default settings), on uvloop
+    as `serve` runs. `cpu_ms`: CPU time of the whole process (the store's writer and checkpoint
+    threads included) per append, after a warm-up; `wall_us`: elapsed time per append."""
+    if n < 1 or concurrency < 1:
+        raise ValueError("n and concurrency must be at least 1")
+    import uvloop
+
+    return uvloop.run(_learn_append(n, concurrency))
+
+
+async def _learn_append(n: int, concurrency: int) -> dict[str, Any]:
+    contract = learning(parse_contract(
+        yaml.safe_dump(bench_contract("http://127.0.0.1:9")).encode(), "bench-contract.yaml"))
+    text = bench_upstream.order_body()
+    seen = Observation("http", "tools", time.time(), method="POST", path=TOOL_PATH,
+                       input=orjson.loads(bench_upstream.order_request()),
+                       output=Verbatim(text, orjson.loads(text)), status=200)
+    fields = stored_fields(Redactor(contract.redact), seen, Settings().max_json_depth)
+    tmp = Path(tempfile.mkdtemp(prefix="stepguard-learn-micro-"))
+    store = settings_store(Settings(store=str(tmp / "learn.db")))
+    try:
+        await store.open()
+        runs = RunBook(store)
+
+        async def appends(count: int, tag: str) -> None:
+            async def one(worker: int) -> None:
+                for i in range(worker, count, concurrency):
+                    await append_learned(runs, contract, f"learn-micro-{tag}-{i}", fields)
+            await asyncio.gather(*(one(w) for w in range(concurrency)))
+
+        await appends(min(500, max(50, n // 4)), "warm")
+        cpu, wall = time.process_time(), time.perf_counter()
+        await appends(n, "timed")
+        await store.close()     # its final checkpoint: every page appended copied back once
+        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    finally:
+        await store.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {"n": n, "concurrency": concurrency, "event_bytes": len(orjson.dumps(fields)),
+            "cpu_ms": round(cpu / n * 1000, 4), "wall_us": round(wall / n * 1e6, 1)}

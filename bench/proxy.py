@@ -38,11 +38,26 @@ bench process sends requests back to back on one connection, each once the previ
 read, as an agent waiting for every call does: `seq_p50_ms`/`seq_p99_ms` (and
 `seq_ttfb_p50_ms` for streams), `added_seq_p50_ms` against the reference row. `rss_mb` is the
 hop's peak RSS (VmHWM); `steal_pct` the share of all CPU time the hypervisor gave elsewhere while
-the row ran (/proc/stat), the worst of the rounds.
+the row ran (/proc/stat), the worst of the rounds. Over the throughput phase (`scaling`):
+`cores`, the hop's CPU seconds per wall second; `busy_pct`, the share of all CPU time that was
+not idle; `other_pct`, the part of it no process the bench started took (None where this host
+cannot tell); and for `--workers N` rows `workers`, each worker's calls and CPU with their shares.
+The workers target is one of efficiency: `contract_workers2`'s CPU per call at most
+`WORKERS_CPU_LIMIT` times `contract`'s, and no worker checking more than
+`WORKERS_SPLIT_LIMIT_PCT`% of the calls.
 
 `boundary_micro()` times one checked boundary pair in-process, without sockets: parsing both
 bodies, the entry and exit checks, building the two events, and appending both to SQLite
 through `RunBook.commit`.
+
+The `learn` row's target is the `passthrough` row's CPU per call plus the store append of what
+it records: `learn_append_micro()` appends the event the row stores per call (its 10 KB answer)
+as learn mode appends it, `--concurrency` at once, to a store opened as `serve` opens it, and
+gives the process's CPU time per append (writer and checkpoints included) in `learn_append`;
+once per round, after the rows, so that the figure it is compared with drifts with the machine
+as theirs do. The target: learn's CPU per call minus passthrough's <= that append. Appends that
+many at once share their transactions; `cpu_ms_alone`, the same appended one at a time (each a
+transaction of its own), is the most an append costs.
 
 Every process started is stopped and every temporary file removed when `run()` returns (or
 fails). stepguard children get a clean environment: `STEPGUARD_*` and `OTEL_*` variables are not
@@ -50,11 +65,12 @@ passed on.
 
 This module holds the rows and the run; the parts are `proxy_setup` (options, contracts),
 `hops` (the processes, wrk and nginx), `load` (the open-loop and closed-loop clients),
-`procstat` (/proc), `micro`, `pg_lifecycle`, `wal_soak` and `render`.
+`procstat` (/proc), `scaling` (where the CPU went), `micro`, `pg_lifecycle`, `wal_soak` and `render`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import subprocess
@@ -70,25 +86,34 @@ import orjson
 from stepguard.bench import upstream as bench_upstream
 from stepguard.bench.hops import WARMUP_S, Bench, Proc, count_events, http_call
 from stepguard.bench.load import closed_loop, loadgen_main, refusal_reason
-from stepguard.bench.micro import boundary_micro
+from stepguard.bench.micro import boundary_micro, learn_append_micro
 from stepguard.bench.pg_lifecycle import PgDatabase, Unreachable
-from stepguard.bench.procstat import cpu_s, cpu_ticks, peak_rss_mb, steal_pct
+from stepguard.bench.procstat import (
+    busy_pct,
+    machine_ticks,
+    peak_rss_mb,
+    proc_stat_cpus,
+    steal_pct,
+    usable_cpus,
+)
 from stepguard.bench.proxy_setup import (
     MODEL_MOUNT,
     MOUNT,
     ROWS,
     RUN_HEADER,
     TOOL_PATH,
+    WORKERS,
     BenchError,
     BenchOptions,
     bench_contract,
     model_contract,
 )
 from stepguard.bench.render import render
+from stepguard.bench.scaling import combine_workers, phase_use, snapshot
 from stepguard.bench.wal_soak import wal_soak
 
-__all__ = ["REFERENCE", "ROWS", "BenchOptions", "Row", "RowSetup", "combine_rounds", "hop_bounds", "main",
-           "render", "row_setup", "run"]
+__all__ = ["REFERENCE", "ROWS", "BenchOptions", "Row", "RowSetup", "busiest_share",
+           "combine_rounds", "hop_bounds", "main", "render", "row_setup", "run"]
 
 REFERENCE = {"nginx": "direct", "passthrough": "direct", "contract": "direct", "learn": "direct",
              "contract_traced": "direct", "contract_workers2": "direct", "contract_pg": "direct",
@@ -98,13 +123,17 @@ _ORDER = ("direct", "nginx", "passthrough", "learn", "contract", "contract_trace
 # the contract_traced row: trace export on, every call sampled, batches to a local OTLP sink
 # (a second bench upstream process, answering POST /v1/traces with an empty 200)
 TRACED_ENV = {"OTEL_TRACES_SAMPLER": "always_on", "OTEL_SERVICE_NAME": "stepguard-bench"}
-_WORKERS = {"contract_workers2": 2}     # rows served by `serve --workers N`
 # the learn row: `serve --learn` on the contract row's contract, every run recorded (each call
 # is a run of its own, so the default bound of runs would stop recording within the warm-up)
 _LEARN = {"STEPGUARD_LEARN": "true", "STEPGUARD_LEARN_MAX_RUNS": str(10**9)}
 
 _LAG_NOTE_MS = 5.0
 _STEAL_NOTE_PCT = 5.0
+_OTHER_NOTE_PCT = 10.0
+# the worker efficiency target: CPU per call with N workers against one, and the busiest
+# worker's share of the calls
+WORKERS_CPU_LIMIT = 1.10
+WORKERS_SPLIT_LIMIT_PCT = 60.0
 
 
 @dataclass
@@ -121,6 +150,13 @@ class Row:
     socket_errors: int | None = None
     cpu_s_per_1k: float | None = None
     rss_mb: float | None = None
+    # where the CPU went during the throughput phase (scaling.phase_use)
+    cores: float | None = None            # the hop's CPU seconds per wall second
+    busy_pct: float | None = None         # the share of all CPU time not idle (steal included)
+    hop_pct: float | None = None          # ... taken by the hop
+    bench_pct: float | None = None        # ... by wrk, the bench upstream and the bench process
+    other_pct: float | None = None        # ... by nothing the bench started (None: not measurable)
+    workers: list[dict[str, Any]] | None = None   # serve --workers N: each worker's calls and CPU
     # latency phase (open-loop client at the fixed rate)
     sent: int | None = None
     completed: int | None = None
@@ -215,7 +251,7 @@ def _measure_row(bench: Bench, name: str, upstream_url: str, wrk_missing: str | 
             if name == "contract_pg":
                 database = PgDatabase.create(bench.options.pg_url)
             hop, port, store = bench.start_stepguard(
-                name, bench_contract(upstream_url, path), otel, _WORKERS.get(name, 1),
+                name, bench_contract(upstream_url, path), otel, WORKERS.get(name, 1),
                 database.url if database else None, _LEARN if name == "learn" else None)
             prefix = MOUNT
         else:
@@ -223,23 +259,11 @@ def _measure_row(bench: Bench, name: str, upstream_url: str, wrk_missing: str | 
             prefix = MODEL_MOUNT
         url = f"http://127.0.0.1:{port}{prefix}{traffic.path}"
         _smoke(name, port, prefix + traffic.path, traffic)
-        ticks = cpu_ticks()
+        ticks = machine_ticks()
         if wrk_missing is not None:
             row.notes.append(f"rps not measured: {wrk_missing}")
         else:
-            bench.wrk(url, traffic.body, f"{name}-wrkwarm" if traffic.run_ids else None,
-                      min(WARMUP_S, bench.options.duration_s))
-            pids = hop.pids() if hop else []
-            cpu_before = cpu_s(pids)
-            wrk = bench.wrk(url, traffic.body, f"{name}-wrk" if traffic.run_ids else None,
-                            bench.options.duration_s)
-            cpu = cpu_s(pids) - cpu_before
-            row.rps, row.requests = round(wrk["rps"], 1), wrk["requests"]
-            row.non_2xx, row.socket_errors = wrk["non_2xx"], wrk["socket_errors"]
-            if hop and row.requests:
-                row.cpu_s_per_1k = round(cpu / row.requests * 1000, 4)
-            if row.non_2xx or row.socket_errors:
-                row.notes.append(f"wrk: {row.non_2xx} non-2xx, {row.socket_errors} socket errors")
+            _throughput_phase(bench, row, hop, url, traffic)
         lat = bench.latency(url, traffic.body, name if traffic.run_ids else None)
         row.sent, row.completed, row.failed_requests = lat["sent"], lat["completed"], lat["failed"]
         row.p50_ms, row.p90_ms, row.p99_ms = lat["p50_ms"], lat["p90_ms"], lat["p99_ms"]
@@ -251,7 +275,7 @@ def _measure_row(bench: Bench, name: str, upstream_url: str, wrk_missing: str | 
                              f"(statuses {lat['statuses']}, {'; '.join(lat['errors'])})")
         if bench.options.seq_requests > 0:
             _closed_loop_phase(bench, row, port, prefix + traffic.path, traffic)
-        row.steal_pct = steal_pct(ticks, cpu_ticks())
+        row.steal_pct = steal_pct(ticks, machine_ticks())
         if hop:
             hop.check_alive()
             row.rss_mb = peak_rss_mb(hop.pids())
@@ -272,6 +296,29 @@ def _measure_row(bench: Bench, name: str, upstream_url: str, wrk_missing: str | 
     if store is not None and row.status == "ok":
         row.stored_events = count_events(store)
     return row
+
+
+def _throughput_phase(bench: Bench, row: Row, hop: Proc | None, url: str,
+                      traffic: _Traffic) -> None:
+    """wrk after a warm-up: rps, and where the CPU went meanwhile (scaling.phase_use)."""
+    name = row.name
+    bench.wrk(url, traffic.body, f"{name}-wrkwarm" if traffic.run_ids else None,
+              min(WARMUP_S, bench.options.duration_s))
+    pids = hop.pids() if hop else []
+    workers = WORKERS.get(name, 1) > 1
+    before = snapshot(pids, bench.own_pids(), workers)
+    wrk = bench.wrk(url, traffic.body, f"{name}-wrk" if traffic.run_ids else None,
+                    bench.options.duration_s)
+    after = snapshot(pids, bench.own_pids(), workers)
+    use = phase_use(before, after)
+    row.cores, row.busy_pct, row.hop_pct = use["cores"], use["busy_pct"], use["hop_pct"]
+    row.bench_pct, row.other_pct, row.workers = use["bench_pct"], use["other_pct"], use["workers"]
+    row.rps, row.requests = round(wrk["rps"], 1), wrk["requests"]
+    row.non_2xx, row.socket_errors = wrk["non_2xx"], wrk["socket_errors"]
+    if hop and row.requests:
+        row.cpu_s_per_1k = round(use["hop_cpu_s"] / row.requests * 1000, 4)
+    if row.non_2xx or row.socket_errors:
+        row.notes.append(f"wrk: {row.non_2xx} non-2xx, {row.socket_errors} socket errors")
 
 
 def _closed_loop_phase(bench: Bench, row: Row, port: int, path: str, traffic: _Traffic) -> None:
@@ -298,12 +345,15 @@ def _noise_notes(row: Row) -> None:
     if (row.steal_pct or 0) > _STEAL_NOTE_PCT:
         row.notes.append(f"the hypervisor took up to {row.steal_pct:.0f}% of the CPU time while "
                          "this row ran (steal): its figures are noisy")
+    if (row.other_pct or 0) > _OTHER_NOTE_PCT:
+        row.notes.append(f"work the bench did not start took up to {row.other_pct:.0f}% of all "
+                         "CPU time in the throughput phase: its figures are noisy")
 
 
 _MEDIAN_FIELDS = ("rps", "cpu_s_per_1k", "p50_ms", "p90_ms", "p99_ms", "ttfb_p50_ms",
-                  "seq_p50_ms", "seq_p99_ms", "seq_ttfb_p50_ms")
+                  "seq_p50_ms", "seq_p99_ms", "seq_ttfb_p50_ms", "cores", "hop_pct", "bench_pct")
 _SUM_FIELDS = ("requests", "non_2xx", "socket_errors", "sent", "completed", "failed_requests")
-_MAX_FIELDS = ("max_ms", "send_lag_p99_ms", "rss_mb", "steal_pct")
+_MAX_FIELDS = ("max_ms", "send_lag_p99_ms", "rss_mb", "steal_pct", "busy_pct")
 
 
 def combine_rounds(rounds: list[Row]) -> Row:
@@ -327,9 +377,19 @@ def combine_rounds(rounds: list[Row]) -> Row:
     for name in _MAX_FIELDS:
         values = [v for r in rounds if (v := getattr(r, name)) is not None]
         setattr(row, name, max(values) if values else None)
+    # other work: the worst round, and not measurable if any round could not measure it
+    others = [r.other_pct for r in rounds]
+    row.other_pct = None if None in others else max(v for v in others if v is not None)
+    row.workers = combine_workers([r.workers for r in rounds])
     row.rps_rounds = [r.rps for r in rounds if r.rps is not None]
     row.notes = list(dict.fromkeys(note for r in rounds for note in r.notes))
     return row
+
+
+def busiest_share(workers: list[dict[str, Any]] | None) -> float | None:
+    """The largest share of the calls one worker checked, in % (None: not measured)."""
+    shares = [w["calls_pct"] for w in workers or [] if w["calls_pct"] is not None]
+    return max(shares) if shares and len(shares) == len(workers or []) else None
 
 
 def _smoke(name: str, port: int, path: str, traffic: _Traffic) -> None:
@@ -358,19 +418,28 @@ _OPS = {">=": lambda v, limit: v >= limit, "<=": lambda v, limit: v <= limit,
 
 
 def _targets(rows: dict[str, Row], ratios: dict[str, float | None],
-             micro: dict[str, Any] | None) -> list[dict[str, Any]]:
+             micro: dict[str, Any] | None,
+             learn_append: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Each target: what is compared (`value` `op` `limit`) and whether it is met (None: not
-    measured in this run)."""
+    measured in this run; with `not_measurable`, the rows ran but this host could not give the
+    figure)."""
     targets: list[dict[str, Any]] = []
 
-    def add(name: str, value: float | None, op: str, limit: float, unit: str = "") -> None:
+    def add(name: str, value: float | None, op: str, limit: float, unit: str = "",
+            measured: bool = False) -> None:
         met = None if value is None else bool(_OPS[op](value, limit))
         targets.append({"target": name, "value": value, "op": op, "limit": limit, "unit": unit,
-                        "met": met})
+                        "met": met, "not_measurable": value is None and measured})
 
     add("contract rps / passthrough rps", ratios["contract/passthrough"], ">=", 0.85)
     add("contract rps / nginx rps", ratios["contract/nginx"], ">=", 0.30)
-    add("contract_workers2 rps / contract rps", ratios["contract_workers2/contract"], ">=", 1.7)
+    workers = rows.get("contract_workers2")
+    if workers is not None:
+        ran = workers.status == "ok" and workers.rps is not None    # its throughput phase ran
+        add("contract_workers2 CPU per call / contract's", ratios["contract_workers2/contract cpu"],
+            "<=", WORKERS_CPU_LIMIT)
+        add("contract_workers2: the busiest worker's share of calls",
+            busiest_share(workers.workers), "<=", WORKERS_SPLIT_LIMIT_PCT, "%", measured=ran)
     add("contract_pg rps / contract rps", ratios["contract_pg/contract"], ">=", 0.6)
     if "contract_pg" in rows:
         add("contract_pg: closed-loop added p50", rows["contract_pg"].added_seq_p50_ms, "<=",
@@ -385,6 +454,11 @@ def _targets(rows: dict[str, Row], ratios: dict[str, float | None],
         add("model_stream: added TTFB p50", rows["model_stream"].ttfb_added_p50_ms, "<", 1.0, "ms")
     if micro is not None:
         add("boundary pair (micro) median", micro["median_us"], "<", 100.0, "µs")
+    learn, passthrough = rows.get("learn"), rows.get("passthrough")
+    if learn_append is not None and learn is not None and passthrough is not None:
+        add("learn: CPU per call over passthrough's, at most the store append",
+            _diff(learn.cpu_s_per_1k, passthrough.cpu_s_per_1k), "<=", learn_append["cpu_ms"],
+            "ms")
     return targets
 
 
@@ -400,20 +474,26 @@ def run(options: BenchOptions) -> dict[str, Any]:
                          "closed-loop requests not negative")
     began = time.perf_counter()
     load_before = os.getloadavg()[0]
-    ticks = cpu_ticks()
+    ticks = machine_ticks()
     micro = boundary_micro(options.micro_n) if options.micro_n > 0 else None
     wrk_missing = None
     if not (Path(options.wrk).is_file() and os.access(options.wrk, os.X_OK)):
         wrk_missing = f"wrk not found at {options.wrk} (apt-get install -y wrk)"
     rounds: list[dict[str, Row]] = []
+    appends: list[dict[str, Any]] = []     # the learn row's store append, once per round
     bench = Bench(options)
     try:
         upstream_url = bench.start_upstream()
         for bench.round in range(options.repeat):   # rows interleaved: machine drift hits all alike
             rounds.append({name: _measure_row(bench, name, upstream_url, wrk_missing)
                            for name in plan})
+            if "learn" in plan and options.micro_n > 0:
+                appended = learn_append_micro(options.micro_n, options.concurrency)
+                appended["cpu_ms_alone"] = learn_append_micro(options.micro_n, 1)["cpu_ms"]
+                appends.append(appended)
     finally:
         bench.close()
+    ended = machine_ticks()
     rows = {name: combine_rounds([r[name] for r in rounds]) for name in plan}
     for row in rows.values():
         _noise_notes(row)
@@ -435,6 +515,14 @@ def run(options: BenchOptions) -> dict[str, Any]:
         row = rows.get(name)
         return row.cpu_s_per_1k if row is not None and row.status == "ok" else None
 
+    learn_append = None
+    if appends:
+        learn_append = {**appends[0], "rounds": len(appends),
+                        "cpu_ms": round(statistics.median(a["cpu_ms"] for a in appends), 4),
+                        "cpu_ms_rounds": [a["cpu_ms"] for a in appends],
+                        "cpu_ms_alone": round(statistics.median(a["cpu_ms_alone"]
+                                                                for a in appends), 4),
+                        "wall_us": round(statistics.median(a["wall_us"] for a in appends), 1)}
     ratios = {"contract/passthrough": _ratio(rps("contract"), rps("passthrough")),
               # what tracing every call costs: throughput and CPU per call, traced / untraced
               "traced/contract rps": _ratio(rps("contract_traced"), rps("contract")),
@@ -442,18 +530,31 @@ def run(options: BenchOptions) -> dict[str, Any]:
               "contract/nginx": _ratio(rps("contract"), rps("nginx")),
               "passthrough/nginx": _ratio(rps("passthrough"), rps("nginx")),
               "contract_workers2/contract": _ratio(rps("contract_workers2"), rps("contract")),
+              "contract_workers2/contract cpu": _ratio(cpu("contract_workers2"), cpu("contract")),
               "contract_pg/contract": _ratio(rps("contract_pg"), rps("contract"))}
     return {"rows": {name: asdict(row) for name, row in rows.items()}, "ratios": ratios,
-            "targets": _targets(rows, ratios, micro), "micro": micro, "bounds": hop_bounds(),
+            "targets": _targets(rows, ratios, micro, learn_append),
+            "micro": micro, "learn_append": learn_append, "bounds": hop_bounds(),
             "options": asdict(options),
             "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0],
                         "platform": sys.platform,
                         # 1-minute load average when the run began and ended: other work on the
                         # machine shows up in the latency tails (CPU time per request is immune)
                         "load_avg": [round(load_before, 2), round(os.getloadavg()[0], 2)],
-                        # the share of CPU time the hypervisor gave elsewhere during the run
-                        "steal_pct": steal_pct(ticks, cpu_ticks())},
+                        # the share of CPU time the hypervisor gave elsewhere during the run,
+                        # and the share that was not idle (steal included)
+                        "steal_pct": steal_pct(ticks, ended),
+                        "busy_pct": busy_pct(ticks, ended),
+                        # the CPUs busy % is a share of, and those this bench may use: in a
+                        # container with fewer, busy % describes the host
+                        "proc_stat_cpus": _proc_stat_cpus(), "usable_cpus": usable_cpus()},
             "elapsed_s": round(time.perf_counter() - began, 1)}
+
+
+def _proc_stat_cpus() -> int | None:
+    with contextlib.suppress(OSError):
+        return proc_stat_cpus(Path("/proc/stat").read_text())
+    return None
 
 
 def hop_bounds() -> dict[str, Any]:

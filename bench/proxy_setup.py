@@ -11,11 +11,12 @@ from typing import Any
 
 import yaml
 
-__all__ = ["MODEL_MOUNT", "MOUNT", "NGINX", "PG_URL", "ROWS", "RUN_HEADER", "TOOL_PATH", "WRK",
+__all__ = ["MODEL_MOUNT", "MOUNT", "NGINX", "PG_URL", "ROWS", "RUN_HEADER", "TOOL_PATH", "WORKERS", "WRK",
            "BenchError", "BenchOptions", "bench_contract", "model_contract", "write_contract"]
 
 ROWS = ("direct", "nginx", "passthrough", "learn", "contract", "contract_traced", "contract_workers2",
         "contract_pg", "model", "model_stream")
+WORKERS = {"contract_workers2": 2}     # rows served by `serve --workers N`
 PG_URL = "postgresql://postgres@127.0.0.1:5432/postgres"   # the contract_pg row's server
 WRK = "/usr/bin/wrk"
 NGINX = "/usr/sbin/nginx"

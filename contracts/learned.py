@@ -13,11 +13,22 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["LEARNED", "Observation", "Traffic"]
+__all__ = ["LEARNED", "Observation", "Traffic", "Verbatim"]
 
 LEARNED = "learned"     # the `kind` of a learned event
 
 Traffic = Literal["http", "model", "mcp"]
+
+
+@dataclass(frozen=True, slots=True)
+class Verbatim:
+    """A payload as it came: `text`, the UTF-8 JSON text orjson parsed (valid JSON), and
+    `value`, what it parsed to, whose depth is not yet bounded. Learn mode stores `text` itself
+    when redaction would change nothing in `value` and it nests within the depth limit
+    (`Learner.record`), instead of serialising `value` again; else `value`, redacted."""
+
+    text: bytes
+    value: Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +43,8 @@ class Observation:
     - `input`: the call's arguments (model tool-call arguments, MCP `arguments`, the HTTP JSON
       body), redacted; None when there were none or they were not JSON;
     - `output`: the result (the HTTP JSON body, MCP `structuredContent` or the JSON of its text
-      content, the model tool result when the agent sends it back), redacted; None when unseen;
+      content, the model tool result when the agent sends it back), redacted; None when unseen.
+      Before it is stored, an HTTP body may be a `Verbatim` (the text it came as);
     - `status`: the HTTP status the upstream answered (None for model tool calls);
     - `error`: why there is no usable result (transport failure, timeout, MCP `isError`, a body
       that is not JSON), None on success;

@@ -13,6 +13,7 @@ size.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from itertools import chain
 from typing import Any
 
 __all__ = ["REDACTED", "Redactor", "holds_redacted", "is_redacted", "redacted_path"]
@@ -50,6 +51,7 @@ def holds_redacted(value: Any) -> bool:
     return False
 
 
+_CONTAINERS = frozenset((dict, list))
 CLEAN_KEYS = 4096      # keys a Redactor remembers as not redacted (then it forgets them all)
 
 
@@ -69,16 +71,26 @@ class Redactor:
         replaced: list[str] = []
         return _redacted(value, self.keys, root, replaced), replaced
 
-    def clean(self, value: Any) -> bool:
-        """Whether `value` holds no key to redact (redacting it would change nothing): one
-        look per object while its keys are known clean (learn mode records every call)."""
+    def clean(self, value: Any, max_depth: int | None = None) -> bool:
+        """Whether `value` holds no key to redact (redacting it would change nothing), and with
+        `max_depth`, also nests no container more than `max_depth` levels deep (False past it,
+        without saying which: the caller looks at the depth again, `bodies.check_depth`). Level
+        by level, one look at all the keys of a level while they are known clean (learn mode
+        records every call): the walk that bounds a body's depth is the one that checks its
+        keys."""
+        if type(value) is not dict and type(value) is not list:
+            return True
         known, keys = self._clean, self.keys
-        stack = [value]
-        pop, push = stack.pop, stack.append
-        while stack:
-            node = pop()
-            if type(node) is dict:
-                if not known.issuperset(node):
+        known_clean = known.issuperset
+        level: list[Any] = [value]
+        depth = 0
+        while level:
+            if max_depth is not None and depth >= max_depth:
+                return False
+            depth += 1
+            dicts = [node for node in level if type(node) is dict]
+            if dicts and not known_clean(chain.from_iterable(dicts)):   # every key of the level
+                for node in dicts:
                     for k in node:
                         if type(k) is str and k not in known:
                             if is_redacted(k, keys):
@@ -86,13 +98,9 @@ class Redactor:
                             if len(known) >= CLEAN_KEYS:
                                 known.clear()
                             known.add(k)
-                node = node.values()
-            elif type(node) is not list:
-                continue
-            for item in node:
-                kind = type(item)
-                if kind is dict or kind is list:
-                    push(item)
+            level = [item for node in level
+                     for item in (node.values() if type(node) is dict else node)
+                     if type(item) in _CONTAINERS]
         return True
 
     def path(self, path: str) -> str:

@@ -155,7 +155,8 @@ class Metrics:
             "through), rejected, expired, stopped (the run halted meanwhile), used (an "
             "identical call used the approval first), left (approved after the client had "
             "gone: the approval is kept for the call sent again), full (no room to hold it), "
-            "shutdown (stepguard stopped while it was held).",
+            "shutdown (stepguard stopped while it was held), asked (the MCP client's user was "
+            "asked to approve it in-band).",
             ["workflow", "step", "outcome"], registry=r)
         self.store_errors = Counter(
             "stepguard_store_errors", "Store operations that failed.", ["operation"], registry=r)

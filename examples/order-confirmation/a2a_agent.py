@@ -66,11 +66,19 @@ class A2aAgent:
 
     async def ask(self, skill: str, ticket: str, **data: Any) -> dict[str, Any]:
         """Send `data` (with the ticket id) to `skill`; the completed task's data artifact."""
+        return await self.send(skill, {"ticket_id": ticket, **data}, context_of(ticket),
+                               f"{skill} for {ticket}")
+
+    async def send(self, skill: str, data: dict[str, Any], context_id: str | None = None,
+                   text: str | None = None) -> dict[str, Any]:
+        """Send `data` as a data part (after `text`, if any) to `skill`, in `context_id` (None:
+        a new context); the completed task's data artifact."""
         self.asked.append(skill)
+        parts = [Part(text=text)] if text is not None else []
         message = Message(role=Role.ROLE_USER, message_id=str(uuid.uuid4()),
-                          context_id=context_of(ticket),
-                          parts=[Part(text=f"{skill} for {ticket}"),
-                                 new_data_part({"ticket_id": ticket, **data})])
+                          parts=[*parts, new_data_part(data)])
+        if context_id is not None:
+            message.context_id = context_id
         request = SendMessageRequest(message=message)
         request.metadata.update({"skill": skill})
         task: Task | None = None

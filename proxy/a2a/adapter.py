@@ -6,8 +6,13 @@ the skill the message names in its metadata (`skill` or `skillId`, of the reques
 message), else the only skill of the agent's card as it last passed through. Its message is the
 entry boundary's input, the task's final state and artifacts the exit's output (`wire.py`). A
 failed, canceled or rejected task, a JSON-RPC error, a task left in a state that is not final,
-a transport failure or a timeout is a tool error. Every other request (`GetTask`, `CancelTask`,
-`SubscribeToTask`, `tasks/get`, the agent card, ...) passes through untouched.
+a transport failure or a timeout is a tool error. A send of a step that also matches a tool by
+name is read as that tool's call (`wire.py`: the message's data in, the task's data out), and
+one whose data parts are the arguments of a tool call a model issued, with no run header of its
+own, is that call (proxy/core/joining.py): one step of the model's run, its entry the one the
+model's answer stored, its exit checked at the task's final state. Every other request
+(`GetTask`, `CancelTask`, `SubscribeToTask`, `tasks/get`, the agent card, ...) passes through
+untouched.
 
 A violation is a JSON-RPC error answering the send's id (code -31000, details in `data`), as
 the JSON answer or as the event that ends the stream, so the `a2a-sdk` client raises. A stream
@@ -33,7 +38,14 @@ from stepguard.contracts.runs import RunBook
 from stepguard.metrics.observer import Observer
 from stepguard.proxy.a2a.rpc import REQUEST_CODE, as_event, error_response, refusal_for, rpc_error
 from stepguard.proxy.a2a.upstream import A2aAnswer, A2aCall, A2aUpstream
-from stepguard.proxy.a2a.wire import SEND_METHODS, Send, WireError, send_of, skills_of
+from stepguard.proxy.a2a.wire import (
+    SEND_METHODS,
+    Send,
+    WireError,
+    send_of,
+    skills_of,
+    tool_view,
+)
 from stepguard.proxy.core.bodies import BodyError, charset_of, decode, parse_json
 from stepguard.proxy.core.boundaries import Boundaries
 from stepguard.proxy.core.calls import Answer, CallLoop, Replayed, Stopped
@@ -121,17 +133,20 @@ class A2aAdapter:
                                       {"check": "unmatched"})
             return await self.http.forward_unchecked(request, route, headers, body, timing,
                                                      read_timeout_s=None)
+        # a send executing a tool call a model issued (its data parts are the call's
+        # arguments) joins that call: one step of the model's run (proxy/core/joining.py)
         keyed = await self.boundaries.run_keys.resolve(contract, step, request.headers,
-                                                       send.arguments)
+                                                       send.arguments, call_input=send.data)
         if keyed.run_id is None:
             reason = keyed.reason or NO_RUN_KEY
             self.boundaries.call_refused(route, reason, keyed.detail, step.name, TRAFFIC)
             return error_response(send.rpc_id, REQUEST_CODE, f"stepguard: {keyed.detail}",
                                   {"check": "correlation", "step": step.name},
                                   retry=reason == STORE)
+        as_tool = any(m.tool is not None for m in step.matches)
         call = A2aCall(route, step, keyed.run_id, request, headers, body, timing,
-                       input=send.input, key_drift=keyed, safe_to_retry=step.idempotent,
-                       send=send)
+                       input=send.data if as_tool else send.input, key_drift=keyed,
+                       safe_to_retry=step.idempotent, send=send, as_tool=as_tool)
         return await self.calls.checked(call)
 
     async def _card(self, request: web.Request, route: Route, headers: CIMultiDict[str],
@@ -160,7 +175,10 @@ class A2aAdapter:
     # -- the call loop's protocol -----------------------------------------------------------------
 
     async def send(self, call: A2aCall) -> A2aAnswer:
-        return await self.upstream.attempt(call, time.perf_counter())
+        answer = await self.upstream.attempt(call, time.perf_counter())
+        if call.as_tool:
+            answer.result = tool_view(answer.result)
+        return answer
 
     def extra(self, call: A2aCall) -> dict[str, Any] | None:
         send = call.send

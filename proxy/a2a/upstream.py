@@ -48,6 +48,7 @@ class A2aCall(Call):
 
     send: Send | None = None
     out: ClientEnd | None = None     # the client's stream, once an event was relayed
+    as_tool: bool = False            # read as a tool's call: its data in, its task's data out
 
     @property
     def rpc_id(self) -> Any:

@@ -12,17 +12,23 @@ objects, merged in order), `files` (file parts' `name`, `media_type` and `url`; 
 bytes), `parts` (each part so read, in order), `skill`, `contextId`, `taskId` and `metadata`.
 The exit output of a final task: `state`, and its artifacts read the same way (`text`, `data`,
 `files`, and `artifacts`, each with its `name`), with the task's `taskId` and `contextId`.
+
+A send of a step that also matches a tool by name (a model's or an MCP tool: `match: [{tool:
+refund}, {skill: refund}]`) is read as that tool's call, so the step's conditions address every
+surface alike: the entry input is the message's data (its data parts, merged: `input.order_id`),
+the exit output the task's data (its artifacts' data parts, merged: `output.refund_id`;
+`tool_view`). Text and file parts are then not in view.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
 from stepguard.contracts.events import ToolResult
 
 __all__ = ["SEND_METHODS", "STREAM_METHODS", "Send", "StreamState", "message_input",
-           "send_of", "skills_of", "state_name", "task_result"]
+           "send_of", "skills_of", "state_name", "task_result", "tool_view"]
 
 SEND_METHODS: Final = frozenset({"SendMessage", "SendStreamingMessage", "message/send",
                                  "message/stream"})
@@ -53,6 +59,13 @@ class Send:
     @property
     def streaming(self) -> bool:
         return self.method in STREAM_METHODS
+
+    @property
+    def data(self) -> dict[str, Any]:
+        """The message's data parts, merged: a tool call's arguments, when the send executes
+        one (what joining compares with the calls models issued)."""
+        data: dict[str, Any] = self.input["data"]
+        return data
 
 
 def send_of(message: Any) -> Send | None:
@@ -192,6 +205,15 @@ def task_result(result: Any, artifacts: list[dict[str, Any]] | None = None) -> T
     except WireError as exc:
         return ToolResult(200, error=f"the A2A answer cannot be read: {exc}", error_kind="parse")
     return _by_state(output, body.get("status"))
+
+
+def tool_view(result: ToolResult) -> ToolResult:
+    """A send's result as the tool call it executes gives it: the task's data (its artifacts'
+    data parts, merged) as the output, its error (a failed task, ...) kept."""
+    output = result.output
+    if isinstance(output, dict) and isinstance(output.get("data"), dict):
+        return replace(result, output=output["data"])
+    return result
 
 
 def _by_state(output: dict[str, Any], status: Any) -> ToolResult:

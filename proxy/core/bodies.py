@@ -29,10 +29,12 @@ __all__ = [
     "decode",
     "history_payload",
     "is_json_type",
+    "json_text",
     "parse_json",
     "query_input",
     "request_input",
     "response_output",
+    "response_text",
 ]
 
 MAX_JSON_DEPTH = 64          # the default of --max-json-depth
@@ -60,6 +62,20 @@ def parse_json(body: bytes, what: str, max_depth: int = MAX_JSON_DEPTH,
     bits; 415 for a charset stepguard cannot read. With `unique_keys`, an object that names a
     key twice is refused too: orjson keeps the last, a server whose parser keeps the first
     would act on a value stepguard never checked."""
+    body, value = json_text(body, what, max_depth, charset)
+    if (type(value) is dict or type(value) is list) and not _nests_within(body, max_depth):
+        raise _too_deep(what, max_depth)
+    if unique_keys and (type(value) is dict or type(value) is list):
+        _refuse_duplicate_keys(body, what)
+    return value
+
+
+def json_text(body: bytes, what: str, max_depth: int = MAX_JSON_DEPTH,
+              charset: str | None = None) -> tuple[bytes, Any]:
+    """`body` as UTF-8 JSON text (read in `charset`) and its value, checked as `parse_json`
+    checks it but for `max_depth`, which the caller's own walk of the value must bound
+    (`check_depth`, or `Redactor.clean(value, max_depth)`, learn mode's). The text is what
+    orjson parsed: valid JSON, to be stored as it is (`orjson.Fragment`)."""
     if charset is not None:
         body = _as_utf8(body, charset, what)
     try:
@@ -72,17 +88,13 @@ def parse_json(body: bytes, what: str, max_depth: int = MAX_JSON_DEPTH,
         except UnicodeDecodeError as uexc:
             raise BodyError(f"{what} is not valid UTF-8 (byte {uexc.start})") from None
         raise BodyError(f"{what} is not valid JSON: {exc}") from None
-    if (type(value) is dict or type(value) is list) and not _nests_within(body, max_depth):
-        raise _too_deep(what, max_depth)
     if _LONG_DIGITS in body.translate(_DIGITS):
         inexact = _inexact_integer(body)
         if inexact is not None:
             raise BodyError(f"{what} holds the integer {inexact[:40]!r}, outside the 64-bit "
                             f"range stepguard keeps exactly ({_INT_MIN} to {_INT_MAX}); send "
                             "it as a string")
-    if unique_keys and (type(value) is dict or type(value) is list):
-        _refuse_duplicate_keys(body, what)
-    return value
+    return body, value
 
 
 def _refuse_duplicate_keys(body: bytes, what: str) -> None:
@@ -306,6 +318,18 @@ def response_output(body: bytes, content_type: str, content_encoding: str | None
                         f"{content_type or 'missing'!r})")
     return parse_json(decode(body, content_encoding, limit), "upstream response", max_depth,
                       charset_of(content_type))
+
+
+def response_text(body: bytes, content_type: str, content_encoding: str | None,
+                  limit: int = 10 * 1024 * 1024,
+                  max_depth: int = MAX_JSON_DEPTH) -> tuple[bytes, Any]:
+    """`response_output` as `json_text` gives it: the UTF-8 JSON text and its value, whose
+    depth the caller bounds."""
+    if not is_json_type(content_type):
+        raise BodyError(f"upstream response is not JSON (content-type "
+                        f"{content_type or 'missing'!r})")
+    return json_text(decode(body, content_encoding, limit), "upstream response", max_depth,
+                     charset_of(content_type))
 
 
 def history_payload(value: Any, size: int, limit: int) -> Any:

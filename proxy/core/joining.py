@@ -1,15 +1,15 @@
-"""Cross-traffic joining: a tool call a model response issued, executed by the agent over MCP or
-HTTP through stepguard, is one step, not two.
+"""Cross-traffic joining: a tool call a model response issued, executed by the agent over MCP,
+HTTP or A2A through stepguard, is one step, not two.
 
 The model adapter registers every tool call whose entry went ahead (`PendingCalls.issued`),
 keyed by (workflow, step, digest of the canonical arguments). A tool-side call (MCP
-`tools/call`, HTTP tool call) that carries no run key of its own and matches such an entry is
-that call (`take` consumes it): it belongs to the model's run, its entry is the one the model's
-call already stored, and its exit is checked at the tool's answer and stored with the model's
-call id (which ends the call's pending state). What the agent then hands the model as the
-call's result must agree with what was checked (`agrees`). Everything is in memory and bounded:
-an entry not taken within `ttl_s`, or pushed out past `limit`, is forgotten (the tool-side call
-is then correlated as any other).
+`tools/call`, HTTP tool call, an A2A send whose data parts are the arguments) that carries no
+run key of its own and matches such an entry is that call (`take` consumes it): it belongs
+to the model's run, its entry is the one the model's call already stored, and its exit is
+checked at the tool's answer and stored with the model's call id (which ends the call's
+pending state). What the agent then hands the model as the call's result must agree with what
+was checked (`agrees`). Everything is in memory and bounded: an entry not taken within `ttl_s`,
+or pushed out past `limit`, is forgotten (the tool-side call is then correlated as any other).
 
 An agent may execute a streamed tool call before the stream has ended: stepguard relays the
 call as it arrives and holds only the terminator until the turn is checked, so the execution
@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import re
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,11 +42,32 @@ __all__ = ["digest"]
 
 
 def digest(value: Any) -> str | None:
-    """The canonical digest of a JSON value (keys sorted); None for what orjson cannot write."""
+    """The canonical digest of a JSON value (keys sorted, an integral number written as an
+    integer however it came: `1061.0` is `1061`, as A2A data parts carry every number as a
+    double); None for what orjson cannot write."""
     try:
-        return hashlib.sha256(orjson.dumps(value, option=orjson.OPT_SORT_KEYS)).hexdigest()
+        written = orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+        if (b".0" in written or b"e+" in written) and _INTEGRAL_FLOAT.search(written):
+            written = orjson.dumps(_integral(value), option=orjson.OPT_SORT_KEYS)
+        return hashlib.sha256(written).hexdigest()
     except (TypeError, orjson.JSONEncodeError):
         return None
+
+
+# how orjson ends an integral float (`1061.0`, `1e+16`) before what may follow a value: the value
+# is then written again with it as an integer (a string that ends so only costs that rewrite)
+_INTEGRAL_FLOAT = re.compile(rb"\d\.0(?=[,\]}]|$)|\de\+\d+(?=[,\]}]|$)")
+
+
+def _integral(value: Any) -> Any:
+    """`value` with its integral floats as integers."""
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else value
+    if isinstance(value, Mapping):
+        return {key: _integral(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_integral(item) for item in value]
+    return value
 
 
 def joined_extra(call_id: str | None, output: Any) -> dict[str, Any] | None:

@@ -11,7 +11,10 @@ is the one observation of the model's tool call (`Observation.joined`: the execu
 tool's answer, as the joined exit does in enforcement); the model's side does not record it
 again (`Learner.executed`).
 What is stored is redacted first (the built-in secret names and the contract's `redact` keys),
-and bounded: at most `--learn-max-runs` runs and `--learn-max-run-bytes` bytes of events per
+and bounded by depth (`--max-json-depth`): an HTTP answer comes as a `Verbatim` (its text,
+parsed once), and one walk of it checks both its keys and its depth (`Redactor.clean`); when
+nothing in it is redacted its text itself is stored (`orjson.Fragment`), not serialised again.
+What is stored is bounded: at most `--learn-max-runs` runs and `--learn-max-run-bytes` bytes of events per
 run are recorded by one process; a call past a bound is forwarded all the same, not recorded,
 and counted (`stepguard_learn_dropped_total`). A store failure never stops a call either.
 """
@@ -26,11 +29,12 @@ import orjson
 
 from stepguard.contracts.bounded import Bounded
 from stepguard.contracts.errors import ConflictError, RunOfAnotherWorkflow, StoreError
-from stepguard.contracts.learned import Observation
+from stepguard.contracts.learned import Observation, Verbatim
 from stepguard.contracts.model import Contract, Match, Step
 from stepguard.contracts.redact import Redactor
 from stepguard.contracts.runs import RunBook
 from stepguard.metrics.observer import Observer
+from stepguard.proxy.core.bodies import MAX_JSON_DEPTH, BodyError, check_depth
 from stepguard.proxy.core.correlation import issues_calls
 from stepguard.proxy.core.joining import PendingCalls
 
@@ -84,6 +88,7 @@ class Learner:
         self.redactor = redactor
         self.max_runs = max_runs
         self.max_run_bytes = max_run_bytes
+        self.max_json_depth = MAX_JSON_DEPTH      # a `Verbatim` payload nests no deeper
         # run id -> bytes of events recorded in it (at most `max_runs` runs: the bound itself)
         self._recorded: dict[str, int] = {}
         # (run id, model tool-call id) of calls an MCP or HTTP call executed (joined), until the
@@ -117,14 +122,7 @@ class Learner:
                      keys: Sequence[str] = ()) -> bool:
         """`seen` redacted and stored as one event of `run_id` (with correlation `keys`), unless
         a bound is passed or the store fails: then counted, and False. Never raises."""
-        redact = self.redactor(contract)
-        if redact.clean(seen.input) and redact.clean(seen.output):
-            fields = seen.fields()      # nothing to redact: no copy, no paths to note
-        else:
-            given, in_paths = redact.paths(seen.input, "input")
-            got, out_paths = redact.paths(seen.output, "output")
-            fields = dataclasses.replace(seen, input=given, output=got,
-                                         redacted=(*seen.redacted, *in_paths, *out_paths)).fields()
+        fields = self.stored(contract, seen)
         size = len(orjson.dumps(fields, default=str))
         used = self._recorded.get(run_id)
         if used is None and len(self._recorded) >= self.max_runs:
@@ -137,7 +135,7 @@ class Learner:
             return False
         self._recorded[run_id] = used + size     # taken before the write: others see it
         try:
-            await self._commit(contract, run_id, fields, keys)
+            await append_learned(self.runs, contract, run_id, fields, keys)
         except (StoreError, RunOfAnotherWorkflow) as exc:
             self._recorded[run_id] -= size
             if isinstance(exc, StoreError):
@@ -148,20 +146,11 @@ class Learner:
         self.observer.learned(contract.workflow, seen.traffic)
         return True
 
-    async def _commit(self, contract: Contract, run_id: str, fields: dict[str, Any],
-                      keys: Sequence[str]) -> None:
-        """One append of the run, tried again (on the stored envelope) when another writer
-        advanced the run under it; past `CONFLICT_TRIES` the ConflictError (a StoreError)
-        drops the recording. Nothing waits on it: learn mode decides nothing on the envelope."""
-        for tried in range(1, CONFLICT_TRIES + 1):
-            try:
-                async with self.runs.locked(run_id):
-                    envelope = await self.runs.envelope(contract, run_id, optimistic=True)
-                    await self.runs.commit(envelope, fields, keys=keys)
-                return
-            except ConflictError:
-                if tried == CONFLICT_TRIES:
-                    raise
+    def stored(self, contract: Contract, seen: Observation) -> dict[str, Any]:
+        """The event fields `seen` is stored as: its payloads redacted (the paths replaced
+        noted in `redacted`), a `Verbatim` one as its text when redaction changes nothing in it
+        and it nests within `max_json_depth` (past that: no output, and the error says so)."""
+        return stored_fields(self.redactor(contract), seen, self.max_json_depth)
 
     async def add_keys(self, contract: Contract, run_id: str, keys: Sequence[str]) -> None:
         """Correlation keys that find the run from now on (a model's tool-call ids, before the
@@ -173,3 +162,53 @@ class Learner:
         except StoreError as exc:
             self.observer.store_error("add_keys", str(exc), run_id=run_id,
                                       workflow=contract.workflow)
+
+
+def stored_fields(redact: Redactor, seen: Observation,
+                  max_json_depth: int = MAX_JSON_DEPTH) -> dict[str, Any]:
+    """`Learner.stored`, with the contract's redactor."""
+    given, in_paths, _ = _payload(redact, seen.input, "input", max_json_depth)
+    got, out_paths, unusable = _payload(redact, seen.output, "output", max_json_depth)
+    if given is seen.input and got is seen.output:
+        return seen.fields()      # nothing to redact: no copy, no paths to note
+    return dataclasses.replace(seen, input=given, output=got,
+                               error=seen.error if unusable is None else unusable,
+                               redacted=(*seen.redacted, *in_paths, *out_paths)).fields()
+
+
+async def append_learned(runs: RunBook, contract: Contract, run_id: str, fields: dict[str, Any],
+                         keys: Sequence[str] = ()) -> None:
+    """One learned event appended to its run, tried again (on the stored envelope) when another
+    writer advanced the run under it; past `CONFLICT_TRIES` the ConflictError (a StoreError)
+    drops the recording. Nothing waits on it: learn mode decides nothing on the envelope. What
+    `bench proxy` weighs as the store append of a learned call (`bench/micro.py`)."""
+    for tried in range(1, CONFLICT_TRIES + 1):
+        try:
+            async with runs.locked(run_id):
+                envelope = await runs.envelope(contract, run_id, optimistic=True)
+                await runs.commit(envelope, fields, keys=keys)
+            return
+        except ConflictError:
+            if tried == CONFLICT_TRIES:
+                raise
+
+
+_WHAT = {"input": "request body", "output": "upstream response"}
+
+
+def _payload(redact: Redactor, value: Any, root: str,
+             max_depth: int) -> tuple[Any, list[str], str | None]:
+    """`value` (the observation's `root`) as it is stored, the paths redaction replaced in it,
+    and for a `Verbatim` nesting past `max_depth`, why it is not stored (None stored)."""
+    if type(value) is Verbatim:
+        if redact.clean(value.value, max_depth):
+            return orjson.Fragment(value.text), [], None
+        try:
+            check_depth(value.value, _WHAT[root], max_depth)
+        except BodyError as exc:
+            return None, [], exc.detail
+        value = value.value
+    elif redact.clean(value):
+        return value, [], None
+    redacted, paths = redact.paths(value, root)
+    return redacted, paths, None

@@ -21,7 +21,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from stepguard.contracts.events import ToolResult
-from stepguard.contracts.learned import Observation
+from stepguard.contracts.learned import Observation, Verbatim
 from stepguard.contracts.runs import RunBook
 from stepguard.metrics.observer import Observer
 from stepguard.proxy.core.bodies import (
@@ -30,6 +30,7 @@ from stepguard.proxy.core.bodies import (
     query_input,
     request_input,
     response_output,
+    response_text,
 )
 from stepguard.proxy.core.boundaries import Boundaries
 from stepguard.proxy.core.calls import (
@@ -339,8 +340,9 @@ def tool_result(up: Upstreamed, limit: int, max_depth: int = MAX_JSON_DEPTH) -> 
 
 
 def learned_output(kept: Kept, error: str | None, max_depth: int) -> tuple[Any, str | None]:
-    """The output learn mode records of a relayed answer (its JSON body), and why there is
-    none: the transport's `error`, an answer cut short, over the recording bound, not JSON."""
+    """The output learn mode records of a relayed answer (its JSON body, as a `Verbatim` whose
+    depth the learner bounds as it redacts), and why there is none: the transport's `error`,
+    an answer cut short, over the recording bound, not JSON."""
     if error is not None or kept.status is None:
         return None, error or "no answer"
     if not kept.whole:
@@ -351,7 +353,8 @@ def learned_output(kept: Kept, error: str | None, max_depth: int) -> tuple[Any, 
         return None, None
     headers = kept.headers if kept.headers is not None else CIMultiDict[str]()
     try:
-        return response_output(bytes(kept.body), headers.get("content-type", ""),
-                               headers.get("content-encoding"), kept.limit, max_depth), None
+        text, value = response_text(bytes(kept.body), headers.get("content-type", ""),
+                                    headers.get("content-encoding"), kept.limit, max_depth)
     except BodyError as exc:
         return None, exc.detail
+    return Verbatim(text, value), None

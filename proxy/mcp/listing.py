@@ -125,15 +125,18 @@ class ToolLists:
             self.boundaries.upstream_seen(route, timing, since, None)
             return error_response(rpc_id, REQUEST_CODE, f"stepguard: the MCP server did not "
                                   f"answer tools/list: {exc.detail}", {"check": "transport"},
-                                  status=502, retry=exc.kind == "unreachable")
+                                  status=504 if exc.kind == "timeout" else 502,
+                                  retry=exc.kind == "unreachable")
         try:
             async with resp, asyncio.timeout(timeout_s):
                 self.boundaries.upstream_seen(route, timing, since, resp.status)
                 return await self._answered(request, route, timing, resp, rpc_id, allowed)
         except (TimeoutError, UpstreamError, UpstreamConnectionError) as exc:
+            timed_out = isinstance(exc, TimeoutError) or (
+                isinstance(exc, UpstreamError) and exc.kind == "timeout")
             return error_response(rpc_id, REQUEST_CODE, f"stepguard: the MCP server's tools/list "
                                   f"answer did not come whole: {exc or 'timed out'}",
-                                  {"check": "transport"}, status=502)
+                                  {"check": "transport"}, status=504 if timed_out else 502)
 
     async def allowed(self, route: Route, request: web.Request,
                       message: dict[str, Any]) -> frozenset[str] | None:

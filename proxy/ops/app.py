@@ -154,6 +154,7 @@ class Stepguard:
         self.boundaries.shadows = shadowed(self.contracts, self.shadows)
         self.boundaries.learner.max_runs = self.settings.learn_max_runs
         self.boundaries.learner.max_run_bytes = self.settings.learn_max_run_bytes
+        self.boundaries.learner.max_json_depth = self.settings.max_json_depth
         self._tallies: asyncio.Task[None] | None = None   # writes counted refusals (start)
         self.boundaries.holds = Holds(self.observer, self.limits.max_holds,
                                       self.settings.admin_url or f"http://{self.settings.admin_host}"
@@ -254,8 +255,15 @@ def create_app(sg: Stepguard, manage: bool = True) -> web.Application:
     app[STEPGUARD] = sg
     if manage:
         app.cleanup_ctx.append(_lifecycle)
+        # before aiohttp waits for the handlers still running: calls held for an operator are
+        # answered now (503, send again), as `serve` does on a signal, not at their deadline
+        app.on_shutdown.append(_let_holds_go)
     app.router.add_route("*", "/{tail:.*}", sg.dispatcher.handle)
     return app
+
+
+async def _let_holds_go(app: web.Application) -> None:
+    await app[STEPGUARD].boundaries.holds.close()
 
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:

@@ -19,6 +19,9 @@ EXPECTED_ACTIONS = {"shape": "halt", "freshness": "halt", "order": "escalate",
 
 
 def bench_drift(traffic: str, runs: int, controls: int, timeout: float) -> dict[str, Any]:
+    """The bench's JSON table. `timeout` is a budget for a loaded 2-core machine (a hybrid run
+    of 3 agents took 5 s at load 5 and 28 s at load 9: it starts four Python processes), not a
+    speed claim."""
     out = subprocess.run([sys.executable, "-m", "stepguard.proxy.cli", "bench", "drift",
                           "--traffic", traffic, "--runs", str(runs), "--controls", str(controls),
                           "--json"], capture_output=True, check=True, timeout=timeout).stdout
@@ -43,9 +46,9 @@ def test_the_contract_catches_every_class_and_passes_every_control(traffic):
     assert_the_table_holds(bench_drift(traffic, 5, 10, timeout=110), 5, 10)
 
 
-@pytest.mark.timeout(40)
+@pytest.mark.timeout(100)
 def test_stateless_mcp_with_no_header_holds_the_table_each_run_named_by_its_order_id():
-    result = bench_drift("mcp-stateless", 2, 3, timeout=35)
+    result = bench_drift("mcp-stateless", 2, 3, timeout=90)
     assert_the_table_holds(result, 2, 3)
     assert {cls: row["action"] for cls, row in result["classes"].items()} == EXPECTED_ACTIONS
     # one stored run per agent run, none named by the agent: stepguard found each by its argument
@@ -54,9 +57,9 @@ def test_stateless_mcp_with_no_header_holds_the_table_each_run_named_by_its_orde
     assert result["injectors"]["freshness"] == "stale_result"
 
 
-@pytest.mark.timeout(40)
+@pytest.mark.timeout(100)
 def test_a_hybrid_agent_with_no_header_holds_the_table_each_tool_call_joined_to_its_run():
-    result = bench_drift("hybrid", 1, 2, timeout=35)
+    result = bench_drift("hybrid", 1, 2, timeout=90)
     assert_the_table_holds(result, 1, 2)
     assert {cls: row["action"] for cls, row in result["classes"].items()} == EXPECTED_ACTIONS
     # the model's half and the MCP half of each agent run are one stored run (else the MCP
@@ -65,9 +68,9 @@ def test_a_hybrid_agent_with_no_header_holds_the_table_each_tool_call_joined_to_
     assert result["injectors"]["freshness"] == "stale_input"
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(100)
 def test_a2a_sends_with_no_header_hold_the_table_each_run_named_by_its_context_id():
-    result = bench_drift("a2a", 2, 3, timeout=55)
+    result = bench_drift("a2a", 2, 3, timeout=90)
     assert_the_table_holds(result, 2, 3)
     # the refund desk's contract halts on every class (no retry or escalation declared)
     assert {row["action"] for row in result["classes"].values()} == {"halt"}

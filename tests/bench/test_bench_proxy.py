@@ -30,8 +30,8 @@ from stepguard.bench import upstream as bench_upstream
 from stepguard.bench.harness import free_port, percentile
 from stepguard.bench.hops import Bench, parse_wrk
 from stepguard.bench.load import closed_loop, loadgen
-from stepguard.bench.micro import boundary_micro
-from stepguard.bench.procstat import children, parse_cpu_line, steal_pct
+from stepguard.bench.micro import boundary_micro, learn_append_micro
+from stepguard.bench.procstat import children
 from stepguard.bench.proxy import (
     ROWS,
     BenchOptions,
@@ -219,12 +219,14 @@ def test_quick_run_measures_every_row() -> None:
         assert 0 < row["p50_ms"] <= row["p90_ms"] <= row["p99_ms"], name
         assert 0 < row["seq_p50_ms"] <= row["seq_p99_ms"], name
         assert row["steal_pct"] is not None and 0 <= row["steal_pct"] <= 100, name
+        assert row["busy_pct"] is not None and 0 <= row["busy_pct"] <= 100, name
         if name in HOPS:
-            assert row["cpu_s_per_1k"] > 0 and row["rss_mb"] > 0, name
+            assert row["cpu_s_per_1k"] > 0 and row["rss_mb"] > 0 and row["cores"] > 0, name
             assert row["added_p50_ms"] is not None and row["added_p99_ms"] is not None, name
             assert row["added_seq_p50_ms"] is not None, name
         else:
             assert row["cpu_s_per_1k"] is None and row["rss_mb"] is None, name
+            assert row["cores"] is None, name
             assert row["added_p50_ms"] is None and row["added_seq_p50_ms"] is None, name
     # nginx really was in the path: its Server header, its own process's CPU
     assert rows["nginx"]["server"].startswith("nginx")
@@ -241,6 +243,11 @@ def test_quick_run_measures_every_row() -> None:
         rows["contract_workers2"]["requests"] + 25 + 20)
     assert rows["contract_pg"]["stored_events"] >= 2 * (rows["contract_pg"]["requests"] + 25 + 20)
     assert rows["model"]["stored_events"] >= rows["model"]["requests"] + 25
+    # each worker's calls, read from its own counters: together at least what wrk counted done
+    workers = rows["contract_workers2"]["workers"]
+    assert [w["index"] for w in workers] == [0, 1]
+    assert sum(w["calls"] for w in workers) >= rows["contract_workers2"]["requests"]
+    assert rows["contract"]["workers"] is None
     assert rows["model_stream"]["stored_events"] >= rows["model_stream"]["requests"] + 25
     assert rows["model_stream"]["ttfb_added_p50_ms"] is not None
     assert rows["model_stream"]["ttfb_added_seq_p50_ms"] is not None
@@ -249,11 +256,16 @@ def test_quick_run_measures_every_row() -> None:
     assert all(v is not None and v > 0 for v in result["ratios"].values())
     assert {t["met"] for t in result["targets"]} <= {True, False}
     assert result["micro"]["n"] == 30
+    assert (result["learn_append"]["n"], result["learn_append"]["rounds"]) == (30, 1)
+    [learn_target] = [t for t in result["targets"] if t["target"].startswith("learn:")]
+    assert learn_target["limit"] == result["learn_append"]["cpu_ms"]
     assert children(os.getpid()) == []                     # upstream, nginx, stepguards: gone
     text = render(result)
     for name in [*ALL_ROWS, "contract/passthrough", "contract/nginx", "passthrough/nginx",
                  "traced/contract rps", "traced/contract cpu", "contract_workers2/contract",
-                 "contract_pg/contract", "contract_pg: closed-loop added p50", "targets:", "micro-benchmark"]:
+                 "contract_pg/contract", "contract_pg: closed-loop added p50", "targets:", "micro-benchmark",
+                 "learn store append", "worker efficiency", "calls split",
+                 "CPU per 1,000 calls"]:
         assert name in text
 
 
@@ -379,6 +391,15 @@ def test_boundary_micro_returns_sane_numbers() -> None:
     assert all(p > 0 for p in parts)
     with pytest.raises(ValueError):
         boundary_micro(0)
+
+
+def test_learn_append_micro_weighs_the_event_the_learn_row_stores() -> None:
+    appended = learn_append_micro(50, concurrency=4)
+    assert (appended["n"], appended["concurrency"]) == (50, 4)
+    assert len(bench_upstream.order_body()) < appended["event_bytes"] < 12_500
+    assert appended["cpu_ms"] > 0 and appended["wall_us"] > 0
+    with pytest.raises(ValueError):
+        learn_append_micro(0)
 
 
 def test_plan_adds_the_reference_rows_and_names_unknown_ones() -> None:
@@ -570,19 +591,6 @@ def test_closed_loop_counts_a_stepguard_refusal_in_a_200_stream_as_a_failure() -
     with recorder(answer=(200, refusal)) as server, \
             pytest.raises(BenchError, match="refused by stepguard"):
         closed_loop(server.server_address[1], "/x", b"{}", 3, stream=True)
-
-
-def test_the_cpu_line_gives_steal_and_the_sum_without_guest_time() -> None:
-    line = b"cpu  69043 163 16491 201940 1364 0 4609 27888 5 7\n"
-    assert parse_cpu_line(line) == (27888, 321498)
-    with pytest.raises(ValueError, match="steal"):
-        parse_cpu_line(b"cpu  1 2 3 4\n")               # a kernel too old to count steal
-
-
-def test_steal_is_the_stolen_share_of_all_cpu_time() -> None:
-    assert steal_pct((100, 10_000), (150, 10_500)) == 10.0
-    assert steal_pct((100, 10_000), (100, 10_000)) is None      # no time passed
-    assert steal_pct(None, (100, 10_000)) is None                # no /proc/stat
 
 
 @pytest.mark.slow

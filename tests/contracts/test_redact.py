@@ -53,6 +53,23 @@ def test_a_value_is_clean_exactly_when_redacting_it_changes_nothing(values):
         assert redact.clean(value) == (redact(value) is value)
 
 
+def depth(value: object) -> int:
+    """How many containers deep `value` nests (a scalar: 0)."""
+    if isinstance(value, dict):
+        return 1 + max(map(depth, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(depth, value), default=0)
+    return 0
+
+
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@given(JSON, st.integers(min_value=1, max_value=6))
+def test_a_value_is_clean_within_a_depth_exactly_when_clean_and_nested_no_deeper(value, limit):
+    redact = Redactor(["card_number"])
+
+    assert redact.clean(value, limit) == (redact(value) is value and depth(value) <= limit)
+
+
 def test_keys_seen_clean_are_forgotten_past_their_bound_and_still_checked():
     redact = Redactor()
     for n in range(CLEAN_KEYS + 10):

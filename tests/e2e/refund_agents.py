@@ -1,6 +1,7 @@
 """The agents of the end-to-end suite, each built from a base URL alone and sending no stepguard
 header: a plain `openai` SDK loop whose tools run in-process (`model_agent`), the same loop
-running its tools over the desk's HTTP service (`hybrid_agent`), and a scripted tool agent
+running its tools over the desk's HTTP service (`hybrid_agent`) or as A2A sends to the desk's
+agent with the `a2a-sdk` client (`a2a_hybrid_agent`), and a scripted tool agent
 (`refund`) that calls the desk's five tools itself, taking each call's arguments from the
 results before it, over the `mcp` SDK's `Client` (`over_mcp`) or plain HTTP with aiohttp
 (`over_http`)."""
@@ -16,6 +17,8 @@ import openai
 from mcp import Client
 from refund_desk import CHAT_TOOLS, MODEL, SKIP_POLICY, STALE_ORDER, Desk, number, task
 from refund_stack import Stack
+
+from stepguard.examples.order_confirmation.a2a_agent import a2a_agent
 
 
 class ToolFailed(Exception):
@@ -92,6 +95,37 @@ async def hybrid_agent(s: Stack, ticket: str, *, stream: bool = False, eager: bo
                         raise ToolFailed(r.status, result)
                 if drift == CACHED_RESULT and call.function.name == "lookup_policy":
                     result = {**result, "ticket_id": "T-1"}
+                messages.append({"role": "tool", "tool_call_id": call.id,
+                                 "content": json.dumps(result)})
+    raise AssertionError("no final answer")
+
+
+# --- the A2A hybrid agent: the openai SDK loop, each tool call an A2A send ---------------------------
+
+STALE_ORDER_SENT = "stale_order_sent"   # the agent sends lookup_policy the previous ticket's order
+
+
+async def a2a_hybrid_agent(s: Stack, ticket: str, *, streaming: bool = False,
+                           drift: str | None = None) -> Any:
+    """Ask the model; run each tool call it makes as an A2A send to the desk's agent (the
+    `a2a-sdk` client built from the card at stepguard's mount; the skill named in the send's
+    metadata, the arguments as its data part, a new context each); hand the task's data back
+    as the call's result. The SDK raises for a refusal (A2AClientError)."""
+    messages: list[Any] = [{"role": "system", "content": "You resolve support tickets."},
+                           {"role": "user", "content": task(ticket)}]
+    async with openai.AsyncOpenAI(base_url=s.model_url, api_key="sk-test") as model, \
+            a2a_agent(s.agents_url, streaming=streaming) as agents:
+        for _ in range(8):
+            message = (await model.chat.completions.create(
+                model=MODEL, messages=messages, tools=CHAT_TOOLS)).choices[0].message
+            if not message.tool_calls:
+                return json.loads(message.content)
+            messages.append(message.model_dump(exclude_none=True))
+            for call in message.tool_calls:
+                arguments = json.loads(call.function.arguments)
+                if drift == STALE_ORDER_SENT and call.function.name == "lookup_policy":
+                    arguments["order_id"] = f"O-{number(ticket) - 1}"
+                result = await agents.send(call.function.name, arguments)
                 messages.append({"role": "tool", "tool_call_id": call.id,
                                  "content": json.dumps(result)})
     raise AssertionError("no final answer")

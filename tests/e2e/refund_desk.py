@@ -1,6 +1,7 @@
-"""The support desk behind the end-to-end suite: five tools over a ticket book, served three ways
-(a real MCP server, a real aiohttp HTTP service, plain Python functions for an agent that runs
-its tools in-process), and the scripted model that asks for them.
+"""The support desk behind the end-to-end suite: five tools over a ticket book, served four ways
+(a real MCP server, a real aiohttp HTTP service, a real `a2a-sdk` agent with a skill per tool,
+plain Python functions for an agent that runs its tools in-process), and the scripted model
+that asks for them.
 
 Drift comes from the world, never from the agent's requests: the desk drifts for the tickets a
 test names (`Desk.drift(ticket, kind)`), and the model's script for a ticket says what it asks
@@ -21,6 +22,22 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from a2a.helpers.proto_helpers import get_data_parts, new_data_artifact
+from a2a.server.agent_execution import AgentExecutor, RequestContext
+from a2a.server.events import EventQueue
+from a2a.server.request_handlers import DefaultRequestHandler
+from a2a.server.routes.agent_card_routes import create_agent_card_routes
+from a2a.server.routes.jsonrpc_routes import create_jsonrpc_routes
+from a2a.server.tasks import InMemoryTaskStore, TaskUpdater
+from a2a.types import (
+    AgentCapabilities,
+    AgentCard,
+    AgentInterface,
+    AgentSkill,
+    Task,
+    TaskState,
+    TaskStatus,
+)
 from aiohttp import web
 from mcp.server import MCPServer
 from mcp.server.mcpserver import Context
@@ -70,7 +87,7 @@ def iso(moment: datetime) -> str:
 class Served:
     """One tool call the desk answered."""
 
-    transport: str     # "mcp" | "http" | "local"
+    transport: str     # "mcp" | "http" | "a2a" | "local"
     tool: str
     arguments: dict[str, Any]
     headers: frozenset[str] = frozenset()    # the request's header names, lower case
@@ -198,6 +215,74 @@ def http_app(desk: Desk) -> web.Application:
     app = web.Application()
     app.router.add_post(HTTP_BASE + "/{tool}", call)
     return app
+
+
+# --- the desk as an A2A agent ---------------------------------------------------------------------
+
+A2A_RPC = "/rpc"
+
+
+@dataclass
+class A2aFront:
+    """The address the desk's agent card gives (behind stepguard: stepguard's mount, set once
+    stepguard listens), as an agent behind a gateway gives the gateway's."""
+
+    public_url: str = "http://127.0.0.1:9"
+
+
+class DeskAgent(AgentExecutor):
+    """A skill per tool: the message's data parts are the tool's arguments, the tool's result
+    the completed task's data artifact."""
+
+    def __init__(self, desk: Desk) -> None:
+        self.desk = desk
+
+    async def execute(self, context: RequestContext, event_queue: EventQueue) -> None:
+        message = context.message
+        assert message is not None and context.task_id and context.context_id
+        arguments: dict[str, Any] = {}
+        for found in get_data_parts(message.parts):
+            arguments.update(found)
+        tool = str(context.metadata.get("skill", ""))
+        result = self.desk.answer("a2a", tool, arguments)
+        await event_queue.enqueue_event(Task(
+            id=context.task_id, context_id=context.context_id,
+            status=TaskStatus(state=TaskState.TASK_STATE_SUBMITTED), history=[message]))
+        updater = TaskUpdater(event_queue, context.task_id, context.context_id)
+        await updater.start_work()
+        await updater.add_artifact(list(new_data_artifact(tool, result).parts), name=tool)
+        await updater.complete()
+
+    async def cancel(self, context: RequestContext, event_queue: EventQueue) -> None:
+        raise NotImplementedError
+
+
+def a2a_card(front: A2aFront) -> AgentCard:
+    return AgentCard(
+        name="support desk", description="the support desk's tools as skills", version="1.0",
+        default_input_modes=["application/json"], default_output_modes=["application/json"],
+        capabilities=AgentCapabilities(streaming=True),
+        supported_interfaces=[AgentInterface(url=front.public_url + A2A_RPC,
+                                             protocol_binding="JSONRPC", protocol_version="1.0")],
+        skills=[AgentSkill(id=t, name=t, description=t.replace("_", " "), tags=["support"])
+                for t in TOOLS])
+
+
+def a2a_app(desk: Desk, front: A2aFront) -> Starlette:
+    async def current(_: AgentCard) -> AgentCard:     # the address as set now
+        return a2a_card(front)
+
+    card = a2a_card(front)
+    handler = DefaultRequestHandler(DeskAgent(desk), InMemoryTaskStore(), card)
+    return Starlette(routes=[*create_agent_card_routes(card, card_modifier=current),
+                             *create_jsonrpc_routes(handler, A2A_RPC)])
+
+
+@contextlib.contextmanager
+def serving_a2a(desk: Desk, front: A2aFront) -> Iterator[str]:
+    """The A2A agent on a loopback port (uvicorn in a thread); yields its base URL."""
+    with mcp_tools.serve(a2a_app(desk, front)) as base:
+        yield base
 
 
 # --- the model -------------------------------------------------------------------------------------

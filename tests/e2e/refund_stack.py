@@ -18,7 +18,7 @@ import yaml
 from aiohttp import web
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
-from refund_desk import Desk, TicketModel, http_app, serving_mcp
+from refund_desk import A2aFront, Desk, TicketModel, http_app, serving_a2a, serving_mcp
 
 from stepguard.bench.harness import running
 from stepguard.contracts.envelope import Envelope
@@ -51,6 +51,10 @@ class Stack:
     @property
     def tools_url(self) -> str:          # the HTTP desk: POST {tools_url}/<tool>
         return f"{self.url}/tools"
+
+    @property
+    def agents_url(self) -> str:         # the desk's A2A agent (its card, its JSON-RPC)
+        return f"{self.url}/agents"
 
     async def runs(self) -> list[Envelope]:
         return await self.sg.store.runs()
@@ -95,18 +99,19 @@ async def _serving(sg: Stepguard) -> AsyncIterator[str]:
 
 
 def stack_starter(tmp_path: Path) -> StartStack:
-    """stack(mcp=None, vars=(), contract=CONTRACT, **settings): the stack, torn down on exit,
-    on a store of its own. `mcp`: also serve the desk over MCP, "stateless" (handshake-era
-    clients get no session; 2026-07-28 clients never do) or "session". `vars` are `--var
+    """stack(mcp=None, a2a=False, vars=(), contract=CONTRACT, **settings): the stack, torn down
+    on exit, on a store of its own. `mcp`: also serve the desk over MCP, "stateless"
+    (handshake-era clients get no session; 2026-07-28 clients never do) or "session". `a2a`:
+    also serve it as an A2A agent (the `a2a` upstream, a skill per tool). `vars` are `--var
     NAME=VALUE` flags; STEPGUARD_VAR_* in the environment apply as well. `contract`: another
     file of the workflow (a variant of refund.contract.yaml, or one drafted from learned
     traffic): the desk's and the model's URLs are set for the upstreams it declares."""
     stores = itertools.count(1)
 
     @contextlib.asynccontextmanager
-    async def start(*, mcp: str | None = None, vars: tuple[str, ...] = (),
+    async def start(*, mcp: str | None = None, a2a: bool = False, vars: tuple[str, ...] = (),
                     contract: Path = CONTRACT, **settings: Any) -> AsyncIterator[Stack]:
-        desk, model = Desk(), TicketModel(fragments=3)
+        desk, model, front = Desk(), TicketModel(fragments=3), A2aFront()
         async with contextlib.AsyncExitStack() as parts:
             upstreams = [f"model={await parts.enter_async_context(fake_model.serve(model))}",
                          f"http={await parts.enter_async_context(running(http_app(desk)))}/desk"]
@@ -114,6 +119,8 @@ def stack_starter(tmp_path: Path) -> StartStack:
                 assert mcp in ("stateless", "session")
                 mcp_base = parts.enter_context(serving_mcp(desk, sessions=mcp == "session"))
                 upstreams.append(f"mcp={mcp_base}")
+            if a2a:
+                upstreams.append(f"a2a={parts.enter_context(serving_a2a(desk, front))}")
             declared = yaml.safe_load(await asyncio.to_thread(contract.read_text))["upstreams"]
             config = Settings.from_env(
                 store=str(tmp_path / f"s{next(stores)}.db"), store_timeout=STORE_TIMEOUT_S,
@@ -123,6 +130,7 @@ def stack_starter(tmp_path: Path) -> StartStack:
             await sg.start()
             parts.push_async_callback(sg.stop)
             url = await parts.enter_async_context(_serving(sg))
+            front.public_url = f"{url}/agents"
             yield Stack(sg, url, desk, model)
 
     return start

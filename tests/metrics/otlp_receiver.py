@@ -77,15 +77,15 @@ class Receiver:
     def in_trace(self, trace_id: str) -> list[Span]:
         return [s for s in self.spans if s.trace_id == trace_id]
 
-    async def wait_for(self, trace_id: str, servers: int, within_s: float = 15.0) -> list[Span]:
-        """The spans of `trace_id` once `servers` server spans (and a client span under each
-        that forwarded) have arrived."""
+    async def wait_for(self, trace_id: str, servers: int, within_s: float = 15.0) -> None:
+        """Until `servers` server spans of `trace_id` have arrived. Their client spans may come
+        in a later batch: read the trace with `in_trace` once stepguard has stopped (its
+        shutdown exports every span it still holds)."""
         deadline = asyncio.get_running_loop().time() + within_s
         while True:
             spans = self.in_trace(trace_id)
             if sum(1 for s in spans if s.kind == SERVER) >= servers:
-                await asyncio.sleep(0.3)      # the client spans of the same batch, if split
-                return self.in_trace(trace_id)
+                return
             assert asyncio.get_running_loop().time() < deadline, (
                 f"{servers} server spans of trace {trace_id} never exported; got "
                 f"{[(s.name, s.kind) for s in spans]}")

@@ -122,7 +122,7 @@ class Served:
         """SIGTERM; the seconds until the process exited (it must exit 0)."""
         started = time.monotonic()
         self.proc.send_signal(signal.SIGTERM)
-        code = self.proc.wait(DRAIN_TIMEOUT_S + 10)
+        code = self.proc.wait(DRAIN_TIMEOUT_S + 20)
         assert code == 0, self.stderr.read_text()
         return time.monotonic() - started
 
@@ -277,7 +277,9 @@ async def test_a_clean_stop_waits_for_a_reader_that_never_comes_only_so_long(
         await served.call(http, "unread")
         took = await asyncio.to_thread(served.stop)
         served.reader.start()
-    assert DRAIN_TIMEOUT_S - 0.5 < took < DRAIN_TIMEOUT_S + 5
+    # it waited the drain timeout, then stopped; the margin above is the rest of a stop (the
+    # listeners, the store, the interpreter), which took 7.8 s on a 2-core machine at load 8
+    assert DRAIN_TIMEOUT_S - 0.5 < took < DRAIN_TIMEOUT_S + 10
 
 
 # the writer itself, on a pipe of this process

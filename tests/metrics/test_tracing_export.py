@@ -162,9 +162,12 @@ async def test_http_agent_runs_are_server_spans_with_a_client_span_per_upstream_
         status, problem = await call("r-drift", drift_trace, agent_ids[3], "check_policy",
                                      {"order_id": "ord-16"})
         assert status == 422
-        clean = await rx.wait_for(clean_trace, servers=2)
-        drift = await rx.wait_for(drift_trace, servers=2)
+        await rx.wait_for(clean_trace, servers=2)
+        await rx.wait_for(drift_trace, servers=2)
 
+    # stepguard has stopped, and its shutdown exported every span it held
+    clean = rx.in_trace(clean_trace)
+    drift = rx.in_trace(drift_trace)
     # the clean run: each call a server span under the agent's span, one client span under it
     servers = [s for s in clean if s.kind == SERVER]
     assert [(s.name, s.parent_span_id) for s in servers] == [
@@ -233,9 +236,12 @@ async def test_model_agent_turns_are_chat_spans_with_their_tool_calls_as_boundar
                 runs[name] = await model_agent.run_model_agent(client, name, 17,
                                                                "stale_input" if name == "drift"
                                                                else None)
-        clean = await rx.wait_for(traces["clean"][0], servers=5)
-        drift = await rx.wait_for(traces["drift"][0], servers=2)
+        await rx.wait_for(traces["clean"][0], servers=5)
+        await rx.wait_for(traces["drift"][0], servers=2)
 
+    # stepguard has stopped, and its shutdown exported every span it held
+    clean = rx.in_trace(traces["clean"][0])
+    drift = rx.in_trace(traces["drift"][0])
     assert runs["clean"].completed and runs["drift"].stopped_at is not None
     sent = [h.get("traceparent") for h in model.request_headers]
     for spans, (name, (_, agent)) in ((clean, ("clean", traces["clean"])),
@@ -336,9 +342,12 @@ async def test_mcp_agent_calls_continue_the_trace_in_params_meta(tmp_path):
                 ("lookup_order", {"order_id": "ord-17"}), ("check_policy", {"order_id": "ord-17"})])
             drift = await mcp_run(url, "m-drift", *traces["drift"], [
                 ("lookup_order", {"order_id": "ord-17"}), ("check_policy", {"order_id": "ord-16"})])
-            clean_spans = await rx.wait_for(traces["clean"][0], servers=2)
-            drift_spans = await rx.wait_for(traces["drift"][0], servers=2)
+            await rx.wait_for(traces["clean"][0], servers=2)
+            await rx.wait_for(traces["drift"][0], servers=2)
 
+    # stepguard has stopped, and its shutdown exported every span it held
+    clean_spans = rx.in_trace(traces["clean"][0])
+    drift_spans = rx.in_trace(traces["drift"][0])
     assert [r["order_id"] for r in clean] == ["ord-17", "ord-17"]
     assert isinstance(drift[-1], MCPError) and drift[-1].code == -31000
     calls = [(h, orjson.loads(b)) for _, h, b in seen if b and b'"tools/call"' in b]
@@ -416,8 +425,10 @@ async def test_each_retry_of_a_call_is_a_client_span_of_its_own(tmp_path):
         async with http.post(f"{base}/tools/reserve_slot", json={"order_id": "ord-17"},
                              headers={**headers, tools_mod.DRIFT_HEADER: "tool_error"}) as r:
             assert r.status == 502          # stepguard's problem: the tool failed, escalated
-        spans = await rx.wait_for(trace_id, servers=3)
+        await rx.wait_for(trace_id, servers=3)
 
+    # stepguard has stopped, and its shutdown exported every span it held
+    spans = rx.in_trace(trace_id)
     (reserve,) = [s for s in spans if s.name == "execute_tool reserve_slot"]
     attempts = children(spans, reserve)
     assert [(c.kind, c.attributes["http.response.status_code"], c.status_code)
@@ -441,13 +452,12 @@ async def test_a_call_not_sampled_exports_nothing_but_still_propagates_its_trace
     async with receiving() as rx, serving(tools) as tools_url, \
             stepguard(tmp_path, "contract.yaml", f"tools={tools_url}", rx,
                       OTEL_TRACES_SAMPLER="always_off") as base, \
-            aiohttp.ClientSession() as http:
-        async with http.post(f"{base}/tools/lookup_order", json={"order_id": "ord-17"},
-                             headers={"x-stepguard-run": "r-1",
-                                      "traceparent": traceparent(trace_id, span_id)}) as r:
-            assert r.status == 200
-        await asyncio.sleep(0.5)
+            aiohttp.ClientSession() as http, \
+            http.post(f"{base}/tools/lookup_order", json={"order_id": "ord-17"},
+                      headers={"x-stepguard-run": "r-1",
+                               "traceparent": traceparent(trace_id, span_id)}) as r:
+        assert r.status == 200
 
-    assert rx.spans == []
+    assert rx.spans == []       # stepguard has stopped: nothing held back, nothing sent
     version, got_trace, got_span, flags = seen[0][1]["traceparent"].split("-")
     assert (version, got_trace, flags) == ("00", trace_id, "00") and got_span != span_id

@@ -426,6 +426,22 @@ async def test_a_call_held_when_stepguard_stops_is_told_to_send_it_again(start, 
     assert tools.hits("/refund") == 0
 
 
+async def test_the_proxy_app_shutting_down_answers_its_held_calls_before_it_waits_for_handlers(
+        start, tools):
+    """An app embedded by its runner (not `serve`): aiohttp's shutdown, which comes before it
+    waits for the handlers still running, lets the held calls go; they would otherwise hold
+    the runner's cleanup until their deadline."""
+    sg = await start(make_contract(tools.url, steps(hold_s=60), approval=["refund"]))
+    await sg.call("lookup", {"ticket": "T-1"})
+    reply = sg.calling("refund", REFUND)
+    await sg.held()
+    await sg.proxy.app.shutdown()
+    answered = await reply
+    assert answered.status == 503
+    assert answered.json["outcome"] == "shutdown"
+    assert tools.hits("/refund") == 0
+
+
 async def test_an_approval_decides_every_held_copy_of_the_call_and_lets_one_through(start, tools):
     sg = await start()
     await sg.call("lookup", {"ticket": "T-1"})

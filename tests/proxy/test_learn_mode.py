@@ -68,6 +68,14 @@ def dropped(guard: Guard, reason: str) -> float:
         "stepguard_learn_dropped_total", {"workflow": WORKFLOW, "reason": reason}) or 0.0
 
 
+def stored_bytes(db_path: Path) -> bytes:
+    """Every row of every table of the SQLite store, as one byte string."""
+    with contextlib.closing(sqlite3.connect(db_path)) as db:
+        tables = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+        return b"".join(bytes(str(row), "utf-8") for table in tables
+                        for row in db.execute(f"SELECT * FROM {table}"))
+
+
 async def test_learn_forwards_a_call_an_enforcing_contract_refuses(
         make_upstream: MakeUpstream, stepguard: StartGuard) -> None:
     up = await make_upstream(echo)
@@ -130,13 +138,49 @@ async def test_learned_calls_are_redacted_before_they_are_stored(
     assert sorted(seen.redacted) == [
         "input.card_number", "input.items.0.token", "input.password", "output.got.card_number",
         "output.got.items.0.token", "output.got.password", "output.secret"]
-    with contextlib.closing(sqlite3.connect(tmp_path / "s.db")) as db:
-        stored = b"".join(bytes(str(row), "utf-8") for table in
-                          [r[0] for r in db.execute("SELECT name FROM sqlite_master "
-                                                    "WHERE type = 'table'")]
-                          for row in db.execute(f"SELECT * FROM {table}"))
+    stored = stored_bytes(tmp_path / "s.db")
     for secret in (b"hunter2-pw", b"4111-1111", b"tok-9", b"s3cr3t-from-tool"):
         assert secret not in stored
+
+
+def answering(text: str) -> Callable[[web.Request], Awaitable[web.Response]]:
+    async def handler(request: web.Request) -> web.Response:
+        return web.Response(text=text, content_type="application/json")
+    return handler
+
+
+async def test_a_clean_answer_is_stored_as_the_text_it_came_as(
+        make_upstream: MakeUpstream, stepguard: StartGuard, tmp_path: Path) -> None:
+    text = '{"order_id": "o-1",\n  "items": [ {"sku": "s-1", "qty": 2} ],  "note": "caf\u00e9"}'
+    up = await make_upstream(answering(text))
+    guard = await stepguard(learning(up.url))
+
+    await send(guard.client.request, "/tools/lookup", {"order": "o-1"}, run="r1")
+
+    [seen] = learned(await guard.history("r1"))
+    assert seen.output == {"order_id": "o-1", "items": [{"sku": "s-1", "qty": 2}],
+                           "note": "caf\u00e9"}
+    assert seen.redacted == () and seen.error is None
+    with contextlib.closing(sqlite3.connect(tmp_path / "s.db")) as db:
+        [(event,)] = db.execute("SELECT event FROM events WHERE run_id = 'r1'").fetchall()
+    assert text.encode() in event       # byte for byte, not parsed and serialised again
+
+
+async def test_an_answer_nested_past_the_json_depth_limit_is_recorded_without_it(
+        make_upstream: MakeUpstream, stepguard: StartGuard, tmp_path: Path) -> None:
+    deep: Any = {"token": "tok-deep-secret"}
+    for _ in range(6):
+        deep = {"next": [deep]}
+    up = await make_upstream(answering(orjson.dumps(deep).decode()))
+    guard = await stepguard(learning(up.url), max_json_depth=8)
+
+    reply = await send(guard.client.request, "/tools/lookup", {"order": "o-1"}, run="r1")
+
+    assert reply.status == 200 and reply.json == deep       # forwarded unchanged
+    [seen] = learned(await guard.history("r1"))
+    assert seen.output is None
+    assert seen.error is not None and "deeper than 8 levels" in seen.error
+    assert b"tok-deep-secret" not in stored_bytes(tmp_path / "s.db")
 
 
 async def test_runs_past_the_bound_are_forwarded_and_counted_not_recorded(

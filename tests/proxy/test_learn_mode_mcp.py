@@ -6,6 +6,7 @@ an event stream alike."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -72,6 +73,18 @@ async def agent(url: str, era: str) -> AsyncIterator[Client]:
         yield client
 
 
+async def learned(sg: Stepguard, count: int, within_s: float = 5.0) -> list[Any]:
+    """The run's history once it holds `count` learned events. An answer streamed over SSE
+    reaches the client as the upstream sends it, before the call's event is stored."""
+    deadline = asyncio.get_running_loop().time() + within_s
+    while True:
+        history = await sg.store.history(RUN)
+        if sum(Observation.from_event(e) is not None for e in history) >= count:
+            return history
+        assert asyncio.get_running_loop().time() < deadline, history
+        await asyncio.sleep(0.02)
+
+
 async def ignore_progress(progress: float, total: float | None, message: str | None) -> None:
     """Asking for progress makes an SSE server answer with a stream in the 2026 era too."""
 
@@ -86,9 +99,7 @@ async def test_a_tools_call_the_contract_would_refuse_is_forwarded_and_learned(
     assert not result.is_error
     assert isinstance(result.structured_content, dict)
     slot = result.structured_content
-    learned = [o for e in await sg.store.history(RUN)
-               if (o := Observation.from_event(e)) is not None]
-    [seen] = learned
+    [seen] = [o for e in await learned(sg, 1) if (o := Observation.from_event(e)) is not None]
     assert (seen.traffic, seen.upstream, seen.tool, seen.status) == ("mcp", "tools",
                                                                      "reserve_slot", 200)
     assert seen.input == {"order_id": "ord-7"}
@@ -105,7 +116,6 @@ async def test_each_tools_call_is_one_learned_event_and_nothing_else_is(
         looked = await client.call_tool("lookup_order", {"order_id": "ord-7"})
         await client.call_tool("check_policy", {"order_id": "ord-7"})
 
-    history = await sg.store.history(RUN)
-    seen = [Observation.from_event(e) for e in history]
+    seen = [Observation.from_event(e) for e in await learned(sg, 2)]
     assert [o.tool if o is not None else None for o in seen] == ["lookup_order", "check_policy"]
     assert seen[0] is not None and seen[0].output == looked.structured_content

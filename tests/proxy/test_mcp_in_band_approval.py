@@ -166,6 +166,10 @@ async def test_a_client_whose_user_declines_is_refused_and_the_hold_rejected(gua
     assert guarded.recording.calls == []
     (rejection,) = operator_events(await guarded.events())
     assert rejection["action"] == "reject"
+    asked = guarded.sg.metrics.registry.get_sample_value(
+        "stepguard_holds_total", {"workflow": "in-band", "step": "lookup_order",
+                                  "outcome": "asked"})
+    assert asked == 1.0        # the hold's outcome: the user was asked
 
 
 async def test_an_answer_of_approve_false_is_a_rejection(guarded):
