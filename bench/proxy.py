@@ -112,8 +112,8 @@ from stepguard.bench.render import render
 from stepguard.bench.scaling import combine_workers, phase_use, snapshot
 from stepguard.bench.wal_soak import wal_soak
 
-__all__ = ["REFERENCE", "ROWS", "BenchOptions", "Row", "busiest_share", "combine_rounds",
-           "hop_bounds", "main", "render", "run"]
+__all__ = ["REFERENCE", "ROWS", "BenchOptions", "Row", "RowSetup", "busiest_share",
+           "combine_rounds", "hop_bounds", "main", "render", "row_setup", "run"]
 
 REFERENCE = {"nginx": "direct", "passthrough": "direct", "contract": "direct", "learn": "direct",
              "contract_traced": "direct", "contract_workers2": "direct", "contract_pg": "direct",
@@ -194,6 +194,32 @@ _TOOL = _Traffic(TOOL_PATH, bench_upstream.order_request(), run_ids=True)
 _CHAT = _Traffic(bench_upstream.CHAT_PATH, bench_upstream.chat_request(False), run_ids=False)
 _CHAT_STREAM = _Traffic(bench_upstream.CHAT_PATH, bench_upstream.chat_request(True), run_ids=False,
                         stream=True)
+
+
+@dataclass(frozen=True)
+class RowSetup:
+    """What a stepguard row serves and sends: its contract, the mount and path called on the
+    hop, the body, and whether each call names a run of its own."""
+    contract: dict[str, Any]
+    prefix: str
+    path: str
+    body: bytes
+    run_ids: bool
+
+
+def row_setup(name: str, upstream_url: str) -> RowSetup:
+    """The contract and traffic of the stepguard row `name` (contract, learn, passthrough and
+    the contract_* rows serve the tool contract; model and model_stream the model one)."""
+    if name in ("model", "model_stream"):
+        traffic = _CHAT if name == "model" else _CHAT_STREAM
+        return RowSetup(model_contract(upstream_url), MODEL_MOUNT, traffic.path, traffic.body,
+                        traffic.run_ids)
+    if name in ("passthrough", "learn", "contract", "contract_traced", "contract_workers2",
+                "contract_pg"):
+        path = "/never_benchmarked" if name == "passthrough" else TOOL_PATH
+        return RowSetup(bench_contract(upstream_url, path), MOUNT, _TOOL.path, _TOOL.body,
+                        _TOOL.run_ids)
+    raise ValueError(f"{name!r} is not a row stepguard serves")
 
 
 def _plan(rows: Sequence[str]) -> list[str]:

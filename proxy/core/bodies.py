@@ -63,10 +63,7 @@ def parse_json(body: bytes, what: str, max_depth: int = MAX_JSON_DEPTH,
     key twice is refused too: orjson keeps the last, a server whose parser keeps the first
     would act on a value stepguard never checked."""
     body, value = json_text(body, what, max_depth, charset)
-    # counting brackets first is cheap: fewer opening ones than the limit cannot nest past it
-    if ((type(value) is dict or type(value) is list)
-            and body.count(b"[") + body.count(b"{") > max_depth
-            and not _within(value, max_depth - 1)):
+    if (type(value) is dict or type(value) is list) and not _nests_within(body, max_depth):
         raise _too_deep(what, max_depth)
     if unique_keys and (type(value) is dict or type(value) is list):
         _refuse_duplicate_keys(body, what)
@@ -129,6 +126,36 @@ def _too_deep(what: str, max_depth: int) -> BodyError:
                      "limit (--max-json-depth)")
 
 
+_BRACKETS = bytes.maketrans(b"{}", b"[]")
+_NOT_BRACKET_OR_QUOTE = bytes(c for c in range(256) if c not in b'[]{}"')
+
+
+def _nests_within(body: bytes, max_depth: int) -> bool:
+    """Whether the arrays and objects of a valid JSON `body` nest no deeper than `max_depth`,
+    read from its bytes, not its parsed value (a 10 KB body of 100 containers: ~15 instead of
+    ~37 us). Fewer opening brackets than the limit cannot nest past it. Else escaped quotes go
+    first (every backslash of valid JSON starts an escape: pairs, then \\"), then all but
+    brackets and quotes; two quotes side by side have nothing between them, and the brackets
+    still between quotes are inside strings and dropped. What is left is the structure, every
+    bracket closing the one opened last: each pass removing the innermost pairs (`[]`) takes
+    one level off every container, so it is empty after `max_depth` passes exactly when no
+    container nests deeper."""
+    shape = body.translate(_BRACKETS, _NOT_BRACKET_OR_QUOTE)
+    if shape.count(b"[") <= max_depth:    # fewer opening brackets than the limit: within it
+        return True
+    if b"\\" in body:
+        body = body.replace(b"\\\\", b"").replace(b'\\"', b"")
+        shape = body.translate(_BRACKETS, _NOT_BRACKET_OR_QUOTE)
+    shape = shape.replace(b'""', b"")
+    if b'"' in shape:
+        shape = b"".join(shape.split(b'"')[::2])
+    for _ in range(max_depth):
+        if not shape:
+            return True
+        shape = shape.replace(b"[]", b"")
+    return not shape
+
+
 def _within(value: dict[Any, Any] | list[Any], left: int) -> bool:
     """Whether no container inside `value` is more than `left` levels below it. Level by
     level, not recursively: a comprehension per level costs less than a call per container
@@ -145,9 +172,10 @@ def _within(value: dict[Any, Any] | list[Any], left: int) -> bool:
 
 _DIGITS = bytes.maketrans(b"0123456789", b"0" * 10)
 _LONG_DIGITS = b"0" * 19        # the shortest run of digits that can leave the exact range
-# a whole number token (no fraction, no exponent) of 19 digits or more; strings removed first
-_LONG_INTEGER = re.compile(rb"(?<![\d.eE+-])-?\d{19,}(?![\d.eE])")
-_STRING = re.compile(rb'"[^"]*"')
+_ZEROS = re.compile(rb"0+")
+_MINUS = ord("-")
+_NOT_BEFORE = frozenset(b".eE+-")   # before a run (or its sign): a fraction's or exponent's
+_NOT_AFTER = frozenset((b".", b"e", b"E"))     # after it: the number has a fraction or exponent
 
 
 def inexact_integer(body: bytes) -> str | None:
@@ -157,13 +185,28 @@ def inexact_integer(body: bytes) -> str | None:
 
 
 def _inexact_integer(body: bytes) -> str | None:
-    """The first integer of a valid JSON `body` that orjson cannot hold exactly, else None."""
+    """The first integer of a valid JSON `body` that orjson cannot hold exactly, else None.
+    Only the runs of 19 digits or more are looked at: one inside a string (an odd number of
+    quotes before it, escaped ones removed first) is text; one after a `.`, `e`, `E` or `+`, or
+    followed by `.`, `e` or `E`, belongs to a number with a fraction or an exponent."""
     if b"\\" in body:
         # in valid JSON every run of backslashes starts an escape: pairs first, then \"
         body = body.replace(b"\\\\", b"").replace(b'\\"', b"")
-    for match in _LONG_INTEGER.finditer(_STRING.sub(b" ", body)):
-        if not _INT_MIN <= int(match.group()) <= _INT_MAX:
-            return match.group().decode()
+    digits = body.translate(_DIGITS)
+    quotes = counted = 0
+    at = digits.find(_LONG_DIGITS)
+    while at >= 0:
+        run = _ZEROS.match(digits, at)
+        end = run.end() if run is not None else at + len(_LONG_DIGITS)
+        quotes += body.count(b'"', counted, at)
+        counted = at
+        if quotes % 2 == 0:
+            start = at - 1 if body[at - 1] == _MINUS else at      # a number never starts a body
+            if body[start - 1] not in _NOT_BEFORE and body[end:end + 1] not in _NOT_AFTER:
+                token = body[start:end]
+                if not _INT_MIN <= int(token) <= _INT_MAX:
+                    return token.decode()
+        at = digits.find(_LONG_DIGITS, end)
     return None
 
 

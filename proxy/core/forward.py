@@ -317,10 +317,11 @@ class ClientEnd:
         except (ConnectionResetError, aiohttp.ClientConnectionResetError) as exc:
             self._left(exc)
 
-    async def close(self) -> None:
+    async def close(self, last: bytes = b"") -> None:
+        """The stream ended, after `last` (written with the end, in one send)."""
         if not self.gone:
             try:
-                await self.out.write_eof()
+                await self.out.write_eof(last)
             except (ConnectionResetError, aiohttp.ClientConnectionResetError) as exc:
                 self._left(exc)
 

@@ -75,7 +75,11 @@ class ModelEntries:
         envelope, not one per tool call), before the answer goes anywhere."""
         contract = ex.contract
         async with self.runs.locked(ex.run_id), self.runs.batched(ex.run_id):
-            envelope = await self.runs.envelope(contract, ex.run_id)
+            # a run made for this turn (a new uuid) is in no store: its envelope is served new,
+            # without a read; its first commit's compare-and-set (or, when the turn stores
+            # nothing, one read as the lock is released) confirms it (RunBook: optimistic;
+            # `admitted` checks again on a stale one)
+            envelope = await self.runs.envelope(contract, ex.run_id, optimistic=ex.new_run)
             if envelope.status in STOPPED:
                 await refuse_halted(self.boundaries, ex, envelope, self.traffic)
             keys = [f"resp:{turn.response_id}"] if turn.response_id else []

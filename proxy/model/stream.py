@@ -171,13 +171,18 @@ class ModelStream:
         end: Check | Ending | None = None
         try:
             async for chunk in read_chunks(resp, ex.request, timeout_s):
+                # the events one read of the upstream completed arrived together: they go out
+                # in one write (a write is a send), after the calls they carry are shown
+                out: list[bytes] = []
                 for action in relay.feed(chunk):
                     if isinstance(action, Relay):
-                        await client.write(action.data)
+                        out.append(action.data)
                     elif isinstance(action, Show):
                         self._show(ex, stored, shown, action.call_ids)
                     else:
                         end = action
+                if out:
+                    await client.write(out[0] if len(out) == 1 else b"".join(out))
                 if end is not None:
                     break
         except TimeoutError:
@@ -219,9 +224,7 @@ class ModelStream:
             except Stop as stop:
                 await self._end(ex, client, [], Stopped(stop))
                 return
-        for raw in check.held:
-            await client.write(raw)
-        await client.close()
+        await client.close(b"".join(check.held))     # one send: the held events and the end
 
     async def _end(self, ex: Exchange, client: ClientEnd, shown: list[str], end: Ending) -> None:
         """The turn ends without its checked answer, however it ended: counted or logged, the
@@ -236,8 +239,7 @@ class ModelStream:
             self.observer.turn_failed(ex.route.upstream.name, ex.contract.workflow, ex.run_id,
                                       end.why)
         await self._failed(ex, shown)
-        await client.write(ex.dialect.stream_error(end.message, end.details))
-        await client.close()
+        await client.close(ex.dialect.stream_error(end.message, end.details))
 
     async def _failed(self, ex: Exchange, shown: list[str]) -> None:
         """The calls the stream showed were never checked. On a shared store that is stored

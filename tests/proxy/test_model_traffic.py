@@ -141,6 +141,31 @@ async def test_a_clean_four_step_run_is_verified_step_by_step_and_completed(make
     assert all(e["verdict"] == "pass" for e in history)
 
 
+@pytest.mark.parametrize("mode", modes(sync=False))
+async def test_the_first_turn_of_a_new_conversation_reads_no_envelope_from_the_store(
+        make_stack: MakeStack, mode: Mode) -> None:
+    # its run is made for the turn (a new id no store holds): the entry's commit confirms it
+    stack = make_stack(mode.api, model=FakeModel(script(7)))
+    assert stack.sg is not None
+    store, loads = stack.sg.store, []
+    read = store.load
+
+    async def counted(run_id: str) -> Any:
+        loads.append(run_id)
+        return await read(run_id)
+
+    store.load = counted  # type: ignore[method-assign]
+    agent = stack.agent(mode)
+
+    turn = await agent.ask()
+
+    assert [c.name for c in turn.calls] == [STEPS[0]] and loads == []
+    assert turn.run_id is not None
+    store.load = read  # type: ignore[method-assign]
+    assert [(e["step"], e["boundary"], e["verdict"]) for e in stack.history(turn.run_id)] == [
+        (STEPS[0], "entry", "pass")]
+
+
 # --- 2. every drift class, detected from model traffic --------------------------------------------
 
 

@@ -1,0 +1,86 @@
+"""bench/cpu_ab.py: the A/B runner tells two source trees apart by the CPU each spends per call,
+serves a git ref from a tree extracted for it, and refuses to compare a tree it would not really
+run; the profile's categories."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from programs import require_binary
+
+from stepguard.bench.cpu_ab import categorise, check_side, measure_ab, source_tree
+from stepguard.bench.proxy_setup import BenchError
+
+REPO = Path(__file__).resolve().parents[2]
+# appended to a copy's bodies.py: every JSON body parsed costs 2 ms more CPU
+BURN = '''
+
+_parse_json_unburnt = parse_json
+
+
+def parse_json(*args: Any, **kwargs: Any) -> Any:  # type: ignore[no-redef]
+    import time
+    end = time.process_time() + 0.002
+    while time.process_time() < end:
+        pass
+    return _parse_json_unburnt(*args, **kwargs)
+'''
+
+
+def slower_copy(into: Path) -> Path:
+    """This tree's packages, copied, with a CPU burn in every JSON parse."""
+    for folder in ("proxy", "contracts", "metrics", "bench", "examples", "stepguard"):
+        shutil.copytree(REPO / folder, into / folder, symlinks=True,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    bodies = into / "proxy" / "core" / "bodies.py"
+    bodies.write_text(bodies.read_text() + BURN)
+    return into
+
+
+def test_a_tree_spending_more_cpu_per_call_is_measured_as_b_over_a_above_one(tmp_path: Path):
+    wrk = require_binary("wrk")
+    slower = slower_copy(tmp_path / "slower")
+
+    (result,) = measure_ab(REPO, slower, ["contract"], rounds=1, seconds=1.0, concurrency=4,
+                           wrk=wrk)
+
+    # two parses per call: ~4 ms more than a checked call's ~0.5 ms
+    assert result.row == "contract" and len(result.ratios) == 1
+    assert result.a.median is not None and result.b.median is not None
+    assert result.b.median - result.a.median > 2.0
+    assert result.ratio is not None and result.ratio > 2.0
+
+
+def test_a_directory_whose_processes_import_another_stepguard_is_refused(tmp_path: Path):
+    with pytest.raises(BenchError, match="imports stepguard from"):
+        check_side(tmp_path)
+
+
+def test_a_git_ref_is_served_from_its_own_extracted_tree_removed_afterwards(tmp_path: Path):
+    if not (REPO / ".git").exists():
+        pytest.skip("not a git checkout")
+    with source_tree("HEAD", REPO, tmp_path) as tree:
+        assert tree.is_relative_to(tmp_path)
+        assert (tree / "stepguard" / "proxy" / "cli.py").is_file()
+        check_side(tree)
+    assert not tree.exists()
+
+
+def test_a_name_that_is_neither_a_tree_nor_a_ref_is_refused(tmp_path: Path):
+    with pytest.raises(BenchError, match="neither a source tree nor a git ref"), \
+            source_tree("no-such-ref-anywhere", REPO, tmp_path):
+        pass
+
+
+def test_each_sample_counts_for_the_first_category_its_innermost_frames_match():
+    collapsed = "\n".join([
+        "main (proxy/cli.py:1);parse_json (proxy/core/bodies.py:66) 6",
+        "main (proxy/cli.py:1);check (contracts/engine.py:9);evaluate (contracts/conditions.py:171) 3",
+        "main (proxy/cli.py:1);_run (asyncio/events.py:88) 1",
+    ])
+
+    assert categorise(collapsed, [("parse", r"bodies\.py"), ("cel", r"conditions\.py"),
+                                  ("engine", r"contracts/")]) == {
+        "parse": 60.0, "cel": 30.0, "other": 10.0}

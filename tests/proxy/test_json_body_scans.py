@@ -1,0 +1,99 @@
+"""parse_json reads how deep a body nests from its bytes (brackets outside strings), not by
+walking the parsed value: the same verdict, and the same refusal, for bodies whose bracket count
+says nothing about their depth. Integers orjson cannot hold exactly are looked for among the
+long runs of digits outside strings."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from stepguard.proxy.core.bodies import BodyError, JsonTooDeep, parse_json
+
+
+def nest(depth: int, inner: object = 0) -> object:
+    value = inner
+    for _ in range(depth - 1):
+        value = [value]
+    return [value] if depth else value
+
+
+def test_a_wide_shallow_body_of_many_brackets_is_within_a_small_limit():
+    body = json.dumps({"rows": [[{}, []] for _ in range(2000)]}).encode()
+
+    assert len(parse_json(body, "body", max_depth=4)["rows"]) == 2000
+    with pytest.raises(JsonTooDeep, match="deeper than 3 levels"):
+        parse_json(body, "body", max_depth=3)
+
+
+def test_brackets_inside_strings_are_not_nesting():
+    body = json.dumps({"text": "[{" * 500, "more": ["]]}}" * 300, "{[\\\"["]}).encode()
+
+    assert parse_json(body, "body", max_depth=2)["text"] == "[{" * 500
+
+
+def test_a_deep_body_whose_strings_cancel_its_brackets_out_is_refused():
+    # every level opens with the string "]" and closes after the string "[": counted with the
+    # brackets in its strings the body is a row of "[]" pairs, one level deep
+    value: object = 0
+    for _ in range(10):
+        value = ["]", value, "["]
+    body = json.dumps(value).encode()
+
+    with pytest.raises(JsonTooDeep, match="deeper than 9 levels"):
+        parse_json(body, "body", max_depth=9)
+    assert parse_json(body, "body", max_depth=10) == value
+
+
+def test_escaped_quotes_and_backslashes_do_not_end_a_string_early():
+    # a string ending in a backslash, and one holding an escaped quote before brackets
+    body = json.dumps([["\\", "\"[[[[[[", "\\\"]]]]]]\\\\"]]).encode()
+
+    assert parse_json(body, "body", max_depth=2)[0][1] == "\"[[[[[["
+    with pytest.raises(JsonTooDeep):
+        parse_json(body, "body", max_depth=1)
+
+
+def test_objects_and_arrays_count_alike_at_the_limit():
+    value = {"a": [{"b": [{"c": []}]}]}
+    body = json.dumps(value).encode()
+
+    assert parse_json(body, "body", max_depth=6) == value
+    with pytest.raises(JsonTooDeep, match="deeper than 5 levels"):
+        parse_json(body, "body", max_depth=5)
+
+
+def test_a_body_in_another_charset_is_measured_after_it_is_read():
+    value = nest(4, "é[[")
+    body = json.dumps(value, ensure_ascii=False).encode("utf-16")
+
+    assert parse_json(body, "body", max_depth=4, charset="utf-16") == value
+    with pytest.raises(JsonTooDeep):
+        parse_json(body, "body", max_depth=3, charset="utf-16")
+
+
+# integers orjson cannot hold exactly are found among the long runs of digits alone
+
+
+@pytest.mark.parametrize("body", [
+    b'{"id": "call_999999999999999999999999", "n": 1}',
+    b'{"18446744073709551616": true}',
+    b'["\\"", "x99999999999999999999999"]',
+    b'[1.99999999999999999999999, 2e0000000000000000000005, 3E-0000000000000000000005]',
+    b'[18446744073709551615, -9223372036854775808]',
+], ids=["in-a-string", "a-key", "after-an-escaped-quote", "fraction-and-exponent", "the-edges"])
+def test_a_long_run_of_digits_that_is_no_inexact_integer_passes(body: bytes):
+    assert parse_json(body, "body") == json.loads(body)
+
+
+@pytest.mark.parametrize(("body", "integer"), [
+    (b'{"id": "call_000000000000000000000123", "n": 18446744073709551616}',
+     "18446744073709551616"),
+    (b'["a\\"b", -9223372036854775809]', "-9223372036854775809"),
+    (b'99999999999999999999', "99999999999999999999"),
+    (b'{"s": "\\\\", "n": [0, 123456789012345678901234]}', "123456789012345678901234"),
+], ids=["after-a-digit-string", "after-an-escaped-quote", "the-whole-body", "after-a-backslash"])
+def test_an_integer_past_64_bits_is_refused_naming_it(body: bytes, integer: str):
+    with pytest.raises(BodyError, match=f"holds the integer '{integer}', outside the 64-bit"):
+        parse_json(body, "body")
