@@ -24,8 +24,9 @@ Traffic = Literal["http", "model", "mcp"]
 class Verbatim:
     """A payload as it came: `text`, the UTF-8 JSON text orjson parsed (valid JSON), and
     `value`, what it parsed to, whose depth is not yet bounded. Learn mode stores `text` itself
-    when redaction would change nothing in `value` and it nests within the depth limit
-    (`Learner.record`), instead of serialising `value` again; else `value`, redacted."""
+    when redaction would change nothing in `value`, it nests within the depth limit and it
+    names no key twice in an object (`Learner.record`), instead of serialising `value` again;
+    else `value`, redacted."""
 
     text: bytes
     value: Any

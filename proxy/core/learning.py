@@ -34,7 +34,12 @@ from stepguard.contracts.model import Contract, Match, Step
 from stepguard.contracts.redact import Redactor
 from stepguard.contracts.runs import RunBook
 from stepguard.metrics.observer import Observer
-from stepguard.proxy.core.bodies import MAX_JSON_DEPTH, BodyError, check_depth
+from stepguard.proxy.core.bodies import (
+    MAX_JSON_DEPTH,
+    BodyError,
+    check_depth,
+    text_matches_value,
+)
 from stepguard.proxy.core.correlation import issues_calls
 from stepguard.proxy.core.joining import PendingCalls
 
@@ -201,7 +206,7 @@ def _payload(redact: Redactor, value: Any, root: str,
     """`value` (the observation's `root`) as it is stored, the paths redaction replaced in it,
     and for a `Verbatim` nesting past `max_depth`, why it is not stored (None stored)."""
     if type(value) is Verbatim:
-        if redact.clean(value.value, max_depth):
+        if redact.clean(value.value, max_depth) and text_matches_value(value.text, value.value):
             return orjson.Fragment(value.text), [], None
         try:
             check_depth(value.value, _WHAT[root], max_depth)

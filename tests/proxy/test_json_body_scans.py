@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import json
 
+import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from stepguard.proxy.core.bodies import BodyError, JsonTooDeep, parse_json
+from stepguard.proxy.core.bodies import BodyError, JsonTooDeep, parse_json, text_matches_value
 
 
 def nest(depth: int, inner: object = 0) -> object:
@@ -97,3 +100,29 @@ def test_a_long_run_of_digits_that_is_no_inexact_integer_passes(body: bytes):
 def test_an_integer_past_64_bits_is_refused_naming_it(body: bytes, integer: str):
     with pytest.raises(BodyError, match=f"holds the integer '{integer}', outside the 64-bit"):
         parse_json(body, "body")
+
+
+# text_matches_value: does a JSON text hold every member its parsed value holds?
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**53), 2**53) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner,
+                                                                max_size=4),
+    max_leaves=20)
+
+
+@settings(max_examples=200, deadline=None)
+@given(JSON_VALUES)
+def test_a_text_without_a_key_named_twice_matches_its_value(value: object):
+    text = orjson.dumps(value)
+
+    assert text_matches_value(text, orjson.loads(text))
+
+
+@pytest.mark.parametrize("text", [
+    b'{"a": 1, "a": 2}',
+    b'{"k": [{"x": {"password": "p"}, "x": 0}]}',
+    b'{"s": "a\\":b", "s": "\\\\"}',                   # escapes and colons inside strings
+])
+def test_a_text_naming_a_key_twice_does_not_match_what_it_parsed_to(text: bytes):
+    assert not text_matches_value(text, orjson.loads(text))

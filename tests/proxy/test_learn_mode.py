@@ -166,6 +166,34 @@ async def test_a_clean_answer_is_stored_as_the_text_it_came_as(
     assert text.encode() in event       # byte for byte, not parsed and serialised again
 
 
+async def test_an_answer_naming_a_key_twice_is_stored_as_read_never_as_its_text(
+        make_upstream: MakeUpstream, stepguard: StartGuard, tmp_path: Path) -> None:
+    """orjson keeps the last copy of a key: the copy it dropped was never looked at for secrets,
+    so the text that holds it is not stored."""
+    up = await make_upstream(answering('{"a": {"password": "hunter2-dup"}, "a": 1, "b": "x:y"}'))
+    guard = await stepguard(learning(up.url))
+
+    reply = await send(guard.client.request, "/tools/lookup", {"order": "o-1"}, run="r1")
+
+    assert reply.status == 200                              # forwarded unchanged
+    [seen] = learned(await guard.history("r1"))
+    assert seen.output == {"a": 1, "b": "x:y"}
+    assert b"hunter2-dup" not in stored_bytes(tmp_path / "s.db")
+
+
+async def test_nesting_behind_a_key_named_twice_is_bounded_like_any_other(
+        make_upstream: MakeUpstream, stepguard: StartGuard, tmp_path: Path) -> None:
+    deep = "[" * 40 + '"deep-marker"' + "]" * 40
+    up = await make_upstream(answering(f'{{"d": {deep}, "d": 1}}'))
+    guard = await stepguard(learning(up.url), max_json_depth=8)
+
+    await send(guard.client.request, "/tools/lookup", {"order": "o-1"}, run="r1")
+
+    [seen] = learned(await guard.history("r1"))
+    assert seen.output == {"d": 1}
+    assert b"deep-marker" not in stored_bytes(tmp_path / "s.db")
+
+
 async def test_an_answer_nested_past_the_json_depth_limit_is_recorded_without_it(
         make_upstream: MakeUpstream, stepguard: StartGuard, tmp_path: Path) -> None:
     deep: Any = {"token": "tok-deep-secret"}
