@@ -38,7 +38,7 @@ import orjson
 
 from stepguard.contracts.bounded import Bounded
 
-__all__ = ["digest"]
+__all__ = ["UNDIGESTED", "digest"]
 
 
 def digest(value: Any) -> str | None:
@@ -59,15 +59,25 @@ def digest(value: Any) -> str | None:
 _INTEGRAL_FLOAT = re.compile(rb"\d\.0(?=[,\]}]|$)|\de\+\d+(?=[,\]}]|$)")
 
 
+_INT_MIN, _INT_END = -(2**63), 2**64
+
+
 def _integral(value: Any) -> Any:
-    """`value` with its integral floats as integers."""
+    """`value` with its integral floats as integers, those in the range of the integers JSON
+    bodies may hold (64 bits: what orjson writes); a float past it stays a float, written as
+    one (`1e+20`), never left without a digest."""
     if isinstance(value, float):
-        return int(value) if value.is_integer() else value
+        return int(value) if value.is_integer() and _INT_MIN <= value < _INT_END else value
     if isinstance(value, Mapping):
         return {key: _integral(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
         return [_integral(item) for item in value]
     return value
+
+
+# the digest stored for a checked output that has none (orjson cannot write it): no result the
+# agent hands the model can have it, so every one is refused as not the output checked
+UNDIGESTED = "undigested"
 
 
 def joined_extra(call_id: str | None, output: Any) -> dict[str, Any] | None:
@@ -76,8 +86,9 @@ def joined_extra(call_id: str | None, output: Any) -> dict[str, Any] | None:
     envelope keeps (`Envelope.joined`)."""
     if call_id is None:
         return None
-    out = digest(output) if output is not None else None
-    return {"call_id": call_id} if out is None else {"call_id": call_id, "joined_digest": out}
+    if output is None:
+        return {"call_id": call_id}
+    return {"call_id": call_id, "joined_digest": digest(output) or UNDIGESTED}
 
 
 @dataclass(frozen=True, slots=True)

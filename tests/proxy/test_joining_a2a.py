@@ -26,7 +26,7 @@ from stepguard.contracts.loader import parse_contract
 from stepguard.examples.order_confirmation import fake_model, model_agent
 from stepguard.examples.order_confirmation.fake_model import FakeModel
 from stepguard.proxy.core.config import Settings
-from stepguard.proxy.core.joining import digest
+from stepguard.proxy.core.joining import UNDIGESTED, digest, joined_extra
 from stepguard.proxy.ops.app import Stepguard, build, create_app
 
 CONTRACT = (Path(__file__).resolve().parents[2] / "examples" / "order-confirmation"
@@ -191,3 +191,15 @@ def test_an_integral_number_digests_alike_however_it_is_written() -> None:
         {"items": [{"n": 2.0}], "amount": 1061.0})
     assert digest({"amount": 1061}) != digest({"amount": 1061.5})
     assert digest({"version": "1.0"}) != digest({"version": "1"})
+
+
+def test_a_number_past_64_bits_still_has_a_digest_of_its_own() -> None:
+    assert digest({"amount": 1e20}) is not None
+    assert digest({"amount": 1e20}) != digest({"amount": 1e21})
+    assert digest({"amount": 2.0**63}) == digest({"amount": 2**63})
+
+
+def test_an_output_with_no_digest_is_kept_as_one_no_result_can_match() -> None:
+    kept = joined_extra("call-1", {"amount": 2**70})      # orjson cannot write it
+    assert kept == {"call_id": "call-1", "joined_digest": UNDIGESTED}
+    assert UNDIGESTED not in {digest(v) for v in ({}, None, {"amount": 2**63}, "undigested")}
