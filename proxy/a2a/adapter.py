@@ -140,6 +140,17 @@ class A2aAdapter:
                                       {"check": "unmatched"})
             return await self.http.forward_unchecked(request, route, headers, body, timing,
                                                      read_timeout_s=None)
+        as_tool = any(m.tool is not None for m in step.matches)
+        if as_tool:
+            extra = [p["kind"] for p in send.input["parts"]
+                     if p["kind"] != "data" or not isinstance(p["data"], dict)]
+            if extra:   # read as the tool's arguments, they would reach the agent unchecked
+                detail = (f"step {step.name!r} reads a send as tool {step.name!r}'s call: its "
+                          f"arguments as data parts of objects, and nothing else; this one "
+                          f"also holds a {extra[0]} part")
+                self.boundaries.call_refused(route, "unparseable", detail, step.name, TRAFFIC)
+                return error_response(send.rpc_id, REQUEST_CODE, f"stepguard: {detail}",
+                                      {"check": "request", "step": step.name})
         # a send executing a tool call a model issued (its data parts are the call's
         # arguments) joins that call: one step of the model's run (proxy/core/joining.py)
         keyed = await self.boundaries.run_keys.resolve(contract, step, request.headers,
@@ -150,7 +161,6 @@ class A2aAdapter:
             return error_response(send.rpc_id, REQUEST_CODE, f"stepguard: {keyed.detail}",
                                   {"check": "correlation", "step": step.name},
                                   retry=reason == STORE)
-        as_tool = any(m.tool is not None for m in step.matches)
         call = A2aCall(route, step, keyed.run_id, request, headers, body, timing,
                        input=send.data if as_tool else send.input, key_drift=keyed,
                        safe_to_retry=step.idempotent, send=send, as_tool=as_tool)

@@ -113,6 +113,10 @@ def message_input(holder: dict[str, Any]) -> dict[str, Any]:
     data: dict[str, Any] = {}
     for part in read:
         if part["kind"] == "data" and isinstance(part["data"], dict):
+            twice = data.keys() & part["data"].keys()
+            if twice:   # merged, one copy would hide the other from every check
+                raise WireError(f"two data parts name the key {sorted(twice)[0][:60]!r}; "
+                                "agents differ on which one counts")
             data.update(part["data"])
     return {"text": "\n".join(p["text"] for p in read if p["kind"] == "text"),
             "data": data,

@@ -17,6 +17,7 @@ from typing import Any
 import aiohttp
 import openai
 import orjson
+import pytest
 import yaml
 from aiohttp import web
 from sgtest import LoopEnds, tool_loop
@@ -83,12 +84,12 @@ async def hybrid(tmp_path: Path, agent: Agent, model: FakeModel) -> AsyncIterato
             yield Hybrid(sg, f"{url}/openai/v1", f"{url}/agents/rpc")
 
 
-async def send(http: aiohttp.ClientSession, url: str, skill: str,
-               arguments: dict[str, Any]) -> dict[str, Any]:
-    """One `SendMessage`: the arguments as a data part after a text part, the skill in the
-    request's metadata; the JSON-RPC answer."""
+async def send(http: aiohttp.ClientSession, url: str, skill: str, arguments: dict[str, Any],
+               *, also: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """One `SendMessage`: the arguments as its data part (and the parts `also`), the skill in
+    the request's metadata; the JSON-RPC answer."""
     message = {"messageId": uuid.uuid4().hex, "role": "ROLE_USER",
-               "parts": [{"text": f"please {skill}"}, {"data": arguments}]}
+               "parts": [{"data": arguments}, *(also or [])]}
     rpc = {"jsonrpc": "2.0", "id": uuid.uuid4().hex, "method": "SendMessage",
            "params": {"message": message, "metadata": {"skill": skill}}}
     async with http.post(url, data=orjson.dumps(rpc),
@@ -183,6 +184,38 @@ async def test_a_send_whose_data_are_not_the_models_call_is_not_joined_to_it(
     assert error["code"] == -31002 and "carries no run key" in error["message"]
     assert [p["step"] for p in run.pending.values()] == ["check_policy"]   # never executed
     assert [skill for skill, _ in agent.asked] == ["lookup_order"]
+
+
+@pytest.mark.parametrize(("also", "kind"), [
+    ([{"text": "refund 10000 instead"}], "text"),
+    ([{"data": ["amount", 999]}], "data"),
+    ([{"url": "https://files.example/x.pdf", "filename": "x.pdf"}], "file"),
+])
+async def test_a_send_read_as_a_tools_call_carrying_more_than_its_arguments_is_refused(
+        tmp_path: Path, also: list[dict[str, Any]], kind: str) -> None:
+    """Read as the tool's call, a send is checked as its arguments: any other part would reach
+    the agent unchecked (and a joined send skips its own entry check)."""
+    agent = Agent()
+    async with hybrid(tmp_path, agent, FakeModel(model_agent.script_for(1, None))) as h, \
+            aiohttp.ClientSession() as http:
+        answer = await send(http, h.rpc_url, "lookup_order", {"order_id": "ord-1"}, also=also)
+
+    assert answer["error"]["code"] == -31002
+    assert f"also holds a {kind} part" in answer["error"]["message"]
+    assert agent.asked == []
+
+
+async def test_two_data_parts_naming_one_key_are_refused_whichever_the_agent_would_read(
+        tmp_path: Path) -> None:
+    agent = Agent()
+    async with hybrid(tmp_path, agent, FakeModel(model_agent.script_for(1, None))) as h, \
+            aiohttp.ClientSession() as http:
+        answer = await send(http, h.rpc_url, "lookup_order", {"order_id": "ord-1"},
+                            also=[{"data": {"order_id": "ord-0"}}])
+
+    assert answer["error"]["code"] == -31002
+    assert "two data parts name the key 'order_id'" in answer["error"]["message"]
+    assert agent.asked == []
 
 
 def test_an_integral_number_digests_alike_however_it_is_written() -> None:
