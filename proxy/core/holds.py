@@ -123,6 +123,9 @@ class HoldRefused(Exception):
         self.members, self.retry = members, retry
 
 
+CLOSE_GRACE_S = 5.0     # how long `Holds.close` lets the held calls' waits end by themselves
+
+
 class Holds:
     """The calls held in this process: at most `limit` at once."""
 
@@ -134,6 +137,7 @@ class Holds:
         self.reserved = 0
         self.waiting: dict[str, list[Held]] = {}      # run id -> its held calls
         self.tasks: set[asyncio.Task[Any]] = set()
+        self.closed = False         # stepguard stopping: a call held from now on is let go
 
     def reserve(self, workflow: str) -> bool:
         """Room for one more held call (taken now, given back by `leave`), or False."""
@@ -158,11 +162,22 @@ class Holds:
 
     async def close(self) -> None:
         """Stepguard stops: the calls still held are let go (their holds stay open in the
-        store until their deadline, for a decision the call sent again can use)."""
-        for task in list(self.tasks):
+        store until their deadline, for a decision the call sent again can use), and so is any
+        call held from now on. Each is woken, not cancelled: one reading its run when stepguard
+        stops finishes that (an approval it finds is used and the call goes through), then
+        answers 503 (proxy/core/waiting.py). A wait still running after CLOSE_GRACE_S (a
+        keepalive write blocked on a client that reads nothing) is cancelled."""
+        self.closed = True
+        for calls in self.waiting.values():
+            for held in calls:
+                held.woken.set()
+        if not self.tasks:
+            return
+        _, late = await asyncio.wait(list(self.tasks), timeout=CLOSE_GRACE_S)
+        for task in late:
             task.cancel()
-        if self.tasks:
-            await asyncio.wait(list(self.tasks))
+        if late:
+            await asyncio.wait(late)
 
     def enter(self, held: Held) -> None:
         self.waiting.setdefault(held.run_id, []).append(held)

@@ -101,6 +101,8 @@ async def _waiting(boundaries: Boundaries, held: Held, timing: Timing, traffic: 
     try:
         while True:
             try:
+                if holds.closed:    # stepguard is stopping (Holds.close): let go, not waited
+                    raise asyncio.CancelledError
                 await _sleep(held, pace, poll_s)
             except asyncio.CancelledError:
                 holds.ended(held, SHUTDOWN)

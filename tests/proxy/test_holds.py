@@ -426,6 +426,19 @@ async def test_a_call_held_when_stepguard_stops_is_told_to_send_it_again(start, 
     assert tools.hits("/refund") == 0
 
 
+async def test_a_call_to_hold_once_stepguard_is_stopping_is_told_at_once_to_send_it_again(
+        start, tools):
+    sg = await start(make_contract(tools.url, steps(hold_s=60), approval=["refund"]))
+    await sg.call("lookup", {"ticket": "T-1"})
+    await sg.sg.boundaries.holds.close()
+
+    answered = await sg.call("refund", REFUND)
+
+    assert answered.status == 503 and answered.headers["x-should-retry"] == "true"
+    assert answered.json["outcome"] == "shutdown"
+    assert tools.hits("/refund") == 0
+
+
 async def test_the_proxy_app_shutting_down_answers_its_held_calls_before_it_waits_for_handlers(
         start, tools):
     """An app embedded by its runner (not `serve`): aiohttp's shutdown, which comes before it
