@@ -28,6 +28,7 @@ counted (`stepguard_a2a_card_changes`), since a changed card can steer an agent'
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any, Final
 
 import orjson
@@ -37,18 +38,21 @@ from multidict import CIMultiDict
 from stepguard.contracts.runs import RunBook
 from stepguard.metrics.observer import Observer
 from stepguard.proxy.a2a.rpc import REQUEST_CODE, as_event, error_response, refusal_for, rpc_error
+from stepguard.proxy.a2a.tasks import Tasks, Tracked
 from stepguard.proxy.a2a.upstream import A2aAnswer, A2aCall, A2aUpstream
 from stepguard.proxy.a2a.wire import (
-    SEND_METHODS,
     Send,
+    TaskRead,
     WireError,
+    open_task,
     send_of,
     skills_of,
+    task_read_of,
     tool_view,
 )
 from stepguard.proxy.core.bodies import BodyError, charset_of, decode, parse_json
 from stepguard.proxy.core.boundaries import Boundaries
-from stepguard.proxy.core.calls import Answer, CallLoop, Replayed, Stopped
+from stepguard.proxy.core.calls import Answer, CallLoop, Replayed, Stopped, Violated
 from stepguard.proxy.core.config import Settings
 from stepguard.proxy.core.correlation import NO_RUN_KEY, STORE
 from stepguard.proxy.core.forward import ClientEnd, Forwarder, Kept, Timing, end_to_end
@@ -79,6 +83,7 @@ class A2aAdapter:
         self.upstream = A2aUpstream(forwarder, settings, boundaries)
         self.calls = CallLoop(self, runs, boundaries, observer, settings)
         self.skills: dict[tuple[str, str], tuple[str, ...]] = {}   # (workflow, upstream) -> card's
+        self.tasks = Tasks()
 
     def error(self, route: Route, status: int, title: str, detail: str) -> web.Response:
         body = rpc_error(None, REQUEST_CODE, f"stepguard: {title}: {detail}", {"title": title})
@@ -98,22 +103,29 @@ class A2aAdapter:
             self.boundaries.call_refused(route, "unparseable", detail, None, TRAFFIC)
             return error_response(None, REQUEST_CODE, f"stepguard: the A2A request cannot be "
                                   f"read to be checked: {detail}", {"check": "request"})
+        if isinstance(send, TaskRead):
+            tracked = self.tasks.get(route, send.task_id)
+            if tracked is not None:
+                return await self._task_read(request, headers, body, timing, send, tracked)
+            send = None
         if send is None:
             return await self.http.forward_unchecked(request, route, headers, body, timing,
                                                      read_timeout_s=None)
         return await self._checked(request, route, headers, body, timing, send)
 
-    def _send(self, request: web.Request, body: bytes) -> Send | None:
-        """The send this POST carries, None for any other request; a body that is not strict
-        JSON, a batch with a send, or an unreadable send raises."""
+    def _send(self, request: web.Request, body: bytes) -> Send | TaskRead | None:
+        """The send this POST carries, or the read of a task, None for any other request; a body
+        that is not strict JSON, a batch with a send or a task read, or an unreadable send or
+        task read raises."""
         raw = decode(body, request.headers.get("content-encoding"), self.settings.max_request_bytes)
         message = parse_json(raw, "request body", self.settings.max_json_depth,
                              charset_of(request.headers.get("content-type")), unique_keys=True)
         if isinstance(message, list):
-            if any(isinstance(m, dict) and m.get("method") in SEND_METHODS for m in message):
-                raise WireError("a JSON-RPC batch holds a send; send each message on its own")
+            if any(send_of(m) is not None or task_read_of(m) is not None for m in message):
+                raise WireError("a JSON-RPC batch holds a send or a task's read; send each "
+                                "message on its own")
             return None
-        return send_of(message)
+        return send_of(message) or task_read_of(message)
 
     async def _checked(self, request: web.Request, route: Route, headers: CIMultiDict[str],
                        body: bytes, timing: Timing, send: Send) -> web.StreamResponse:
@@ -149,6 +161,63 @@ class A2aAdapter:
                        safe_to_retry=step.idempotent, send=send, as_tool=as_tool)
         return await self.calls.checked(call)
 
+    async def _task_read(self, request: web.Request, headers: CIMultiDict[str], body: bytes,
+                         timing: Timing, read: TaskRead, tracked: Tracked) -> web.StreamResponse:
+        """A read of a task a checked send started (tasks.py): relayed when its exit passed,
+        refused when it did not; while open, sent on and its answer read as the send's: still
+        open, relayed; final, the step's exit, checked; anything else refused (-31002), the exit
+        left pending."""
+        async with tracked.lock:
+            send = tracked.call.send
+            assert send is not None
+            call = replace(tracked.call, request=request, headers=headers, body=body,
+                           timing=timing, send=replace(send, rpc_id=read.rpc_id,
+                                                       method=read.method),
+                           read=read, out=None, forwarded=False, answer=None,
+                           safe_to_retry=False)
+            if tracked.checked:
+                if tracked.refused is not None:
+                    return await self.render(call, tracked.refused)
+                return await self.http.forward_unchecked(request, call.route, headers, body,
+                                                         timing, read_timeout_s=None)
+            call.forwarded = True
+            answer = await self.send(call)
+            unread = self._unread(call, answer)
+            if unread is not None:
+                return await self._read_refused(call, unread, retry=answer.unreachable
+                                                is not None)
+            if answer.open:
+                return await self._answer(call, answer)
+            return await self.calls.resumed(call, tracked.attempt, answer)
+
+    @staticmethod
+    def _unread(call: A2aCall, answer: A2aAnswer) -> str | None:
+        """Why a read's answer does not show the task (so it can neither be relayed nor be the
+        exit), None when it does."""
+        assert call.read is not None
+        result = answer.result
+        if answer.task_id is None:
+            return result.error or (f"the A2A agent answered {answer.status} without the task"
+                                    if answer.status != 200 else "the answer shows no task")
+        if answer.task_id != call.read.task_id:
+            return f"the answer shows another task ({answer.task_id[:100]!r})"
+        if result.error_kind not in (None, "tool"):
+            return result.error
+        return None
+
+    async def _read_refused(self, call: A2aCall, detail: str | None,
+                            retry: bool) -> web.StreamResponse:
+        assert call.read is not None
+        message = (f"stepguard: run {call.shown_run!r}, step {call.step.name!r}: the "
+                   f"{call.read.method} answer about task {call.read.task_id[:100]!r} cannot be "
+                   f"read to be checked ({detail}); the step's exit is still pending")
+        data = {"check": "request", "run": call.shown_run, "step": call.step.name,
+                "task_id": call.read.task_id}
+        if call.out is not None:
+            return await self._final_event(call, as_event(rpc_error(call.rpc_id, REQUEST_CODE,
+                                                                    message, data)), 200)
+        return error_response(call.rpc_id, REQUEST_CODE, message, data, retry=retry)
+
     async def _card(self, request: web.Request, route: Route, headers: CIMultiDict[str],
                     body: bytes, timing: Timing) -> web.StreamResponse:
         """The agent card, relayed unchanged; its skills noted, a change logged and counted."""
@@ -176,17 +245,34 @@ class A2aAdapter:
 
     async def send(self, call: A2aCall) -> A2aAnswer:
         answer = await self.upstream.attempt(call, time.perf_counter())
+        output = answer.result.output
+        task_id = output.get("taskId") if isinstance(output, dict) else None
+        answer.task_id = task_id if isinstance(task_id, str) else None
+        answer.open = open_task(answer.result) is not None
         if call.as_tool:
             answer.result = tool_view(answer.result)
         return answer
 
     def extra(self, call: A2aCall) -> dict[str, Any] | None:
-        send = call.send
-        return {"rpc_id": call.rpc_id, "skill": send.skill if send is not None else None}
+        send, read = call.send, call.read
+        extra = {"rpc_id": call.rpc_id, "skill": send.skill if send is not None else None}
+        if read is not None:
+            extra |= {"task_id": read.task_id, "read": read.method}
+        return extra
 
     async def pause(self, call: A2aCall, answer: A2aAnswer,
                     attempt: int) -> web.StreamResponse | None:
-        return None
+        """A send that left its task open: its exit waits for a read of the task showing it
+        final (tasks.py); the answer is relayed as it is."""
+        if not answer.open or answer.task_id is None:
+            return None
+        self._forgotten(self.tasks.opened(call, answer.task_id, attempt))
+        return await self._answer(call, answer)
+
+    def _forgotten(self, tasks: list[Tracked]) -> None:
+        for tracked in tasks:
+            self.observer.log.warning("a2a_task_forgotten", workflow=tracked.call.contract.workflow,
+                                      step=tracked.call.step.name, upstream=tracked.call.route.upstream.name)
 
     def recording(self, call: A2aCall, answer: A2aAnswer) -> dict[str, Any] | None:
         return None      # a send's answer is never given again from the record
@@ -214,6 +300,11 @@ class A2aAdapter:
         await call.out.write(b": stepguard: the message is held for an operator's approval\n\n")
 
     async def relay(self, call: A2aCall, answer: Answer) -> web.StreamResponse:
+        if isinstance(answer, A2aAnswer) and answer.task_id is not None and not answer.open:
+            self._forgotten(self.tasks.checked(call, answer.task_id, None))
+        return await self._answer(call, answer)
+
+    async def _answer(self, call: A2aCall, answer: Answer) -> web.StreamResponse:
         if isinstance(answer, A2aAnswer) and answer.event:
             return await self._final_event(call, answer.body, answer.status or 200)
         if call.out is not None:
@@ -224,6 +315,10 @@ class A2aAdapter:
         return web.Response(status=answer.status, headers=answer.headers, body=answer.body)
 
     async def render(self, call: A2aCall, why: Stopped) -> web.StreamResponse:
+        answer = call.answer
+        if isinstance(why, Violated) and isinstance(answer, A2aAnswer) \
+                and answer.task_id is not None:
+            self._forgotten(self.tasks.checked(call, answer.task_id, why))
         refusal = refusal_for(call, why)
         if call.out is not None or (call.send is not None and call.send.streaming
                                     and call.forwarded):

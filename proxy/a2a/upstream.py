@@ -20,7 +20,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from stepguard.contracts.events import ToolResult
-from stepguard.proxy.a2a.wire import Send, StreamState, WireError, task_result
+from stepguard.proxy.a2a.wire import Send, StreamState, TaskRead, WireError, task_result
 from stepguard.proxy.core.bodies import BodyError, decode, parse_json
 from stepguard.proxy.core.boundaries import Boundaries
 from stepguard.proxy.core.calls import Answer, Call
@@ -49,6 +49,7 @@ class A2aCall(Call):
     send: Send | None = None
     out: ClientEnd | None = None     # the client's stream, once an event was relayed
     as_tool: bool = False            # read as a tool's call: its data in, its task's data out
+    read: TaskRead | None = None     # a read of the send's task, its exit (`send` answers as it)
 
     @property
     def rpc_id(self) -> Any:
@@ -78,6 +79,8 @@ class A2aAnswer(Answer):
     event that ends the send's stream."""
 
     event: bool = False
+    task_id: str | None = None       # the task the answer shows (adapter.py, tasks.py)
+    open: bool = False               # ... left in a state that is not final: its exit comes later
 
 
 class A2aUpstream:

@@ -27,16 +27,23 @@ from typing import Any, Final
 
 from stepguard.contracts.events import ToolResult
 
-__all__ = ["SEND_METHODS", "STREAM_METHODS", "Send", "StreamState", "message_input",
-           "send_of", "skills_of", "state_name", "task_result", "tool_view"]
+__all__ = ["SEND_METHODS", "STREAM_METHODS", "TASK_METHODS", "Send", "StreamState",
+           "TaskRead", "message_input", "open_task", "send_of", "skills_of", "state_name", "task_read_of",
+           "task_result", "tool_view"]
 
 SEND_METHODS: Final = frozenset({"SendMessage", "SendStreamingMessage", "message/send",
                                  "message/stream"})
 STREAM_METHODS: Final = frozenset({"SendStreamingMessage", "message/stream"})
-# every other A2A method (GetTask, CancelTask, SubscribeToTask, tasks/get, ...) is relayed as is
+# requests whose answer shows a task (its state, artifacts): read like a send's answer when the
+# task is one a checked send started (adapter.py); SubscribeToTask answers with an event stream
+READ_METHODS: Final = frozenset({"GetTask", "CancelTask", "tasks/get", "tasks/cancel"})
+SUBSCRIBE_METHODS: Final = frozenset({"SubscribeToTask", "tasks/resubscribe"})
+TASK_METHODS: Final = READ_METHODS | SUBSCRIBE_METHODS
+# every other A2A method (ListTasks, push notification configs, ...) is relayed as is
 TERMINAL: Final = frozenset({"completed", "failed", "canceled", "rejected"})
 INTERRUPTED: Final = frozenset({"input-required", "auth-required"})
 FAILED: Final = frozenset({"failed", "canceled", "rejected"})
+OPEN: Final = frozenset({"submitted", "working"}) | INTERRUPTED   # its exit comes later
 SKILL_KEYS: Final = ("skill", "skillId")
 
 
@@ -58,7 +65,7 @@ class Send:
 
     @property
     def streaming(self) -> bool:
-        return self.method in STREAM_METHODS
+        return self.method in STREAM_METHODS or self.method in SUBSCRIBE_METHODS
 
     @property
     def data(self) -> dict[str, Any]:
@@ -89,6 +96,28 @@ def send_of(message: Any) -> Send | None:
     data["skill"] = skill
     arguments = {**data["data"], "contextId": data["contextId"], "taskId": data["taskId"]}
     return Send(message.get("id"), str(message["method"]), skill, data, arguments)
+
+
+@dataclass(frozen=True, slots=True)
+class TaskRead:
+    """A request about one task (`GetTask`, `CancelTask`, `SubscribeToTask`, 0.3's `tasks/*`):
+    its JSON-RPC id and method, and the task's id."""
+
+    rpc_id: Any
+    method: str
+    task_id: str
+
+
+def task_read_of(message: Any) -> TaskRead | None:
+    """The task read a JSON-RPC request is, None for any other request; one whose task id
+    cannot be read raises WireError."""
+    if not isinstance(message, dict) or message.get("method") not in TASK_METHODS:
+        return None
+    params = message.get("params")
+    task_id = params.get("id") if isinstance(params, dict) else None
+    if not isinstance(task_id, str):
+        raise WireError(f"a {message['method']} request's params carry no task id string")
+    return TaskRead(message.get("id"), str(message["method"]), task_id)
 
 
 def _skill(holder: dict[str, Any]) -> str | None:
@@ -207,6 +236,18 @@ def task_result(result: Any, artifacts: list[dict[str, Any]] | None = None) -> T
     return _by_state(output, body.get("status"))
 
 
+def open_task(result: ToolResult) -> str | None:
+    """The id of the task a send's (or a task read's) answer left in a state that is not final
+    (working, input-required, ...): its exit is read later, from the task. None otherwise."""
+    output = result.output
+    if result.error_kind not in (None, "tool") or not isinstance(output, dict):
+        return None
+    task_id = output.get("taskId")
+    if output.get("state") not in OPEN or not isinstance(task_id, str):
+        return None
+    return task_id
+
+
 def tool_view(result: ToolResult) -> ToolResult:
     """A send's result as the tool call it executes gives it: the task's data (its artifacts'
     data parts, merged) as the output, its error (a failed task, ...) kept."""
@@ -237,6 +278,8 @@ def _kind_of(result: dict[str, Any]) -> tuple[str, dict[str, Any]]:
             return kind, result[kind]
     named = {"task": "task", "message": "message", "status-update": "statusUpdate",
              "artifact-update": "artifactUpdate"}.get(str(result.get("kind")))
+    if named is None and "kind" not in result and "id" in result and "status" in result:
+        named = "task"             # a task as 1.0 answers GetTask and CancelTask: unwrapped
     if named is None:
         raise WireError("the result is neither a task, a message, a status update nor an "
                         "artifact update")

@@ -113,9 +113,8 @@ async def test_a_final_event_that_fails_its_check_is_replaced_by_a_json_rpc_erro
     assert await p.status("r1") == "halted"
 
 
-@pytest.mark.parametrize("state", ["TASK_STATE_FAILED", "TASK_STATE_REJECTED",
-                                   "TASK_STATE_INPUT_REQUIRED"])
-async def test_a_task_that_does_not_complete_is_a_tool_error(
+@pytest.mark.parametrize("state", ["TASK_STATE_FAILED", "TASK_STATE_REJECTED"])
+async def test_a_task_that_ends_failed_or_rejected_is_a_tool_error(
         make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]], state: str) -> None:
     agent = await make_upstream(streaming(TASK, last=final(state)))
     p = await proxy(a2a_contract(agent.url))

@@ -1,0 +1,85 @@
+"""The tasks checked sends started, by agent and task id, so a later read of a task (`GetTask`,
+`CancelTask`, `SubscribeToTask`, 0.3's `tasks/get`, `tasks/cancel`, `tasks/resubscribe`) is
+read the way its send was.
+
+A send's answer names its task. Its entry in `Tasks` keeps the send's call (run, step, input)
+and what became of its exit:
+
+- open: the send ended with the task not final (submitted, working, input-required,
+  auth-required). The step's exit is pending: only its entry is stored, so the step is not
+  verified and steps `after` it are refused. Reads of the task are relayed while it stays open;
+  the first read that shows it final is the step's exit, checked as the send's final state is.
+- passed: the exit was checked and let through; reads of the task are relayed.
+- refused: the exit's violation; every read of the task is answered with it.
+
+At most `TASKS_KEPT` tasks are kept (the least recently stored forgotten first); a forgotten
+task's reads pass as those of a task no checked send started, and an open one forgotten leaves
+its step unverified (logged as `a2a_task_forgotten`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Final
+
+from stepguard.contracts.bounded import Bounded
+from stepguard.proxy.a2a.upstream import A2aCall
+from stepguard.proxy.core.calls import Violated
+from stepguard.proxy.core.routing import Route
+
+__all__ = ["TASKS_KEPT", "Tasks", "Tracked"]
+
+TASKS_KEPT: Final = 65_536
+
+Key = tuple[str, str, str]          # (workflow, upstream, task id)
+
+
+@dataclass(slots=True)
+class Tracked:
+    """One task a checked send started: the send's call and the attempt its exit is checked
+    as, and once checked, whether it passed (`refused` None) or the violation that stopped it."""
+
+    call: A2aCall
+    attempt: int
+    checked: bool = False
+    refused: Violated | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)   # one read of the task at a time
+
+
+class Tasks:
+    """The tasks of checked sends, bounded."""
+
+    def __init__(self, limit: int = TASKS_KEPT) -> None:
+        self._tasks: Bounded[Key, Tracked] = Bounded(limit)
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def get(self, route: Route, task_id: str) -> Tracked | None:
+        return self._tasks.get(_key(route, task_id))
+
+    def opened(self, call: A2aCall, task_id: str, attempt: int) -> list[Tracked]:
+        """The send `call` left task `task_id` open: its exit waits for a read showing it
+        final. Returns the open tasks forgotten to keep the bound."""
+        key = _key(call.route, task_id)
+        if self._tasks.get(key) is not None:
+            return []                  # a read that found it still open: kept as it was
+        gone = self._tasks.put(key, Tracked(call, attempt))
+        return [t for _, t in gone if not t.checked]
+
+    def checked(self, call: A2aCall, task_id: str, refused: Violated | None) -> list[Tracked]:
+        """The exit of the task's send (or of a read of it) was checked: passed or `refused`.
+        Returns the open tasks forgotten to keep the bound."""
+        key = _key(call.route, task_id)
+        tracked = self._tasks.get(key)
+        gone: list[tuple[Key, Tracked]] = []
+        if tracked is None:
+            tracked = Tracked(call, 1)
+            gone = self._tasks.put(key, tracked)
+        tracked.checked, tracked.refused = True, refused
+        return [t for _, t in gone if not t.checked]
+
+
+def _key(route: Route, task_id: str) -> Key:
+    return (route.contract.workflow, route.upstream.name, task_id)
