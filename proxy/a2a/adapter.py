@@ -41,6 +41,7 @@ from stepguard.proxy.a2a.rpc import REQUEST_CODE, as_event, error_response, refu
 from stepguard.proxy.a2a.tasks import Tasks, Tracked
 from stepguard.proxy.a2a.upstream import A2aAnswer, A2aCall, A2aUpstream
 from stepguard.proxy.a2a.wire import (
+    LIST_METHODS,
     Send,
     TaskRead,
     WireError,
@@ -103,6 +104,8 @@ class A2aAdapter:
             self.boundaries.call_refused(route, "unparseable", detail, None, TRAFFIC)
             return error_response(None, REQUEST_CODE, f"stepguard: the A2A request cannot be "
                                   f"read to be checked: {detail}", {"check": "request"})
+        if isinstance(send, str):
+            return await self._task_list(request, route, headers, body, timing, send)
         if isinstance(send, TaskRead):
             tracked = self.tasks.get(route, send.task_id)
             if tracked is not None:
@@ -113,18 +116,21 @@ class A2aAdapter:
                                                      read_timeout_s=None)
         return await self._checked(request, route, headers, body, timing, send)
 
-    def _send(self, request: web.Request, body: bytes) -> Send | TaskRead | None:
-        """The send this POST carries, or the read of a task, None for any other request; a body
-        that is not strict JSON, a batch with a send or a task read, or an unreadable send or
-        task read raises."""
+    def _send(self, request: web.Request, body: bytes) -> Send | TaskRead | str | None:
+        """The send this POST carries, the read of a task, or the method of a list of tasks
+        (str), None for any other request; a body that is not strict JSON, a batch with a send
+        or a task's read or list, or an unreadable send or task read raises."""
         raw = decode(body, request.headers.get("content-encoding"), self.settings.max_request_bytes)
         message = parse_json(raw, "request body", self.settings.max_json_depth,
                              charset_of(request.headers.get("content-type")), unique_keys=True)
         if isinstance(message, list):
-            if any(send_of(m) is not None or task_read_of(m) is not None for m in message):
-                raise WireError("a JSON-RPC batch holds a send or a task's read; send each "
-                                "message on its own")
+            if any(send_of(m) is not None or task_read_of(m) is not None or _lists(m)
+                   for m in message):
+                raise WireError("a JSON-RPC batch holds a send or a task's read or list; send "
+                                "each message on its own")
             return None
+        if _lists(message):
+            return str(message["method"])
         return send_of(message) or task_read_of(message)
 
     async def _checked(self, request: web.Request, route: Route, headers: CIMultiDict[str],
@@ -160,6 +166,22 @@ class A2aAdapter:
                        input=send.data if as_tool else send.input, key_drift=keyed,
                        safe_to_retry=step.idempotent, send=send, as_tool=as_tool)
         return await self.calls.checked(call)
+
+    async def _task_list(self, request: web.Request, route: Route, headers: CIMultiDict[str],
+                         body: bytes, timing: Timing, method: str) -> web.StreamResponse:
+        """A list of the agent's tasks: relayed, unless a task a checked send started is open or
+        was refused (the list could show its state and artifacts unchecked): then refused."""
+        task_id = self.tasks.unsettled(route)
+        if task_id is None:
+            return await self.http.forward_unchecked(request, route, headers, body, timing,
+                                                     read_timeout_s=None)
+        detail = (f"a {method} answer could show task {task_id[:100]!r} of agent "
+                  f"{route.upstream.name!r} unchecked: its exit is pending or was refused; "
+                  "read it with GetTask")
+        self.boundaries.call_refused(route, "unchecked_task", detail, None, TRAFFIC)
+        rpc_id = orjson.loads(body).get("id") if body else None
+        return error_response(rpc_id, REQUEST_CODE, f"stepguard: {detail}",
+                              {"check": "request", "task_id": task_id})
 
     async def _task_read(self, request: web.Request, headers: CIMultiDict[str], body: bytes,
                          timing: Timing, read: TaskRead, tracked: Tracked) -> web.StreamResponse:
@@ -213,6 +235,8 @@ class A2aAdapter:
                    f"read to be checked ({detail}); the step's exit is still pending")
         data = {"check": "request", "run": call.shown_run, "step": call.step.name,
                 "task_id": call.read.task_id}
+        self.boundaries.call_refused(call.route, "unchecked_task", message, call.step.name,
+                                     TRAFFIC, call.run_id)
         if call.out is not None:
             return await self._final_event(call, as_event(rpc_error(call.rpc_id, REQUEST_CODE,
                                                                     message, data)), 200)
@@ -320,6 +344,8 @@ class A2aAdapter:
                 and answer.task_id is not None:
             self._forgotten(self.tasks.checked(call, answer.task_id, why))
         refusal = refusal_for(call, why)
+        if call.read is not None:
+            refusal.data["task_id"] = call.read.task_id
         if call.out is not None or (call.send is not None and call.send.streaming
                                     and call.forwarded):
             return await self._final_event(call, refusal.event(call.rpc_id), 200)
@@ -338,6 +364,10 @@ class A2aAdapter:
         await call.out.write(event)
         await call.out.close()
         return call.out.out
+
+
+def _lists(message: Any) -> bool:
+    return isinstance(message, dict) and message.get("method") in LIST_METHODS
 
 
 def _as_event(call: A2aCall, answer: Answer) -> bytes:

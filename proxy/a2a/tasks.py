@@ -48,10 +48,12 @@ class Tracked:
 
 
 class Tasks:
-    """The tasks of checked sends, bounded."""
+    """The tasks of checked sends, bounded; with, per agent, those whose exit is open or was
+    refused (what a list of the agent's tasks could show unchecked)."""
 
     def __init__(self, limit: int = TASKS_KEPT) -> None:
         self._tasks: Bounded[Key, Tracked] = Bounded(limit)
+        self._unsettled: dict[tuple[str, str], set[str]] = {}
 
     def __len__(self) -> int:
         return len(self._tasks)
@@ -59,26 +61,46 @@ class Tasks:
     def get(self, route: Route, task_id: str) -> Tracked | None:
         return self._tasks.get(_key(route, task_id))
 
+    def unsettled(self, route: Route) -> str | None:
+        """A task of the route's agent whose exit is open or was refused, if any."""
+        held = self._unsettled.get(_key(route, "")[:2])
+        return next(iter(held)) if held else None
+
     def opened(self, call: A2aCall, task_id: str, attempt: int) -> list[Tracked]:
         """The send `call` left task `task_id` open: its exit waits for a read showing it
         final. Returns the open tasks forgotten to keep the bound."""
         key = _key(call.route, task_id)
         if self._tasks.get(key) is not None:
             return []                  # a read that found it still open: kept as it was
-        gone = self._tasks.put(key, Tracked(call, attempt))
-        return [t for _, t in gone if not t.checked]
+        return self._store(key, Tracked(call, attempt))
 
     def checked(self, call: A2aCall, task_id: str, refused: Violated | None) -> list[Tracked]:
         """The exit of the task's send (or of a read of it) was checked: passed or `refused`.
         Returns the open tasks forgotten to keep the bound."""
         key = _key(call.route, task_id)
         tracked = self._tasks.get(key)
-        gone: list[tuple[Key, Tracked]] = []
+        gone: list[Tracked] = []
         if tracked is None:
             tracked = Tracked(call, 1)
-            gone = self._tasks.put(key, tracked)
+            gone = self._store(key, tracked)
         tracked.checked, tracked.refused = True, refused
+        if refused is None:
+            self._settle(key)
+        return gone
+
+    def _store(self, key: Key, tracked: Tracked) -> list[Tracked]:
+        self._unsettled.setdefault(key[:2], set()).add(key[2])
+        gone = self._tasks.put(key, tracked)
+        for old, _ in gone:
+            self._settle(old)
         return [t for _, t in gone if not t.checked]
+
+    def _settle(self, key: Key) -> None:
+        held = self._unsettled.get(key[:2])
+        if held is not None:
+            held.discard(key[2])
+            if not held:
+                del self._unsettled[key[:2]]
 
 
 def _key(route: Route, task_id: str) -> Key:

@@ -27,7 +27,7 @@ from typing import Any, Final
 
 from stepguard.contracts.events import ToolResult
 
-__all__ = ["SEND_METHODS", "STREAM_METHODS", "TASK_METHODS", "Send", "StreamState",
+__all__ = ["LIST_METHODS", "SEND_METHODS", "STREAM_METHODS", "TASK_METHODS", "Send", "StreamState",
            "TaskRead", "message_input", "open_task", "send_of", "skills_of", "state_name", "task_read_of",
            "task_result", "tool_view"]
 
@@ -39,7 +39,9 @@ STREAM_METHODS: Final = frozenset({"SendStreamingMessage", "message/stream"})
 READ_METHODS: Final = frozenset({"GetTask", "CancelTask", "tasks/get", "tasks/cancel"})
 SUBSCRIBE_METHODS: Final = frozenset({"SubscribeToTask", "tasks/resubscribe"})
 TASK_METHODS: Final = READ_METHODS | SUBSCRIBE_METHODS
-# every other A2A method (ListTasks, push notification configs, ...) is relayed as is
+# lists tasks (their states, artifacts): refused while a checked send's task is open or refused
+LIST_METHODS: Final = frozenset({"ListTasks", "tasks/list"})
+# every other A2A method (push notification configs, the extended card, ...) is relayed as is
 TERMINAL: Final = frozenset({"completed", "failed", "canceled", "rejected"})
 INTERRUPTED: Final = frozenset({"input-required", "auth-required"})
 FAILED: Final = frozenset({"failed", "canceled", "rejected"})
@@ -265,9 +267,8 @@ def _by_state(output: dict[str, Any], status: Any) -> ToolResult:
     if state in FAILED:
         return ToolResult(200, output, error=f"the A2A task ended {state}"
                           + (f": {why[:300]}" if why else ""), error_kind="tool")
-    return ToolResult(200, output, error=f"the A2A task ended the call {state or 'in no state'}"
-                      ", not completed: stepguard checks a send's final state (a task left "
-                      "working, input-required or auth-required cannot be checked)",
+    return ToolResult(200, output, error=f"the A2A answer leaves the task {state or 'in no state'}"
+                      ": neither final nor a state it can be read final from later",
                       error_kind="tool")
 
 
