@@ -35,10 +35,11 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
+from stepguard.contracts.errors import StoreError
 from stepguard.contracts.runs import RunBook
 from stepguard.metrics.observer import Observer
 from stepguard.proxy.a2a.rpc import REQUEST_CODE, as_event, error_response, refusal_for, rpc_error
-from stepguard.proxy.a2a.tasks import Tasks, Tracked
+from stepguard.proxy.a2a.tasks import Tasks, Tracked, passed_key, task_key
 from stepguard.proxy.a2a.upstream import A2aAnswer, A2aCall, A2aUpstream
 from stepguard.proxy.a2a.wire import (
     LIST_METHODS,
@@ -110,6 +111,9 @@ class A2aAdapter:
             tracked = self.tasks.get(route, send.task_id)
             if tracked is not None:
                 return await self._task_read(request, headers, body, timing, send, tracked)
+            refused = await self._elsewhere(route, send)
+            if refused is not None:
+                return refused
             send = None
         if send is None:
             return await self.http.forward_unchecked(request, route, headers, body, timing,
@@ -182,6 +186,25 @@ class A2aAdapter:
         rpc_id = orjson.loads(body).get("id") if body else None
         return error_response(rpc_id, REQUEST_CODE, f"stepguard: {detail}",
                               {"check": "request", "task_id": task_id})
+
+    async def _elsewhere(self, route: Route, read: TaskRead) -> web.Response | None:
+        """A read of a task this process holds nothing of: refused when the store says a
+        checked send started it and its exit is open or was refused (another process saw the
+        send), else None (relayed)."""
+        store = self.calls.runs.store
+        try:
+            if await store.find_run(task_key(route, read.task_id)) is None \
+                    or await store.find_run(passed_key(route, read.task_id)) is not None:
+                return None
+            why, retry = "its exit is pending or was refused, and was checked by another " \
+                "stepguard process (or by this one before a restart)", False
+        except StoreError as exc:
+            self.observer.store_error("find", str(exc), workflow=route.contract.workflow)
+            why, retry = "the store could not be asked whether a checked send started it", True
+        detail = f"task {read.task_id[:100]!r} cannot be read to be checked here: {why}"
+        self.boundaries.call_refused(route, "unchecked_task", detail, None, TRAFFIC)
+        return error_response(read.rpc_id, REQUEST_CODE, f"stepguard: {detail}",
+                              {"check": "request", "task_id": read.task_id}, retry=retry)
 
     async def _task_read(self, request: web.Request, headers: CIMultiDict[str], body: bytes,
                          timing: Timing, read: TaskRead, tracked: Tracked) -> web.StreamResponse:
@@ -290,8 +313,20 @@ class A2aAdapter:
         final (tasks.py); the answer is relayed as it is."""
         if not answer.open or answer.task_id is None:
             return None
+        if self.tasks.get(call.route, answer.task_id) is None:   # a store failure: fail closed
+            await self.calls.runs.store.add_keys(call.run_id, [task_key(call.route,
+                                                                        answer.task_id)])
         self._forgotten(self.tasks.opened(call, answer.task_id, attempt))
         return await self._answer(call, answer)
+
+    async def _store_key(self, call: A2aCall, key: str) -> None:
+        """A task's key stored once the answer is decided (a store failure is logged: another
+        process then refuses the task's reads, or relays a refused one's)."""
+        try:
+            await self.calls.runs.store.add_keys(call.run_id, [key])
+        except StoreError as exc:
+            self.observer.store_error("add_keys", str(exc), run_id=call.run_id,
+                                      workflow=call.contract.workflow, step=call.step.name)
 
     def _forgotten(self, tasks: list[Tracked]) -> None:
         for tracked in tasks:
@@ -325,7 +360,11 @@ class A2aAdapter:
 
     async def relay(self, call: A2aCall, answer: Answer) -> web.StreamResponse:
         if isinstance(answer, A2aAnswer) and answer.task_id is not None and not answer.open:
+            tracked = self.tasks.get(call.route, answer.task_id)
+            was_open = tracked is not None and not tracked.checked
             self._forgotten(self.tasks.checked(call, answer.task_id, None))
+            if was_open:
+                await self._store_key(call, passed_key(call.route, answer.task_id))
         return await self._answer(call, answer)
 
     async def _answer(self, call: A2aCall, answer: Answer) -> web.StreamResponse:
@@ -343,6 +382,7 @@ class A2aAdapter:
         if isinstance(why, Violated) and isinstance(answer, A2aAnswer) \
                 and answer.task_id is not None:
             self._forgotten(self.tasks.checked(call, answer.task_id, why))
+            await self._store_key(call, task_key(call.route, answer.task_id))
         refusal = refusal_for(call, why)
         if call.read is not None:
             refusal.data["task_id"] = call.read.task_id

@@ -12,9 +12,11 @@ and what became of its exit:
 - passed: the exit was checked and let through; reads of the task are relayed.
 - refused: the exit's violation; every read of the task is answered with it.
 
-At most `TASKS_KEPT` tasks are kept (the least recently stored forgotten first); a forgotten
-task's reads pass as those of a task no checked send started, and an open one forgotten leaves
-its step unverified (logged as `a2a_task_forgotten`).
+At most `TASKS_KEPT` tasks are kept in memory (the least recently stored forgotten first; an
+open one forgotten is logged as `a2a_task_forgotten`). An open or refused task is also stored
+as a correlation key of its run (`task_key`; `passed_key` once an open one passed): a read of a
+task this process does not hold (seen by another worker or replica, or forgotten, or before a
+restart) whose key names a run is refused, never relayed unchecked.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from stepguard.proxy.a2a.upstream import A2aCall
 from stepguard.proxy.core.calls import Violated
 from stepguard.proxy.core.routing import Route
 
-__all__ = ["TASKS_KEPT", "Tasks", "Tracked"]
+__all__ = ["TASKS_KEPT", "Tasks", "Tracked", "passed_key", "task_key"]
 
 TASKS_KEPT: Final = 65_536
 
@@ -101,6 +103,17 @@ class Tasks:
             held.discard(key[2])
             if not held:
                 del self._unsettled[key[:2]]
+
+
+def task_key(route: Route, task_id: str) -> str:
+    """The correlation key a task whose exit is open or was refused is stored with, so another
+    process (a worker, a replica, this one after a restart) refuses its reads."""
+    return f"a2atask:{route.contract.workflow}:{route.upstream.name}:{task_id}"
+
+
+def passed_key(route: Route, task_id: str) -> str:
+    """The key stored once an open task's exit passed: its reads pass anywhere."""
+    return f"a2atask-passed:{route.contract.workflow}:{route.upstream.name}:{task_id}"
 
 
 def _key(route: Route, task_id: str) -> Key:

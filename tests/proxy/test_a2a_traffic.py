@@ -328,3 +328,32 @@ async def test_a_read_of_a_task_no_checked_send_started_passes_through(
     relayed = await (await p.client.post(SEND, data=get_task("t9"))).json()
 
     assert relayed["result"]["artifacts"][0]["parts"] == [{"data": {"price": 0}}]
+
+
+async def test_a_read_of_an_open_task_a_stepguard_before_its_restart_saw_is_refused(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    agent = await make_upstream(answering(task("TASK_STATE_WORKING"),
+                                          task("TASK_STATE_COMPLETED", price=0)))
+    before = await proxy(a2a_contract(agent.url))
+    await before.client.post(SEND, data=orjson.dumps(send("SendMessage")), headers=RUN)
+    await before.close()
+    after = await proxy(a2a_contract(agent.url))          # the same store, nothing in memory
+    refused = await (await after.client.post(SEND, data=get_task())).json()
+
+    assert (refused["error"]["code"], refused["error"]["data"]["task_id"]) == (-31002, "t1")
+    assert "checked by another stepguard process" in refused["error"]["message"]
+
+
+async def test_a_read_of_a_task_whose_exit_passed_before_a_restart_is_relayed(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    agent = await make_upstream(answering(task("TASK_STATE_WORKING"),
+                                          task("TASK_STATE_COMPLETED", price=12.5),
+                                          task("TASK_STATE_COMPLETED", price=12.5)))
+    before = await proxy(a2a_contract(agent.url))
+    await before.client.post(SEND, data=orjson.dumps(send("SendMessage")), headers=RUN)
+    await before.client.post(SEND, data=get_task())         # the exit, checked: it passes
+    await before.close()
+    after = await proxy(a2a_contract(agent.url))
+    relayed = await (await after.client.post(SEND, data=get_task())).json()
+
+    assert relayed["result"]["artifacts"][0]["parts"] == [{"data": {"price": 12.5}}]
