@@ -5,21 +5,28 @@ step matched by skill (`match: {skill: NAME}`, with `upstream` when several agen
 the skill the message names in its metadata (`skill` or `skillId`, of the request or of the
 message), else the only skill of the agent's card as it last passed through. Its message is the
 entry boundary's input, the task's final state and artifacts the exit's output (`wire.py`). A
-failed, canceled or rejected task, a JSON-RPC error, a task left in a state that is not final,
-a transport failure or a timeout is a tool error. A send of a step that also matches a tool by
-name is read as that tool's call (`wire.py`: the message's data in, the task's data out), and
-one whose data parts are the arguments of a tool call a model issued, with no run header of its
-own, is that call (proxy/core/joining.py): one step of the model's run, its entry the one the
-model's answer stored, its exit checked at the task's final state. Every other request
-(`GetTask`, `CancelTask`, `SubscribeToTask`, `tasks/get`, the agent card, ...) passes through
-untouched.
+failed, canceled or rejected task, a JSON-RPC error, a transport failure or a timeout is a tool
+error. A send that leaves its task open (submitted, working, input-required, auth-required) is
+relayed with its step's exit pending (`pause`): the read of the task (`GetTask`, `CancelTask`,
+`SubscribeToTask`, 0.3's `tasks/*`) whose answer shows it final is the exit, checked on the
+call loop as the send's final state (`_task_read`, `tasks.py`); reads before it are relayed,
+reads after it relayed when it passed and refused with its violation when it did not. A send of
+a step that also matches a tool by name is read as that tool's call (`wire.py`: the message's
+data in, the task's data out), and one whose data parts are the arguments of a tool call a
+model issued, with no run header of its own, is that call (proxy/core/joining.py): one step of
+the model's run, its entry the one the model's answer stored, its exit checked at the task's
+final state. A read of a task no checked send started, and every other request (the agent card,
+push notification configs, ...), passes through untouched; a read of a task another process
+holds (its key in the store) is refused, and a list of tasks (`ListTasks`) is refused while a
+task of the agent is pending or refused.
 
 A violation is a JSON-RPC error answering the send's id (code -31000, details in `data`), as
 the JSON answer or as the event that ends the stream, so the `a2a-sdk` client raises. A stream
 is relayed event by event; only its final event is held until the exit check.
 
 Every POST body is parsed with `unique_keys`; one that is not strict JSON, a batch holding a
-send, or a send whose message cannot be read is refused (-31002), never passed unchecked.
+send or a task's read or list, a send whose message cannot be read, or a read whose answer does
+not show its task is refused (-31002), never passed unchecked.
 The agent card (`/.well-known/agent-card.json`) is relayed unchanged; one whose skills differ
 from the card this process relayed before for that agent is logged (`a2a_card_changed`) and
 counted (`stepguard_a2a_card_changes`), since a changed card can steer an agent's calls.

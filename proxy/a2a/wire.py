@@ -11,7 +11,9 @@ The entry input of a send: `text` (its text parts, joined by newlines), `data` (
 objects, merged in order), `files` (file parts' `name`, `media_type` and `url`; never their
 bytes), `parts` (each part so read, in order), `skill`, `contextId`, `taskId` and `metadata`.
 The exit output of a final task: `state`, and its artifacts read the same way (`text`, `data`,
-`files`, and `artifacts`, each with its `name`), with the task's `taskId` and `contextId`.
+`files`, and `artifacts`, each with its `name`), with the task's `taskId` and `contextId`. A
+task read later (`GetTask`, `CancelTask`: the task unwrapped; `SubscribeToTask`: a stream as a
+send's) is read the same way; `open_task` names a task left in a state that is not final.
 
 A send of a step that also matches a tool by name (a model's or an MCP tool: `match: [{tool:
 refund}, {skill: refund}]`) is read as that tool's call, so the step's conditions address every
