@@ -34,6 +34,7 @@ counted (`stepguard_a2a_card_changes`), since a changed card can steer an agent'
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import replace
 from typing import Any, Final
@@ -93,6 +94,7 @@ class A2aAdapter:
         self.calls = CallLoop(self, runs, boundaries, observer, settings)
         self.skills: dict[tuple[str, str], tuple[str, ...]] = {}   # (workflow, upstream) -> card's
         self.tasks = Tasks()
+        self.upstream.task_seen = self._task_seen
 
     def error(self, route: Route, status: int, title: str, detail: str) -> web.Response:
         body = rpc_error(None, REQUEST_CODE, f"stepguard: {title}: {detail}", {"title": title})
@@ -176,7 +178,16 @@ class A2aAdapter:
         call = A2aCall(route, step, keyed.run_id, request, headers, body, timing,
                        input=send.data if as_tool else send.input, key_drift=keyed,
                        safe_to_retry=step.idempotent, send=send, as_tool=as_tool)
-        return await self.calls.checked(call)
+        try:
+            return await self.calls.checked(call)
+        finally:
+            if call.task_seen is not None:
+                self.tasks.ended(call, call.task_seen)
+
+    def _task_seen(self, call: A2aCall, task_id: str) -> None:
+        """A send's stream named its task: reads of it wait for the send's outcome."""
+        if call.read is None:
+            self._forgotten(self.tasks.seen(call, task_id))
 
     async def _task_list(self, request: web.Request, route: Route, headers: CIMultiDict[str],
                          body: bytes, timing: Timing, method: str) -> web.StreamResponse:
@@ -217,30 +228,45 @@ class A2aAdapter:
                          timing: Timing, read: TaskRead, tracked: Tracked) -> web.StreamResponse:
         """A read of a task a checked send started (tasks.py): relayed when its exit passed,
         refused when it did not; while open, sent on and its answer read as the send's: still
-        open, relayed; final, the step's exit, checked; anything else refused (-31002), the exit
-        left pending."""
+        open, relayed; final, the step's exit, checked (one read at a time: a read that finds
+        the exit checked meanwhile answers by its outcome); anything else refused (-31002), the
+        exit left pending."""
+        send = tracked.call.send
+        assert send is not None
+        call = replace(tracked.call, request=request, headers=headers, body=body, timing=timing,
+                       send=replace(send, rpc_id=read.rpc_id, method=read.method), read=read,
+                       out=None, forwarded=False, answer=None, safe_to_retry=False,
+                       task_seen=None)
+        if not tracked.decided.is_set():     # its send is still streaming
+            try:
+                async with asyncio.timeout(call.step.timeout_s or call.route.upstream.timeout_s):
+                    await tracked.decided.wait()
+            except TimeoutError:
+                return await self._read_refused(call, "its send has not ended", retry=True)
+        if tracked.checked:
+            return await self._checked_read(call, tracked, None)
+        call.forwarded = True
+        answer = await self.send(call)
+        unread = self._unread(call, answer)
+        if unread is not None:
+            return await self._read_refused(call, unread, retry=answer.unreachable is not None)
+        if answer.open:
+            return await self._answer(call, answer)
         async with tracked.lock:
-            send = tracked.call.send
-            assert send is not None
-            call = replace(tracked.call, request=request, headers=headers, body=body,
-                           timing=timing, send=replace(send, rpc_id=read.rpc_id,
-                                                       method=read.method),
-                           read=read, out=None, forwarded=False, answer=None,
-                           safe_to_retry=False)
             if tracked.checked:
-                if tracked.refused is not None:
-                    return await self.render(call, tracked.refused)
-                return await self.http.forward_unchecked(request, call.route, headers, body,
-                                                         timing, read_timeout_s=None)
-            call.forwarded = True
-            answer = await self.send(call)
-            unread = self._unread(call, answer)
-            if unread is not None:
-                return await self._read_refused(call, unread, retry=answer.unreachable
-                                                is not None)
-            if answer.open:
-                return await self._answer(call, answer)
+                return await self._checked_read(call, tracked, answer)
             return await self.calls.resumed(call, tracked.attempt, answer)
+
+    async def _checked_read(self, call: A2aCall, tracked: Tracked,
+                            answer: A2aAnswer | None) -> web.StreamResponse:
+        """A read of a task whose exit was checked: refused with its violation, else relayed
+        (its answer, if it was read already: the task is final, as when its exit passed)."""
+        if tracked.refused is not None:
+            return await self.render(call, tracked.refused)
+        if answer is not None:
+            return await self._answer(call, answer)
+        return await self.http.forward_unchecked(call.request, call.route, call.headers,
+                                                 call.body, call.timing, read_timeout_s=None)
 
     @staticmethod
     def _unread(call: A2aCall, answer: A2aAnswer) -> str | None:
@@ -301,7 +327,8 @@ class A2aAdapter:
         answer = await self.upstream.attempt(call, time.perf_counter())
         output = answer.result.output
         task_id = output.get("taskId") if isinstance(output, dict) else None
-        answer.task_id = task_id if isinstance(task_id, str) else None
+        # a stream cut after it named its task: the client knows the task, so it is kept
+        answer.task_id = task_id if isinstance(task_id, str) else call.task_seen
         answer.open = open_task(answer.result) is not None
         if call.as_tool:
             answer.result = tool_view(answer.result)
@@ -320,10 +347,11 @@ class A2aAdapter:
         final (tasks.py); the answer is relayed as it is."""
         if not answer.open or answer.task_id is None:
             return None
-        if self.tasks.get(call.route, answer.task_id) is None:   # a store failure: fail closed
+        known = self.tasks.get(call.route, answer.task_id) is not None
+        self._forgotten(self.tasks.opened(call, answer.task_id, attempt))
+        if not known:      # a store failure withholds the answer; the task is kept in memory
             await self.calls.runs.store.add_keys(call.run_id, [task_key(call.route,
                                                                         answer.task_id)])
-        self._forgotten(self.tasks.opened(call, answer.task_id, attempt))
         return await self._answer(call, answer)
 
     async def _store_key(self, call: A2aCall, key: str) -> None:

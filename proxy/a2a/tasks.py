@@ -47,6 +47,10 @@ class Tracked:
     checked: bool = False
     refused: Violated | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)   # one read of the task at a time
+    decided: asyncio.Event = field(default_factory=asyncio.Event)   # its send has ended
+
+    def __post_init__(self) -> None:
+        self.decided.set()
 
 
 class Tasks:
@@ -68,12 +72,33 @@ class Tasks:
         held = self._unsettled.get(_key(route, "")[:2])
         return next(iter(held)) if held else None
 
+    def seen(self, call: A2aCall, task_id: str) -> list[Tracked]:
+        """The streamed send `call` named task `task_id` before it ended: reads of the task
+        wait until it has (`decided`). Returns the open tasks forgotten to keep the bound."""
+        key = _key(call.route, task_id)
+        if self._tasks.get(key) is not None:
+            return []
+        tracked = Tracked(call, 1)
+        tracked.decided.clear()
+        return self._store(key, tracked)
+
+    def ended(self, call: A2aCall, task_id: str) -> None:
+        """The send that named the task ended, whatever its outcome: a task it did not decide
+        (its answer withheld, its run stopped meanwhile) is open, its exit read later."""
+        tracked = self._tasks.get(_key(call.route, task_id))
+        if tracked is not None:
+            tracked.decided.set()
+
     def opened(self, call: A2aCall, task_id: str, attempt: int) -> list[Tracked]:
         """The send `call` left task `task_id` open: its exit waits for a read showing it
         final. Returns the open tasks forgotten to keep the bound."""
         key = _key(call.route, task_id)
-        if self._tasks.get(key) is not None:
-            return []                  # a read that found it still open: kept as it was
+        tracked = self._tasks.get(key)
+        if tracked is not None:        # named by its stream, or a read that found it open
+            if not tracked.decided.is_set():
+                tracked.attempt = attempt
+                tracked.decided.set()
+            return []
         return self._store(key, Tracked(call, attempt))
 
     def checked(self, call: A2aCall, task_id: str, refused: Violated | None) -> list[Tracked]:
@@ -86,6 +111,7 @@ class Tasks:
             tracked = Tracked(call, 1)
             gone = self._store(key, tracked)
         tracked.checked, tracked.refused = True, refused
+        tracked.decided.set()
         if refused is None:
             self._settle(key)
         return gone

@@ -295,6 +295,7 @@ class StreamState:
     joined), to read the final event's output from."""
 
     artifacts: dict[str, dict[str, Any]] = field(default_factory=dict)
+    task_id: str | None = None       # the task the stream's events name
 
     def final(self, result: Any) -> ToolResult | None:
         """The exit's result when the event with this `result` ends the send (a message, or a
@@ -303,6 +304,9 @@ class StreamState:
         if not isinstance(result, dict):
             raise WireError("an event's result is not an object")
         kind, body = _kind_of(result)
+        task_id = body.get("id") if kind == "task" else body.get("taskId")
+        if self.task_id is None and isinstance(task_id, str):
+            self.task_id = task_id
         if kind == "artifactUpdate":
             self._artifact(body)
             return None

@@ -357,3 +357,54 @@ async def test_a_read_of_a_task_whose_exit_passed_before_a_restart_is_relayed(
     relayed = await (await after.client.post(SEND, data=get_task())).json()
 
     assert relayed["result"]["artifacts"][0]["parts"] == [{"data": {"price": 12.5}}]
+
+
+async def test_a_task_whose_stream_was_cut_after_naming_it_is_refused_when_read(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    agent = await make_upstream(streaming(TASK, ARTIFACT))      # then the stream ends
+    p = await proxy(a2a_contract(agent.url))
+    cut = await (await p.client.post(SEND, data=orjson.dumps(send()), headers=RUN)).read()
+    refused = await (await p.client.post(SEND, data=get_task())).json()
+
+    assert (await events_of(cut))[-1]["error"]["data"]["check"] == "tool_error"
+    assert (refused["id"], refused["error"]["code"]) == ("g1", -31000), refused
+    assert (refused["error"]["data"]["check"], refused["error"]["data"]["task_id"]) == (
+        "tool_error", "t1")
+    assert agent.hits() == 1           # the read never reached the agent
+
+
+async def test_concurrent_reads_showing_the_task_final_check_its_exit_once(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    agent = await make_upstream(answering(task("TASK_STATE_WORKING"),
+                                          *[task("TASK_STATE_COMPLETED", price=12.5)] * 2))
+    p = await proxy(a2a_contract(agent.url))
+    await p.client.post(SEND, data=orjson.dumps(send("SendMessage")), headers=RUN)
+    reads = await asyncio.gather(*(p.client.post(SEND, data=get_task()) for _ in range(2)))
+    answers = [await r.json() for r in reads]
+
+    assert [a["result"]["status"]["state"] for a in answers] == ["TASK_STATE_COMPLETED"] * 2
+    assert [(e["boundary"], e["verdict"]) for e in await p.history("r1")] == [
+        ("entry", "pass"), ("exit", "pass")]
+
+
+async def test_a_read_while_the_sends_stream_is_open_waits_for_the_sends_outcome(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    released = asyncio.Event()
+    agent = await make_upstream(streaming(TASK, ARTIFACT, released=released))   # then cut
+    p = await proxy(a2a_contract(agent.url))
+    resp = await p.client.post(SEND, data=orjson.dumps(send()), headers=RUN)
+    got = b""
+    while b"artifactUpdate" not in got:         # the stream has named its task
+        got += await resp.content.readany()
+    read = asyncio.ensure_future(p.client.post(SEND, data=get_task()))
+    # a negative: nothing marks a read that is held, so it is given half a second to go wrong
+    await asyncio.wait({read}, timeout=0.5)
+    held = (read.done(), agent.hits())
+    released.set()
+    await resp.read()
+    refused = await (await read).json()
+
+    assert held == (False, 1)                 # held at stepguard, not sent on
+    assert (refused["error"]["code"], refused["error"]["data"]["check"]) == (-31000,
+                                                                             "tool_error")
+    assert agent.hits() == 1                  # the read never reached the agent
