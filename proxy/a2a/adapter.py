@@ -50,13 +50,14 @@ from stepguard.proxy.a2a.rpc import REQUEST_CODE, as_event, error_response, refu
 from stepguard.proxy.a2a.tasks import Tasks, Tracked, passed_key, task_key
 from stepguard.proxy.a2a.upstream import A2aAnswer, A2aCall, A2aUpstream
 from stepguard.proxy.a2a.wire import (
-    LIST_METHODS,
     Send,
+    TaskList,
     TaskRead,
     WireError,
     open_task,
     send_of,
     skills_of,
+    task_list_of,
     task_read_of,
     tool_view,
 )
@@ -114,7 +115,7 @@ class A2aAdapter:
             self.boundaries.call_refused(route, "unparseable", detail, None, TRAFFIC)
             return error_response(None, REQUEST_CODE, f"stepguard: the A2A request cannot be "
                                   f"read to be checked: {detail}", {"check": "request"})
-        if isinstance(send, str):
+        if isinstance(send, TaskList):
             return await self._task_list(request, route, headers, body, timing, send)
         if isinstance(send, TaskRead):
             tracked = self.tasks.get(route, send.task_id)
@@ -129,22 +130,20 @@ class A2aAdapter:
                                                      read_timeout_s=None)
         return await self._checked(request, route, headers, body, timing, send)
 
-    def _send(self, request: web.Request, body: bytes) -> Send | TaskRead | str | None:
-        """The send this POST carries, the read of a task, or the method of a list of tasks
-        (str), None for any other request; a body that is not strict JSON, a batch with a send
-        or a task's read or list, or an unreadable send or task read raises."""
+    def _send(self, request: web.Request, body: bytes) -> Send | TaskRead | TaskList | None:
+        """The send this POST carries, the read of a task, or a list of tasks, None for any
+        other request; a body that is not strict JSON, a batch with a send or a task's read or
+        list, or an unreadable send or task read raises."""
         raw = decode(body, request.headers.get("content-encoding"), self.settings.max_request_bytes)
         message = parse_json(raw, "request body", self.settings.max_json_depth,
                              charset_of(request.headers.get("content-type")), unique_keys=True)
         if isinstance(message, list):
-            if any(send_of(m) is not None or task_read_of(m) is not None or _lists(m)
-                   for m in message):
+            if any(send_of(m) is not None or task_read_of(m) is not None
+                   or task_list_of(m) is not None for m in message):
                 raise WireError("a JSON-RPC batch holds a send or a task's read or list; send "
                                 "each message on its own")
             return None
-        if _lists(message):
-            return str(message["method"])
-        return send_of(message) or task_read_of(message)
+        return send_of(message) or task_read_of(message) or task_list_of(message)
 
     async def _checked(self, request: web.Request, route: Route, headers: CIMultiDict[str],
                        body: bytes, timing: Timing, send: Send) -> web.StreamResponse:
@@ -190,19 +189,18 @@ class A2aAdapter:
             self._forgotten(self.tasks.seen(call, task_id))
 
     async def _task_list(self, request: web.Request, route: Route, headers: CIMultiDict[str],
-                         body: bytes, timing: Timing, method: str) -> web.StreamResponse:
+                         body: bytes, timing: Timing, listed: TaskList) -> web.StreamResponse:
         """A list of the agent's tasks: relayed, unless a task a checked send started is open or
         was refused (the list could show its state and artifacts unchecked): then refused."""
         task_id = self.tasks.unsettled(route)
         if task_id is None:
             return await self.http.forward_unchecked(request, route, headers, body, timing,
                                                      read_timeout_s=None)
-        detail = (f"a {method} answer could show task {task_id[:100]!r} of agent "
+        detail = (f"a {listed.method} answer could show task {task_id[:100]!r} of agent "
                   f"{route.upstream.name!r} unchecked: its exit is pending or was refused; "
                   "read it with GetTask")
         self.boundaries.call_refused(route, "unchecked_task", detail, None, TRAFFIC)
-        rpc_id = orjson.loads(body).get("id") if body else None
-        return error_response(rpc_id, REQUEST_CODE, f"stepguard: {detail}",
+        return error_response(listed.rpc_id, REQUEST_CODE, f"stepguard: {detail}",
                               {"check": "request", "task_id": task_id})
 
     async def _elsewhere(self, route: Route, read: TaskRead) -> web.Response | None:
@@ -439,10 +437,6 @@ class A2aAdapter:
         await call.out.write(event)
         await call.out.close()
         return call.out.out
-
-
-def _lists(message: Any) -> bool:
-    return isinstance(message, dict) and message.get("method") in LIST_METHODS
 
 
 def _as_event(call: A2aCall, answer: Answer) -> bytes:

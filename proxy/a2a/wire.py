@@ -29,9 +29,10 @@ from typing import Any, Final
 
 from stepguard.contracts.events import ToolResult
 
-__all__ = ["LIST_METHODS", "SEND_METHODS", "STREAM_METHODS", "TASK_METHODS", "Send", "StreamState",
-           "TaskRead", "message_input", "open_task", "send_of", "skills_of", "state_name", "task_read_of",
-           "task_result", "tool_view"]
+__all__ = ["LIST_METHODS", "SEND_METHODS", "STREAM_METHODS", "TASK_METHODS", "Send",
+           "StreamState", "TaskList", "TaskRead", "message_input", "open_task", "send_of",
+           "skills_of", "state_name", "task_list_of", "task_read_of", "task_result",
+           "tool_view"]
 
 SEND_METHODS: Final = frozenset({"SendMessage", "SendStreamingMessage", "message/send",
                                  "message/stream"})
@@ -110,6 +111,20 @@ class TaskRead:
     rpc_id: Any
     method: str
     task_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class TaskList:
+    """A request listing an agent's tasks (`ListTasks`, 0.3's `tasks/list`)."""
+
+    rpc_id: Any
+    method: str
+
+
+def task_list_of(message: Any) -> TaskList | None:
+    if not isinstance(message, dict) or message.get("method") not in LIST_METHODS:
+        return None
+    return TaskList(message.get("id"), str(message["method"]))
 
 
 def task_read_of(message: Any) -> TaskRead | None:
