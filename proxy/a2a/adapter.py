@@ -394,7 +394,8 @@ class A2aAdapter:
     async def relay(self, call: A2aCall, answer: Answer) -> web.StreamResponse:
         if isinstance(answer, A2aAnswer) and answer.task_id is not None and not answer.open:
             tracked = self.tasks.get(call.route, answer.task_id)
-            was_open = tracked is not None and not tracked.checked
+            # open since its send ended (a task key stored), not one a stream named just now
+            was_open = tracked is not None and not tracked.checked and tracked.decided.is_set()
             self._forgotten(self.tasks.checked(call, answer.task_id, None))
             if was_open:
                 await self._store_key(call, passed_key(call.route, answer.task_id))

@@ -408,3 +408,13 @@ async def test_a_read_while_the_sends_stream_is_open_waits_for_the_sends_outcome
     assert (refused["error"]["code"], refused["error"]["data"]["check"]) == (-31000,
                                                                              "tool_error")
     assert agent.hits() == 1                  # the read never reached the agent
+
+
+async def test_a_send_whose_task_ends_final_stores_no_task_key(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    agent = await make_upstream(streaming(TASK, ARTIFACT, last=final()))
+    p = await proxy(a2a_contract(agent.url))
+    await (await p.client.post(SEND, data=orjson.dumps(send()), headers=RUN)).read()
+
+    assert [e["boundary"] for e in await p.history("r1")] == ["entry", "exit"]
+    assert await p.sg.store.find_keys("a2atask") == []
