@@ -2,7 +2,8 @@
 sets `returnImmediately`) and the task read later with `GetTask` or `SubscribeToTask`: the read
 that shows the task final is the step's exit, checked as a send's final state is, before the
 agent has the task's artifacts. The real `a2a-sdk` client and server (the refund desk, whose
-tasks for a ticket stay working while the test holds them), stepguard between them."""
+tasks for a ticket stay working while the test holds them), stepguard between them; the clean
+read with 1.0's `GetTask` and with 0.3's `tasks/get` (a desk whose card gives 0.3)."""
 
 from __future__ import annotations
 
@@ -64,9 +65,10 @@ def data_of(task: Task) -> dict[str, Any]:
     return dict(get_data_parts(task.artifacts[-1].parts)[0])
 
 
+@pytest.mark.parametrize("protocol", ["1.0", "0.3"], ids=["GetTask", "tasks/get"])
 async def test_a_clean_task_read_final_by_get_task_passes_and_the_run_goes_on(
-        tmp_path: Path) -> None:
-    async with a2a_stack(tmp_path) as s, polling_agent(s.desk_url) as agent:
+        tmp_path: Path, protocol: str) -> None:
+    async with a2a_stack(tmp_path, protocol) as s, polling_agent(s.desk_url) as agent:
         gate = s.desk.hold("T-21")
         task = await started(agent, "lookup", "T-21")
         working = await agent.client.get_task(GetTaskRequest(id=task.id))
@@ -85,7 +87,8 @@ async def test_a_clean_task_read_final_by_get_task_passes_and_the_run_goes_on(
         assert [(e["step"], e["boundary"], e["verdict"]) for e in history] == [
             ("lookup", "entry", "pass"), ("lookup", "exit", "pass"),
             ("check_policy", "entry", "pass"), ("check_policy", "exit", "pass")]
-        assert (history[1]["read"], history[1]["task_id"]) == ("GetTask", task.id)
+        read = "GetTask" if protocol == "1.0" else "tasks/get"
+        assert (history[1]["read"], history[1]["task_id"]) == (read, task.id)
 
 
 async def test_a_drifting_artifact_read_by_get_task_is_refused_with_the_violation(
