@@ -76,6 +76,7 @@ __all__ = ["CARD_PATH", "A2aAdapter"]
 TRAFFIC: Final = "a2a"
 CARD_PATH: Final = "/.well-known/agent-card.json"
 MAX_CARD_BYTES: Final = 1024 * 1024
+LISTED_KEYS: Final = 64       # an agent's stored task keys a list of its tasks reads at most
 
 
 class A2aAdapter:
@@ -191,17 +192,33 @@ class A2aAdapter:
     async def _task_list(self, request: web.Request, route: Route, headers: CIMultiDict[str],
                          body: bytes, timing: Timing, listed: TaskList) -> web.StreamResponse:
         """A list of the agent's tasks: relayed, unless a task a checked send started is open or
-        was refused (the list could show its state and artifacts unchecked): then refused."""
-        task_id = self.tasks.unsettled(route)
+        was refused, here or in the store (the list could show it unchecked): then refused."""
+        try:
+            task_id = self.tasks.unsettled(route) or await self._unsettled_stored(route)
+            why = "its exit is pending or was refused; read it with GetTask"
+        except StoreError as exc:
+            self.observer.store_error("find", str(exc), workflow=route.contract.workflow)
+            task_id, why = "", "the store could not be asked which tasks are pending"
         if task_id is None:
             return await self.http.forward_unchecked(request, route, headers, body, timing,
                                                      read_timeout_s=None)
-        detail = (f"a {listed.method} answer could show task {task_id[:100]!r} of agent "
-                  f"{route.upstream.name!r} unchecked: its exit is pending or was refused; "
-                  "read it with GetTask")
+        named = f"task {task_id[:100]!r}" if task_id else "a task"
+        detail = (f"a {listed.method} answer could show {named} of agent "
+                  f"{route.upstream.name!r} unchecked: {why}")
         self.boundaries.call_refused(route, "unchecked_task", detail, None, TRAFFIC)
         return error_response(listed.rpc_id, REQUEST_CODE, f"stepguard: {detail}",
-                              {"check": "request", "task_id": task_id})
+                              {"check": "request", "task_id": task_id or None})
+
+    async def _unsettled_stored(self, route: Route) -> str | None:
+        """A task of the agent stored as open or refused (by any process) that has not passed
+        since; past `LISTED_KEYS` such keys, "" (too many to tell: refused)."""
+        store, prefix = self.calls.runs.store, task_key(route, "")
+        keys = await store.find_keys(prefix, LISTED_KEYS)
+        for key in keys:
+            task_id = key.removeprefix(prefix)
+            if await store.find_run(passed_key(route, task_id)) is None:
+                return task_id
+        return "" if len(keys) == LISTED_KEYS else None
 
     async def _elsewhere(self, route: Route, read: TaskRead) -> web.Response | None:
         """A read of a task this process holds nothing of: refused when the store says a

@@ -418,3 +418,16 @@ async def test_a_send_whose_task_ends_final_stores_no_task_key(
 
     assert [e["boundary"] for e in await p.history("r1")] == ["entry", "exit"]
     assert await p.sg.store.find_keys("a2atask") == []
+
+
+async def test_a_list_of_tasks_after_a_restart_is_refused_while_a_stored_task_is_open(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    agent = await make_upstream(answering(task("TASK_STATE_WORKING"), {"tasks": []}))
+    listing = orjson.dumps({"jsonrpc": "2.0", "id": "l1", "method": "ListTasks", "params": {}})
+    before = await proxy(a2a_contract(agent.url))
+    await before.client.post(SEND, data=orjson.dumps(send("SendMessage")), headers=RUN)
+    await before.close()
+    after = await proxy(a2a_contract(agent.url))
+    refused = await (await after.client.post(SEND, data=listing)).json()
+
+    assert (refused["error"]["code"], refused["error"]["data"]["task_id"]) == (-31002, "t1")
