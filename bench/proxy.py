@@ -497,15 +497,7 @@ def run(options: BenchOptions) -> dict[str, Any]:
     rows = {name: combine_rounds([r[name] for r in rounds]) for name in plan}
     for row in rows.values():
         _noise_notes(row)
-    for row in rows.values():
-        ref = rows.get(row.reference) if row.reference else None
-        if ref is None or row.status != "ok" or ref.status != "ok":
-            continue
-        row.added_p50_ms = _diff(row.p50_ms, ref.p50_ms)
-        row.added_p99_ms = _diff(row.p99_ms, ref.p99_ms)
-        row.ttfb_added_p50_ms = _diff(row.ttfb_p50_ms, ref.ttfb_p50_ms)
-        row.added_seq_p50_ms = _diff(row.seq_p50_ms, ref.seq_p50_ms)
-        row.ttfb_added_seq_p50_ms = _diff(row.seq_ttfb_p50_ms, ref.seq_ttfb_p50_ms)
+    _added_latency(rows)
 
     def rps(name: str) -> float | None:
         row = rows.get(name)
@@ -515,14 +507,7 @@ def run(options: BenchOptions) -> dict[str, Any]:
         row = rows.get(name)
         return row.cpu_s_per_1k if row is not None and row.status == "ok" else None
 
-    learn_append = None
-    if appends:
-        learn_append = {**appends[0], "rounds": len(appends),
-                        "cpu_ms": round(statistics.median(a["cpu_ms"] for a in appends), 4),
-                        "cpu_ms_rounds": [a["cpu_ms"] for a in appends],
-                        "cpu_ms_alone": round(statistics.median(a["cpu_ms_alone"]
-                                                                for a in appends), 4),
-                        "wall_us": round(statistics.median(a["wall_us"] for a in appends), 1)}
+    learn_append = _median_append(appends) if appends else None
     ratios = {"contract/passthrough": _ratio(rps("contract"), rps("passthrough")),
               # what tracing every call costs: throughput and CPU per call, traced / untraced
               "traced/contract rps": _ratio(rps("contract_traced"), rps("contract")),
@@ -549,6 +534,28 @@ def run(options: BenchOptions) -> dict[str, Any]:
                         # container with fewer, busy % describes the host
                         "proc_stat_cpus": _proc_stat_cpus(), "usable_cpus": usable_cpus()},
             "elapsed_s": round(time.perf_counter() - began, 1)}
+
+
+def _added_latency(rows: dict[str, Row]) -> None:
+    """Each row's latencies over its reference row's (the hop it adds to)."""
+    for row in rows.values():
+        ref = rows.get(row.reference) if row.reference else None
+        if ref is None or row.status != "ok" or ref.status != "ok":
+            continue
+        row.added_p50_ms = _diff(row.p50_ms, ref.p50_ms)
+        row.added_p99_ms = _diff(row.p99_ms, ref.p99_ms)
+        row.ttfb_added_p50_ms = _diff(row.ttfb_p50_ms, ref.ttfb_p50_ms)
+        row.added_seq_p50_ms = _diff(row.seq_p50_ms, ref.seq_p50_ms)
+        row.ttfb_added_seq_p50_ms = _diff(row.seq_ttfb_p50_ms, ref.seq_ttfb_p50_ms)
+
+
+def _median_append(appends: list[dict[str, Any]]) -> dict[str, Any]:
+    """The learn row's store append over the rounds: medians, and each round's CPU."""
+    return {**appends[0], "rounds": len(appends),
+            "cpu_ms": round(statistics.median(a["cpu_ms"] for a in appends), 4),
+            "cpu_ms_rounds": [a["cpu_ms"] for a in appends],
+            "cpu_ms_alone": round(statistics.median(a["cpu_ms_alone"] for a in appends), 4),
+            "wall_us": round(statistics.median(a["wall_us"] for a in appends), 1)}
 
 
 def _proc_stat_cpus() -> int | None:

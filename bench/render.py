@@ -91,6 +91,27 @@ def _fmt(value: Any, digits: int = 2) -> str:
     return str(value)
 
 
+def _render_micro(result: dict[str, Any]) -> list[str]:
+    """The boundary micro-benchmark's line and the learn row's store append's."""
+    lines: list[str] = []
+    micro = result.get("micro")
+    if micro:
+        lines += ["", f"boundary micro-benchmark ({micro['n']} pairs, {micro['body_bytes']} B "
+                      f"response): median {micro['median_us']:.1f} µs, p90 {micro['p90_us']:.1f} µs "
+                      f"per entry+exit pair (parse {micro['parse_median_us']:.1f}, checks "
+                      f"{micro['checks_median_us']:.1f}, events {micro['events_median_us']:.1f}, "
+                      f"SQLite {micro['store_median_us']:.1f})"]
+    appended = result.get("learn_append")
+    if appended:
+        lines += ["", f"learn store append ({appended['n']} appends of the {appended['event_bytes']} B "
+                      f"event the learn row stores, {appended['concurrency']} at once, median of "
+                      f"{appended['rounds']} round(s)): {appended['cpu_ms']:.4f} ms CPU per append "
+                      f"({', '.join(f'{c:.4f}' for c in appended['cpu_ms_rounds'])}), "
+                      f"{appended['wall_us']:.1f} µs elapsed; one at a time "
+                      f"{appended['cpu_ms_alone']:.4f} ms"]
+    return lines
+
+
 def render(result: dict[str, Any]) -> str:
     if "wal_soak" in result:
         return render_wal_soak(result)
@@ -139,21 +160,7 @@ def render(result: dict[str, Any]) -> str:
         lines += ["", render_bounds(result["bounds"])]
     lines += ["", "ratios:"]
     lines += [f"  {name:<30} {_fmt(value, 3)}" for name, value in result["ratios"].items()]
-    micro = result.get("micro")
-    if micro:
-        lines += ["", f"boundary micro-benchmark ({micro['n']} pairs, {micro['body_bytes']} B "
-                      f"response): median {micro['median_us']:.1f} µs, p90 {micro['p90_us']:.1f} µs "
-                      f"per entry+exit pair (parse {micro['parse_median_us']:.1f}, checks "
-                      f"{micro['checks_median_us']:.1f}, events {micro['events_median_us']:.1f}, "
-                      f"SQLite {micro['store_median_us']:.1f})"]
-    appended = result.get("learn_append")
-    if appended:
-        lines += ["", f"learn store append ({appended['n']} appends of the {appended['event_bytes']} B "
-                      f"event the learn row stores, {appended['concurrency']} at once, median of "
-                      f"{appended['rounds']} round(s)): {appended['cpu_ms']:.4f} ms CPU per append "
-                      f"({', '.join(f'{c:.4f}' for c in appended['cpu_ms_rounds'])}), "
-                      f"{appended['wall_us']:.1f} µs elapsed; one at a time "
-                      f"{appended['cpu_ms_alone']:.4f} ms"]
+    lines += _render_micro(result)
     workers = render_workers(result)
     if workers:
         lines += ["", *workers]

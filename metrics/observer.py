@@ -45,6 +45,8 @@ REFUSAL_REASONS = frozenset({
     "several_runs",     # a model conversation carrying tool calls of several runs
     "unclassified",     # a model answer holding a tool call of a shape stepguard cannot read
     "unchecked_result",  # a tool result for a call whose model turn failed before its check
+    "unchecked_task",   # an A2A answer about a task whose exit is pending or refused that
+                        # cannot be read to be checked (ListTasks, an unreadable GetTask answer)
     "arguments_elsewhere",  # shared store: a tool result whose redacted arguments only the
                             # replica that saw the model's response holds whole
 })

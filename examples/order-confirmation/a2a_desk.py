@@ -14,6 +14,7 @@ mount (`http://127.0.0.1:8080/desk`), as an agent behind any gateway gives the g
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import threading
 from collections.abc import Iterator
@@ -71,10 +72,21 @@ class A2aDesk:
     public_url: str = "http://127.0.0.1:9"      # the address its card gives: stepguard's mount
     skills: tuple[str, ...] = SKILLS
     protocol: str = "1.0"      # the version its card gives: "0.3" has clients send message/send
+    gates: dict[str, threading.Event] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def drift(self, ticket: str, kind: str) -> None:
         self.drifts[ticket] = kind
+
+    def hold(self, ticket: str) -> threading.Event:
+        """The ticket's next tasks stay working until the returned event is set."""
+        gate = self.gates[ticket] = threading.Event()
+        return gate
+
+    async def gated(self, ticket: str) -> None:
+        gate = self.gates.get(ticket)
+        if gate is not None:
+            await asyncio.to_thread(gate.wait, 30)
 
     def skills_asked(self, ticket: str) -> list[str]:
         with self._lock:
@@ -123,6 +135,7 @@ class DeskExecutor(AgentExecutor):
             status=TaskStatus(state=TaskState.TASK_STATE_SUBMITTED), history=[message]))
         updater = TaskUpdater(event_queue, context.task_id, context.context_id)
         await updater.start_work()
+        await self.desk.gated(str(data.get("ticket_id")))
         if state == TaskState.TASK_STATE_FAILED:
             await updater.failed(new_text_message(answer["error"], context_id=context.context_id,
                                                   task_id=context.task_id, role=Role.ROLE_AGENT))

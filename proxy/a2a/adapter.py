@@ -5,21 +5,28 @@ step matched by skill (`match: {skill: NAME}`, with `upstream` when several agen
 the skill the message names in its metadata (`skill` or `skillId`, of the request or of the
 message), else the only skill of the agent's card as it last passed through. Its message is the
 entry boundary's input, the task's final state and artifacts the exit's output (`wire.py`). A
-failed, canceled or rejected task, a JSON-RPC error, a task left in a state that is not final,
-a transport failure or a timeout is a tool error. A send of a step that also matches a tool by
-name is read as that tool's call (`wire.py`: the message's data in, the task's data out), and
-one whose data parts are the arguments of a tool call a model issued, with no run header of its
-own, is that call (proxy/core/joining.py): one step of the model's run, its entry the one the
-model's answer stored, its exit checked at the task's final state. Every other request
-(`GetTask`, `CancelTask`, `SubscribeToTask`, `tasks/get`, the agent card, ...) passes through
-untouched.
+failed, canceled or rejected task, a JSON-RPC error, a transport failure or a timeout is a tool
+error. A send that leaves its task open (submitted, working, input-required, auth-required) is
+relayed with its step's exit pending (`pause`): the read of the task (`GetTask`, `CancelTask`,
+`SubscribeToTask`, 0.3's `tasks/*`) whose answer shows it final is the exit, checked on the
+call loop as the send's final state (`_task_read`, `tasks.py`); reads before it are relayed,
+reads after it relayed when it passed and refused with its violation when it did not. A send of
+a step that also matches a tool by name is read as that tool's call (`wire.py`: the message's
+data in, the task's data out), and one whose data parts are the arguments of a tool call a
+model issued, with no run header of its own, is that call (proxy/core/joining.py): one step of
+the model's run, its entry the one the model's answer stored, its exit checked at the task's
+final state. A read of a task no checked send started, and every other request (the agent card,
+push notification configs, ...), passes through untouched; a read of a task another process
+holds (its key in the store) is refused, and a list of tasks (`ListTasks`) is refused while a
+task of the agent is pending or refused.
 
 A violation is a JSON-RPC error answering the send's id (code -31000, details in `data`), as
 the JSON answer or as the event that ends the stream, so the `a2a-sdk` client raises. A stream
 is relayed event by event; only its final event is held until the exit check.
 
 Every POST body is parsed with `unique_keys`; one that is not strict JSON, a batch holding a
-send, or a send whose message cannot be read is refused (-31002), never passed unchecked.
+send or a task's read or list, a send whose message cannot be read, or a read whose answer does
+not show its task is refused (-31002), never passed unchecked.
 The agent card (`/.well-known/agent-card.json`) is relayed unchanged; one whose skills differ
 from the card this process relayed before for that agent is logged (`a2a_card_changed`) and
 counted (`stepguard_a2a_card_changes`), since a changed card can steer an agent's calls.
@@ -27,28 +34,36 @@ counted (`stepguard_a2a_card_changes`), since a changed card can steer an agent'
 
 from __future__ import annotations
 
+import asyncio
 import time
+from dataclasses import replace
 from typing import Any, Final
 
 import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
+from stepguard.contracts.errors import StoreError
 from stepguard.contracts.runs import RunBook
 from stepguard.metrics.observer import Observer
 from stepguard.proxy.a2a.rpc import refusal_for
+from stepguard.proxy.a2a.tasks import Tasks, Tracked, passed_key, task_key
 from stepguard.proxy.a2a.upstream import A2aAnswer, A2aCall, A2aUpstream
 from stepguard.proxy.a2a.wire import (
-    SEND_METHODS,
     Send,
+    TaskList,
+    TaskRead,
     WireError,
+    open_task,
     send_of,
     skills_of,
+    task_list_of,
+    task_read_of,
     tool_view,
 )
 from stepguard.proxy.core.bodies import BodyError, charset_of, decode, parse_json
 from stepguard.proxy.core.boundaries import Boundaries
-from stepguard.proxy.core.calls import Answer, CallLoop, Replayed, Stopped
+from stepguard.proxy.core.calls import Answer, CallLoop, Replayed, Stopped, Violated
 from stepguard.proxy.core.config import Settings
 from stepguard.proxy.core.correlation import NO_RUN_KEY, STORE
 from stepguard.proxy.core.forward import ClientEnd, Forwarder, Kept, Timing, end_to_end
@@ -59,6 +74,7 @@ from stepguard.proxy.core.jsonrpc import (
     answer_response,
     as_event,
     error_response,
+    rpc_error,
     titled_error,
 )
 from stepguard.proxy.core.routing import Route
@@ -69,6 +85,7 @@ __all__ = ["CARD_PATH", "A2aAdapter"]
 TRAFFIC: Final = "a2a"
 CARD_PATH: Final = "/.well-known/agent-card.json"
 MAX_CARD_BYTES: Final = 1024 * 1024
+LISTED_KEYS: Final = 64       # an agent's stored task keys a list of its tasks reads at most
 
 
 class A2aAdapter:
@@ -87,6 +104,8 @@ class A2aAdapter:
         self.upstream = A2aUpstream(forwarder, settings, boundaries)
         self.calls = CallLoop(self, runs, boundaries, observer, settings)
         self.skills: dict[tuple[str, str], tuple[str, ...]] = {}   # (workflow, upstream) -> card's
+        self.tasks = Tasks()
+        self.upstream.task_seen = self._task_seen
 
     def error(self, route: Route, status: int, title: str, detail: str) -> web.Response:
         return titled_error(status, title, detail)
@@ -105,22 +124,35 @@ class A2aAdapter:
             self.boundaries.call_refused(route, "unparseable", detail, None, TRAFFIC)
             return error_response(None, REQUEST_CODE, f"stepguard: the A2A request cannot be "
                                   f"read to be checked: {detail}", {"check": "request"})
+        if isinstance(send, TaskList):
+            return await self._task_list(request, route, headers, body, timing, send)
+        if isinstance(send, TaskRead):
+            tracked = self.tasks.get(route, send.task_id)
+            if tracked is not None:
+                return await self._task_read(request, headers, body, timing, send, tracked)
+            refused = await self._elsewhere(route, send)
+            if refused is not None:
+                return refused
+            send = None
         if send is None:
             return await self.http.forward_unchecked(request, route, headers, body, timing,
                                                      read_timeout_s=None)
         return await self._checked(request, route, headers, body, timing, send)
 
-    def _send(self, request: web.Request, body: bytes) -> Send | None:
-        """The send this POST carries, None for any other request; a body that is not strict
-        JSON, a batch with a send, or an unreadable send raises."""
+    def _send(self, request: web.Request, body: bytes) -> Send | TaskRead | TaskList | None:
+        """The send this POST carries, the read of a task, or a list of tasks, None for any
+        other request; a body that is not strict JSON, a batch with a send or a task's read or
+        list, or an unreadable send or task read raises."""
         raw = decode(body, request.headers.get("content-encoding"), self.settings.max_request_bytes)
         message = parse_json(raw, "request body", self.settings.max_json_depth,
                              charset_of(request.headers.get("content-type")), unique_keys=True)
         if isinstance(message, list):
-            if any(isinstance(m, dict) and m.get("method") in SEND_METHODS for m in message):
-                raise WireError("a JSON-RPC batch holds a send; send each message on its own")
+            if any(send_of(m) is not None or task_read_of(m) is not None
+                   or task_list_of(m) is not None for m in message):
+                raise WireError("a JSON-RPC batch holds a send or a task's read or list; send "
+                                "each message on its own")
             return None
-        return send_of(message)
+        return send_of(message) or task_read_of(message) or task_list_of(message)
 
     async def _checked(self, request: web.Request, route: Route, headers: CIMultiDict[str],
                        body: bytes, timing: Timing, send: Send) -> web.StreamResponse:
@@ -164,7 +196,140 @@ class A2aAdapter:
         call = A2aCall(route, step, keyed.run_id, request, headers, body, timing,
                        input=send.data if as_tool else send.input, key_drift=keyed,
                        safe_to_retry=step.idempotent, send=send, as_tool=as_tool)
-        return await self.calls.checked(call)
+        try:
+            return await self.calls.checked(call)
+        finally:
+            if call.task_seen is not None:
+                self.tasks.ended(call, call.task_seen)
+
+    def _task_seen(self, call: A2aCall, task_id: str) -> None:
+        """A send's stream named its task: reads of it wait for the send's outcome."""
+        if call.read is None:
+            self._forgotten(self.tasks.seen(call, task_id))
+
+    async def _task_list(self, request: web.Request, route: Route, headers: CIMultiDict[str],
+                         body: bytes, timing: Timing, listed: TaskList) -> web.StreamResponse:
+        """A list of the agent's tasks: relayed, unless a task a checked send started is open or
+        was refused, here or in the store (the list could show it unchecked): then refused."""
+        try:
+            task_id = self.tasks.unsettled(route) or await self._unsettled_stored(route)
+            why = "its exit is pending or was refused; read it with GetTask"
+        except StoreError as exc:
+            self.observer.store_error("find", str(exc), workflow=route.contract.workflow)
+            task_id, why = "", "the store could not be asked which tasks are pending"
+        if task_id is None:
+            return await self.http.forward_unchecked(request, route, headers, body, timing,
+                                                     read_timeout_s=None)
+        named = f"task {task_id[:100]!r}" if task_id else "a task"
+        detail = (f"a {listed.method} answer could show {named} of agent "
+                  f"{route.upstream.name!r} unchecked: {why}")
+        self.boundaries.call_refused(route, "unchecked_task", detail, None, TRAFFIC)
+        return error_response(listed.rpc_id, REQUEST_CODE, f"stepguard: {detail}",
+                              {"check": "request", "task_id": task_id or None})
+
+    async def _unsettled_stored(self, route: Route) -> str | None:
+        """A task of the agent stored as open or refused (by any process) that has not passed
+        since; past `LISTED_KEYS` such keys, "" (too many to tell: refused)."""
+        store, prefix = self.calls.runs.store, task_key(route, "")
+        keys = await store.find_keys(prefix, LISTED_KEYS)
+        for key in keys:
+            task_id = key.removeprefix(prefix)
+            if await store.find_run(passed_key(route, task_id)) is None:
+                return task_id
+        return "" if len(keys) == LISTED_KEYS else None
+
+    async def _elsewhere(self, route: Route, read: TaskRead) -> web.Response | None:
+        """A read of a task this process holds nothing of: refused when the store says a
+        checked send started it and its exit is open or was refused (another process saw the
+        send), else None (relayed)."""
+        store = self.calls.runs.store
+        try:
+            if await store.find_run(task_key(route, read.task_id)) is None \
+                    or await store.find_run(passed_key(route, read.task_id)) is not None:
+                return None
+            why, retry = "its exit is pending or was refused, and was checked by another " \
+                "stepguard process (or by this one before a restart)", False
+        except StoreError as exc:
+            self.observer.store_error("find", str(exc), workflow=route.contract.workflow)
+            why, retry = "the store could not be asked whether a checked send started it", True
+        detail = f"task {read.task_id[:100]!r} cannot be read to be checked here: {why}"
+        self.boundaries.call_refused(route, "unchecked_task", detail, None, TRAFFIC)
+        return error_response(read.rpc_id, REQUEST_CODE, f"stepguard: {detail}",
+                              {"check": "request", "task_id": read.task_id}, retry=retry)
+
+    async def _task_read(self, request: web.Request, headers: CIMultiDict[str], body: bytes,
+                         timing: Timing, read: TaskRead, tracked: Tracked) -> web.StreamResponse:
+        """A read of a task a checked send started (tasks.py): relayed when its exit passed,
+        refused when it did not; while open, sent on and its answer read as the send's: still
+        open, relayed; final, the step's exit, checked (one read at a time: a read that finds
+        the exit checked meanwhile answers by its outcome); anything else refused (-31002), the
+        exit left pending."""
+        send = tracked.call.send
+        assert send is not None
+        call = replace(tracked.call, request=request, headers=headers, body=body, timing=timing,
+                       send=replace(send, rpc_id=read.rpc_id, method=read.method), read=read,
+                       out=None, forwarded=False, answer=None, safe_to_retry=False,
+                       task_seen=None)
+        if not tracked.decided.is_set():     # its send is still streaming
+            try:
+                async with asyncio.timeout(call.step.timeout_s or call.route.upstream.timeout_s):
+                    await tracked.decided.wait()
+            except TimeoutError:
+                return await self._read_refused(call, "its send has not ended", retry=True)
+        if tracked.checked:
+            return await self._checked_read(call, tracked, None)
+        call.forwarded = True
+        answer = await self.send(call)
+        unread = self._unread(call, answer)
+        if unread is not None:
+            return await self._read_refused(call, unread, retry=answer.unreachable is not None)
+        if answer.open:
+            return await self._answer(call, answer)
+        async with tracked.lock:
+            if tracked.checked:
+                return await self._checked_read(call, tracked, answer)
+            return await self.calls.resumed(call, tracked.attempt, answer)
+
+    async def _checked_read(self, call: A2aCall, tracked: Tracked,
+                            answer: A2aAnswer | None) -> web.StreamResponse:
+        """A read of a task whose exit was checked: refused with its violation, else relayed
+        (its answer, if it was read already: the task is final, as when its exit passed)."""
+        if tracked.refused is not None:
+            return await self.render(call, tracked.refused)
+        if answer is not None:
+            return await self._answer(call, answer)
+        return await self.http.forward_unchecked(call.request, call.route, call.headers,
+                                                 call.body, call.timing, read_timeout_s=None)
+
+    @staticmethod
+    def _unread(call: A2aCall, answer: A2aAnswer) -> str | None:
+        """Why a read's answer does not show the task (so it can neither be relayed nor be the
+        exit), None when it does."""
+        assert call.read is not None
+        result = answer.result
+        if answer.task_id is None:
+            return result.error or (f"the A2A agent answered {answer.status} without the task"
+                                    if answer.status != 200 else "the answer shows no task")
+        if answer.task_id != call.read.task_id:
+            return f"the answer shows another task ({answer.task_id[:100]!r})"
+        if result.error_kind not in (None, "tool"):
+            return result.error
+        return None
+
+    async def _read_refused(self, call: A2aCall, detail: str | None,
+                            retry: bool) -> web.StreamResponse:
+        assert call.read is not None
+        message = (f"stepguard: run {call.shown_run!r}, step {call.step.name!r}: the "
+                   f"{call.read.method} answer about task {call.read.task_id[:100]!r} cannot be "
+                   f"read to be checked ({detail}); the step's exit is still pending")
+        data = {"check": "request", "run": call.shown_run, "step": call.step.name,
+                "task_id": call.read.task_id}
+        self.boundaries.call_refused(call.route, "unchecked_task", message, call.step.name,
+                                     TRAFFIC, call.run_id)
+        if call.out is not None:
+            return await self._final_event(call, as_event(rpc_error(call.rpc_id, REQUEST_CODE,
+                                                                    message, data)), 200)
+        return error_response(call.rpc_id, REQUEST_CODE, message, data, retry=retry)
 
     async def _card(self, request: web.Request, route: Route, headers: CIMultiDict[str],
                     body: bytes, timing: Timing) -> web.StreamResponse:
@@ -193,17 +358,48 @@ class A2aAdapter:
 
     async def send(self, call: A2aCall) -> A2aAnswer:
         answer = await self.upstream.attempt(call, time.perf_counter())
+        output = answer.result.output
+        task_id = output.get("taskId") if isinstance(output, dict) else None
+        # a stream cut after it named its task: the client knows the task, so it is kept
+        answer.task_id = task_id if isinstance(task_id, str) else call.task_seen
+        answer.open = open_task(answer.result) is not None
         if call.as_tool:
             answer.result = tool_view(answer.result)
         return answer
 
     def extra(self, call: A2aCall) -> dict[str, Any] | None:
-        send = call.send
-        return {"rpc_id": call.rpc_id, "skill": send.skill if send is not None else None}
+        send, read = call.send, call.read
+        extra = {"rpc_id": call.rpc_id, "skill": send.skill if send is not None else None}
+        if read is not None:
+            extra |= {"task_id": read.task_id, "read": read.method}
+        return extra
 
     async def pause(self, call: A2aCall, answer: A2aAnswer,
                     attempt: int) -> web.StreamResponse | None:
-        return None
+        """A send that left its task open: its exit waits for a read of the task showing it
+        final (tasks.py); the answer is relayed as it is."""
+        if not answer.open or answer.task_id is None:
+            return None
+        known = self.tasks.get(call.route, answer.task_id) is not None
+        self._forgotten(self.tasks.opened(call, answer.task_id, attempt))
+        if not known:      # a store failure withholds the answer; the task is kept in memory
+            await self.calls.runs.store.add_keys(call.run_id, [task_key(call.route,
+                                                                        answer.task_id)])
+        return await self._answer(call, answer)
+
+    async def _store_key(self, call: A2aCall, key: str) -> None:
+        """A task's key stored once the answer is decided (a store failure is logged: another
+        process then refuses the task's reads, or relays a refused one's)."""
+        try:
+            await self.calls.runs.store.add_keys(call.run_id, [key])
+        except StoreError as exc:
+            self.observer.store_error("add_keys", str(exc), run_id=call.run_id,
+                                      workflow=call.contract.workflow, step=call.step.name)
+
+    def _forgotten(self, tasks: list[Tracked]) -> None:
+        for tracked in tasks:
+            self.observer.log.warning("a2a_task_forgotten", workflow=tracked.call.contract.workflow,
+                                      step=tracked.call.step.name, upstream=tracked.call.route.upstream.name)
 
     def recording(self, call: A2aCall, answer: A2aAnswer) -> dict[str, Any] | None:
         return None      # a send's answer is never given again from the record
@@ -231,6 +427,16 @@ class A2aAdapter:
         await call.out.write(b": stepguard: the message is held for an operator's approval\n\n")
 
     async def relay(self, call: A2aCall, answer: Answer) -> web.StreamResponse:
+        if isinstance(answer, A2aAnswer) and answer.task_id is not None and not answer.open:
+            tracked = self.tasks.get(call.route, answer.task_id)
+            # open since its send ended (a task key stored), not one a stream named just now
+            was_open = tracked is not None and not tracked.checked and tracked.decided.is_set()
+            self._forgotten(self.tasks.checked(call, answer.task_id, None))
+            if was_open:
+                await self._store_key(call, passed_key(call.route, answer.task_id))
+        return await self._answer(call, answer)
+
+    async def _answer(self, call: A2aCall, answer: Answer) -> web.StreamResponse:
         if isinstance(answer, A2aAnswer) and answer.event:
             return await self._final_event(call, answer.body, answer.status or 200)
         if call.out is not None:
@@ -238,7 +444,14 @@ class A2aAdapter:
         return answer_response(call.rpc_id, answer)
 
     async def render(self, call: A2aCall, why: Stopped) -> web.StreamResponse:
+        answer = call.answer
+        if isinstance(why, Violated) and isinstance(answer, A2aAnswer) \
+                and answer.task_id is not None:
+            self._forgotten(self.tasks.checked(call, answer.task_id, why))
+            await self._store_key(call, task_key(call.route, answer.task_id))
         refusal = refusal_for(call, why)
+        if call.read is not None:
+            refusal.data["task_id"] = call.read.task_id
         if call.out is not None or (call.send is not None and call.send.streaming
                                     and call.forwarded):
             return await self._final_event(call, as_event(refusal.error(call.rpc_id)), 200)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +21,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from stepguard.contracts.events import ToolResult
-from stepguard.proxy.a2a.wire import Send, StreamState, WireError, task_result
+from stepguard.proxy.a2a.wire import Send, StreamState, TaskRead, WireError, task_result
 from stepguard.proxy.core.bodies import BodyError, decode, parse_json
 from stepguard.proxy.core.boundaries import Boundaries
 from stepguard.proxy.core.calls import Answer, Call, unanswered
@@ -49,6 +50,8 @@ class A2aCall(Call):
     send: Send | None = None
     out: ClientEnd | None = None     # the client's stream, once an event was relayed
     as_tool: bool = False            # read as a tool's call: its data in, its task's data out
+    read: TaskRead | None = None     # a read of the send's task, its exit (`send` answers as it)
+    task_seen: str | None = None     # the task a streamed answer named so far
 
     @property
     def rpc_id(self) -> Any:
@@ -78,6 +81,8 @@ class A2aAnswer(Answer):
     event that ends the send's stream."""
 
     event: bool = False
+    task_id: str | None = None       # the task the answer shows (adapter.py, tasks.py)
+    open: bool = False               # ... left in a state that is not final: its exit comes later
 
 
 class A2aUpstream:
@@ -87,6 +92,7 @@ class A2aUpstream:
         self.forwarder = forwarder
         self.settings = settings
         self.boundaries = boundaries
+        self.task_seen: Callable[[A2aCall, str], None] = lambda call, task_id: None
 
     async def attempt(self, call: A2aCall, since: float) -> A2aAnswer:
         """One exchange, within the step's (or upstream's) timeout, the agent reached or else
@@ -160,10 +166,14 @@ class A2aUpstream:
             return ToolResult(None, error="an A2A event is not a JSON-RPC response to the send",
                               error_kind="transport")
         try:
-            return state.final(message["result"])
+            final = state.final(message["result"])
         except WireError as exc:
-            return ToolResult(None, error=f"an A2A event cannot be read: {exc}",
-                              error_kind="transport")
+            final = ToolResult(None, error=f"an A2A event cannot be read: {exc}",
+                               error_kind="transport")
+        if call.task_seen is None and state.task_id is not None:
+            call.task_seen = state.task_id
+            self.task_seen(call, state.task_id)
+        return final
 
     @staticmethod
     async def _out(call: A2aCall, status: int, headers: CIMultiDict[str]) -> ClientEnd:

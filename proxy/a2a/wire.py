@@ -11,7 +11,9 @@ The entry input of a send: `text` (its text parts, joined by newlines), `data` (
 objects, merged in order), `files` (file parts' `name`, `media_type` and `url`; never their
 bytes), `parts` (each part so read, in order), `skill`, `contextId`, `taskId` and `metadata`.
 The exit output of a final task: `state`, and its artifacts read the same way (`text`, `data`,
-`files`, and `artifacts`, each with its `name`), with the task's `taskId` and `contextId`.
+`files`, and `artifacts`, each with its `name`), with the task's `taskId` and `contextId`. A
+task read later (`GetTask`, `CancelTask`: the task unwrapped; `SubscribeToTask`: a stream as a
+send's) is read the same way; `open_task` names a task left in a state that is not final.
 
 A send of a step that also matches a tool by name (a model's or an MCP tool: `match: [{tool:
 refund}, {skill: refund}]`) is read as that tool's call, so the step's conditions address every
@@ -27,16 +29,26 @@ from typing import Any, Final
 
 from stepguard.contracts.events import ToolResult
 
-__all__ = ["SEND_METHODS", "STREAM_METHODS", "Send", "StreamState", "message_input",
-           "send_of", "skills_of", "state_name", "task_result", "tool_view"]
+__all__ = ["LIST_METHODS", "SEND_METHODS", "STREAM_METHODS", "TASK_METHODS", "Send",
+           "StreamState", "TaskList", "TaskRead", "message_input", "open_task", "send_of",
+           "skills_of", "state_name", "task_list_of", "task_read_of", "task_result",
+           "tool_view"]
 
 SEND_METHODS: Final = frozenset({"SendMessage", "SendStreamingMessage", "message/send",
                                  "message/stream"})
 STREAM_METHODS: Final = frozenset({"SendStreamingMessage", "message/stream"})
-# every other A2A method (GetTask, CancelTask, SubscribeToTask, tasks/get, ...) is relayed as is
+# requests whose answer shows a task (its state, artifacts): read like a send's answer when the
+# task is one a checked send started (adapter.py); SubscribeToTask answers with an event stream
+READ_METHODS: Final = frozenset({"GetTask", "CancelTask", "tasks/get", "tasks/cancel"})
+SUBSCRIBE_METHODS: Final = frozenset({"SubscribeToTask", "tasks/resubscribe"})
+TASK_METHODS: Final = READ_METHODS | SUBSCRIBE_METHODS
+# lists tasks (their states, artifacts): refused while a checked send's task is open or refused
+LIST_METHODS: Final = frozenset({"ListTasks", "tasks/list"})
+# every other A2A method (push notification configs, the extended card, ...) is relayed as is
 TERMINAL: Final = frozenset({"completed", "failed", "canceled", "rejected"})
 INTERRUPTED: Final = frozenset({"input-required", "auth-required"})
 FAILED: Final = frozenset({"failed", "canceled", "rejected"})
+OPEN: Final = frozenset({"submitted", "working"}) | INTERRUPTED   # its exit comes later
 SKILL_KEYS: Final = ("skill", "skillId")
 
 
@@ -58,7 +70,7 @@ class Send:
 
     @property
     def streaming(self) -> bool:
-        return self.method in STREAM_METHODS
+        return self.method in STREAM_METHODS or self.method in SUBSCRIBE_METHODS
 
     @property
     def data(self) -> dict[str, Any]:
@@ -89,6 +101,42 @@ def send_of(message: Any) -> Send | None:
     data["skill"] = skill
     arguments = {**data["data"], "contextId": data["contextId"], "taskId": data["taskId"]}
     return Send(message.get("id"), str(message["method"]), skill, data, arguments)
+
+
+@dataclass(frozen=True, slots=True)
+class TaskRead:
+    """A request about one task (`GetTask`, `CancelTask`, `SubscribeToTask`, 0.3's `tasks/*`):
+    its JSON-RPC id and method, and the task's id."""
+
+    rpc_id: Any
+    method: str
+    task_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class TaskList:
+    """A request listing an agent's tasks (`ListTasks`, 0.3's `tasks/list`)."""
+
+    rpc_id: Any
+    method: str
+
+
+def task_list_of(message: Any) -> TaskList | None:
+    if not isinstance(message, dict) or message.get("method") not in LIST_METHODS:
+        return None
+    return TaskList(message.get("id"), str(message["method"]))
+
+
+def task_read_of(message: Any) -> TaskRead | None:
+    """The task read a JSON-RPC request is, None for any other request; one whose task id
+    cannot be read raises WireError."""
+    if not isinstance(message, dict) or message.get("method") not in TASK_METHODS:
+        return None
+    params = message.get("params")
+    task_id = params.get("id") if isinstance(params, dict) else None
+    if not isinstance(task_id, str):
+        raise WireError(f"a {message['method']} request's params carry no task id string")
+    return TaskRead(message.get("id"), str(message["method"]), task_id)
 
 
 def _skill(holder: dict[str, Any]) -> str | None:
@@ -211,6 +259,18 @@ def task_result(result: Any, artifacts: list[dict[str, Any]] | None = None) -> T
     return _by_state(output, body.get("status"))
 
 
+def open_task(result: ToolResult) -> str | None:
+    """The id of the task a send's (or a task read's) answer left in a state that is not final
+    (working, input-required, ...): its exit is read later, from the task. None otherwise."""
+    output = result.output
+    if result.error_kind not in (None, "tool") or not isinstance(output, dict):
+        return None
+    task_id = output.get("taskId")
+    if output.get("state") not in OPEN or not isinstance(task_id, str):
+        return None
+    return task_id
+
+
 def tool_view(result: ToolResult) -> ToolResult:
     """A send's result as the tool call it executes gives it: the task's data (its artifacts'
     data parts, merged) as the output, its error (a failed task, ...) kept."""
@@ -228,9 +288,8 @@ def _by_state(output: dict[str, Any], status: Any) -> ToolResult:
     if state in FAILED:
         return ToolResult(200, output, error=f"the A2A task ended {state}"
                           + (f": {why[:300]}" if why else ""), error_kind="tool")
-    return ToolResult(200, output, error=f"the A2A task ended the call {state or 'in no state'}"
-                      ", not completed: stepguard checks a send's final state (a task left "
-                      "working, input-required or auth-required cannot be checked)",
+    return ToolResult(200, output, error=f"the A2A answer leaves the task {state or 'in no state'}"
+                      ": neither final nor a state it can be read final from later",
                       error_kind="tool")
 
 
@@ -241,6 +300,8 @@ def _kind_of(result: dict[str, Any]) -> tuple[str, dict[str, Any]]:
             return kind, result[kind]
     named = {"task": "task", "message": "message", "status-update": "statusUpdate",
              "artifact-update": "artifactUpdate"}.get(str(result.get("kind")))
+    if named is None and "kind" not in result and "id" in result and "status" in result:
+        named = "task"             # a task as 1.0 answers GetTask and CancelTask: unwrapped
     if named is None:
         raise WireError("the result is neither a task, a message, a status update nor an "
                         "artifact update")
@@ -253,6 +314,7 @@ class StreamState:
     joined), to read the final event's output from."""
 
     artifacts: dict[str, dict[str, Any]] = field(default_factory=dict)
+    task_id: str | None = None       # the task the stream's events name
 
     def final(self, result: Any) -> ToolResult | None:
         """The exit's result when the event with this `result` ends the send (a message, or a
@@ -261,6 +323,9 @@ class StreamState:
         if not isinstance(result, dict):
             raise WireError("an event's result is not an object")
         kind, body = _kind_of(result)
+        task_id = body.get("id") if kind == "task" else body.get("taskId")
+        if self.task_id is None and isinstance(task_id, str):
+            self.task_id = task_id
         if kind == "artifactUpdate":
             self._artifact(body)
             return None

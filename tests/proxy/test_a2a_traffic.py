@@ -113,9 +113,8 @@ async def test_a_final_event_that_fails_its_check_is_replaced_by_a_json_rpc_erro
     assert await p.status("r1") == "halted"
 
 
-@pytest.mark.parametrize("state", ["TASK_STATE_FAILED", "TASK_STATE_REJECTED",
-                                   "TASK_STATE_INPUT_REQUIRED"])
-async def test_a_task_that_does_not_complete_is_a_tool_error(
+@pytest.mark.parametrize("state", ["TASK_STATE_FAILED", "TASK_STATE_REJECTED"])
+async def test_a_task_that_ends_failed_or_rejected_is_a_tool_error(
         make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]], state: str) -> None:
     agent = await make_upstream(streaming(TASK, last=final(state)))
     p = await proxy(a2a_contract(agent.url))
@@ -196,3 +195,239 @@ async def test_get_task_and_cancel_task_pass_through_unchanged(
         assert resp.status == 200 and agent.last().body == body
 
     assert await p.history("r1") == []
+
+
+# -- tasks read later: a send that leaves its task open, its exit read from the task ---------
+
+
+def task(state: str, task_id: str = "t1", price: float | None = None) -> dict[str, Any]:
+    """A task as 1.0 answers GetTask (unwrapped), with a quote artifact if `price` is given."""
+    body: dict[str, Any] = {"id": task_id, "contextId": "c1", "status": {"state": state}}
+    if price is not None:
+        body["artifacts"] = [{"artifactId": "a1", "name": "quote",
+                              "parts": [{"data": {"price": price}}]}]
+    return body
+
+
+def answering(sent: dict[str, Any], *reads: dict[str, Any] | web.Response,
+              listed: bool = False) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """An agent answering a send with `sent` (JSON) and each later request with the next of
+    `reads` (a JSON-RPC result, or a response as it is)."""
+    later = list(reads)
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        message = await request.json()
+        if message["method"] in ("SendMessage", "message/send"):
+            result: Any = {"task": sent} if message["method"] == "SendMessage" else sent
+        else:
+            result = later.pop(0)
+            if isinstance(result, web.Response):
+                return result
+        return web.json_response({"jsonrpc": "2.0", "id": message["id"], "result": result})
+
+    return handle
+
+
+def get_task(task_id: str = "t1", method: str = "GetTask") -> bytes:
+    return orjson.dumps({"jsonrpc": "2.0", "id": "g1", "method": method,
+                         "params": {"id": task_id}})
+
+
+async def test_a_send_left_input_required_is_relayed_and_its_exit_stays_pending(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    agent = await make_upstream(streaming(TASK, last=final("TASK_STATE_INPUT_REQUIRED")))
+    p = await proxy(a2a_contract(agent.url))
+    resp = await p.client.post(SEND, data=orjson.dumps(send()), headers=RUN)
+
+    events = await events_of(await resp.read())
+    assert events[-1]["result"] == final("TASK_STATE_INPUT_REQUIRED")
+    assert [(e["boundary"], e["verdict"]) for e in await p.history("r1")] == [("entry", "pass")]
+    assert await p.status("r1") == "active"
+
+
+async def test_a_get_task_showing_the_task_final_is_the_exit(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    agent = await make_upstream(answering(task("TASK_STATE_WORKING"),
+                                          task("TASK_STATE_WORKING"),
+                                          task("TASK_STATE_COMPLETED", price=12.5)))
+    p = await proxy(a2a_contract(agent.url))
+    await p.client.post(SEND, data=orjson.dumps(send("SendMessage")), headers=RUN)
+    working = await (await p.client.post(SEND, data=get_task())).json()
+    final_ = await (await p.client.post(SEND, data=get_task())).json()
+
+    assert working["result"]["status"]["state"] == "TASK_STATE_WORKING"
+    assert final_["result"]["artifacts"][0]["parts"] == [{"data": {"price": 12.5}}]
+    history = await p.history("r1")
+    assert [(e["boundary"], e["verdict"]) for e in history] == [("entry", "pass"),
+                                                                 ("exit", "pass")]
+    assert (history[1]["read"], history[1]["rpc_id"]) == ("GetTask", "g1")
+
+
+async def test_a_0_3_tasks_get_showing_a_failing_artifact_is_refused_for_its_id(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    sent = {**task("working"), "kind": "task"}
+    agent = await make_upstream(answering(sent, {**task("completed", price=0), "kind": "task"}))
+    p = await proxy(a2a_contract(agent.url))
+    await p.client.post(SEND, data=orjson.dumps(send("message/send")), headers=RUN)
+    refused = await (await p.client.post(SEND, data=get_task(method="tasks/get"))).json()
+
+    assert refused["id"] == "g1" and refused["error"]["code"] == -31000
+    data = refused["error"]["data"]
+    assert (data["check"], data["boundary"], data["task_id"]) == ("postcondition", "exit", "t1")
+    assert await p.status("r1") == "halted"
+
+
+async def test_a_read_answering_another_task_is_refused_and_the_exit_stays_pending(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    agent = await make_upstream(answering(task("TASK_STATE_WORKING"),
+                                          task("TASK_STATE_COMPLETED", "t2", price=12.5)))
+    p = await proxy(a2a_contract(agent.url))
+    await p.client.post(SEND, data=orjson.dumps(send("SendMessage")), headers=RUN)
+    refused = await (await p.client.post(SEND, data=get_task())).json()
+
+    assert refused["error"]["code"] == -31002
+    assert "another task ('t2')" in refused["error"]["message"]
+    assert "run 'r1', step 'quote'" in refused["error"]["message"]
+    assert [e["boundary"] for e in await p.history("r1")] == ["entry"]
+
+
+async def test_an_unreadable_read_answer_is_refused_never_relayed(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    garbled = web.Response(body=b'{"jsonrpc": "2.0", "id": "g1", "result": {"id": "t1"',
+                           content_type="application/json")
+    agent = await make_upstream(answering(task("TASK_STATE_WORKING"), garbled))
+    p = await proxy(a2a_contract(agent.url))
+    await p.client.post(SEND, data=orjson.dumps(send("SendMessage")), headers=RUN)
+    refused = await (await p.client.post(SEND, data=get_task())).json()
+
+    assert (refused["error"]["code"], refused["error"]["data"]["task_id"]) == (-31002, "t1")
+
+
+async def test_a_list_of_tasks_is_refused_while_a_checked_sends_task_is_open(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    agent = await make_upstream(answering(task("TASK_STATE_WORKING"),
+                                          task("TASK_STATE_COMPLETED", price=12.5),
+                                          {"tasks": []}))
+    p = await proxy(a2a_contract(agent.url))
+    listing = orjson.dumps({"jsonrpc": "2.0", "id": "l1", "method": "ListTasks", "params": {}})
+    await p.client.post(SEND, data=orjson.dumps(send("SendMessage")), headers=RUN)
+    refused = await (await p.client.post(SEND, data=listing)).json()
+    await p.client.post(SEND, data=get_task())
+    listed = await (await p.client.post(SEND, data=listing)).json()
+
+    assert (refused["id"], refused["error"]["code"]) == ("l1", -31002)
+    assert refused["error"]["data"]["task_id"] == "t1"
+    assert listed["result"] == {"tasks": []}
+
+
+async def test_a_read_of_a_task_no_checked_send_started_passes_through(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    agent = await make_upstream(answering(task("TASK_STATE_WORKING"),
+                                          task("TASK_STATE_COMPLETED", "t9", price=0)))
+    p = await proxy(a2a_contract(agent.url))
+    relayed = await (await p.client.post(SEND, data=get_task("t9"))).json()
+
+    assert relayed["result"]["artifacts"][0]["parts"] == [{"data": {"price": 0}}]
+
+
+async def test_a_read_of_an_open_task_a_stepguard_before_its_restart_saw_is_refused(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    agent = await make_upstream(answering(task("TASK_STATE_WORKING"),
+                                          task("TASK_STATE_COMPLETED", price=0)))
+    before = await proxy(a2a_contract(agent.url))
+    await before.client.post(SEND, data=orjson.dumps(send("SendMessage")), headers=RUN)
+    await before.close()
+    after = await proxy(a2a_contract(agent.url))          # the same store, nothing in memory
+    refused = await (await after.client.post(SEND, data=get_task())).json()
+
+    assert (refused["error"]["code"], refused["error"]["data"]["task_id"]) == (-31002, "t1")
+    assert "checked by another stepguard process" in refused["error"]["message"]
+
+
+async def test_a_read_of_a_task_whose_exit_passed_before_a_restart_is_relayed(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    agent = await make_upstream(answering(task("TASK_STATE_WORKING"),
+                                          task("TASK_STATE_COMPLETED", price=12.5),
+                                          task("TASK_STATE_COMPLETED", price=12.5)))
+    before = await proxy(a2a_contract(agent.url))
+    await before.client.post(SEND, data=orjson.dumps(send("SendMessage")), headers=RUN)
+    await before.client.post(SEND, data=get_task())         # the exit, checked: it passes
+    await before.close()
+    after = await proxy(a2a_contract(agent.url))
+    relayed = await (await after.client.post(SEND, data=get_task())).json()
+
+    assert relayed["result"]["artifacts"][0]["parts"] == [{"data": {"price": 12.5}}]
+
+
+async def test_a_task_whose_stream_was_cut_after_naming_it_is_refused_when_read(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    agent = await make_upstream(streaming(TASK, ARTIFACT))      # then the stream ends
+    p = await proxy(a2a_contract(agent.url))
+    cut = await (await p.client.post(SEND, data=orjson.dumps(send()), headers=RUN)).read()
+    refused = await (await p.client.post(SEND, data=get_task())).json()
+
+    assert (await events_of(cut))[-1]["error"]["data"]["check"] == "tool_error"
+    assert (refused["id"], refused["error"]["code"]) == ("g1", -31000), refused
+    assert (refused["error"]["data"]["check"], refused["error"]["data"]["task_id"]) == (
+        "tool_error", "t1")
+    assert agent.hits() == 1           # the read never reached the agent
+
+
+async def test_concurrent_reads_showing_the_task_final_check_its_exit_once(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    agent = await make_upstream(answering(task("TASK_STATE_WORKING"),
+                                          *[task("TASK_STATE_COMPLETED", price=12.5)] * 2))
+    p = await proxy(a2a_contract(agent.url))
+    await p.client.post(SEND, data=orjson.dumps(send("SendMessage")), headers=RUN)
+    reads = await asyncio.gather(*(p.client.post(SEND, data=get_task()) for _ in range(2)))
+    answers = [await r.json() for r in reads]
+
+    assert [a["result"]["status"]["state"] for a in answers] == ["TASK_STATE_COMPLETED"] * 2
+    assert [(e["boundary"], e["verdict"]) for e in await p.history("r1")] == [
+        ("entry", "pass"), ("exit", "pass")]
+
+
+async def test_a_read_while_the_sends_stream_is_open_waits_for_the_sends_outcome(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    released = asyncio.Event()
+    agent = await make_upstream(streaming(TASK, ARTIFACT, released=released))   # then cut
+    p = await proxy(a2a_contract(agent.url))
+    resp = await p.client.post(SEND, data=orjson.dumps(send()), headers=RUN)
+    got = b""
+    while b"artifactUpdate" not in got:         # the stream has named its task
+        got += await resp.content.readany()
+    read = asyncio.ensure_future(p.client.post(SEND, data=get_task()))
+    # a negative: nothing marks a read that is held, so it is given half a second to go wrong
+    await asyncio.wait({read}, timeout=0.5)
+    held = (read.done(), agent.hits())
+    released.set()
+    await resp.read()
+    refused = await (await read).json()
+
+    assert held == (False, 1)                 # held at stepguard, not sent on
+    assert (refused["error"]["code"], refused["error"]["data"]["check"]) == (-31000,
+                                                                             "tool_error")
+    assert agent.hits() == 1                  # the read never reached the agent
+
+
+async def test_a_send_whose_task_ends_final_stores_no_task_key(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    agent = await make_upstream(streaming(TASK, ARTIFACT, last=final()))
+    p = await proxy(a2a_contract(agent.url))
+    await (await p.client.post(SEND, data=orjson.dumps(send()), headers=RUN)).read()
+
+    assert [e["boundary"] for e in await p.history("r1")] == ["entry", "exit"]
+    assert await p.sg.store.find_keys("a2atask") == []
+
+
+async def test_a_list_of_tasks_after_a_restart_is_refused_while_a_stored_task_is_open(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    agent = await make_upstream(answering(task("TASK_STATE_WORKING"), {"tasks": []}))
+    listing = orjson.dumps({"jsonrpc": "2.0", "id": "l1", "method": "ListTasks", "params": {}})
+    before = await proxy(a2a_contract(agent.url))
+    await before.client.post(SEND, data=orjson.dumps(send("SendMessage")), headers=RUN)
+    await before.close()
+    after = await proxy(a2a_contract(agent.url))
+    refused = await (await after.client.post(SEND, data=listing)).json()
+
+    assert (refused["error"]["code"], refused["error"]["data"]["task_id"]) == (-31002, "t1")

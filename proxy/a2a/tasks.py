@@ -1,0 +1,146 @@
+"""The tasks checked sends started, by agent and task id, so a later read of a task (`GetTask`,
+`CancelTask`, `SubscribeToTask`, 0.3's `tasks/get`, `tasks/cancel`, `tasks/resubscribe`) is
+read the way its send was.
+
+A send's answer names its task. Its entry in `Tasks` keeps the send's call (run, step, input)
+and what became of its exit:
+
+- open: the send ended with the task not final (submitted, working, input-required,
+  auth-required). The step's exit is pending: only its entry is stored, so the step is not
+  verified and steps `after` it are refused. Reads of the task are relayed while it stays open;
+  the first read that shows it final is the step's exit, checked as the send's final state is.
+- passed: the exit was checked and let through; reads of the task are relayed.
+- refused: the exit's violation; every read of the task is answered with it.
+
+At most `TASKS_KEPT` tasks are kept in memory (the least recently stored forgotten first; an
+open one forgotten is logged as `a2a_task_forgotten`). An open or refused task is also stored
+as a correlation key of its run (`task_key`; `passed_key` once an open one passed): a read of a
+task this process does not hold (seen by another worker or replica, or forgotten, or before a
+restart) whose key names a run is refused, never relayed unchecked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Final
+
+from stepguard.contracts.bounded import Bounded
+from stepguard.proxy.a2a.upstream import A2aCall
+from stepguard.proxy.core.calls import Violated
+from stepguard.proxy.core.routing import Route
+
+__all__ = ["TASKS_KEPT", "Tasks", "Tracked", "passed_key", "task_key"]
+
+TASKS_KEPT: Final = 65_536
+
+Key = tuple[str, str, str]          # (workflow, upstream, task id)
+
+
+@dataclass(slots=True)
+class Tracked:
+    """One task a checked send started: the send's call and the attempt its exit is checked
+    as, and once checked, whether it passed (`refused` None) or the violation that stopped it."""
+
+    call: A2aCall
+    attempt: int
+    checked: bool = False
+    refused: Violated | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)   # one read of the task at a time
+    decided: asyncio.Event = field(default_factory=asyncio.Event)   # its send has ended
+
+    def __post_init__(self) -> None:
+        self.decided.set()
+
+
+class Tasks:
+    """The tasks of checked sends, bounded; with, per agent, those whose exit is open or was
+    refused (what a list of the agent's tasks could show unchecked)."""
+
+    def __init__(self, limit: int = TASKS_KEPT) -> None:
+        self._tasks: Bounded[Key, Tracked] = Bounded(limit)
+        self._unsettled: dict[tuple[str, str], set[str]] = {}
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def get(self, route: Route, task_id: str) -> Tracked | None:
+        return self._tasks.get(_key(route, task_id))
+
+    def unsettled(self, route: Route) -> str | None:
+        """A task of the route's agent whose exit is open or was refused, if any."""
+        held = self._unsettled.get(_key(route, "")[:2])
+        return next(iter(held)) if held else None
+
+    def seen(self, call: A2aCall, task_id: str) -> list[Tracked]:
+        """The streamed send `call` named task `task_id` before it ended: reads of the task
+        wait until it has (`decided`). Returns the open tasks forgotten to keep the bound."""
+        key = _key(call.route, task_id)
+        if self._tasks.get(key) is not None:
+            return []
+        tracked = Tracked(call, 1)
+        tracked.decided.clear()
+        return self._store(key, tracked)
+
+    def ended(self, call: A2aCall, task_id: str) -> None:
+        """The send that named the task ended, whatever its outcome: a task it did not decide
+        (its answer withheld, its run stopped meanwhile) is open, its exit read later."""
+        tracked = self._tasks.get(_key(call.route, task_id))
+        if tracked is not None:
+            tracked.decided.set()
+
+    def opened(self, call: A2aCall, task_id: str, attempt: int) -> list[Tracked]:
+        """The send `call` left task `task_id` open: its exit waits for a read showing it
+        final. Returns the open tasks forgotten to keep the bound."""
+        key = _key(call.route, task_id)
+        tracked = self._tasks.get(key)
+        if tracked is not None:        # named by its stream, or a read that found it open
+            if not tracked.decided.is_set():
+                tracked.attempt = attempt
+                tracked.decided.set()
+            return []
+        return self._store(key, Tracked(call, attempt))
+
+    def checked(self, call: A2aCall, task_id: str, refused: Violated | None) -> list[Tracked]:
+        """The exit of the task's send (or of a read of it) was checked: passed or `refused`.
+        Returns the open tasks forgotten to keep the bound."""
+        key = _key(call.route, task_id)
+        tracked = self._tasks.get(key)
+        gone: list[Tracked] = []
+        if tracked is None:
+            tracked = Tracked(call, 1)
+            gone = self._store(key, tracked)
+        tracked.checked, tracked.refused = True, refused
+        tracked.decided.set()
+        if refused is None:
+            self._settle(key)
+        return gone
+
+    def _store(self, key: Key, tracked: Tracked) -> list[Tracked]:
+        self._unsettled.setdefault(key[:2], set()).add(key[2])
+        gone = self._tasks.put(key, tracked)
+        for old, _ in gone:
+            self._settle(old)
+        return [t for _, t in gone if not t.checked]
+
+    def _settle(self, key: Key) -> None:
+        held = self._unsettled.get(key[:2])
+        if held is not None:
+            held.discard(key[2])
+            if not held:
+                del self._unsettled[key[:2]]
+
+
+def task_key(route: Route, task_id: str) -> str:
+    """The correlation key a task whose exit is open or was refused is stored with, so another
+    process (a worker, a replica, this one after a restart) refuses its reads."""
+    return f"a2atask:{route.contract.workflow}:{route.upstream.name}:{task_id}"
+
+
+def passed_key(route: Route, task_id: str) -> str:
+    """The key stored once an open task's exit passed: its reads pass anywhere."""
+    return f"a2atask-passed:{route.contract.workflow}:{route.upstream.name}:{task_id}"
+
+
+def _key(route: Route, task_id: str) -> Key:
+    return (route.contract.workflow, route.upstream.name, task_id)
