@@ -84,6 +84,16 @@ __all__ = ["CARD_PATH", "A2aAdapter"]
 
 TRAFFIC: Final = "a2a"
 CARD_PATH: Final = "/.well-known/agent-card.json"
+LEGACY_CARD_PATH: Final = "/.well-known/agent.json"     # the card's path before A2A 0.3
+# a POST whose body is no JSON-RPC request: A2A's REST binding (`POST /message:send`) would
+# reach the agent unchecked
+NOT_RPC: Final = ("not a JSON-RPC request (an object with \"jsonrpc\": \"2.0\" and a method): "
+                  "stepguard checks A2A's JSON-RPC binding only")
+
+
+def _is_rpc(message: Any) -> bool:
+    return isinstance(message, dict) and message.get("jsonrpc") == "2.0" \
+        and isinstance(message.get("method"), str)
 MAX_CARD_BYTES: Final = 1024 * 1024
 LISTED_KEYS: Final = 64       # an agent's stored task keys a list of its tasks reads at most
 
@@ -115,8 +125,15 @@ class A2aAdapter:
         headers = end_to_end(request.headers)
         if request.method == "GET" and route.raw_path.endswith(CARD_PATH):
             return await self._card(request, route, headers, body, timing)
-        if request.method != "POST" or self.settings.passthrough or route.contract.learning:
+        if self.settings.passthrough or route.contract.learning or (
+                request.method == "GET" and route.raw_path.endswith(LEGACY_CARD_PATH)):
             return await self.http.forward_unchecked(request, route, headers, body, timing)
+        if request.method != "POST":
+            # A2A's REST binding (GET /tasks/{id}, ...) reads what the JSON-RPC binding checks
+            detail = (f"{request.method} {route.raw_path[:200]}: stepguard checks A2A's JSON-RPC "
+                      "binding (POST) and relays the agent card; other requests are refused")
+            self.boundaries.call_refused(route, "unparseable", detail, None, TRAFFIC)
+            return titled_error(405, "Not an A2A JSON-RPC request", detail)
         try:
             send = self._send(request, body)
         except (BodyError, WireError) as exc:
@@ -151,7 +168,11 @@ class A2aAdapter:
                    or task_list_of(m) is not None for m in message):
                 raise WireError("a JSON-RPC batch holds a send or a task's read or list; send "
                                 "each message on its own")
+            if not all(_is_rpc(m) for m in message):
+                raise WireError(NOT_RPC)
             return None
+        if not _is_rpc(message):
+            raise WireError(NOT_RPC)
         return send_of(message) or task_read_of(message) or task_list_of(message)
 
     async def _checked(self, request: web.Request, route: Route, headers: CIMultiDict[str],

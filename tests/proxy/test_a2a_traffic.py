@@ -170,6 +170,10 @@ async def test_a_plain_send_answered_with_a_completed_task_passes_unchanged(
     (orjson.dumps({**send("SendMessage"), "params": {"message": {"parts": [{"blob": 1}]}}}),
      "neither text, data nor a file"),
     (orjson.dumps({**send("SendMessage"), "params": {}}), "no message"),
+    # the REST binding's body of `POST /message:send`: no JSON-RPC, so nothing stepguard reads
+    (orjson.dumps({"message": send("SendMessage")["params"]["message"]}),
+     "not a JSON-RPC request"),
+    (orjson.dumps([{"message": {}}]), "not a JSON-RPC request"),
 ])
 async def test_a_send_stepguard_cannot_read_is_refused_before_the_agent_sees_it(
         make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]], body: bytes,
@@ -182,6 +186,34 @@ async def test_a_send_stepguard_cannot_read_is_refused_before_the_agent_sees_it(
     error = (await resp.json())["error"]
     assert error["code"] == -31002 and why in error["message"]
     assert agent.seen == []
+
+
+@pytest.mark.parametrize(("method", "path"), [
+    ("GET", "/agent/v1/tasks/t1"), ("GET", "/agent/tasks/t1:subscribe"),
+    ("PUT", "/agent/rpc"), ("DELETE", "/agent/v1/tasks/t1"),
+])
+async def test_a_request_outside_the_json_rpc_binding_is_refused_not_relayed(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]], method: str,
+        path: str) -> None:
+    """A2A's REST binding reads tasks and sends messages stepguard would not check."""
+    agent = await make_upstream()
+    p = await proxy(a2a_contract(agent.url))
+
+    resp = await p.client.request(method, path, headers=RUN)
+
+    assert resp.status == 405
+    assert "JSON-RPC binding" in (await resp.json())["error"]["message"]
+    assert agent.seen == []
+
+
+async def test_the_agent_card_at_its_pre_0_3_path_passes_through(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    agent = await make_upstream()
+    p = await proxy(a2a_contract(agent.url))
+
+    resp = await p.client.get("/agent/.well-known/agent.json")
+
+    assert resp.status == 200 and len(agent.seen) == 1
 
 
 async def test_get_task_and_cancel_task_pass_through_unchanged(
