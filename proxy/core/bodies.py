@@ -20,6 +20,8 @@ from typing import Any
 import orjson
 
 __all__ = [
+    "INT_MAX",
+    "INT_MIN",
     "JSON_DEPTH_CEILING",
     "MAX_JSON_DEPTH",
     "BodyError",
@@ -40,7 +42,7 @@ __all__ = [
 MAX_JSON_DEPTH = 64          # the default of --max-json-depth
 JSON_DEPTH_CEILING = 200     # the most it may be set to: below orjson's 254 with room for the
                              # event and envelope documents that wrap a payload
-_INT_MIN, _INT_MAX = -(2 ** 63), 2 ** 64 - 1      # what orjson parses and serialises exactly
+INT_MIN, INT_MAX = -(2 ** 63), 2 ** 64 - 1      # what orjson parses and serialises exactly
 
 
 class BodyError(ValueError):
@@ -92,7 +94,7 @@ def json_text(body: bytes, what: str, max_depth: int = MAX_JSON_DEPTH,
         inexact = _inexact_integer(body)
         if inexact is not None:
             raise BodyError(f"{what} holds the integer {inexact[:40]!r}, outside the 64-bit "
-                            f"range stepguard keeps exactly ({_INT_MIN} to {_INT_MAX}); send "
+                            f"range stepguard keeps exactly ({INT_MIN} to {INT_MAX}); send "
                             "it as a string")
     return body, value
 
@@ -118,9 +120,7 @@ def text_matches_value(text: bytes, value: Any) -> bool:
     the keys of its objects."""
     if b":" not in text:
         return True
-    if b"\\" in text:       # every backslash of valid JSON starts an escape: pairs, then \"
-        text = text.replace(b"\\\\", b"").replace(b'\\"', b"")
-    members = sum(part.count(b":") for part in text.split(b'"')[::2])
+    members = sum(part.count(b":") for part in _unescaped(text).split(b'"')[::2])
     return members == _keys_in(value)
 
 
@@ -132,6 +132,15 @@ def _keys_in(value: Any) -> int:
                  for item in (node.values() if type(node) is dict else node)
                  if type(item) is dict or type(item) is list]
     return count
+
+
+def _unescaped(body: bytes) -> bytes:
+    """A valid JSON text without its escaped backslashes and quotes (every backslash of valid
+    JSON starts an escape: pairs first, then \\"), so that its quotes are only the strings'
+    ends; the same text when it has no backslash."""
+    if b"\\" not in body:
+        return body
+    return body.replace(b"\\\\", b"").replace(b'\\"', b"")
 
 
 def check_depth(value: Any, what: str, max_depth: int = MAX_JSON_DEPTH) -> None:
@@ -168,8 +177,7 @@ def _nests_within(body: bytes, max_depth: int) -> bool:
     if shape.count(b"[") <= max_depth:    # fewer opening brackets than the limit: within it
         return True
     if b"\\" in body:
-        body = body.replace(b"\\\\", b"").replace(b'\\"', b"")
-        shape = body.translate(_BRACKETS, _NOT_BRACKET_OR_QUOTE)
+        shape = _unescaped(body).translate(_BRACKETS, _NOT_BRACKET_OR_QUOTE)
     shape = shape.replace(b'""', b"")
     if b'"' in shape:
         shape = b"".join(shape.split(b'"')[::2])
@@ -213,9 +221,7 @@ def _inexact_integer(body: bytes) -> str | None:
     Only the runs of 19 digits or more are looked at: one inside a string (an odd number of
     quotes before it, escaped ones removed first) is text; one after a `.`, `e`, `E` or `+`, or
     followed by `.`, `e` or `E`, belongs to a number with a fraction or an exponent."""
-    if b"\\" in body:
-        # in valid JSON every run of backslashes starts an escape: pairs first, then \"
-        body = body.replace(b"\\\\", b"").replace(b'\\"', b"")
+    body = _unescaped(body)
     digits = body.translate(_DIGITS)
     quotes = counted = 0
     at = digits.find(_LONG_DIGITS)
@@ -228,7 +234,7 @@ def _inexact_integer(body: bytes) -> str | None:
             start = at - 1 if body[at - 1] == _MINUS else at      # a number never starts a body
             if body[start - 1] not in _NOT_BEFORE and body[end:end + 1] not in _NOT_AFTER:
                 token = body[start:end]
-                if not _INT_MIN <= int(token) <= _INT_MAX:
+                if not INT_MIN <= int(token) <= INT_MAX:
                     return token.decode()
         at = digits.find(_LONG_DIGITS, end)
     return None
@@ -335,11 +341,15 @@ def request_input(method: str, query: dict[str, str | list[str]], body: bytes,
                       charset_of(content_type), unique_keys=True)
 
 
-def response_output(body: bytes, content_type: str, content_encoding: str | None,
-                    limit: int = 10 * 1024 * 1024, max_depth: int = MAX_JSON_DEPTH) -> Any:
+def _refuse_unless_json(content_type: str) -> None:
     if not is_json_type(content_type):
         raise BodyError(f"upstream response is not JSON (content-type "
                         f"{content_type or 'missing'!r})")
+
+
+def response_output(body: bytes, content_type: str, content_encoding: str | None,
+                    limit: int = 10 * 1024 * 1024, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    _refuse_unless_json(content_type)
     return parse_json(decode(body, content_encoding, limit), "upstream response", max_depth,
                       charset_of(content_type))
 
@@ -349,9 +359,7 @@ def response_text(body: bytes, content_type: str, content_encoding: str | None,
                   max_depth: int = MAX_JSON_DEPTH) -> tuple[bytes, Any]:
     """`response_output` as `json_text` gives it: the UTF-8 JSON text and its value, whose
     depth the caller bounds."""
-    if not is_json_type(content_type):
-        raise BodyError(f"upstream response is not JSON (content-type "
-                        f"{content_type or 'missing'!r})")
+    _refuse_unless_json(content_type)
     return json_text(decode(body, content_encoding, limit), "upstream response", max_depth,
                      charset_of(content_type))
 

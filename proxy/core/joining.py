@@ -37,6 +37,7 @@ from typing import Any
 import orjson
 
 from stepguard.contracts.bounded import Bounded
+from stepguard.proxy.core.bodies import INT_MAX, INT_MIN
 
 __all__ = ["UNDIGESTED", "digest"]
 
@@ -59,15 +60,12 @@ def digest(value: Any) -> str | None:
 _INTEGRAL_FLOAT = re.compile(rb"\d\.0(?=[,\]}]|$)|\de\+\d+(?=[,\]}]|$)")
 
 
-_INT_MIN, _INT_END = -(2**63), 2**64
-
-
 def _integral(value: Any) -> Any:
     """`value` with its integral floats as integers, those in the range of the integers JSON
     bodies may hold (64 bits: what orjson writes); a float past it stays a float, written as
     one (`1e+20`), never left without a digest."""
     if isinstance(value, float):
-        return int(value) if value.is_integer() and _INT_MIN <= value < _INT_END else value
+        return int(value) if value.is_integer() and INT_MIN <= value <= INT_MAX else value
     if isinstance(value, Mapping):
         return {key: _integral(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
