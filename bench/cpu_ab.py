@@ -137,7 +137,8 @@ def check_side(tree: Path) -> None:
 
 def _serve(bench: Bench, row: str, upstream_url: str, tree: Path) -> tuple[Proc, str, bytes, bool]:
     setup = row_setup(row, upstream_url)
-    hop, port, _ = bench.start_stepguard(row, setup.contract, settings=side_env(tree))
+    hop, port, _ = bench.start_stepguard(row, setup.contract, workers=setup.workers,
+                                         settings={**(setup.settings or {}), **side_env(tree)})
     return hop, f"http://127.0.0.1:{port}{setup.prefix}{setup.path}", setup.body, setup.run_ids
 
 

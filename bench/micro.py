@@ -136,7 +136,7 @@ async def _learn_append(n: int, concurrency: int) -> dict[str, Any]:
     text = bench_upstream.order_body()
     seen = Observation("http", "tools", time.time(), method="POST", path=TOOL_PATH,
                        input=orjson.loads(bench_upstream.order_request()),
-                       output=Verbatim(text, orjson.loads(text)), status=200)
+                       output=Verbatim(text), status=200)
     fields = stored_fields(Redactor(contract.redact), seen, Settings().max_json_depth)
     tmp = Path(tempfile.mkdtemp(prefix="stepguard-learn-micro-"))
     store = settings_store(Settings(store=str(tmp / "learn.db")))

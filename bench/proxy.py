@@ -205,6 +205,8 @@ class RowSetup:
     path: str
     body: bytes
     run_ids: bool
+    settings: dict[str, str] | None = None     # STEPGUARD_* variables it is served with
+    workers: int = 1
 
 
 def row_setup(name: str, upstream_url: str) -> RowSetup:
@@ -218,7 +220,8 @@ def row_setup(name: str, upstream_url: str) -> RowSetup:
                 "contract_pg"):
         path = "/never_benchmarked" if name == "passthrough" else TOOL_PATH
         return RowSetup(bench_contract(upstream_url, path), MOUNT, _TOOL.path, _TOOL.body,
-                        _TOOL.run_ids)
+                        _TOOL.run_ids, _LEARN if name == "learn" else None,
+                        WORKERS.get(name, 1))
     raise ValueError(f"{name!r} is not a row stepguard serves")
 
 

@@ -22,14 +22,12 @@ Traffic = Literal["http", "model", "mcp"]
 
 @dataclass(frozen=True, slots=True)
 class Verbatim:
-    """A payload as it came: `text`, the UTF-8 JSON text orjson parsed (valid JSON), and
-    `value`, what it parsed to, whose depth is not yet bounded. Learn mode stores `text` itself
-    when redaction would change nothing in `value`, it nests within the depth limit and it
-    names no key twice in an object (`Learner.record`), instead of serialising `value` again;
-    else `value`, redacted."""
+    """A payload as it came, not parsed yet: `text`, UTF-8 text that its content-type says is
+    JSON. Learn mode stores `text` itself when it is valid JSON, nests within the depth limit
+    and names no key to redact, told from its bytes (`Learner.stored`); else it parses it and
+    stores the value, redacted, or no value and why (not JSON, too deep)."""
 
     text: bytes
-    value: Any
 
 
 @dataclass(frozen=True, slots=True)

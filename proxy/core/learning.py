@@ -11,9 +11,11 @@ is the one observation of the model's tool call (`Observation.joined`: the execu
 tool's answer, as the joined exit does in enforcement); the model's side does not record it
 again (`Learner.executed`).
 What is stored is redacted first (the built-in secret names and the contract's `redact` keys),
-and bounded by depth (`--max-json-depth`): an HTTP answer comes as a `Verbatim` (its text,
-parsed once), and one walk of it checks both its keys and its depth (`Redactor.clean`); when
-nothing in it is redacted its text itself is stored (`orjson.Fragment`), not serialised again.
+and bounded by depth (`--max-json-depth`): an HTTP answer comes as a `Verbatim` (its text, not
+parsed); when its bytes show that it is valid JSON within the depth and names no key to redact
+(`Redactor.names_none`, `bodies.plain_json`) the text itself is stored (`orjson.Fragment`),
+without building its value. Else it is parsed, and one walk of the value checks both its keys
+and its depth (`Redactor.clean`).
 What is stored is bounded: at most `--learn-max-runs` runs and `--learn-max-run-bytes` bytes of events per
 run are recorded by one process; a call past a bound is forwarded all the same, not recorded,
 and counted (`stepguard_learn_dropped_total`). A store failure never stops a call either.
@@ -38,6 +40,8 @@ from stepguard.proxy.core.bodies import (
     MAX_JSON_DEPTH,
     BodyError,
     check_depth,
+    json_text,
+    plain_json,
     text_matches_value,
 )
 from stepguard.proxy.core.correlation import issues_calls
@@ -204,15 +208,21 @@ _WHAT = {"input": "request body", "output": "upstream response"}
 def _payload(redact: Redactor, value: Any, root: str,
              max_depth: int) -> tuple[Any, list[str], str | None]:
     """`value` (the observation's `root`) as it is stored, the paths redaction replaced in it,
-    and for a `Verbatim` nesting past `max_depth`, why it is not stored (None stored)."""
+    and for a `Verbatim` that is not JSON or nests past `max_depth`, why it is not stored (None
+    stored). A `Verbatim` told plain and clean from its bytes is stored as its text; else it is
+    parsed, and stored as its text still when its value names nothing to redact and it names no
+    key twice (a copy orjson dropped was never looked at), else as its value, redacted."""
     if type(value) is Verbatim:
-        if redact.clean(value.value, max_depth) and text_matches_value(value.text, value.value):
-            return orjson.Fragment(value.text), [], None
+        text = value.text
+        if redact.names_none(text) and plain_json(text, max_depth):
+            return orjson.Fragment(text), [], None
         try:
-            check_depth(value.value, _WHAT[root], max_depth)
+            text, value = json_text(text, _WHAT[root], max_depth)
+            if redact.clean(value, max_depth) and text_matches_value(text, value):
+                return orjson.Fragment(text), [], None
+            check_depth(value, _WHAT[root], max_depth)
         except BodyError as exc:
             return None, [], exc.detail
-        value = value.value
     elif redact.clean(value):
         return value, [], None
     redacted, paths = redact.paths(value, root)

@@ -30,7 +30,7 @@ from stepguard.proxy.core.bodies import (
     query_input,
     request_input,
     response_output,
-    response_text,
+    response_utf8,
 )
 from stepguard.proxy.core.boundaries import Boundaries
 from stepguard.proxy.core.calls import (
@@ -189,7 +189,7 @@ class HttpToolAdapter:
         except UpstreamError as exc:
             answer = self._failed(exc, route)
             error = exc.detail
-        output, error = learned_output(kept, error, self.settings.max_json_depth)
+        output, error = learned_output(kept, error)
         await learner.record(contract, keyed.run_id, Observation(
             TRAFFIC, route.upstream.name, timing.arrived, method=request.method, path=route.path,
             input=arguments, output=output, status=kept.status, error=error,
@@ -339,10 +339,10 @@ def tool_result(up: Upstreamed, limit: int, max_depth: int = MAX_JSON_DEPTH) -> 
     return ToolResult(up.status, output)
 
 
-def learned_output(kept: Kept, error: str | None, max_depth: int) -> tuple[Any, str | None]:
-    """The output learn mode records of a relayed answer (its JSON body, as a `Verbatim` whose
-    depth the learner bounds as it redacts), and why there is none: the transport's `error`,
-    an answer cut short, over the recording bound, not JSON."""
+def learned_output(kept: Kept, error: str | None) -> tuple[Any, str | None]:
+    """The output learn mode records of a relayed answer (its JSON text, as a `Verbatim` the
+    learner checks and redacts as it stores it), and why there is none: the transport's
+    `error`, an answer cut short, over the recording bound, not JSON by its content-type."""
     if error is not None or kept.status is None:
         return None, error or "no answer"
     if not kept.whole:
@@ -353,8 +353,8 @@ def learned_output(kept: Kept, error: str | None, max_depth: int) -> tuple[Any, 
         return None, None
     headers = kept.headers if kept.headers is not None else CIMultiDict[str]()
     try:
-        text, value = response_text(bytes(kept.body), headers.get("content-type", ""),
-                                    headers.get("content-encoding"), kept.limit, max_depth)
+        text = response_utf8(bytes(kept.body), headers.get("content-type", ""),
+                             headers.get("content-encoding"), kept.limit)
     except BodyError as exc:
         return None, exc.detail
-    return Verbatim(text, value), None
+    return Verbatim(text), None

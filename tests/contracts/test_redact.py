@@ -3,6 +3,7 @@ contract marks, matched the same way."""
 
 from __future__ import annotations
 
+import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -77,3 +78,46 @@ def test_keys_seen_clean_are_forgotten_past_their_bound_and_still_checked():
 
     assert len(redact._clean) <= CLEAN_KEYS
     assert not redact.clean({"k1": {"token": 1}})
+
+
+# names_none: learn mode's look at an answer's bytes for keys to redact, before any parse
+
+TEXT_KEYS = KEYS | st.sampled_from(["CARD-number", "Bearer", "tokens", "pass-word", "password"])
+JSON_64 = st.recursive(st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1)
+                       | st.text(max_size=5) | KEYS,
+                       lambda inner: st.lists(inner, max_size=4)
+                       | st.dictionaries(TEXT_KEYS, inner, max_size=4), max_leaves=20)
+
+
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@given(JSON_64)
+def test_a_text_said_to_name_no_key_to_redact_parses_to_a_clean_value(value):
+    redact = Redactor(["card_number"])
+    text = orjson.dumps(value)
+
+    if redact.names_none(text):
+        assert redact(orjson.loads(text)) == orjson.loads(text)
+
+
+@pytest.mark.parametrize("text", [
+    b'{"items": [{"X-Api-Key": "k"}]}',
+    b'{"a": {"TOKEN": 1}}',
+    b'{"Card-Number": "4111"}',
+    b'{"note": "token"}',             # a value of that spelling: taken for a key, to be safe
+], ids=["nested-header-spelling", "upper-case", "contract-field", "a-value"])
+def test_a_key_to_redact_in_any_case_or_separator_is_seen_in_the_bytes(text: bytes):
+    assert not Redactor(["card_number"]).names_none(text)
+
+
+@pytest.mark.parametrize("text", [
+    b'{"pass\\u0077ord": "p"}',                     # an escape spelling a letter
+    '{"to\u212aen": "t"}'.encode(),                 # KELVIN SIGN: lower case is "token"
+    b'{"order_id": "o-1", "note": "caf\\u00e9"}',   # clean, but not told so from its bytes
+], ids=["unicode-escape", "non-ascii-folding-to-ascii", "any-unicode-escape"])
+def test_a_text_whose_bytes_may_not_show_its_keys_is_not_said_clean(text: bytes):
+    assert not Redactor().names_none(text)
+
+
+def test_a_redactor_with_a_field_an_escape_could_spell_tells_nothing_from_bytes():
+    assert not Redactor(["a/b"]).names_none(b'{"order_id": "o-1"}')
+    assert Redactor(["a_b"]).names_none(b'{"order_id": "o-1"}')

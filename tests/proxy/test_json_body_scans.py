@@ -12,7 +12,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stepguard.proxy.core.bodies import BodyError, JsonTooDeep, parse_json, text_matches_value
+from stepguard.proxy.core.bodies import (
+    BodyError,
+    JsonTooDeep,
+    check_depth,
+    json_text,
+    parse_json,
+    plain_json,
+    text_matches_value,
+)
 
 
 def nest(depth: int, inner: object = 0) -> object:
@@ -126,3 +134,45 @@ def test_a_text_without_a_key_named_twice_matches_its_value(value: object):
 ])
 def test_a_text_naming_a_key_twice_does_not_match_what_it_parsed_to(text: bytes):
     assert not text_matches_value(text, orjson.loads(text))
+
+
+@pytest.mark.parametrize("text", [
+    b'{"t": "10:00:00", "u": "a:b"}',
+    b'[{"a": ":"}, {"b": "::", "c": ""}, ":", ""]',
+    b'{"s": "\\"x\\":1", "k": "\\\\"}',
+], ids=["colons-in-values", "colons-and-empty-strings", "escaped-quotes-before-colons"])
+def test_colons_inside_strings_are_not_members(text: bytes):
+    assert text_matches_value(text, orjson.loads(text))
+
+
+# plain_json: JSON learn mode may store as its text, told without building its value
+
+MUTATIONS = st.sampled_from([b"", b",", b"]", b"}", b'"', b"\\", b"1", b"e", b"-", b".", b" ",
+                             b"00", b"18446744073709551616", b"1e400", b"\x00", b"\\u0041",
+                             b"\xc3\xa9", b"\xff", b"tru", b"null", b"[", b"{"])
+
+
+@settings(max_examples=400, deadline=None)
+@given(JSON_VALUES, st.integers(min_value=0, max_value=200), MUTATIONS,
+       st.integers(min_value=1, max_value=6))
+def test_a_text_plain_json_takes_is_one_json_text_takes_within_the_depth(
+        value: object, at: int, mutation: bytes, limit: int):
+    text = orjson.dumps(value)
+    text = text[:at] + mutation + text[at:]
+
+    if plain_json(text, limit):
+        _, parsed = json_text(text, "body", limit)
+        check_depth(parsed, "body", limit)      # raises past the limit
+
+
+@pytest.mark.parametrize("text", [
+    b'{"n": 18446744073709551616}', b'{"n": -9223372036854775809}', b'[1e400]',
+    b'{"note": "caf\\u00e9"}', '{"note": "caf\u00e9"}'.encode(), b'[[[1]]]', b'{"a": 1} x',
+], ids=["past-64-bits", "below-64-bits", "float-overflow", "unicode-escape", "non-ascii",
+        "too-deep", "trailing-bytes"])
+def test_a_text_plain_json_cannot_vouch_for_is_left_to_the_parse(text: bytes):
+    assert not plain_json(text, max_depth=2)
+
+
+def test_the_edges_of_the_64_bit_range_are_plain():
+    assert plain_json(b'[18446744073709551615, -9223372036854775808]')

@@ -181,6 +181,25 @@ async def test_an_answer_naming_a_key_twice_is_stored_as_read_never_as_its_text(
     assert b"hunter2-dup" not in stored_bytes(tmp_path / "s.db")
 
 
+@pytest.mark.parametrize("text", [
+    '{"order_id": "o-1", "pass\\u0077ord": "hunter2-esc"}',
+    '{"order_id": "o-1", "to\u212aen": "hunter2-esc"}',
+    '{"order_id": "o-1", "items": [{"X-API-KEY": "hunter2-esc"}]}',
+], ids=["escaped-letter", "non-ascii-letter-folding-to-ascii", "upper-case-header-spelling"])
+async def test_an_answer_spelling_a_secret_key_any_way_is_stored_redacted(
+        make_upstream: MakeUpstream, stepguard: StartGuard, tmp_path: Path, text: str) -> None:
+    up = await make_upstream(answering(text))
+    guard = await stepguard(learning(up.url))
+
+    reply = await send(guard.client.request, "/tools/lookup", {"order": "o-1"}, run="r1")
+
+    assert reply.status == 200 and b"hunter2-esc" in reply.body      # forwarded unchanged
+    [seen] = learned(await guard.history("r1"))
+    assert seen.output is not None and seen.output["order_id"] == "o-1"
+    assert seen.redacted
+    assert b"hunter2-esc" not in stored_bytes(tmp_path / "s.db")
+
+
 async def test_nesting_behind_a_key_named_twice_is_bounded_like_any_other(
         make_upstream: MakeUpstream, stepguard: StartGuard, tmp_path: Path) -> None:
     deep = "[" * 40 + '"deep-marker"' + "]" * 40
