@@ -12,11 +12,13 @@ size.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from itertools import chain
 from typing import Any
 
-__all__ = ["REDACTED", "Redactor", "holds_redacted", "is_redacted", "redacted_path"]
+__all__ = ["REDACTED", "Redactor", "has_unicode_escape", "holds_redacted", "is_redacted",
+           "redacted_path"]
 
 REDACTED = "[REDACTED]"
 
@@ -59,11 +61,12 @@ class Redactor:
     def __init__(self, fields: Iterable[str] = ()) -> None:
         self.keys = ALWAYS | {normal_key(f) for f in fields}
         self._clean: set[str] = set()      # keys seen that are not redacted (`clean`)
-        # each key quoted, as `names_none` looks for it; None when a key could be written with
-        # an escape its bytes would not show (a quote, backslash or slash, or not printable ASCII)
-        self._quoted: tuple[bytes, ...] | None = (
-            tuple(f'"{k}"'.encode() for k in sorted(self.keys))
-            if all(k.isascii() and k.isprintable() and not set(k) & set('"\\/') for k in self.keys)
+        # any key quoted, as `names_none` looks for it; None when a key could be written with an
+        # escape its bytes would not show (a quote, backslash or slash, or not printable ASCII)
+        self._quoted: re.Pattern[bytes] | None = (
+            re.compile(b'"' + _alternatives(sorted(k.encode() for k in self.keys)) + b'"')
+            if all(k and k.isascii() and k.isprintable() and not set(k) & set('"\\/')
+                   for k in self.keys)
             else None)
 
     def __call__(self, value: Any) -> Any:
@@ -117,16 +120,37 @@ class Redactor:
         names is in it, quoted, once the text is in lower case with `-` read as `_`, as keys are
         matched. A string of that value anywhere is taken for a key: False is "not told so"
         (the caller parses and redacts)."""
-        if self._quoted is None or not text.isascii() or b"\\u" in text:
+        if self._quoted is None or not text.isascii() or has_unicode_escape(text):
             return False
-        folded = text.lower().replace(b"-", b"_")
-        return not any(quoted in folded for quoted in self._quoted)
+        return self._quoted.search(text.lower().replace(b"-", b"_")) is None
 
     def path(self, path: str) -> str:
         """A URL path as logs and spans show it: a value a segment names by a sensitive key,
         the next segment (`/reset/token/abc` -> `/reset/token/[REDACTED]`) or after `=` in the
         same one (`/token=abc` -> `/token=[REDACTED]`), replaced; at most `PATH_CHARS`."""
         return redacted_path(path, self.keys)
+
+
+def has_unicode_escape(text: bytes) -> bool:
+    """Whether `text` holds `\\u` (a backslash first: memchr finds none in ~0.3 us where the
+    two bytes take ~9 us to look for in 10 KB)."""
+    return b"\\" in text and b"\\u" in text
+
+
+def _alternatives(words: list[bytes]) -> bytes:
+    """A regular expression matching exactly the sorted, distinct, non-empty `words`, as a tree
+    of their common prefixes (`a(?:ccess_token|pi_key)`): the engine tries one character where
+    it would try every word (~33 instead of ~48 us over a 10 KB answer with 2,000 quotes)."""
+    ends = b"" in words
+    heads: dict[bytes, list[bytes]] = {}
+    for word in words:
+        if word:
+            heads.setdefault(word[:1], []).append(word[1:])
+    branches = [re.escape(head) + _alternatives(rest) for head, rest in heads.items()]
+    if not branches:
+        return b""
+    tree = branches[0] if len(branches) == 1 else b"(?:" + b"|".join(branches) + b")"
+    return b"(?:" + tree + b")?" if ends else tree
 
 
 PATH_CHARS = 200      # a path longer than this is cut (logs and spans bound what they carry)

@@ -20,6 +20,8 @@ from typing import Any
 import orjson
 import simdjson
 
+from stepguard.contracts.redact import has_unicode_escape
+
 __all__ = [
     "INT_MAX",
     "INT_MIN",
@@ -144,7 +146,7 @@ def plain_json(text: bytes, max_depth: int = MAX_JSON_DEPTH) -> bool:
     test of it). False says only "not told so": `json_text` decides then, with its error. An
     ASCII text without a `\\u` escape is asked for, so that a key's bytes say what the key is
     (no escape turns into a letter, no non-ASCII letter folds to an ASCII one)."""
-    if not text.isascii() or b"\\u" in text:
+    if not text.isascii() or has_unicode_escape(text):
         return False
     try:
         simdjson.Parser().parse(text)

@@ -121,3 +121,14 @@ def test_a_text_whose_bytes_may_not_show_its_keys_is_not_said_clean(text: bytes)
 def test_a_redactor_with_a_field_an_escape_could_spell_tells_nothing_from_bytes():
     assert not Redactor(["a/b"]).names_none(b'{"order_id": "o-1"}')
     assert Redactor(["a_b"]).names_none(b'{"order_id": "o-1"}')
+
+
+@settings(max_examples=300)
+@given(st.lists(st.text("abk_", min_size=1, max_size=4), min_size=1, max_size=6, unique=True),
+       st.text('abk_"', max_size=30))
+def test_the_quoted_keys_pattern_finds_exactly_the_quoted_keys(fields, text):
+    redact = Redactor(fields)
+    folded = text.encode()
+
+    assert redact.names_none(folded) == (
+        not any(f'"{k}"'.encode() in folded for k in redact.keys))
