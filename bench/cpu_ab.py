@@ -227,7 +227,9 @@ def profile(tree: Path, row: str, seconds: float, out: Path, rate: int = 250,
         recorded = subprocess.run([spy, "record", "--pid", str(hop.pid), "--duration",
                                    str(max(1, int(seconds))), "--rate", str(rate), "--format",
                                    "raw", "--output", str(out), "--nonblocking",
-                                   *(["--gil"] if gil else [])],
+                                   *(["--gil"] if gil else []),
+                                   *(["--subprocesses"] if row_setup(row, upstream_url).workers > 1
+                                     else [])],
                                   capture_output=True, check=False)
         driver.join()
         if recorded.returncode != 0 or not out.is_file():
