@@ -24,6 +24,8 @@ A violation is a JSON-RPC error answering the send's id (code -31000, details in
 the JSON answer or as the event that ends the stream, so the `a2a-sdk` client raises. A stream
 is relayed event by event; only its final event is held until the exit check.
 
+In learn mode A2A traffic is relayed, not recorded: a send is counted as such (`_unlearned`).
+
 Every POST body is parsed with `unique_keys`; one that is not strict JSON, a batch holding a
 send or a task's read or list, a send whose message cannot be read, or a read whose answer does
 not show its task is refused (-31002), never passed unchecked.
@@ -125,6 +127,8 @@ class A2aAdapter:
         headers = end_to_end(request.headers)
         if request.method == "GET" and route.raw_path.endswith(CARD_PATH):
             return await self._card(request, route, headers, body, timing)
+        if route.contract.learning and not self.settings.passthrough:
+            self._unlearned(request, route, body)
         if self.settings.passthrough or route.contract.learning or (
                 request.method == "GET" and route.raw_path.endswith(LEGACY_CARD_PATH)):
             return await self.http.forward_unchecked(request, route, headers, body, timing)
@@ -155,6 +159,21 @@ class A2aAdapter:
             return await self.http.forward_unchecked(request, route, headers, body, timing,
                                                      read_timeout_s=None)
         return await self._checked(request, route, headers, body, timing, send)
+
+    def _unlearned(self, request: web.Request, route: Route, body: bytes) -> None:
+        """Learn mode records no A2A traffic yet: a send it relays is counted as not recorded
+        (`stepguard_learn_dropped_total{reason="a2a"}`, and a `learn_dropped` log line), so
+        that a contract drafted from the store is known to lack the agent's steps. Reads of
+        tasks and the agent card are not counted; a body that cannot be read is relayed, as
+        learn mode never refuses."""
+        if request.method != "POST":
+            return
+        try:
+            send = self._send(request, body)
+        except (BodyError, WireError):
+            return
+        if isinstance(send, Send):
+            self.boundaries.learner.dropped(route.contract, "a2a")
 
     def _send(self, request: web.Request, body: bytes) -> Send | TaskRead | TaskList | None:
         """The send this POST carries, the read of a task, or a list of tasks, None for any

@@ -463,3 +463,40 @@ async def test_a_list_of_tasks_after_a_restart_is_refused_while_a_stored_task_is
     refused = await (await after.client.post(SEND, data=listing)).json()
 
     assert (refused["error"]["code"], refused["error"]["data"]["task_id"]) == (-31002, "t1")
+
+
+def learned_sends(p: Proxy) -> float:
+    return p.sg.metrics.registry.get_sample_value(
+        "stepguard_learn_dropped_total", {"workflow": "a2a-flow", "reason": "a2a"}) or 0.0
+
+
+async def test_learn_mode_relays_an_a2a_send_unrecorded_and_counts_it_as_not_recorded(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    done = {"task": {"id": "t1", "contextId": "c1", "status": {"state": "TASK_STATE_COMPLETED"},
+                     "artifacts": [ARTIFACT["artifactUpdate"]["artifact"]]}}
+
+    async def answer(_: web.Request) -> web.Response:
+        return web.json_response({"jsonrpc": "2.0", "id": "q1", "result": done})
+
+    agent = await make_upstream(answer)
+    p = await proxy(a2a_contract(agent.url), learn=True)
+
+    resp = await p.client.post(SEND, data=orjson.dumps(send("SendMessage")), headers=RUN)
+
+    assert resp.status == 200
+    assert (await resp.json())["result"] == done
+    assert await p.history("r1") == []
+    assert learned_sends(p) == 1
+
+
+async def test_learn_mode_does_not_count_an_unreadable_body_or_a_card_read_as_a_send(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    agent = await make_upstream()
+    p = await proxy(a2a_contract(agent.url), learn=True)
+
+    unreadable = await p.client.post(SEND, data=b"{not json", headers=RUN)
+    card = await p.client.get("/agent/.well-known/agent-card.json")
+
+    assert (unreadable.status, card.status) == (200, 200)     # relayed, never refused
+    assert len(agent.seen) == 2
+    assert learned_sends(p) == 0
