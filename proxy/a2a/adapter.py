@@ -70,6 +70,7 @@ from stepguard.proxy.core.config import Settings
 from stepguard.proxy.core.correlation import NO_RUN_KEY, STORE
 from stepguard.proxy.core.forward import ClientEnd, Forwarder, Kept, Timing, end_to_end
 from stepguard.proxy.core.holds import Held
+from stepguard.proxy.core.joining import digest
 from stepguard.proxy.core.jsonrpc import (
     REQUEST_CODE,
     answer_message,
@@ -332,14 +333,27 @@ class A2aAdapter:
 
     async def _checked_read(self, call: A2aCall, tracked: Tracked,
                             answer: A2aAnswer | None) -> web.StreamResponse:
-        """A read of a task whose exit was checked: refused with its violation, else relayed
-        (its answer, if it was read already: the task is final, as when its exit passed)."""
+        """A read of a task whose exit was checked: refused with its violation; else sent on
+        (unless `answer` was read already) and relayed when its answer shows the task final
+        with the output its exit passed on, or is a JSON-RPC error (it shows nothing of the
+        task: `CancelTask` of a completed task), refused (-31002) when it shows anything else."""
         if tracked.refused is not None:
             return await self.render(call, tracked.refused)
-        if answer is not None:
-            return await self._answer(call, answer)
-        return await self.http.forward_unchecked(call.request, call.route, call.headers,
-                                                 call.body, call.timing, read_timeout_s=None)
+        if answer is None:
+            call.forwarded = True
+            answer = await self.send(call)
+            if answer.task_id is None and answer.result.error_kind == "tool":
+                return await self._answer(call, answer)
+            unread = self._unread(call, answer)
+            if unread is not None:
+                return await self._read_refused(call, unread, retry=answer.unreachable
+                                                is not None, pending=False)
+        if answer.open or answer.result.error is not None \
+                or tracked.passed_on is None or digest(answer.result.output) != tracked.passed_on:
+            return await self._read_refused(
+                call, "it shows the task other than as its exit passed it: a final task does "
+                "not change", retry=False, pending=False)
+        return await self._answer(call, answer)
 
     @staticmethod
     def _unread(call: A2aCall, answer: A2aAnswer) -> str | None:
@@ -357,11 +371,13 @@ class A2aAdapter:
         return None
 
     async def _read_refused(self, call: A2aCall, detail: str | None,
-                            retry: bool) -> web.StreamResponse:
+                            retry: bool, pending: bool = True) -> web.StreamResponse:
         assert call.read is not None
         message = (f"stepguard: run {call.shown_run!r}, step {call.step.name!r}: the "
                    f"{call.read.method} answer about task {call.read.task_id[:100]!r} cannot be "
-                   f"read to be checked ({detail}); the step's exit is still pending")
+                   f"read to be checked ({detail}); "
+                   f"{'the step' if pending else 'its step'}'s exit "
+                   f"{'is still pending' if pending else 'passed before'}")
         data = {"check": "request", "run": call.shown_run, "step": call.step.name,
                 "task_id": call.read.task_id}
         self.boundaries.call_refused(call.route, "unchecked_task", message, call.step.name,
@@ -471,7 +487,8 @@ class A2aAdapter:
             tracked = self.tasks.get(call.route, answer.task_id)
             # open since its send ended (a task key stored), not one a stream named just now
             was_open = tracked is not None and not tracked.checked and tracked.decided.is_set()
-            self._forgotten(self.tasks.checked(call, answer.task_id, None))
+            self._forgotten(self.tasks.checked(call, answer.task_id, None,
+                                               digest(answer.result.output)))
             if was_open:
                 await self._store_key(call, passed_key(call.route, answer.task_id))
         return await self._answer(call, answer)

@@ -9,7 +9,9 @@ and what became of its exit:
   auth-required). The step's exit is pending: only its entry is stored, so the step is not
   verified and steps `after` it are refused. Reads of the task are relayed while it stays open;
   the first read that shows it final is the step's exit, checked as the send's final state is.
-- passed: the exit was checked and let through; reads of the task are relayed.
+- passed: the exit was checked and let through; reads of the task are sent on, and their
+  answers relayed only when they show the final output the exit passed (a final task does not
+  change; one that did would reach the agent unchecked).
 - refused: the exit's violation; every read of the task is answered with it.
 
 At most `TASKS_KEPT` tasks are kept in memory (the least recently stored forgotten first; an
@@ -46,6 +48,9 @@ class Tracked:
     attempt: int
     checked: bool = False
     refused: Violated | None = None
+    # the digest of the final output its exit passed on (`joining.digest`): a later read must
+    # show the same (None: the exit passed on an output that cannot be digested)
+    passed_on: str | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)   # one read of the task at a time
     decided: asyncio.Event = field(default_factory=asyncio.Event)   # its send has ended
 
@@ -101,16 +106,18 @@ class Tasks:
             return []
         return self._store(key, Tracked(call, attempt))
 
-    def checked(self, call: A2aCall, task_id: str, refused: Violated | None) -> list[Tracked]:
-        """The exit of the task's send (or of a read of it) was checked: passed or `refused`.
-        Returns the open tasks forgotten to keep the bound."""
+    def checked(self, call: A2aCall, task_id: str, refused: Violated | None,
+                passed_on: str | None = None) -> list[Tracked]:
+        """The exit of the task's send (or of a read of it) was checked: passed on the output
+        of digest `passed_on`, or `refused`. Returns the open tasks forgotten to keep the
+        bound."""
         key = _key(call.route, task_id)
         tracked = self._tasks.get(key)
         gone: list[Tracked] = []
         if tracked is None:
             tracked = Tracked(call, 1)
             gone = self._store(key, tracked)
-        tracked.checked, tracked.refused = True, refused
+        tracked.checked, tracked.refused, tracked.passed_on = True, refused, passed_on
         tracked.decided.set()
         if refused is None:
             self._settle(key)

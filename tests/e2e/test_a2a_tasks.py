@@ -176,3 +176,19 @@ async def test_a_get_task_of_a_task_stepguard_never_saw_passes_through(tmp_path:
 
         assert data_of(read)["order_id"] == "O-26"
         assert await s.sg.store.runs() == []
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["blocking", "streamed"])
+async def test_a_task_read_again_after_its_exit_passed_is_relayed_as_the_agent_keeps_it(
+        tmp_path: Path, streaming: bool) -> None:
+    async with a2a_stack(tmp_path) as s, a2a_agent(s.desk_url, streaming=streaming) as agent:
+        looked_up = await agent.ask("lookup", "T-26")
+        event = agent.events[0]
+        task_id = event.task.id if event.HasField("task") else event.status_update.task_id
+        again = await agent.client.get_task(GetTaskRequest(id=task_id))
+
+        assert again.status.state == TaskState.TASK_STATE_COMPLETED
+        assert data_of(again) == looked_up
+        _, history = await s.run_of("T-26")
+        assert [(e["step"], e["boundary"], e["verdict"]) for e in history] == [
+            ("lookup", "entry", "pass"), ("lookup", "exit", "pass")]

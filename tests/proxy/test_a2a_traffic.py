@@ -500,3 +500,89 @@ async def test_learn_mode_does_not_count_an_unreadable_body_or_a_card_read_as_a_
     assert (unreadable.status, card.status) == (200, 200)     # relayed, never refused
     assert len(agent.seen) == 2
     assert learned_sends(p) == 0
+
+
+def sends_in_turn(*tasks: dict[str, Any]) -> Callable[[web.Request], Awaitable[web.Response]]:
+    """An agent answering the n-th send with the n-th of `tasks`, and a read with the last."""
+    left = list(tasks)
+    seen: list[str] = []
+
+    async def handle(request: web.Request) -> web.Response:
+        message = await request.json()
+        seen.append(message["method"])
+        body = left.pop(0) if len(left) > 1 else left[0]
+        result = {"task": body} if message["method"] == "SendMessage" else body
+        return web.json_response({"jsonrpc": "2.0", "id": message["id"], "result": result})
+
+    return handle
+
+
+def follow_up(**data: Any) -> bytes:
+    """The client's answer to an input-required task: a new message naming the task."""
+    message = send("SendMessage", **data)
+    message["params"]["message"].update(messageId="m2", taskId="t1")
+    return orjson.dumps(message)
+
+
+async def test_a_follow_up_send_to_an_input_required_task_is_checked_as_a_new_entry(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    agent = await make_upstream(sends_in_turn(task("TASK_STATE_INPUT_REQUIRED"),
+                                              task("TASK_STATE_COMPLETED", price=12.5)))
+    p = await proxy(a2a_contract(agent.url))
+    await p.client.post(SEND, data=orjson.dumps(send("SendMessage")), headers=RUN)
+
+    refused = await (await p.client.post(SEND, data=follow_up(sku=""), headers=RUN)).json()
+
+    assert (refused["error"]["code"], refused["error"]["data"]["check"]) == (-31000,
+                                                                              "precondition")
+    assert agent.hits() == 1                  # the follow-up never reached the agent
+    assert [(e["boundary"], e["verdict"]) for e in await p.history("r1")] == [
+        ("entry", "pass"), ("entry", "violation")]
+
+
+async def test_the_answer_that_completes_a_followed_up_task_is_the_steps_exit(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    agent = await make_upstream(sends_in_turn(task("TASK_STATE_INPUT_REQUIRED"),
+                                              task("TASK_STATE_COMPLETED", price=12.5)))
+    p = await proxy(a2a_contract(agent.url))
+    await p.client.post(SEND, data=orjson.dumps(send("SendMessage")), headers=RUN)
+
+    done = await (await p.client.post(SEND, data=follow_up(sku="S-2"), headers=RUN)).json()
+
+    assert done["result"]["task"]["status"]["state"] == "TASK_STATE_COMPLETED"
+    history = await p.history("r1")
+    assert [(e["boundary"], e["verdict"]) for e in history] == [
+        ("entry", "pass"), ("entry", "pass"), ("exit", "pass")]
+    assert history[1]["input"]["taskId"] == "t1"
+    envelope = await p.sg.store.load("r1")
+    assert envelope is not None and "quote" in envelope.verified
+
+
+async def test_a_read_showing_a_passed_task_other_than_its_exit_passed_it_is_refused(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    agent = await make_upstream(sends_in_turn(task("TASK_STATE_COMPLETED", price=12.5),
+                                              task("TASK_STATE_COMPLETED", price=0)))
+    p = await proxy(a2a_contract(agent.url))
+    await p.client.post(SEND, data=orjson.dumps(send("SendMessage")), headers=RUN)
+
+    refused = await (await p.client.post(SEND, data=get_task())).json()
+
+    assert (refused["id"], refused["error"]["code"]) == ("g1", -31002), refused
+    assert "a final task does not change" in refused["error"]["message"]
+    assert "price" not in orjson.dumps(refused).decode()     # nothing of the answer relayed
+    assert [(e["boundary"], e["verdict"]) for e in await p.history("r1")] == [
+        ("entry", "pass"), ("exit", "pass")]
+
+
+async def test_a_json_rpc_error_answering_a_read_of_a_passed_task_is_relayed(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    not_cancelable = web.json_response({"jsonrpc": "2.0", "id": "g1", "error": {
+        "code": -32002, "message": "Task cannot be canceled"}})
+    agent = await make_upstream(answering(task("TASK_STATE_COMPLETED", price=12.5),
+                                          not_cancelable))
+    p = await proxy(a2a_contract(agent.url))
+    await p.client.post(SEND, data=orjson.dumps(send("SendMessage")), headers=RUN)
+
+    answer = await (await p.client.post(SEND, data=get_task(method="CancelTask"))).json()
+
+    assert answer["error"] == {"code": -32002, "message": "Task cannot be canceled"}
