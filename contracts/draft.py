@@ -77,6 +77,10 @@ __all__ = [
 
 PASS, REJECT, FAIL, PENDING = "pass", "rejected", "failed", "pending"
 _NAME = re.compile(r"[^A-Za-z0-9_]+")
+# fields whose members rules are inferred on, by traffic (`Call.names`): an A2A message's and
+# task's data parts, merged under `data`
+NESTED: dict[str, tuple[str, ...]] = {"a2a": ("data",)}
+_MEMBER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _DATE_TIME = re.compile(r"^\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(\.\d+)?([Zz]|[+-]\d{2}:\d{2})$")
 _CODE = re.compile(r"[A-Za-z0-9_.:/+-]{1,64}")
 _ARG = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
@@ -112,14 +116,42 @@ class Call:
     joined: bool = False            # a model's tool call whose execution was seen
     seq: int = 0                    # the learned event's seq in its run (the model's, joined)
 
-    def usable(self, side: str, name: str) -> bool:
-        """Whether the top-level field `name` of `side` (input, output) is evidence."""
+    def names(self, side: str) -> list[str]:
+        """The fields of `side` (input, output) rules are inferred on: its top-level fields,
+        and for A2A traffic the members of `data` (`data.order_id`) in its stead, where a
+        message's and an artifact's data parts are merged (the entity's values live there)."""
         value = getattr(self, side)
-        if not isinstance(value, dict) or name not in value:
+        if not isinstance(value, dict):
+            return []
+        out: list[str] = []
+        for name, inner in value.items():
+            if name in NESTED.get(self.traffic, ()) and isinstance(inner, dict):
+                out += [f"{name}.{k}" for k in inner if _MEMBER.fullmatch(k)]
+            else:
+                out.append(name)
+        return out
+
+    def field(self, side: str, name: str) -> Any:
+        """The value of field `name` of `side` (one of `names`: `data.order_id` is a member)."""
+        value = getattr(self, side)
+        head, dot, tail = name.partition(".")
+        return value[head][tail] if dot and head in NESTED.get(self.traffic, ()) else value[name]
+
+    def usable(self, side: str, name: str) -> bool:
+        """Whether the field `name` of `side` (input, output) is evidence."""
+        value = getattr(self, side)
+        head, dot, tail = name.partition(".")
+        if dot and head in NESTED.get(self.traffic, ()):
+            value = value.get(head) if isinstance(value, dict) else None
+            name_in = tail
+        else:
+            name_in = name
+        if not isinstance(value, dict) or name_in not in value:
             return False
         path = f"{side}.{name}"
-        return not (holds_redacted(value[name])
-                    or any(p == path or p.startswith(path + ".") for p in self.redacted))
+        return not (holds_redacted(value[name_in])
+                    or any(p == path or p.startswith(path + ".") or path.startswith(p + ".")
+                           for p in self.redacted))
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,7 +195,7 @@ class Learned:
 
     runs: list[LearnedRun]
     matches: dict[str, list[dict[str, Any]]]
-    upstreams: dict[str, str]        # upstream name -> traffic (http, mcp, model)
+    upstreams: dict[str, str]        # upstream name -> traffic (http, mcp, model, a2a)
 
 
 def learned_runs(runs: Iterable[RecordedRun]) -> Learned:
@@ -175,6 +207,7 @@ def learned_runs(runs: Iterable[RecordedRun]) -> Learned:
     and its execution stored apart (as learn mode once did) are one call too (`_join`)."""
     raw = [(run, seen) for run in runs if (seen := _observations(run))]
     names = _route_names([o for _, seen in raw for _, o in seen])
+    skills = _skill_names([o for _, seen in raw for _, o in seen], set(names.values()))
     matches: dict[str, list[dict[str, Any]]] = {}
     upstreams: dict[str, str] = {}
     out = []
@@ -187,7 +220,8 @@ def learned_runs(runs: Iterable[RecordedRun]) -> Learned:
                                   PASS if obs.error is None else FAIL,
                                   redacted=frozenset(obs.redacted), seq=seq))
                 continue
-            step = obs.tool if obs.tool else names[_route(obs)]
+            step = obs.tool or (skills[obs.upstream, obs.skill] if obs.skill
+                                else names[_route(obs)])
             for entry in _entries(obs):
                 if entry not in matches.setdefault(step, []):
                     matches[step].append(entry)
@@ -206,6 +240,8 @@ def learned_runs(runs: Iterable[RecordedRun]) -> Learned:
 def _entries(obs: Observation) -> list[dict[str, Any]]:
     """The match entries a call is reached by: its tool, its HTTP route, or both (an HTTP call
     that executed a model's tool call)."""
+    if obs.skill:
+        return [{"upstream": obs.upstream, "skill": obs.skill}]
     route = {"upstream": obs.upstream, "method": obs.method, "path": obs.path}
     if not obs.tool:
         return [route]
@@ -216,8 +252,23 @@ def _route(obs: Observation) -> tuple[str, str, str]:
     return obs.upstream, obs.method or "", obs.path or "/"
 
 
+def _skill_names(observations: list[Observation], routes: set[str]) -> dict[tuple[str, str], str]:
+    """An A2A skill's step: named for the skill, unless a tool or route has that name (a step
+    matching a skill and a tool reads a send as the tool's call, data in and out, not as the
+    message it was learned as): then for the skill and its agent."""
+    taken = routes | {o.tool for o in observations if o.tool}
+    names: dict[tuple[str, str], str] = {}
+    for upstream, skill in sorted({(o.upstream, o.skill) for o in observations if o.skill}):
+        name = _identifier(skill)
+        if name in taken or name in names.values():
+            name = _identifier(f"{skill}_{upstream}")
+        names[upstream, skill] = name
+    return names
+
+
 def _route_names(observations: list[Observation]) -> dict[tuple[str, str, str], str]:
-    routes = sorted({_route(o) for o in observations if not o.tool and not o.final})
+    routes = sorted({_route(o) for o in observations
+                     if not o.tool and not o.skill and not o.final})
     names: dict[tuple[str, str, str], str] = {}
     taken: dict[str, tuple[str, str, str]] = {}
     for route in routes:
@@ -407,13 +458,13 @@ class _Drafter:
 
     def upstream_doc(self) -> dict[str, Any]:
         seen: dict[str, str] = {}
-        kinds = {"http": "http", "mcp": "mcp", "model": "openai"}
+        kinds = {"http": "http", "mcp": "mcp", "model": "openai", "a2a": "a2a"}
+        for name, traffic in self.traffic.items():
+            seen.setdefault(name, kinds[traffic])
         for entries in self.matches.values():
             for entry in entries:
                 if "upstream" in entry:
                     seen.setdefault(entry["upstream"], "http")
-        for name, traffic in self.traffic.items():
-            seen.setdefault(name, kinds[traffic])
         out: dict[str, Any] = {}
         for name in sorted(seen):
             if name in self.upstreams:
@@ -504,7 +555,7 @@ class _Drafter:
         """The earliest (step, side, field) whose latest verified value in the run the field
         always equalled, and in how many runs, if there is one."""
         runs = self.with_step[step]
-        values = {orjson.dumps(c.input[name] if side == "input" else c.output[name])
+        values = {orjson.dumps(c.field(side, name))
                   for r in runs for c in r.calls if c.step == step and c.usable(side, name)}
         if len(values) < 2:
             return None     # one value everywhere: a constant, not an entity of the run
@@ -523,7 +574,8 @@ class _Drafter:
     def record(self, step: str, side: str, name: str) -> str:
         key = self.records.get((step, side, name))
         if key is None:
-            key = name if name not in self.records.values() else _identifier(f"{step}_{name}")
+            key = _identifier(name)
+            key = key if key not in self.records.values() else _identifier(f"{step}_{name}")
             self.records[(step, side, name)] = key
         return key
 
@@ -595,7 +647,7 @@ class _Drafter:
         for name in _fields(runs, step, "output"):
             if f"output.{name}" in linked or is_redacted(name):
                 continue
-            seen = {_canonical(c.output[name]) for r in runs for c in r.calls
+            seen = {_canonical(c.field("output", name)) for r in runs for c in r.calls
                     if c.step == step and c.outcome == PASS and c.usable("output", name)}
             present = all(c.usable("output", name) for r in runs for c in r.calls
                           if c.step == step and c.outcome == PASS)
@@ -669,7 +721,7 @@ class _Drafter:
             return None
         name, value = claim
         # every final carrying the claim field says the same (an earlier answer too)
-        if any(c.usable("output", name) and c.output[name] != value
+        if any(c.usable("output", name) and c.field("output", name) != value
                for _, f in finals for c in f):
             return None
         return [(r, f[-1]) for r, f in finals], name, value, len(self.runs)
@@ -688,7 +740,7 @@ class _Drafter:
             return None     # the step is not always last: its result claims no completion
         # a field another step's result also carried says nothing about the end
         elsewhere = {n for r in self.runs for c in r.calls if c.step != step
-                     and isinstance(c.output, dict) for n in c.output}
+                     for n in c.names("output")}
         claim = _one_value_field([c for _, c in ends], [
             n for n in _fields([r for r, _ in ends], step, "output") if n not in elsewhere])
         if claim is None:
@@ -710,33 +762,36 @@ class _Drafter:
         step = calls[0].step
         proofs = []
         for name in _fields([r for r, _ in ends], step, "output"):
-            values = [_canonical(c.output[name]) for c in calls if c.usable("output", name)]
+            values = [_canonical(c.field("output", name)) for c in calls
+                      if c.usable("output", name)]
             if len(values) < self.min_runs or len(values) != len(calls) \
                     or len(set(values)) != len(values) or is_redacted(name) \
-                    or not all(isinstance(c.output[name], str | int) for c in calls) \
+                    or not all(isinstance(c.field("output", name), str | int) for c in calls) \
                     or (step, "output", name) in repeated \
                     or self.source(step, "output", name) is not None:
                 continue
             key = self.record(step, "output", name)
             proofs.append(f"has(state.{key})" + (f" && state.{key} != \"\"" if all(
-                isinstance(c.output[name], str) for c in calls) else ""))
+                isinstance(c.field("output", name), str) for c in calls) else ""))
             self.optional(step, name)
         return proofs
 
     def optional(self, step: str, name: str) -> None:
         """`name` no longer required by the step's output schema (the completion proof checks
-        it: its absence is a false completion, not a changed shape)."""
+        it: its absence is a false completion, not a changed shape). A member (`data.closure_id`)
+        is unrequired in every object of that name the schema holds: an A2A task's `data` and
+        each artifact's, which `data` merges."""
         schema = self.schemas.get(f"{step}.output")
-        if schema is None or name not in schema.get("required", []):
+        if schema is None:
             return
-        schema["required"] = [k for k in schema["required"] if k != name]
-        if not schema["required"]:
-            del schema["required"]
-        schema.setdefault("x-optional", {})[name] = "checked by the completion proof"
+        head, dot, tail = name.partition(".")
+        for inner in _named_objects(schema, head) if dot else [schema]:
+            _unrequire(inner, tail if dot else name)
 
     def final_source(self, ends: list[tuple[LearnedRun, Call]],
                      name: str) -> tuple[str, str, str] | None:
-        values = {_canonical(c.output.get(name)) for _, c in ends if c.usable("output", name)}
+        values = {_canonical(c.field("output", name)) for _, c in ends
+                  if c.usable("output", name)}
         if len(values) < 2 or not all(c.usable("output", name) for _, c in ends):
             return None
         for origin in self.order:
@@ -850,7 +905,7 @@ def _one_value_field(calls: Sequence[Call], names: Iterable[str]) -> tuple[str, 
     """The first of `names` that every call's output carried as evidence with one value, a
     boolean or a string: a claim."""
     for name in names:
-        seen = {_canonical(c.output[name]) for c in calls if c.usable("output", name)}
+        seen = {_canonical(c.field("output", name)) for c in calls if c.usable("output", name)}
         if len(seen) != 1 or not all(c.usable("output", name) for c in calls):
             continue
         value = orjson.loads(next(iter(seen)))
@@ -878,8 +933,8 @@ def _always_equal(run: LearnedRun, step: str, side: str, name: str, origin: str,
         before = _latest(run, i, origin)
         if before is None or not before.usable(origin_side, origin_name):
             return False
-        if _canonical(getattr(call, side)[name]) != _canonical(
-                getattr(before, origin_side)[origin_name]):
+        if _canonical(call.field(side, name)) != _canonical(
+                before.field(origin_side, origin_name)):
             return False
     return True
 
@@ -889,7 +944,8 @@ def _final_equal(run: LearnedRun, final: Call, name: str, origin: str, side: str
     index = run.calls.index(final)
     before = _latest(run, index, origin)
     return (before is not None and before.usable(side, origin_name)
-            and _canonical(final.output[name]) == _canonical(getattr(before, side)[origin_name]))
+            and _canonical(final.field("output", name))
+            == _canonical(before.field(side, origin_name)))
 
 
 def _ages(runs: Sequence[LearnedRun], step: str, side: str, name: str) -> list[float]:
@@ -900,22 +956,45 @@ def _ages(runs: Sequence[LearnedRun], step: str, side: str, name: str) -> list[f
         for call in run.calls:
             if call.step != step or (side == "output" and call.outcome != PASS):
                 continue
-            value = getattr(call, side)[name] if call.usable(side, name) else None
+            value = call.field(side, name) if call.usable(side, name) else None
             if not isinstance(value, str) or not _DATE_TIME.match(value):
                 return []
             ages.append(call.at - _seconds(value))
     return ages
 
 
+def _named_objects(schema: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    """The schemas of the properties called `name` anywhere in `schema` (through properties
+    and array items)."""
+    found: list[dict[str, Any]] = []
+    for key, inner in (schema.get("properties") or {}).items():
+        if isinstance(inner, dict):
+            if key == name:
+                found.append(inner)
+            found += _named_objects(inner, name)
+    items = schema.get("items")
+    if isinstance(items, dict):
+        found += _named_objects(items, name)
+    return found
+
+
+def _unrequire(schema: dict[str, Any], name: str) -> None:
+    if name not in schema.get("required", []):
+        return
+    schema["required"] = [k for k in schema["required"] if k != name]
+    if not schema["required"]:
+        del schema["required"]
+    schema.setdefault("x-optional", {})[name] = "checked by the completion proof"
+
+
 def _fields(runs: Sequence[LearnedRun], step: str, side: str) -> list[str]:
-    """Top-level fields of `side` that some call of `step` carried as evidence, in first-seen
-    order."""
+    """The fields (`Call.names`) of `side` that some call of `step` carried as evidence, in
+    first-seen order."""
     out: dict[str, None] = {}
     for run in runs:
         for call in run.calls:
-            value = getattr(call, side)
-            if call.step == step and isinstance(value, dict):
-                for name in value:
+            if call.step == step:
+                for name in call.names(side):
                     if call.usable(side, name):
                         out.setdefault(name, None)
     return list(out)

@@ -17,7 +17,7 @@ __all__ = ["LEARNED", "Observation", "Traffic", "Verbatim"]
 
 LEARNED = "learned"     # the `kind` of a learned event
 
-Traffic = Literal["http", "model", "mcp"]
+Traffic = Literal["http", "model", "mcp", "a2a"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,12 +37,15 @@ class Observation:
     - `traffic`, `upstream`: the traffic kind and the contract's upstream name it came through;
     - `tool`: the model or MCP tool name (None for plain HTTP, unless the call executed a
       model's tool call: then that call's tool);
+    - `skill`: the A2A skill a send asked for (None for other traffic);
     - `method`, `path`: the HTTP method and the path as steps match it (`normal_path`);
-      None for model and MCP calls;
+      None for model, MCP and A2A calls;
     - `input`: the call's arguments (model tool-call arguments, MCP `arguments`, the HTTP JSON
-      body), redacted; None when there were none or they were not JSON;
+      body, an A2A send's message as an entry reads it), redacted; None when there were none
+      or they were not JSON;
     - `output`: the result (the HTTP JSON body, MCP `structuredContent` or the JSON of its text
-      content, the model tool result when the agent sends it back), redacted; None when unseen.
+      content, the model tool result when the agent sends it back, an A2A task's final state
+      and artifacts as an exit reads them), redacted; None when unseen.
       Before it is stored, an HTTP body may be a `Verbatim` (the text it came as);
     - `status`: the HTTP status the upstream answered (None for model tool calls);
     - `error`: why there is no usable result (transport failure, timeout, MCP `isError`, a body
@@ -61,6 +64,7 @@ class Observation:
     upstream: str
     at: float
     tool: str | None = None
+    skill: str | None = None
     method: str | None = None
     path: str | None = None
     input: Any = None
@@ -76,7 +80,7 @@ class Observation:
         """The event fields this observation is stored as (the store adds `seq` and `ts`)."""
         out: dict[str, Any] = {"kind": LEARNED, "traffic": self.traffic,
                                "upstream": self.upstream, "at": self.at}
-        for name in ("tool", "method", "path", "input", "output", "status", "error", "call_id",
+        for name in ("tool", "skill", "method", "path", "input", "output", "status", "error", "call_id",
                      "joined"):
             value = getattr(self, name)
             if value is not None:
@@ -93,7 +97,8 @@ class Observation:
         if event.get("kind") != LEARNED:
             return None
         return cls(traffic=event["traffic"], upstream=event["upstream"], at=event["at"],
-                   tool=event.get("tool"), method=event.get("method"), path=event.get("path"),
+                   tool=event.get("tool"), skill=event.get("skill"),
+                   method=event.get("method"), path=event.get("path"),
                    input=event.get("input"), output=event.get("output"),
                    status=event.get("status"), error=event.get("error"),
                    final=bool(event.get("final")), call_id=event.get("call_id"),

@@ -24,7 +24,8 @@ A violation is a JSON-RPC error answering the send's id (code -31000, details in
 the JSON answer or as the event that ends the stream, so the `a2a-sdk` client raises. A stream
 is relayed event by event; only its final event is held until the exit check.
 
-In learn mode A2A traffic is relayed, not recorded: a send is counted as such (`_unlearned`).
+In learn mode every request is relayed unchanged, and a send whose task ends final in its answer
+is recorded (`_learn`): its message and the task's final state, as entry and exit read them.
 
 Every POST body is parsed with `unique_keys`; one that is not strict JSON, a batch holding a
 send or a task's read or list, a send whose message cannot be read, or a read whose answer does
@@ -46,11 +47,12 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from stepguard.contracts.errors import StoreError
+from stepguard.contracts.learned import Observation
 from stepguard.contracts.runs import RunBook
 from stepguard.metrics.observer import Observer
 from stepguard.proxy.a2a.rpc import refusal_for
 from stepguard.proxy.a2a.tasks import Tasks, Tracked, passed_key, task_key
-from stepguard.proxy.a2a.upstream import A2aAnswer, A2aCall, A2aUpstream
+from stepguard.proxy.a2a.upstream import A2aAnswer, A2aCall, A2aUpstream, learned_answer
 from stepguard.proxy.a2a.wire import (
     Send,
     TaskList,
@@ -80,6 +82,7 @@ from stepguard.proxy.core.jsonrpc import (
     rpc_error,
     titled_error,
 )
+from stepguard.proxy.core.learning import learn_step
 from stepguard.proxy.core.routing import Route
 from stepguard.proxy.core.unchecked import UncheckedForwarder
 
@@ -128,8 +131,9 @@ class A2aAdapter:
         headers = end_to_end(request.headers)
         if request.method == "GET" and route.raw_path.endswith(CARD_PATH):
             return await self._card(request, route, headers, body, timing)
-        if route.contract.learning and not self.settings.passthrough:
-            self._unlearned(request, route, body)
+        if route.contract.learning and not self.settings.passthrough \
+                and request.method == "POST":
+            return await self._learn(request, route, headers, body, timing)
         if self.settings.passthrough or route.contract.learning or (
                 request.method == "GET" and route.raw_path.endswith(LEGACY_CARD_PATH)):
             return await self.http.forward_unchecked(request, route, headers, body, timing)
@@ -161,20 +165,47 @@ class A2aAdapter:
                                                      read_timeout_s=None)
         return await self._checked(request, route, headers, body, timing, send)
 
-    def _unlearned(self, request: web.Request, route: Route, body: bytes) -> None:
-        """Learn mode records no A2A traffic yet: a send it relays is counted as not recorded
-        (`stepguard_learn_dropped_total{reason="a2a"}`, and a `learn_dropped` log line), so
-        that a contract drafted from the store is known to lack the agent's steps. Reads of
-        tasks and the agent card are not counted; a body that cannot be read is relayed, as
-        learn mode never refuses."""
-        if request.method != "POST":
-            return
+    async def _learn(self, request: web.Request, route: Route, headers: CIMultiDict[str],
+                     body: bytes, timing: Timing) -> web.StreamResponse:
+        """Learn mode: every request relayed unchanged; a send recorded in its run (found by
+        the contract's run keys) with its message and its task's final state, as a checked
+        send's entry and exit read them. A send whose task is still open when its answer
+        ends (its exit would come from a later read) is relayed and not recorded, counted
+        (`stepguard_learn_dropped_total{reason="a2a_open"}`); so is one naming no skill
+        (`no_skill`). Reads of tasks, lists and unreadable bodies are relayed."""
+        contract, learner, agent = route.contract, self.boundaries.learner, route.upstream.name
         try:
             send = self._send(request, body)
         except (BodyError, WireError):
-            return
-        if isinstance(send, Send):
-            self.boundaries.learner.dropped(route.contract, "a2a")
+            send = None
+        skill = send.skill if isinstance(send, Send) else None
+        if isinstance(send, Send) and skill is None:
+            known = self.skills.get((contract.workflow, agent), ())
+            skill = known[0] if len(known) == 1 else None
+            if skill is None:
+                learner.dropped(contract, "no_skill")
+        if not isinstance(send, Send) or skill is None:
+            return await self.http.forward_unchecked(request, route, headers, body, timing,
+                                                     read_timeout_s=None)
+        step = learn_step(skill, agent, skill=skill)
+        keyed = await self.boundaries.run_keys.resolve(contract, step, request.headers,
+                                                       send.arguments, call_input=send.data)
+        if keyed.run_id is None or not learner.room(contract, keyed.run_id):
+            if keyed.run_id is None:
+                learner.dropped(contract, keyed.reason or NO_RUN_KEY)
+            return await self.http.forward_unchecked(request, route, headers, body, timing,
+                                                     read_timeout_s=None)
+        kept = Kept(learner.max_run_bytes)
+        answer = await self.http.forward_unchecked(request, route, headers, body, timing,
+                                                   read_timeout_s=None, kept=kept)
+        result = learned_answer(kept, send.rpc_id, self.settings.max_json_depth)
+        if open_task(result) is not None:
+            learner.dropped(contract, "a2a_open", keyed.run_id)
+            return answer
+        await learner.record(contract, keyed.run_id, Observation(
+            TRAFFIC, agent, timing.arrived, skill=skill, input=send.input,
+            output=result.output, status=kept.status, error=result.error))
+        return answer
 
     def _send(self, request: web.Request, body: bytes) -> Send | TaskRead | TaskList | None:
         """The send this POST carries, the read of a task, or a list of tasks, None for any

@@ -30,16 +30,24 @@ from stepguard.proxy.core.forward import (
     HOP_BY_HOP,
     ClientEnd,
     Forwarder,
+    Kept,
     UpstreamError,
     ask_for_identity,
     end_to_end,
 )
 from stepguard.proxy.core.h1client import H1Response, UpstreamConnectionError
 from stepguard.proxy.core.holds import Target, http_target
-from stepguard.proxy.core.sse import EventTooDeep, EventTooLarge, SSESplitter, event_json, events_to_end
+from stepguard.proxy.core.sse import (
+    EventTooDeep,
+    EventTooLarge,
+    SSESplitter,
+    decode_event,
+    event_json,
+    events_to_end,
+)
 from stepguard.proxy.core.unchecked import upstream_url
 
-__all__ = ["A2aAnswer", "A2aCall", "A2aUpstream"]
+__all__ = ["A2aAnswer", "A2aCall", "A2aUpstream", "learned_answer"]
 
 
 @dataclass(slots=True)
@@ -212,3 +220,50 @@ def _rpc_failure(message: dict[str, Any]) -> ToolResult:
     error: dict[str, Any] = message["error"] if isinstance(message.get("error"), dict) else {}
     return ToolResult(None, error=f"JSON-RPC error {error.get('code')}: "
                       f"{str(error.get('message'))[:300]}", error_kind="tool")
+
+
+
+def learned_answer(kept: Kept, rpc_id: Any, max_depth: int) -> ToolResult:
+    """What learn mode reads of a send's answer, as relayed (JSON, or the event stream that
+    answered it): the result its exit would be checked on (`task_result`; a stream's events
+    read as a checked send's are), or why there is none."""
+    if kept.status is None:
+        return ToolResult(None, error="no answer", error_kind="transport")
+    if kept.over:
+        return ToolResult(None, error=f"the answer is over {kept.limit} bytes "
+                          "(--learn-max-run-bytes)", error_kind="transport")
+    if kept.status >= 300:
+        return ToolResult(kept.status, error=f"A2A agent answered {kept.status}",
+                          error_kind="transport")
+    headers = kept.headers if kept.headers is not None else CIMultiDict[str]()
+    stream = "text/event-stream" in headers.get("content-type", "")
+    if not kept.whole and not stream:     # a stream's whole events are read, however it ended
+        return ToolResult(None, error="the answer was cut short", error_kind="transport")
+    try:
+        raw = decode(bytes(kept.body), headers.get("content-encoding"), kept.limit)
+        if not stream:
+            message = _answering(parse_json(raw, "A2A agent response", max_depth), rpc_id)
+            return _rpc_failure(message) if "error" in message else task_result(
+                message["result"])
+        state = StreamState()
+        splitter = SSESplitter(kept.limit)
+        for _, event in [*splitter.feed(raw), (b"", decode_event(splitter.rest()))]:
+            if event is None or not event.data:
+                continue
+            message = _answering(event_json(event.data, max_depth), rpc_id)
+            if "error" in message:
+                return _rpc_failure(message)
+            final = state.final(message["result"])
+            if final is not None:
+                return final
+        return ToolResult(None, error="the stream ended before the task was final",
+                          error_kind="transport")
+    except (BodyError, EventTooLarge, EventTooDeep, WireError) as exc:
+        return ToolResult(None, error=f"the A2A answer cannot be read: {exc}", error_kind="parse")
+
+
+def _answering(message: Any, rpc_id: Any) -> dict[str, Any]:
+    if not isinstance(message, dict) or message.get("id") != rpc_id \
+            or ("result" not in message and "error" not in message):
+        raise WireError("a message is not a JSON-RPC response to the send")
+    return message

@@ -63,10 +63,11 @@ def learning(contract: Contract) -> Contract:
 
 
 def learn_step(name: str, upstream: str, method: str | None = None, path: str | None = None,
-               tool: str | None = None) -> Step:
+               tool: str | None = None, skill: str | None = None) -> Step:
     """The step a learned call is correlated as (run keys, joining): named for the call (the
-    tool's name, else `METHOD /path`), with no checks and no `after` (it may start a run)."""
-    return Step(name, 0, Match(upstream, method, path, tool))
+    tool's or A2A skill's name, else `METHOD /path`), with no checks and no `after` (it may
+    start a run)."""
+    return Step(name, 0, Match(upstream, method, path, tool, skill))
 
 
 async def joined_step(pending: PendingCalls, contract: Contract, upstream: str, method: str,

@@ -1,7 +1,8 @@
 """`stepguard bench drift --drafted`: 20 clean runs of the agents recorded through `stepguard serve
 --learn`, a contract drafted from them by `stepguard draft`'s code and verified by replay, then the
 25 drifts and 10 controls run against it, beside the hand-written contract's column. Plain HTTP
-is the traffic kind CI runs (the fastest); docs/guides/from-traffic.md has all five measured."""
+and A2A are the traffic kinds CI runs (the fastest); docs/guides/from-traffic.md has all six
+measured."""
 
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ def bench_drafted(*more: str, timeout: float) -> subprocess.CompletedProcess[byt
                            "--drafted", *more], capture_output=True, timeout=timeout)
 
 
-@pytest.fixture(scope="module")
-def result() -> dict[str, Any]:
-    done = bench_drafted("--traffic", "http", "--learn-runs", "20", "--json", timeout=170)
+@pytest.fixture(scope="module", params=["http", "a2a"])
+def result(request: pytest.FixtureRequest) -> dict[str, Any]:
+    done = bench_drafted("--traffic", request.param, "--learn-runs", "20", "--json",
+                         timeout=170)
     assert done.returncode == 0, done.stderr.decode()
     table: dict[str, Any] = json.loads(done.stdout)
     return table

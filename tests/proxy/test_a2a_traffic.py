@@ -13,8 +13,9 @@ from typing import Any
 import orjson
 import pytest
 from aiohttp import web
-from sgtest import Proxy, Upstream
+from sgtest import Proxy, Upstream, stored_envelope
 
+from stepguard.contracts.learned import Observation
 from stepguard.contracts.loader import parse_contract
 from stepguard.contracts.model import Contract
 
@@ -465,31 +466,71 @@ async def test_a_list_of_tasks_after_a_restart_is_refused_while_a_stored_task_is
     assert (refused["error"]["code"], refused["error"]["data"]["task_id"]) == (-31002, "t1")
 
 
-def learned_sends(p: Proxy) -> float:
+def not_learned(p: Proxy, reason: str) -> float:
     return p.sg.metrics.registry.get_sample_value(
-        "stepguard_learn_dropped_total", {"workflow": "a2a-flow", "reason": "a2a"}) or 0.0
+        "stepguard_learn_dropped_total", {"workflow": "a2a-flow", "reason": reason}) or 0.0
 
 
-async def test_learn_mode_relays_an_a2a_send_unrecorded_and_counts_it_as_not_recorded(
+async def learned_in(p: Proxy, run: str) -> list[Observation]:
+    return [o for e in await p.history(run) if (o := Observation.from_event(e)) is not None]
+
+
+async def test_learn_mode_records_a_send_with_its_message_and_its_tasks_final_state(
         make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
-    done = {"task": {"id": "t1", "contextId": "c1", "status": {"state": "TASK_STATE_COMPLETED"},
-                     "artifacts": [ARTIFACT["artifactUpdate"]["artifact"]]}}
+    agent = await make_upstream(sends_in_turn(task("TASK_STATE_COMPLETED", price=12.5)))
+    p = await proxy(a2a_contract(agent.url), learn=True)
 
-    async def answer(_: web.Request) -> web.Response:
-        return web.json_response({"jsonrpc": "2.0", "id": "q1", "result": done})
+    resp = await p.client.post(SEND, data=orjson.dumps(send("SendMessage", sku="")),
+                               headers=RUN)      # a precondition would refuse it: relayed
 
-    agent = await make_upstream(answer)
+    assert (await resp.json())["result"]["task"]["status"]["state"] == "TASK_STATE_COMPLETED"
+    [seen] = await learned_in(p, "r1")
+    assert (seen.traffic, seen.upstream, seen.skill, seen.status, seen.error) == (
+        "a2a", "agent", "quote", 200, None)
+    assert seen.input["data"] == {"sku": ""} and seen.input["text"] == "a quote please"
+    assert (seen.output["state"], seen.output["data"]) == ("completed", {"price": 12.5})
+
+
+async def test_learn_mode_records_a_streamed_send_from_the_event_that_ends_it(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    agent = await make_upstream(streaming(TASK, ARTIFACT, last=final()))
+    p = await proxy(a2a_contract(agent.url), learn=True)
+
+    events = await events_of(await (await p.client.post(SEND, data=orjson.dumps(send()),
+                                                        headers=RUN)).read())
+
+    assert [e["result"] for e in events] == [TASK, ARTIFACT, final()]
+    # a stream is relayed to its end before its event is stored
+    await stored_envelope(p.sg.store, "r1", lambda e: e.seq == 1, "the send was not learned")
+    [seen] = await learned_in(p, "r1")
+    assert (seen.output["state"], seen.output["data"], seen.error) == (
+        "completed", {"price": 12.5}, None)
+
+
+async def test_learn_mode_records_a_failed_task_with_its_error(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    agent = await make_upstream(sends_in_turn(task("TASK_STATE_FAILED")))
+    p = await proxy(a2a_contract(agent.url), learn=True)
+
+    await p.client.post(SEND, data=orjson.dumps(send("SendMessage")), headers=RUN)
+
+    [seen] = await learned_in(p, "r1")
+    assert seen.error == "the A2A task ended failed"
+
+
+async def test_learn_mode_relays_a_send_whose_task_stays_open_and_counts_it_not_recorded(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    agent = await make_upstream(sends_in_turn(task("TASK_STATE_WORKING")))
     p = await proxy(a2a_contract(agent.url), learn=True)
 
     resp = await p.client.post(SEND, data=orjson.dumps(send("SendMessage")), headers=RUN)
 
-    assert resp.status == 200
-    assert (await resp.json())["result"] == done
-    assert await p.history("r1") == []
-    assert learned_sends(p) == 1
+    assert (await resp.json())["result"]["task"]["status"]["state"] == "TASK_STATE_WORKING"
+    assert await learned_in(p, "r1") == []
+    assert not_learned(p, "a2a_open") == 1
 
 
-async def test_learn_mode_does_not_count_an_unreadable_body_or_a_card_read_as_a_send(
+async def test_learn_mode_relays_unreadable_bodies_and_card_reads_and_records_neither(
         make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
     agent = await make_upstream()
     p = await proxy(a2a_contract(agent.url), learn=True)
@@ -499,7 +540,21 @@ async def test_learn_mode_does_not_count_an_unreadable_body_or_a_card_read_as_a_
 
     assert (unreadable.status, card.status) == (200, 200)     # relayed, never refused
     assert len(agent.seen) == 2
-    assert learned_sends(p) == 0
+    assert await p.history("r1") == []
+
+
+async def test_learn_mode_counts_a_send_naming_no_skill_of_an_unknown_agent_not_recorded(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    agent = await make_upstream(sends_in_turn(task("TASK_STATE_COMPLETED", price=1.0)))
+    p = await proxy(a2a_contract(agent.url), learn=True)
+    message = send("SendMessage")
+    del message["params"]["metadata"]
+
+    resp = await p.client.post(SEND, data=orjson.dumps(message), headers=RUN)
+
+    assert resp.status == 200 and agent.hits() == 1
+    assert await learned_in(p, "r1") == []
+    assert not_learned(p, "no_skill") == 1
 
 
 def sends_in_turn(*tasks: dict[str, Any]) -> Callable[[web.Request], Awaitable[web.Response]]:

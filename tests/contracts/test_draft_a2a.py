@@ -1,0 +1,93 @@
+"""contracts/draft.py on A2A traffic: a skill is a step matched by agent and skill, and rules are
+inferred on the members of a message's and a task's `data` (where A2A carries the entity's
+values), written as `input.data.X` / `output.data.X`, so the drafted contract reads a send as
+enforcement does."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/learntest.py
+
+from learntest import T0, WORKFLOW, compile_, recorded
+
+from stepguard.contracts.draft import PASSED, Draft, draft, learned_runs, settle
+from stepguard.contracts.learned import Observation
+from stepguard.contracts.recorded import RecordedRun
+
+
+def message(context: str, **data: Any) -> dict[str, Any]:
+    return {"text": "", "data": data, "files": [], "parts": [{"kind": "data", "data": data}],
+            "contextId": context, "taskId": None, "metadata": {}, "skill": None}
+
+
+def task(context: str, task_id: str, **data: Any) -> dict[str, Any]:
+    return {"state": "completed", "text": "", "data": data, "files": [],
+            "artifacts": [{"name": "answer", "artifactId": "a1", "text": "", "data": data,
+                           "files": []}],
+            "taskId": task_id, "contextId": context}
+
+
+def send(t: float, skill: str, given: dict[str, Any], answered: dict[str, Any]) -> Observation:
+    return Observation("a2a", "desk", t, skill=skill, input=given, output=answered, status=200)
+
+
+def ticket_run(i: int) -> list[Observation]:
+    t, context = T0 + i * 100, f"ctx-{i}"
+    return [
+        send(t, "lookup", message(context, ticket_id=f"T-{i}"),
+             task(context, f"t{i}a", ticket_id=f"T-{i}", order_id=f"O-{i}")),
+        send(t + 1, "close", message(context, order_id=f"O-{i}"),
+             task(context, f"t{i}b", done=True, closure_id=f"CL-{i}")),
+    ]
+
+
+def drafted(n: int = 6) -> tuple[Draft, list[RecordedRun]]:
+    runs = [recorded(f"run-{i}", ticket_run(i)) for i in range(n)]
+    return draft(learned_runs(runs), WORKFLOW, 5), runs
+
+
+def test_a_skill_is_a_step_matched_by_its_agent_and_skill_on_an_a2a_upstream() -> None:
+    result, _ = drafted()
+    assert result.document["steps"]["lookup"]["match"] == {"upstream": "desk", "skill": "lookup"}
+    assert result.document["upstreams"]["desk"]["kind"] == "a2a"
+
+
+def test_a_value_carried_in_data_from_one_send_to_the_next_is_a_freshness_link() -> None:
+    result, _ = drafted()
+    close = result.document["steps"]["close"]
+    assert {"expr": "input.data.order_id == state.data_order_id", "drift": "freshness"}.items() \
+        <= close["precondition"][0].items()
+    assert result.document["steps"]["lookup"]["record"]["data_order_id"] == "output.data.order_id"
+
+
+def test_a_done_flag_in_the_last_tasks_data_is_the_completion_claim_its_receipt_the_proof() -> None:
+    result, _ = drafted()
+    completion = result.document["completion"]
+    assert completion["claim"] == "has(output.data.done) && output.data.done == true"
+    assert "has(state.data_closure_id)" in completion["proof"]
+    # a task without the receipt is a false completion, not a changed shape: no longer required
+    # in the task's data nor in its artifact's
+    schema = result.document["schemas"]["close.output"]
+    assert "closure_id" not in schema["properties"]["data"].get("required", [])
+    artifact = schema["properties"]["artifacts"]["items"]["properties"]["data"]
+    assert "closure_id" not in artifact.get("required", [])
+
+
+def test_every_learned_a2a_run_passes_the_drafted_contract_on_replay() -> None:
+    result, runs = drafted()
+    verdicts = settle(result, learned_runs(runs).runs, compile_)
+    assert [v.status for v in verdicts] == [PASSED] * len(runs)
+
+
+def test_a_skill_named_as_a_tool_gets_a_step_of_its_own() -> None:
+    def run(i: int) -> list[Observation]:
+        t = T0 + i * 100
+        return [Observation("model", "model", t, tool="lookup", input={"q": i},
+                            call_id=f"c{i}", output={"ok": True}), *ticket_run(i)]
+    result = draft(learned_runs([recorded(f"run-{i}", run(i)) for i in range(6)]), WORKFLOW, 5)
+    assert result.document["steps"]["lookup_desk"]["match"] == {"upstream": "desk",
+                                                                "skill": "lookup"}
+    assert result.document["steps"]["lookup"]["match"] == {"tool": "lookup"}
