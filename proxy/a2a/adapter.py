@@ -373,7 +373,9 @@ class A2aAdapter:
         if answer is None:
             call.forwarded = True
             answer = await self.send(call)
-            if answer.task_id is None and answer.result.error_kind == "tool":
+            # a JSON-RPC error (a task in another state, or naming no task, is no error)
+            if answer.task_id is None and answer.result.error_kind == "tool" \
+                    and answer.result.output is None:
                 return await self._answer(call, answer)
             unread = self._unread(call, answer)
             if unread is not None:

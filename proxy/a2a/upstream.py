@@ -168,7 +168,7 @@ class A2aUpstream:
             message = event_json(data, self.settings.max_json_depth)
         except EventTooDeep as exc:
             return ToolResult(None, error=f"A2A event: {exc}", error_kind="transport")
-        if "error" in message:
+        if _is_error(message):
             return _rpc_failure(message)
         if message.get("id") != call.rpc_id or "result" not in message:
             return ToolResult(None, error="an A2A event is not a JSON-RPC response to the send",
@@ -205,10 +205,10 @@ class A2aUpstream:
                                  "A2A agent response", self.settings.max_json_depth)
         except BodyError as exc:
             return ToolResult(status, error=exc.detail, error_kind="transport")
-        if not isinstance(message, dict) or ("result" not in message and "error" not in message):
+        if not isinstance(message, dict) or ("result" not in message and not _is_error(message)):
             return ToolResult(status, error="A2A agent response is not a JSON-RPC response",
                               error_kind="transport")
-        if "error" in message:
+        if _is_error(message):
             return _rpc_failure(message)
         if message.get("id") != rpc_id:
             return ToolResult(status, error="A2A agent response answers another request id",
@@ -216,11 +216,16 @@ class A2aUpstream:
         return task_result(message["result"])
 
 
+def _is_error(message: dict[str, Any]) -> bool:
+    """Whether a JSON-RPC response is an error as the `a2a-sdk` client reads it: its `error`
+    member set to something (a null or empty `error` beside a `result` is a result, read)."""
+    return bool(message.get("error"))
+
+
 def _rpc_failure(message: dict[str, Any]) -> ToolResult:
     error: dict[str, Any] = message["error"] if isinstance(message.get("error"), dict) else {}
     return ToolResult(None, error=f"JSON-RPC error {error.get('code')}: "
                       f"{str(error.get('message'))[:300]}", error_kind="tool")
-
 
 
 def learned_answer(kept: Kept, rpc_id: Any, max_depth: int) -> ToolResult:
@@ -243,7 +248,7 @@ def learned_answer(kept: Kept, rpc_id: Any, max_depth: int) -> ToolResult:
         raw = decode(bytes(kept.body), headers.get("content-encoding"), kept.limit)
         if not stream:
             message = _answering(parse_json(raw, "A2A agent response", max_depth), rpc_id)
-            return _rpc_failure(message) if "error" in message else task_result(
+            return _rpc_failure(message) if _is_error(message) else task_result(
                 message["result"])
         state = StreamState()
         splitter = SSESplitter(kept.limit)
@@ -251,7 +256,7 @@ def learned_answer(kept: Kept, rpc_id: Any, max_depth: int) -> ToolResult:
             if event is None or not event.data:
                 continue
             message = _answering(event_json(event.data, max_depth), rpc_id)
-            if "error" in message:
+            if _is_error(message):
                 return _rpc_failure(message)
             final = state.final(message["result"])
             if final is not None:
@@ -264,6 +269,6 @@ def learned_answer(kept: Kept, rpc_id: Any, max_depth: int) -> ToolResult:
 
 def _answering(message: Any, rpc_id: Any) -> dict[str, Any]:
     if not isinstance(message, dict) or message.get("id") != rpc_id \
-            or ("result" not in message and "error" not in message):
+            or ("result" not in message and not _is_error(message)):
         raise WireError("a message is not a JSON-RPC response to the send")
     return message

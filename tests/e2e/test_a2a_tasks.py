@@ -18,7 +18,14 @@ from a2a.client import ClientConfig, ClientFactory
 from a2a.client.card_resolver import A2ACardResolver
 from a2a.client.errors import A2AClientError
 from a2a.helpers.proto_helpers import get_data_parts
-from a2a.types import GetTaskRequest, SubscribeToTaskRequest, Task, TaskState
+from a2a.types import (
+    CancelTaskRequest,
+    GetTaskRequest,
+    SubscribeToTaskRequest,
+    Task,
+    TaskState,
+)
+from a2a.utils.errors import TaskNotCancelableError, UnsupportedOperationError
 from test_a2a import VIOLATION, a2a_stack
 
 from stepguard.examples.order_confirmation.a2a_agent import A2aAgent, TaskNotCompleted, a2a_agent
@@ -192,3 +199,30 @@ async def test_a_task_read_again_after_its_exit_passed_is_relayed_as_the_agent_k
         _, history = await s.run_of("T-26")
         assert [(e["step"], e["boundary"], e["verdict"]) for e in history] == [
             ("lookup", "entry", "pass"), ("lookup", "exit", "pass")]
+
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["blocking", "streamed"])
+async def test_a_cancel_of_a_task_whose_exit_passed_gets_the_agents_not_cancelable_error(
+        tmp_path: Path, streaming: bool) -> None:
+    async with a2a_stack(tmp_path) as s, a2a_agent(s.desk_url, streaming=streaming) as agent:
+        await agent.ask("lookup", "T-27")
+        event = agent.events[0]
+        task_id = event.task.id if event.HasField("task") else event.status_update.task_id
+
+        with pytest.raises(TaskNotCancelableError):
+            await agent.client.cancel_task(CancelTaskRequest(id=task_id))
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["blocking", "streamed"])
+async def test_a_subscribe_to_a_task_whose_exit_passed_gets_the_agents_terminal_state_error(
+        tmp_path: Path, streaming: bool) -> None:
+    async with a2a_stack(tmp_path) as s, a2a_agent(s.desk_url, streaming=streaming) as agent:
+        await agent.ask("lookup", "T-28")
+        event = agent.events[0]
+        task_id = event.task.id if event.HasField("task") else event.status_update.task_id
+
+        async with a2a_agent(s.desk_url, streaming=True) as streamer:
+            with pytest.raises(UnsupportedOperationError, match="terminal state"):
+                async for _ in streamer.client.subscribe(SubscribeToTaskRequest(id=task_id)):
+                    pass

@@ -641,3 +641,41 @@ async def test_a_json_rpc_error_answering_a_read_of_a_passed_task_is_relayed(
     answer = await (await p.client.post(SEND, data=get_task(method="CancelTask"))).json()
 
     assert answer["error"] == {"code": -32002, "message": "Task cannot be canceled"}
+
+
+@pytest.mark.parametrize("changed", [
+    {"jsonrpc": "2.0", "id": "g1", "result": {**task("TASK_STATE_FAILED", price=0), "id": None}},
+    {"jsonrpc": "2.0", "id": "g1", "result": task("TASK_STATE_COMPLETED", price=0), "error": None},
+    {"jsonrpc": "2.0", "id": "g1", "result": task("TASK_STATE_COMPLETED", price=0), "error": {}},
+], ids=["task-id-null", "error-null", "error-empty"])
+async def test_a_read_of_a_passed_task_showing_other_artifacts_the_sdk_reads_is_refused(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]],
+        changed: dict[str, Any]) -> None:
+    # the a2a-sdk client reads a null id as "" (ProtoJSON) and takes `result` when `error` is
+    # falsy: either answer hands the agent artifacts no exit checked
+    agent = await make_upstream(answering(task("TASK_STATE_COMPLETED", price=12.5),
+                                          web.json_response(changed)))
+    p = await proxy(a2a_contract(agent.url))
+    await p.client.post(SEND, data=orjson.dumps(send("SendMessage")), headers=RUN)
+
+    answer = await (await p.client.post(SEND, data=get_task())).json()
+
+    assert answer["error"]["code"] == -31002, answer
+    assert "price" not in orjson.dumps(answer).decode()
+
+
+
+@pytest.mark.parametrize("error", [None, {}], ids=["error-null", "error-empty"])
+async def test_a_send_answered_with_a_result_beside_an_empty_error_is_checked_on_that_result(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]], error: Any) -> None:
+    # the a2a-sdk client reads the result (its `error` is falsy), so the exit reads it too
+    async def handle(request: web.Request) -> web.Response:
+        return web.json_response({"jsonrpc": "2.0", "id": "q1", "error": error, "result": {
+            "task": task("TASK_STATE_COMPLETED", price=0)}})
+    agent = await make_upstream(handle)
+    p = await proxy(a2a_contract(agent.url))
+
+    answer = await (await p.client.post(SEND, data=orjson.dumps(send("SendMessage")),
+                                         headers=RUN)).json()
+
+    assert answer["error"]["data"]["check"] == "postcondition"
