@@ -348,10 +348,19 @@ class StreamState:
         key = str(artifact.get("artifactId"))
         known = self.artifacts.get(key)
         if update.get("append") is True and known is not None:
-            parts = [*(known.get("parts") or []), *(artifact.get("parts") or [])]
+            parts = [*_parts_of(known), *_parts_of(artifact)]
             self.artifacts[key] = {**known, "parts": parts}
         else:
             self.artifacts[key] = artifact
+
+
+def _parts_of(artifact: dict[str, Any]) -> list[Any]:
+    parts = artifact.get("parts")
+    if parts is None:
+        return []
+    if not isinstance(parts, list):
+        raise WireError("an artifact's parts is not a list")
+    return parts
 
 
 def skills_of(card: Any) -> tuple[str, ...] | None:

@@ -679,3 +679,33 @@ async def test_a_send_answered_with_a_result_beside_an_empty_error_is_checked_on
                                          headers=RUN)).json()
 
     assert answer["error"]["data"]["check"] == "postcondition"
+
+
+APPENDED_NOT_A_LIST = {"artifactUpdate": {"taskId": "t1", "contextId": "c1", "append": True,
+                                          "artifact": {"artifactId": "a1", "parts": 5}}}
+
+
+async def test_an_appended_artifact_whose_parts_are_no_list_ends_the_send_as_unreadable(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    agent = await make_upstream(streaming(TASK, ARTIFACT, APPENDED_NOT_A_LIST, last=final()))
+    p = await proxy(a2a_contract(agent.url))
+
+    events = await events_of(await (await p.client.post(SEND, data=orjson.dumps(send()),
+                                                        headers=RUN)).read())
+
+    assert events[-1]["error"]["data"]["check"] == "tool_error"      # no crash, nothing cut
+    assert "parts is not a list" in events[-1]["error"]["message"]
+
+
+async def test_learn_mode_relays_a_stream_it_cannot_read_and_records_why(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    agent = await make_upstream(streaming(TASK, ARTIFACT, APPENDED_NOT_A_LIST, last=final()))
+    p = await proxy(a2a_contract(agent.url), learn=True)
+
+    events = await events_of(await (await p.client.post(SEND, data=orjson.dumps(send()),
+                                                        headers=RUN)).read())
+
+    assert [e["result"] for e in events] == [TASK, ARTIFACT, APPENDED_NOT_A_LIST, final()]
+    await stored_envelope(p.sg.store, "r1", lambda e: e.seq == 1, "the send was not learned")
+    [seen] = await learned_in(p, "r1")
+    assert seen.error is not None and "parts is not a list" in seen.error
