@@ -367,11 +367,13 @@ class A2aAdapter:
         """A read of a task whose exit was checked: refused with its violation; else sent on
         (unless `answer` was read already) and relayed when its answer shows the task final
         with the output its exit passed on, or is a JSON-RPC error (it shows nothing of the
-        task: `CancelTask` of a completed task), refused (-31002) when it shows anything else."""
+        task: `CancelTask` of a completed task), refused (-31002) when it shows anything else.
+        A `SubscribeToTask` stream's events are held until its last is read: relayed with it
+        when it passes, none when it does not (only a JSON-RPC error's event is relayed)."""
         if tracked.refused is not None:
             return await self.render(call, tracked.refused)
         if answer is None:
-            call.forwarded = True
+            call.forwarded, call.held = True, []
             answer = await self.send(call)
             # a JSON-RPC error (a task in another state, or naming no task, is no error)
             if answer.task_id is None and answer.result.error_kind == "tool" \
@@ -386,6 +388,8 @@ class A2aAdapter:
             return await self._read_refused(
                 call, "it shows the task other than as its exit passed it: a final task does "
                 "not change", retry=False, pending=False)
+        if call.held and answer.event:     # the stream's events, held until its last was read
+            answer.body = b"".join(call.held) + answer.body
         return await self._answer(call, answer)
 
     @staticmethod

@@ -60,6 +60,9 @@ class A2aCall(Call):
     as_tool: bool = False            # read as a tool's call: its data in, its task's data out
     read: TaskRead | None = None     # a read of the send's task, its exit (`send` answers as it)
     task_seen: str | None = None     # the task a streamed answer named so far
+    # a read of a task whose exit passed: its stream's events held here, not relayed, until
+    # its final event shows the task as the exit passed it (adapter.py, `_checked_read`)
+    held: list[bytes] | None = None
 
     @property
     def rpc_id(self) -> Any:
@@ -148,13 +151,14 @@ class A2aUpstream:
                         return A2aAnswer(ToolResult(None, error=f"the A2A event stream exceeds "
                                                     f"{limit} bytes (--max-stream-bytes)",
                                                     error_kind="cap"), resp.status)
-                    if event is None or not event.data:
-                        await (await self._out(call, resp.status, headers)).write(raw)
-                        continue
-                    result = self._event_result(call, state, event.data)
+                    result = self._event_result(call, state, event.data) \
+                        if event is not None and event.data else None
                     if result is not None:
                         return A2aAnswer(result, resp.status, headers, raw, event=True)
-                    await (await self._out(call, resp.status, headers)).write(raw)
+                    if call.held is not None:
+                        call.held.append(raw)
+                    else:
+                        await (await self._out(call, resp.status, headers)).write(raw)
         except EventTooLarge as exc:
             return A2aAnswer(ToolResult(None, error=str(exc), error_kind="cap"), resp.status)
         return A2aAnswer(ToolResult(None, error="the A2A agent ended the event stream before the "

@@ -709,3 +709,52 @@ async def test_learn_mode_relays_a_stream_it_cannot_read_and_records_why(
     await stored_envelope(p.sg.store, "r1", lambda e: e.seq == 1, "the send was not learned")
     [seen] = await learned_in(p, "r1")
     assert seen.error is not None and "parts is not a list" in seen.error
+
+
+def subscribed_after(sent: dict[str, Any], *results: dict[str, Any]) -> Callable[
+        [web.Request], Awaitable[web.StreamResponse]]:
+    """An agent answering a send with `sent` (JSON) and a SubscribeToTask with a stream of
+    `results`."""
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        message = await request.json()
+        if message["method"] == "SendMessage":
+            return web.json_response({"jsonrpc": "2.0", "id": message["id"],
+                                      "result": {"task": sent}})
+        out = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await out.prepare(request)
+        for result in results:
+            await out.write(b"data: " + orjson.dumps({"jsonrpc": "2.0", "id": message["id"],
+                                                      "result": result}) + b"\r\n\r\n")
+        return out
+
+    return handle
+
+
+async def test_a_subscribe_to_a_passed_task_relays_no_event_of_a_stream_showing_it_changed(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    added = {"artifactUpdate": {"taskId": "t1", "contextId": "c1", "artifact": {
+        "artifactId": "a9", "name": "quote", "parts": [{"data": {"refund": 99}}]}}}
+    agent = await make_upstream(subscribed_after(task("TASK_STATE_COMPLETED", price=12.5),
+                                                 added, final()))
+    p = await proxy(a2a_contract(agent.url))
+    await p.client.post(SEND, data=orjson.dumps(send("SendMessage")), headers=RUN)
+
+    body = await (await p.client.post(SEND, data=get_task(method="SubscribeToTask"))).read()
+
+    assert b"refund" not in body                # not even before the refusal
+    assert orjson.loads(body)["error"]["code"] == -31002
+
+
+async def test_a_subscribe_to_a_passed_task_relays_every_event_of_a_stream_showing_it_as_passed(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    snapshot = {"artifactUpdate": {"taskId": "t1", "contextId": "c1", "artifact": task(
+        "TASK_STATE_COMPLETED", price=12.5)["artifacts"][0]}}
+    agent = await make_upstream(subscribed_after(task("TASK_STATE_COMPLETED", price=12.5),
+                                                 snapshot, final()))
+    p = await proxy(a2a_contract(agent.url))
+    await p.client.post(SEND, data=orjson.dumps(send("SendMessage")), headers=RUN)
+
+    body = await (await p.client.post(SEND, data=get_task(method="SubscribeToTask"))).read()
+
+    assert [e["result"] for e in await events_of(body)] == [snapshot, final()]
