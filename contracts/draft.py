@@ -342,7 +342,7 @@ def _outcome(obs: Observation) -> tuple[str, str | None]:
         return REJECT, None
     if status is not None and not 200 <= status < 300:
         return FAIL, None
-    if obs.traffic == "model" and obs.output is None:
+    if obs.traffic in ("model", "a2a") and obs.output is None:   # its result not seen yet
         return PENDING, None
     shape = _error_shape(obs.output)
     return (FAIL, shape) if shape else (PASS, None)
@@ -1119,6 +1119,11 @@ def _history(run: LearnedRun) -> tuple[RecordedRun, dict[int, int]]:
             ids["call_id"] = call.call_id
         elif call.rpc_id is not None:
             ids["rpc_id"] = call.rpc_id
+        elif call.traffic == "a2a":
+            # enforcement pairs an A2A exit with its send itself (a send that left its task
+            # open has no exit; a follow-up naming the task is a call of its own): a pairing
+            # id of the learned event's seq tells replay which entry an exit answers
+            ids["rpc_id"] = f"a2a-{call.seq}"
         entry: dict[str, Any] = {"ts": call.at, "step": call.step, "boundary": "entry",
                                  "input": call.input, "verdict": "pass", "action": FORWARD, **ids}
         if call.traffic == "model":

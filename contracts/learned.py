@@ -45,7 +45,8 @@ class Observation:
       or they were not JSON;
     - `output`: the result (the HTTP JSON body, MCP `structuredContent` or the JSON of its text
       content, the model tool result when the agent sends it back, an A2A task's final state
-      and artifacts as an exit reads them), redacted; None when unseen.
+      and artifacts as an exit reads them), redacted; None when unseen (an A2A send whose
+      task its answer left open: its final state comes from a later read).
       Before it is stored, an HTTP body may be a `Verbatim` (the text it came as);
     - `status`: the HTTP status the upstream answered (None for model tool calls);
     - `error`: why there is no usable result (transport failure, timeout, MCP `isError`, a body

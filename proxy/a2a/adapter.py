@@ -170,9 +170,10 @@ class A2aAdapter:
         """Learn mode: every request relayed unchanged; a send recorded in its run (found by
         the contract's run keys) with its message and its task's final state, as a checked
         send's entry and exit read them. A send whose task is still open when its answer
-        ends (its exit would come from a later read) is relayed and not recorded, counted
-        (`stepguard_learn_dropped_total{reason="a2a_open"}`); so is one naming no skill
-        (`no_skill`). Reads of tasks, lists and unreadable bodies are relayed."""
+        ends (input-required, or working: its exit would come from a later read) is recorded
+        with no output and no error, as enforcement stores its entry alone; a send naming no
+        skill is relayed and not recorded (`stepguard_learn_dropped_total{reason="no_skill"}`).
+        Reads of tasks, lists and unreadable bodies are relayed."""
         contract, learner, agent = route.contract, self.boundaries.learner, route.upstream.name
         try:
             send = self._send(request, body)
@@ -199,9 +200,8 @@ class A2aAdapter:
         answer = await self.http.forward_unchecked(request, route, headers, body, timing,
                                                    read_timeout_s=None, kept=kept)
         result = learned_answer(kept, send.rpc_id, self.settings.max_json_depth)
-        if open_task(result) is not None:
-            learner.dropped(contract, "a2a_open", keyed.run_id)
-            return answer
+        if open_task(result) is not None:     # its exit is read later: the entry alone
+            result = replace(result, output=None, error=None)
         await learner.record(contract, keyed.run_id, Observation(
             TRAFFIC, agent, timing.arrived, skill=skill, input=send.input,
             output=result.output, status=kept.status, error=result.error))

@@ -12,7 +12,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/learntest.py
 
 import jsonschema
-import pytest
 from learntest import T0, WORKFLOW, compile_, recorded
 
 from stepguard.contracts.draft import PASSED, Draft, draft, learned_runs, settle
@@ -32,7 +31,8 @@ def task(context: str, task_id: str, **data: Any) -> dict[str, Any]:
             "taskId": task_id, "contextId": context}
 
 
-def send(t: float, skill: str, given: dict[str, Any], answered: dict[str, Any]) -> Observation:
+def send(t: float, skill: str, given: dict[str, Any],
+         answered: dict[str, Any] | None) -> Observation:
     return Observation("a2a", "desk", t, skill=skill, input=given, output=answered, status=200)
 
 
@@ -95,20 +95,31 @@ def test_a_skill_named_as_a_tool_gets_a_step_of_its_own() -> None:
     assert result.document["steps"]["lookup"]["match"] == {"tool": "lookup"}
 
 
-@pytest.mark.xfail(strict=True, reason="learn mode drops the send that leaves its task "
-                   "input-required (a2a_open) and records the follow-up: the draft never sees "
-                   "the first send, which enforcement checks at entry")
+def input_required_run(i: int) -> list[Observation]:
+    """Learned: the run's lookup asks for input (learn mode records that send with no output,
+    as enforcement stores its entry alone); the client's follow-up, naming the task, completes
+    it."""
+    t, context = T0 + i * 100, f"ctx-{i}"
+    opened = message(context, ticket_id=f"T-{i}")
+    follow_up = {**message(context, amount=10 + i), "taskId": f"t{i}a"}
+    return [send(t, "lookup", opened, None),
+            send(t + 0.5, "lookup", follow_up,
+                 task(context, f"t{i}a", ticket_id=f"T-{i}", order_id=f"O-{i}")),
+            *ticket_run(i)[1:]]
+
+
 def test_a_send_opening_an_input_required_task_passes_the_input_schema_drafted_from_its_flow(
         ) -> None:
-    # learned: each run's lookup asks for input; the client's follow-up (naming the task)
-    # completes it. Learn mode records only that follow-up.
-    def run(i: int) -> list[Observation]:
-        t, context = T0 + i * 100, f"ctx-{i}"
-        follow_up = {**message(context, amount=10 + i), "taskId": f"t{i}a"}
-        return [send(t, "lookup", follow_up,
-                     task(context, f"t{i}a", ticket_id=f"T-{i}", order_id=f"O-{i}")),
-                *ticket_run(i)[1:]]
-    result = draft(learned_runs([recorded(f"run-{i}", run(i)) for i in range(6)]), WORKFLOW, 5)
-    first = message("ctx-9", ticket_id="T-9")     # the send that opens such a task
+    runs = [recorded(f"run-{i}", input_required_run(i)) for i in range(6)]
+    result = draft(learned_runs(runs), WORKFLOW, 5)
 
-    jsonschema.validate(first, result.document["schemas"]["lookup.input"])
+    schema = result.document["schemas"]["lookup.input"]
+    jsonschema.validate(message("ctx-9", ticket_id="T-9"), schema)     # the send that opens it
+    jsonschema.validate({**message("ctx-9", amount=3), "taskId": "t9a"}, schema)   # its answer
+
+
+def test_learned_runs_with_an_input_required_send_pass_the_drafted_contract_on_replay() -> None:
+    runs = [recorded(f"run-{i}", input_required_run(i)) for i in range(6)]
+    result = draft(learned_runs(runs), WORKFLOW, 5)
+    verdicts = settle(result, learned_runs(runs).runs, compile_)
+    assert [v.status for v in verdicts] == [PASSED] * len(runs)

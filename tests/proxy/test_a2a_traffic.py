@@ -518,16 +518,18 @@ async def test_learn_mode_records_a_failed_task_with_its_error(
     assert seen.error == "the A2A task ended failed"
 
 
-async def test_learn_mode_relays_a_send_whose_task_stays_open_and_counts_it_not_recorded(
+async def test_learn_mode_records_a_send_whose_task_stays_open_with_no_output_or_error(
         make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
-    agent = await make_upstream(sends_in_turn(task("TASK_STATE_WORKING")))
+    agent = await make_upstream(sends_in_turn(task("TASK_STATE_INPUT_REQUIRED")))
     p = await proxy(a2a_contract(agent.url), learn=True)
 
     resp = await p.client.post(SEND, data=orjson.dumps(send("SendMessage")), headers=RUN)
 
-    assert (await resp.json())["result"]["task"]["status"]["state"] == "TASK_STATE_WORKING"
-    assert await learned_in(p, "r1") == []
-    assert not_learned(p, "a2a_open") == 1
+    assert (await resp.json())["result"]["task"]["status"]["state"] == \
+        "TASK_STATE_INPUT_REQUIRED"
+    [seen] = await learned_in(p, "r1")     # as enforcement stores the entry alone
+    assert (seen.skill, seen.output, seen.error) == ("quote", None, None)
+    assert seen.input["data"] == {"sku": "S-1"}
 
 
 async def test_learn_mode_relays_unreadable_bodies_and_card_reads_and_records_neither(
