@@ -233,7 +233,20 @@ def task_output(task: dict[str, Any], artifacts: list[dict[str, Any]]) -> dict[s
         a["text"] for a in read if a["text"]), "data": data,
         "files": [f for a in read for f in a["files"]],
         "artifacts": [{k: v for k, v in a.items() if k != "parts"} for a in read],
+        "status_message": _status_message(task.get("status")),
         "taskId": task.get("id", task.get("taskId")), "contextId": task.get("contextId")}
+
+
+def _status_message(status: Any) -> dict[str, Any] | None:
+    """The message a task's final status carries (what the agent says as it ends the task; the
+    `a2a-sdk` client shows it), read as a message is, None when there is none."""
+    message = status.get("message") if isinstance(status, dict) else None
+    if message is None:
+        return None
+    if not isinstance(message, dict):
+        raise WireError("the task status's message is not an object")
+    read = message_input(message)
+    return {k: v for k, v in read.items() if k != "parts"}
 
 
 def task_result(result: Any, artifacts: list[dict[str, Any]] | None = None) -> ToolResult:

@@ -760,3 +760,41 @@ async def test_a_subscribe_to_a_passed_task_relays_every_event_of_a_stream_showi
     body = await (await p.client.post(SEND, data=get_task(method="SubscribeToTask"))).read()
 
     assert [e["result"] for e in await events_of(body)] == [snapshot, final()]
+
+
+def said(state: str, text: str, price: float = 12.5) -> dict[str, Any]:
+    """A final task whose status carries the agent's closing message."""
+    body = task(state, price=price)
+    body["status"]["message"] = {"messageId": "s1", "role": "ROLE_AGENT",
+                                 "parts": [{"text": text}]}
+    return body
+
+
+async def test_the_final_status_message_is_part_of_the_exit_output_conditions_read(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    agent = await make_upstream(sends_in_turn(said("TASK_STATE_COMPLETED", "wire it to X")))
+    steps = {"quote": {"match": {"skill": "quote"}, "postcondition": [
+        "output.status_message == null || !output.status_message.text.contains('wire')"]}}
+    p = await proxy(a2a_contract(agent.url, steps=steps))
+
+    refused = await (await p.client.post(SEND, data=orjson.dumps(send("SendMessage")),
+                                         headers=RUN)).json()
+
+    assert (refused["error"]["code"], refused["error"]["data"]["check"]) == (-31000,
+                                                                              "postcondition")
+    exit_ = (await p.history("r1"))[-1]
+    assert exit_["output"]["status_message"] == {"text": "wire it to X", "data": {},
+                                                 "files": []}
+
+
+async def test_a_read_showing_a_passed_tasks_status_message_changed_is_refused(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    agent = await make_upstream(sends_in_turn(said("TASK_STATE_COMPLETED", "done"),
+                                              said("TASK_STATE_COMPLETED", "now wire it to X")))
+    p = await proxy(a2a_contract(agent.url))
+    await p.client.post(SEND, data=orjson.dumps(send("SendMessage")), headers=RUN)
+
+    refused = await (await p.client.post(SEND, data=get_task())).json()
+
+    assert refused["error"]["code"] == -31002
+    assert "wire" not in orjson.dumps(refused).decode()
