@@ -68,6 +68,12 @@ async def read_until_final(agent: A2aAgent, task_id: str) -> Task:
     raise AssertionError("the task never became final")
 
 
+def first_task_id(agent: A2aAgent) -> str:
+    """The task the agent's last send started, as its first event named it."""
+    event = agent.events[0]
+    return str(event.task.id if event.HasField("task") else event.status_update.task_id)
+
+
 def data_of(task: Task) -> dict[str, Any]:
     return dict(get_data_parts(task.artifacts[-1].parts)[0])
 
@@ -190,8 +196,7 @@ async def test_a_task_read_again_after_its_exit_passed_is_relayed_as_the_agent_k
         tmp_path: Path, streaming: bool) -> None:
     async with a2a_stack(tmp_path) as s, a2a_agent(s.desk_url, streaming=streaming) as agent:
         looked_up = await agent.ask("lookup", "T-26")
-        event = agent.events[0]
-        task_id = event.task.id if event.HasField("task") else event.status_update.task_id
+        task_id = first_task_id(agent)
         again = await agent.client.get_task(GetTaskRequest(id=task_id))
 
         assert again.status.state == TaskState.TASK_STATE_COMPLETED
@@ -201,14 +206,12 @@ async def test_a_task_read_again_after_its_exit_passed_is_relayed_as_the_agent_k
             ("lookup", "entry", "pass"), ("lookup", "exit", "pass")]
 
 
-
 @pytest.mark.parametrize("streaming", [False, True], ids=["blocking", "streamed"])
 async def test_a_cancel_of_a_task_whose_exit_passed_gets_the_agents_not_cancelable_error(
         tmp_path: Path, streaming: bool) -> None:
     async with a2a_stack(tmp_path) as s, a2a_agent(s.desk_url, streaming=streaming) as agent:
         await agent.ask("lookup", "T-27")
-        event = agent.events[0]
-        task_id = event.task.id if event.HasField("task") else event.status_update.task_id
+        task_id = first_task_id(agent)
 
         with pytest.raises(TaskNotCancelableError):
             await agent.client.cancel_task(CancelTaskRequest(id=task_id))
@@ -219,8 +222,7 @@ async def test_a_subscribe_to_a_task_whose_exit_passed_gets_the_agents_terminal_
         tmp_path: Path, streaming: bool) -> None:
     async with a2a_stack(tmp_path) as s, a2a_agent(s.desk_url, streaming=streaming) as agent:
         await agent.ask("lookup", "T-28")
-        event = agent.events[0]
-        task_id = event.task.id if event.HasField("task") else event.status_update.task_id
+        task_id = first_task_id(agent)
 
         async with a2a_agent(s.desk_url, streaming=True) as streamer:
             with pytest.raises(UnsupportedOperationError, match="terminal state"):

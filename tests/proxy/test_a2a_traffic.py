@@ -581,12 +581,20 @@ def follow_up(**data: Any) -> bytes:
     return orjson.dumps(message)
 
 
-async def test_a_follow_up_send_to_an_input_required_task_is_checked_as_a_new_entry(
-        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+async def input_required(make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]
+                         ) -> tuple[Upstream, Proxy]:
+    """An agent whose first send leaves its task input-required (sent already) and whose next
+    completes it."""
     agent = await make_upstream(sends_in_turn(task("TASK_STATE_INPUT_REQUIRED"),
                                               task("TASK_STATE_COMPLETED", price=12.5)))
     p = await proxy(a2a_contract(agent.url))
     await p.client.post(SEND, data=orjson.dumps(send("SendMessage")), headers=RUN)
+    return agent, p
+
+
+async def test_a_follow_up_send_to_an_input_required_task_is_checked_as_a_new_entry(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    agent, p = await input_required(make_upstream, proxy)
 
     refused = await (await p.client.post(SEND, data=follow_up(sku=""), headers=RUN)).json()
 
@@ -599,10 +607,7 @@ async def test_a_follow_up_send_to_an_input_required_task_is_checked_as_a_new_en
 
 async def test_the_answer_that_completes_a_followed_up_task_is_the_steps_exit(
         make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
-    agent = await make_upstream(sends_in_turn(task("TASK_STATE_INPUT_REQUIRED"),
-                                              task("TASK_STATE_COMPLETED", price=12.5)))
-    p = await proxy(a2a_contract(agent.url))
-    await p.client.post(SEND, data=orjson.dumps(send("SendMessage")), headers=RUN)
+    _, p = await input_required(make_upstream, proxy)
 
     done = await (await p.client.post(SEND, data=follow_up(sku="S-2"), headers=RUN)).json()
 
