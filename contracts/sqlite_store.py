@@ -17,8 +17,9 @@ is unhealthy and idle, the writer probes with a one-row write every `PROBE_INTER
 The WAL stays bounded: a checkpointer thread copies WAL pages back into the database file
 (PASSIVE, never waiting), and when the WAL file passes `wal_limit_bytes` the writer itself runs a
 TRUNCATE checkpoint between two batches (a brief writer pause, so no new frame arrives while it
-completes); `journal_size_limit` caps what a reset WAL keeps. A disk that filled up is recovered
-the same way: once space is freed, the writer's probe checkpoints and truncates the WAL.
+completes; the store's own reads wait for it too, see `_truncate`); `journal_size_limit` caps
+what a reset WAL keeps. A disk that filled up is recovered the same way: once space is freed,
+the writer's probe checkpoints and truncates the WAL.
 
 Reads run on threads of their own over read-only connections (WAL lets them read beside the
 writer): point reads on one thread, the full scan of `count_by_status` (for the `stepguard_runs`
@@ -222,6 +223,9 @@ class SQLiteStore:
         self._stop = threading.Event()
         self._checkpointer: threading.Thread | None = None
         self._checkpointing = threading.Lock()   # one checkpoint at a time, in this process
+        # cleared while the writer's TRUNCATE checkpoint runs: reads wait before starting
+        self._reads_open = threading.Event()
+        self._reads_open.set()
         self._next_purge = 0.0
         self._next_truncate = 0.0
         self._truncate_failures = 0    # TRUNCATE checkpoints failed in a row
@@ -368,9 +372,13 @@ class SQLiteStore:
             self._lookups, self._on, self._lookup, op)
 
     def _on(self, conn: sqlite3.Connection | None, op: _Op) -> Any:
-        """`op` on a read connection, on that connection's own thread."""
+        """`op` on a read connection, on that connection's own thread; one that would start
+        while the writer's TRUNCATE checkpoint runs waits for it first (`_truncate`), at most
+        `TRUNCATE_BUSY_S`."""
         if conn is None:
             raise StoreError(f"store {self.path} is not open")
+        if not self._reads_open.is_set():
+            self._reads_open.wait(TRUNCATE_BUSY_S)
         try:
             return op(conn)
         except sqlite3.Error as exc:
@@ -585,16 +593,29 @@ class SQLiteStore:
 
     def _truncate(self, conn: sqlite3.Connection, busy_s: float = 0.5) -> bool:
         """A TRUNCATE checkpoint. SQLite does not wait for a checkpoint in progress (it answers
-        busy at once), so the writer first waits for the checkpointer thread's round to end."""
+        busy at once), so the writer first waits for the checkpointer thread's round to end.
+
+        The store's reads do not start while it runs (they wait for it, `_on`): the checkpoint
+        waits for the lock of the WAL's read-mark slot that a reader took with an older
+        snapshot, looking again after 1, 2, 5, 10 ms..., and a read that begins meanwhile locks
+        that same slot (the lowest it can take; it gives it its own, current mark, but the
+        checkpoint waits for the lock): reads back to back held it at nearly every look, and up
+        to a quarter of the tries failed after their whole busy wait, each failure letting the
+        WAL grow for a retry's pause (3.5 MiB at a 0.5 MiB limit, the sustained-load test with
+        4 readers). Reads already running end within a millisecond or so, so the checkpoint
+        completes at its next look; another connection holding a snapshot (a backup, a shell)
+        still makes it fail."""
         wait_s = min(self.timeout_s, 0.5)
         if not self._checkpointing.acquire(timeout=wait_s):
             return False
+        self._reads_open.clear()
         try:
             self._busy_wait(conn, max(1, int(min(wait_s, busy_s) * 1000)))
             busy = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
         except sqlite3.Error:
             return False
         finally:
+            self._reads_open.set()
             self._checkpointing.release()
         if busy:
             return False

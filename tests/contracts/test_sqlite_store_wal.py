@@ -16,17 +16,24 @@ from stepguard.contracts.sqlite_store import SQLiteStore
 pytestmark = pytest.mark.fault
 
 LIMIT = 512 * 1024
-# what may pass the limit before the writer's next check: the frames of one batch plus what
-# arrives while a checkpoint waits for a reader (stated bound, asserted below)
-BOUND = LIMIT + 2 * 1024 * 1024
+PAGE = 4096                  # every append writes at least one page into the WAL
+WRITERS = 32
+# a batch holds at most one append per writer, and an append writes ~4 WAL frames (its event,
+# its run's row, b-tree pages: 116-120 frames a batch of 32 measured), each a page and its header
+BATCH = WRITERS * 4 * (PAGE + 24)
+# what may pass the limit: the writer truncates after every batch once past it, and no frame
+# arrives while the checkpoint runs (the writer waits for it, the store's reads too, so they
+# cannot keep it from completing): one batch. A try that fails all the same (a read stalled
+# longer than the 100 ms busy wait) lets the writes go on for the 10 ms retry pause before the
+# next try (2 batches at ~6 ms a batch on a 2-core VM); one batch more of margin
+BOUND = LIMIT + 4 * BATCH
 MIN_WRITTEN = 4 * BOUND      # the load goes on until it has written this much into the WAL
 MAX_LOAD_S = 10.0            # or for this long on a machine too busy to get there
-PAGE = 4096                  # every append writes at least one page into the WAL
 PAYLOAD = {"blob": "x" * 2000}
 
 
 async def sustained_load(store: SQLiteStore, seconds: float, events: int | None = None,
-                         writers: int = 32) -> int:
+                         writers: int = WRITERS) -> int:
     """`writers` runs advancing without pause, and readers reading beside them, for `seconds`
     or until `events` are stored; returns how many events were stored."""
     stored = 0
