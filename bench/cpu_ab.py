@@ -158,6 +158,7 @@ def _cpu_per_call(bench: Bench, row: str, upstream_url: str, tree: Path, tag: st
         return spent / wrk["requests"] * 1000, wrk["rps"]
     finally:
         bench.stop(hop)
+        os.sync()   # its store's dirty pages are not written back during the next side
 
 
 def measure_ab(a: Path, b: Path, rows: Sequence[str], rounds: int, seconds: float,
