@@ -37,11 +37,11 @@ from stepguard.proxy.core.forward import (
 )
 from stepguard.proxy.core.h1client import H1Response, UpstreamConnectionError
 from stepguard.proxy.core.holds import Target, http_target
+from stepguard.proxy.core.learning import kept_json
 from stepguard.proxy.core.sse import (
     EventTooDeep,
     EventTooLarge,
     SSESplitter,
-    decode_event,
     event_json,
     events_to_end,
 )
@@ -236,30 +236,19 @@ def learned_answer(kept: Kept, rpc_id: Any, max_depth: int) -> ToolResult:
     """What learn mode reads of a send's answer, as relayed (JSON, or the event stream that
     answered it): the result its exit would be checked on (`task_result`; a stream's events
     read as a checked send's are), or why there is none."""
-    if kept.status is None:
-        return ToolResult(None, error="no answer", error_kind="transport")
-    if kept.over:
-        return ToolResult(None, error=f"the answer is over {kept.limit} bytes "
-                          "(--learn-max-run-bytes)", error_kind="transport")
-    if kept.status >= 300:
-        return ToolResult(kept.status, error=f"A2A agent answered {kept.status}",
-                          error_kind="transport")
-    headers = kept.headers if kept.headers is not None else CIMultiDict[str]()
-    stream = "text/event-stream" in headers.get("content-type", "")
-    if not kept.whole and not stream:     # a stream's whole events are read, however it ended
-        return ToolResult(None, error="the answer was cut short", error_kind="transport")
     try:
-        raw = decode(bytes(kept.body), headers.get("content-encoding"), kept.limit)
+        read = kept_json(kept, "A2A agent", "A2A agent response", "A2A event", max_depth)
+        if isinstance(read, str):
+            return ToolResult(kept.status if kept.status and kept.status >= 300 else None,
+                              error=read, error_kind="transport")
+        stream, messages = read
         if not stream:
-            message = _answering(parse_json(raw, "A2A agent response", max_depth), rpc_id)
+            message = _answering(messages[0], rpc_id)
             return _rpc_failure(message) if _is_error(message) else task_result(
                 message["result"])
         state = StreamState()
-        splitter = SSESplitter(kept.limit)
-        for _, event in [*splitter.feed(raw), (b"", decode_event(splitter.rest()))]:
-            if event is None or not event.data:
-                continue
-            message = _answering(event_json(event.data, max_depth), rpc_id)
+        for event in messages:
+            message = _answering(event, rpc_id)
             if _is_error(message):
                 return _rpc_failure(message)
             final = state.final(message["result"])
@@ -267,7 +256,7 @@ def learned_answer(kept: Kept, rpc_id: Any, max_depth: int) -> ToolResult:
                 return final
         return ToolResult(None, error="the stream ended before the task was final",
                           error_kind="transport")
-    except (BodyError, EventTooLarge, EventTooDeep, WireError) as exc:
+    except (BodyError, EventTooLarge, WireError) as exc:
         return ToolResult(None, error=f"the A2A answer cannot be read: {exc}", error_kind="parse")
 
 

@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import orjson
+from multidict import CIMultiDict
 
 from stepguard.contracts.bounded import Bounded
 from stepguard.contracts.errors import ConflictError, RunOfAnotherWorkflow, StoreError
@@ -40,12 +41,16 @@ from stepguard.proxy.core.bodies import (
     MAX_JSON_DEPTH,
     BodyError,
     check_depth,
+    decode,
     json_text,
+    parse_json,
     plain_json,
     text_matches_value,
 )
 from stepguard.proxy.core.correlation import issues_calls
+from stepguard.proxy.core.forward import Kept
 from stepguard.proxy.core.joining import PendingCalls
+from stepguard.proxy.core.sse import SSESplitter, decode_event
 
 DEFAULT_MAX_RUNS = 1000
 DEFAULT_MAX_RUN_BYTES = 1024 * 1024
@@ -228,3 +233,31 @@ def _payload(redact: Redactor, value: Any, root: str,
         return value, [], None
     redacted, paths = redact.paths(value, root)
     return redacted, paths, None
+
+
+def kept_json(kept: Kept, server: str, body_what: str, event_what: str,
+              max_depth: int) -> tuple[bool, list[Any]] | str:
+    """A relayed JSON-RPC answer (an MCP server's, an A2A agent's) as learn mode reads it:
+    whether it was an event stream, and the JSON value of its body or of each of its events, in
+    order; or why it has none:
+    no answer, a status other than 2xx (`server` answered it), over the recording bound, cut
+    short (a stream's whole events are read, however it ended). A body or event that is not
+    JSON raises BodyError (named `body_what`, `event_what`), an event past the bound
+    EventTooLarge."""
+    if kept.status is None:
+        return "no answer"
+    if not 200 <= kept.status < 300:
+        return f"{server} answered {kept.status}"
+    if kept.over:
+        return f"the answer is over {kept.limit} bytes (--learn-max-run-bytes)"
+    headers = kept.headers if kept.headers is not None else CIMultiDict[str]()
+    stream = "text/event-stream" in headers.get("content-type", "")
+    if not kept.whole and not stream:
+        return "the answer was cut short"
+    raw = decode(bytes(kept.body), headers.get("content-encoding"), kept.limit)
+    if not stream:
+        return False, [parse_json(raw, body_what, max_depth)]
+    splitter = SSESplitter(kept.limit)
+    return True, [parse_json(event.data.encode(), event_what, max_depth)
+                  for _, event in [*splitter.feed(raw), (b"", decode_event(splitter.rest()))]
+                  if event is not None and event.data]

@@ -33,7 +33,7 @@ from multidict import CIMultiDict
 from stepguard.contracts.learned import Observation
 from stepguard.contracts.runs import RunBook
 from stepguard.metrics.observer import Observer
-from stepguard.proxy.core.bodies import BodyError, decode, parse_json
+from stepguard.proxy.core.bodies import BodyError
 from stepguard.proxy.core.boundaries import Boundaries
 from stepguard.proxy.core.calls import Answer, CallLoop, Replayed, Stopped
 from stepguard.proxy.core.config import Settings
@@ -47,9 +47,9 @@ from stepguard.proxy.core.jsonrpc import (
     error_response,
     titled_error,
 )
-from stepguard.proxy.core.learning import learn_step
+from stepguard.proxy.core.learning import kept_json, learn_step
 from stepguard.proxy.core.routing import Route
-from stepguard.proxy.core.sse import EventTooLarge, SSESplitter, decode_event
+from stepguard.proxy.core.sse import EventTooLarge
 from stepguard.proxy.core.unchecked import REPLAYED_FROM, UncheckedForwarder
 from stepguard.proxy.mcp.approvals import InBand, Refused, answers_in_band, asks_in_band
 from stepguard.proxy.mcp.approvals import refused as refused_in_band
@@ -264,33 +264,17 @@ def learned_result(kept: Kept, rpc_id: Any, max_depth: int) -> tuple[Any, str | 
     """What learn mode records of a tools/call's answer, as relayed (JSON, or the event stream
     whose message answers `rpc_id`): the result as an exit reads it (`message_result`), and
     why there is none (or the tool's own error)."""
-    if kept.status is None:
-        return None, "no answer"
-    if not 200 <= kept.status < 300:
-        return None, f"the MCP server answered {kept.status}"
-    if kept.over:
-        return None, f"the answer is over {kept.limit} bytes (--learn-max-run-bytes)"
-    headers = kept.headers if kept.headers is not None else CIMultiDict[str]()
-    stream = "text/event-stream" in headers.get("content-type", "")
-    if not kept.whole and not stream:     # a stream's whole events are read, however it ended
-        return None, "the answer was cut short"
     try:
-        raw = decode(bytes(kept.body), headers.get("content-encoding"), kept.limit)
-        if stream:
-            found = None
-            splitter = SSESplitter(kept.limit)
-            for _, event in [*splitter.feed(raw), (b"", decode_event(splitter.rest()))]:
-                if event is None or not event.data:
-                    continue
-                candidate = parse_json(event.data.encode(), "MCP event", max_depth)
-                if isinstance(candidate, dict) and candidate.get("id") == rpc_id \
-                        and ("result" in candidate or "error" in candidate):
-                    found = candidate
-            message = found
-        else:
-            message = parse_json(raw, "MCP server response", max_depth)
+        read = kept_json(kept, "the MCP server", "MCP server response", "MCP event", max_depth)
     except (BodyError, EventTooLarge) as exc:
         return None, str(exc)
+    if isinstance(read, str):
+        return None, read
+    stream, messages = read
+    # a stream's last event answering the call; a JSON answer's body
+    message = next((m for m in reversed(messages) if isinstance(m, dict)
+                    and m.get("id") == rpc_id and ("result" in m or "error" in m)),
+                   None) if stream else messages[0]
     if not isinstance(message, dict):
         return None, "no JSON-RPC response answers the call"
     result = message_result(message)
