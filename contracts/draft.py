@@ -131,25 +131,26 @@ class Call:
                 out.append(name)
         return out
 
-    def field(self, side: str, name: str) -> Any:
-        """The value of field `name` of `side` (one of `names`: `data.order_id` is a member)."""
-        value = getattr(self, side)
-        head, dot, tail = name.partition(".")
-        return value[head][tail] if dot and head in NESTED.get(self.traffic, ()) else value[name]
-
-    def usable(self, side: str, name: str) -> bool:
-        """Whether the field `name` of `side` (input, output) is evidence."""
+    def _holder(self, side: str, name: str) -> tuple[Any, str]:
+        """The object that holds field `name` of `side` (one of `names`), and its key there."""
         value = getattr(self, side)
         head, dot, tail = name.partition(".")
         if dot and head in NESTED.get(self.traffic, ()):
-            value = value.get(head) if isinstance(value, dict) else None
-            name_in = tail
-        else:
-            name_in = name
-        if not isinstance(value, dict) or name_in not in value:
+            return (value.get(head) if isinstance(value, dict) else None), tail
+        return value, name
+
+    def field(self, side: str, name: str) -> Any:
+        """The value of field `name` of `side` (one of `names`: `data.order_id` is a member)."""
+        holder, key = self._holder(side, name)
+        return holder[key]
+
+    def usable(self, side: str, name: str) -> bool:
+        """Whether the field `name` of `side` (input, output) is evidence."""
+        holder, key = self._holder(side, name)
+        if not isinstance(holder, dict) or key not in holder:
             return False
         path = f"{side}.{name}"
-        return not (holds_redacted(value[name_in])
+        return not (holds_redacted(holder[key])
                     or any(p == path or p.startswith(path + ".") or path.startswith(p + ".")
                            for p in self.redacted))
 

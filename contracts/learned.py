@@ -81,8 +81,8 @@ class Observation:
         """The event fields this observation is stored as (the store adds `seq` and `ts`)."""
         out: dict[str, Any] = {"kind": LEARNED, "traffic": self.traffic,
                                "upstream": self.upstream, "at": self.at}
-        for name in ("tool", "skill", "method", "path", "input", "output", "status", "error", "call_id",
-                     "joined"):
+        for name in ("tool", "skill", "method", "path", "input", "output", "status", "error",
+                     "call_id", "joined"):
             value = getattr(self, name)
             if value is not None:
                 out[name] = value

@@ -179,12 +179,9 @@ class A2aAdapter:
             send = self._send(request, body)
         except (BodyError, WireError):
             send = None
-        skill = send.skill if isinstance(send, Send) else None
+        skill = self._skill_of(route, send) if isinstance(send, Send) else None
         if isinstance(send, Send) and skill is None:
-            known = self.skills.get((contract.workflow, agent), ())
-            skill = known[0] if len(known) == 1 else None
-            if skill is None:
-                learner.dropped(contract, "no_skill")
+            learner.dropped(contract, "no_skill")
         if not isinstance(send, Send) or skill is None:
             return await self.http.forward_unchecked(request, route, headers, body, timing,
                                                      read_timeout_s=None)
@@ -206,6 +203,14 @@ class A2aAdapter:
             TRAFFIC, agent, timing.arrived, skill=skill, input=send.input,
             output=result.output, status=kept.status, error=result.error))
         return answer
+
+    def _skill_of(self, route: Route, send: Send) -> str | None:
+        """The skill a send asks for: the one it names, else the only skill of the agent's
+        card as it last passed through."""
+        if send.skill is not None:
+            return send.skill
+        known = self.skills.get((route.contract.workflow, route.upstream.name), ())
+        return known[0] if len(known) == 1 else None
 
     def _send(self, request: web.Request, body: bytes) -> Send | TaskRead | TaskList | None:
         """The send this POST carries, the read of a task, or a list of tasks, None for any
@@ -229,10 +234,7 @@ class A2aAdapter:
     async def _checked(self, request: web.Request, route: Route, headers: CIMultiDict[str],
                        body: bytes, timing: Timing, send: Send) -> web.StreamResponse:
         contract, agent = route.contract, route.upstream.name
-        skill = send.skill
-        if skill is None:
-            known = self.skills.get((contract.workflow, agent), ())
-            skill = known[0] if len(known) == 1 else None
+        skill = self._skill_of(route, send)
         step = contract.step_for_skill(agent, skill) if skill is not None else None
         if step is None:
             if contract.unmatched == "refuse":
@@ -413,8 +415,8 @@ class A2aAdapter:
         message = (f"stepguard: run {call.shown_run!r}, step {call.step.name!r}: the "
                    f"{call.read.method} answer about task {call.read.task_id[:100]!r} cannot be "
                    f"read to be checked ({detail}); "
-                   f"{'the step' if pending else 'its step'}'s exit "
-                   f"{'is still pending' if pending else 'passed before'}")
+                   + ("the step's exit is still pending" if pending
+                      else "its step's exit passed before"))
         data = {"check": "request", "run": call.shown_run, "step": call.step.name,
                 "task_id": call.read.task_id}
         self.boundaries.call_refused(call.route, "unchecked_task", message, call.step.name,
