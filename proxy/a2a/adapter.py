@@ -24,8 +24,9 @@ A violation is a JSON-RPC error answering the send's id (code -31000, details in
 the JSON answer or as the event that ends the stream, so the `a2a-sdk` client raises. A stream
 is relayed event by event; only its final event is held until the exit check.
 
-In learn mode every request is relayed unchanged, and a send whose task ends final in its answer
-is recorded (`_learn`): its message and the task's final state, as entry and exit read them.
+In learn mode every request is relayed unchanged, and each send is recorded (`_learn`): its
+message and the task's final state, as entry and exit read them (no output when the answer left
+the task open, as enforcement stores its entry alone).
 
 Every POST body is parsed with `unique_keys`; one that is not strict JSON, a batch holding a
 send or a task's read or list, a send whose message cannot be read, or a read whose answer does
