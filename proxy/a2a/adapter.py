@@ -17,8 +17,8 @@ model issued, with no run header of its own, is that call (proxy/core/joining.py
 the model's run, its entry the one the model's answer stored, its exit checked at the task's
 final state. A read of a task no checked send started, and every other request (the agent card,
 push notification configs, ...), passes through untouched; a read of a task another process
-holds (its key in the store) is refused, and a list of tasks (`ListTasks`) is refused while a
-task of the agent is pending or refused.
+checked is read from the store (`_elsewhere`, tasks.py), and a list of tasks (`ListTasks`) is
+refused while a task of the agent is pending or refused.
 
 A violation is a JSON-RPC error answering the send's id (code -31000, details in `data`), as
 the JSON answer or as the event that ends the stream, so the `a2a-sdk` client raises. A stream
@@ -52,7 +52,15 @@ from stepguard.contracts.learned import Observation
 from stepguard.contracts.runs import RunBook
 from stepguard.metrics.observer import Observer
 from stepguard.proxy.a2a.rpc import refusal_for
-from stepguard.proxy.a2a.tasks import Tasks, Tracked, passed_key, task_key
+from stepguard.proxy.a2a.tasks import (
+    Tasks,
+    Tracked,
+    final_key,
+    output_key,
+    passed_key,
+    stored_exit,
+    task_key,
+)
 from stepguard.proxy.a2a.upstream import A2aAnswer, A2aCall, A2aUpstream, learned_answer
 from stepguard.proxy.a2a.wire import (
     Send,
@@ -70,10 +78,9 @@ from stepguard.proxy.core.bodies import BodyError, charset_of, decode, parse_jso
 from stepguard.proxy.core.boundaries import Boundaries
 from stepguard.proxy.core.calls import Answer, CallLoop, Replayed, Stopped, Violated
 from stepguard.proxy.core.config import Settings
-from stepguard.proxy.core.correlation import NO_RUN_KEY, STORE
+from stepguard.proxy.core.correlation import NO_RUN_KEY, STORE, Keyed
 from stepguard.proxy.core.forward import ClientEnd, Forwarder, Kept, Timing, end_to_end
 from stepguard.proxy.core.holds import Held
-from stepguard.proxy.core.joining import digest
 from stepguard.proxy.core.jsonrpc import (
     REQUEST_CODE,
     answer_message,
@@ -101,6 +108,12 @@ NOT_RPC: Final = ("not a JSON-RPC request (an object with \"jsonrpc\": \"2.0\" a
 def _is_rpc(message: Any) -> bool:
     return isinstance(message, dict) and message.get("jsonrpc") == "2.0" \
         and isinstance(message.get("method"), str)
+# how a refused read says what became of the exit of the task's step
+PENDING: Final = "the step's exit is still pending"
+PASSED: Final = "its step's exit passed before"
+REFUSED: Final = "its step's exit was refused (see the run's history)"
+# how answers about a task read from the store name its run (`Call.shown_run`)
+TASK_RUN: Final = "<the run of the send that started the task>"
 MAX_CARD_BYTES: Final = 1024 * 1024
 LISTED_KEYS: Final = 64       # an agent's stored task keys a list of its tasks reads at most
 
@@ -123,6 +136,7 @@ class A2aAdapter:
         self.skills: dict[tuple[str, str], tuple[str, ...]] = {}   # (workflow, upstream) -> card's
         self.tasks = Tasks()
         self.upstream.task_seen = self._task_seen
+        self._secret: bytes | None = None     # the store's, for outputs' keyed digests
 
     def error(self, route: Route, status: int, title: str, detail: str) -> web.Response:
         return titled_error(status, title, detail)
@@ -144,6 +158,8 @@ class A2aAdapter:
                       "binding (POST) and relays the agent card; other requests are refused")
             self.boundaries.call_refused(route, "unparseable", detail, None, TRAFFIC)
             return titled_error(405, "Not an A2A JSON-RPC request", detail)
+        if self._secret is None:
+            self._secret = await self.calls.runs.store.key_secret()
         try:
             send = self._send(request, body)
         except (BodyError, WireError) as exc:
@@ -157,9 +173,9 @@ class A2aAdapter:
             tracked = self.tasks.get(route, send.task_id)
             if tracked is not None:
                 return await self._task_read(request, headers, body, timing, send, tracked)
-            refused = await self._elsewhere(route, send)
-            if refused is not None:
-                return refused
+            elsewhere = await self._elsewhere(request, route, headers, body, timing, send)
+            if elsewhere is not None:
+                return elsewhere
             send = None
         if send is None:
             return await self.http.forward_unchecked(request, route, headers, body, timing,
@@ -313,17 +329,39 @@ class A2aAdapter:
                 return task_id
         return "" if len(keys) == LISTED_KEYS else None
 
-    async def _elsewhere(self, route: Route, read: TaskRead) -> web.Response | None:
-        """A read of a task this process holds nothing of: refused when the store says a
-        checked send started it and its exit is open or was refused (another process saw the
-        send), else None (relayed)."""
+    async def _elsewhere(self, request: web.Request, route: Route, headers: CIMultiDict[str],
+                         body: bytes, timing: Timing, read: TaskRead) -> web.StreamResponse | None:
+        """A read of a task this process holds nothing of (another process checked its send,
+        or this one before a restart, or it was forgotten), read from the store (tasks.py):
+        with a stored exit, as `_checked_read` reads it where it was checked (refused when the
+        exit was; else sent on, and relayed only when it shows the output that exit read);
+        with an open exit, refused; with neither (no checked send started it), None: relayed."""
         store = self.calls.runs.store
         try:
-            if await store.find_run(task_key(route, read.task_id)) is None \
-                    or await store.find_run(passed_key(route, read.task_id)) is not None:
+            run_id = await store.find_run(final_key(route, read.task_id))
+            if run_id is not None:
+                found = stored_exit(await store.history(run_id), read.task_id)
+                step = route.contract.steps.get(found.step) if found is not None else None
+                if found is not None and step is not None:
+                    call = A2aCall(
+                        route, step, run_id, request, headers, body, timing,
+                        key_drift=Keyed(run_id, shown=TASK_RUN),
+                        send=Send(read.rpc_id, read.method, found.skill, {}, {}), read=read,
+                        as_tool=any(m.tool is not None for m in step.matches))
+                    if not found.relayed:
+                        return await self._read_refused(call, None, False, REFUSED)
+                    return await self._checked_read(call, Tracked(
+                        call, 1, checked=True, passed_on=found.output_key), None)
+                why, retry = ("its exit, stored by another stepguard process (or by this one "
+                              "before a restart), names no step of this contract"), False
+            elif await store.find_run(task_key(route, read.task_id)) is None:
                 return None
-            why, retry = "its exit is pending or was refused, and was checked by another " \
-                "stepguard process (or by this one before a restart)", False
+            elif await store.find_run(passed_key(route, read.task_id)) is not None:
+                why, retry = ("its exit passed in a stepguard that stored no digest of its output "
+                              "to compare a read with"), False
+            else:
+                why, retry = "its exit is pending or was refused, and was checked by another " \
+                    "stepguard process (or by this one before a restart)", False
         except StoreError as exc:
             self.observer.store_error("find", str(exc), workflow=route.contract.workflow)
             why, retry = "the store could not be asked whether a checked send started it", True
@@ -385,12 +423,12 @@ class A2aAdapter:
             unread = self._unread(call, answer)
             if unread is not None:
                 return await self._read_refused(call, unread, retry=answer.unreachable
-                                                is not None, pending=False)
-        if answer.open or answer.result.error is not None \
-                or tracked.passed_on is None or digest(answer.result.output) != tracked.passed_on:
+                                                is not None, state=PASSED)
+        if answer.open or answer.result.error is not None or tracked.passed_on is None \
+                or self._output_key(answer.result.output) != tracked.passed_on:
             return await self._read_refused(
                 call, "it shows the task other than as its exit passed it: a final task does "
-                "not change", retry=False, pending=False)
+                "not change", retry=False, state=PASSED)
         if call.held and answer.event:     # the stream's events, held until its last was read
             answer.body = b"".join(call.held) + answer.body
         return await self._answer(call, answer)
@@ -411,13 +449,16 @@ class A2aAdapter:
         return None
 
     async def _read_refused(self, call: A2aCall, detail: str | None,
-                            retry: bool, pending: bool = True) -> web.StreamResponse:
+                            retry: bool, state: str = PENDING) -> web.StreamResponse:
+        """A read of a task refused (-31002): its answer could not be read to be checked
+        (`detail`), or, with no `detail`, the step's exit that read the task was refused
+        (by another process: this one answers with the exit's violation)."""
         assert call.read is not None
-        message = (f"stepguard: run {call.shown_run!r}, step {call.step.name!r}: the "
-                   f"{call.read.method} answer about task {call.read.task_id[:100]!r} cannot be "
-                   f"read to be checked ({detail}); "
-                   + ("the step's exit is still pending" if pending
-                      else "its step's exit passed before"))
+        task = call.read.task_id[:100]
+        message = (f"stepguard: run {call.shown_run!r}, step {call.step.name!r}: "
+                   + (f"the {call.read.method} answer about task {task!r} cannot be read to be "
+                      f"checked ({detail}); " if detail is not None
+                      else f"task {task!r} is not read: ") + state)
         data = {"check": "request", "run": call.shown_run, "step": call.step.name,
                 "task_id": call.read.task_id}
         self.boundaries.call_refused(call.route, "unchecked_task", message, call.step.name,
@@ -464,11 +505,28 @@ class A2aAdapter:
         return answer
 
     def extra(self, call: A2aCall) -> dict[str, Any] | None:
-        send, read = call.send, call.read
+        """The send's JSON-RPC id and skill; for a read of its task, the read; once its answer
+        shows the task final, the task and the keyed digest of its output (`output_key`: what
+        another process compares a read of the task with, tasks.py)."""
+        send, read, answer = call.send, call.read, call.answer
         extra = {"rpc_id": call.rpc_id, "skill": send.skill if send is not None else None}
         if read is not None:
             extra |= {"task_id": read.task_id, "read": read.method}
+        if isinstance(answer, A2aAnswer) and answer.task_id is not None and not answer.open:
+            extra |= {"task_id": answer.task_id,
+                      "output_key": self._output_key(answer.result.output)}
         return extra
+
+    def exit_keys(self, call: A2aCall, answer: A2aAnswer) -> tuple[str, ...]:
+        """An exit that read a task final is found by the task (`final_key`), whatever its
+        verdict: another process reads the task as this one does (tasks.py)."""
+        if answer.task_id is None or answer.open:
+            return ()
+        return (final_key(call.route, answer.task_id),)
+
+    def _output_key(self, output: Any) -> str | None:
+        assert self._secret is not None      # read before the first send (`handle`)
+        return output_key(self._secret, output)
 
     async def pause(self, call: A2aCall, answer: A2aAnswer,
                     attempt: int) -> web.StreamResponse | None:
@@ -528,7 +586,7 @@ class A2aAdapter:
             # open since its send ended (a task key stored), not one a stream named just now
             was_open = tracked is not None and not tracked.checked and tracked.decided.is_set()
             self._forgotten(self.tasks.checked(call, answer.task_id, None,
-                                               digest(answer.result.output)))
+                                               self._output_key(answer.result.output)))
             if was_open:
                 await self._store_key(call, passed_key(call.route, answer.task_id))
         return await self._answer(call, answer)

@@ -16,23 +16,34 @@ and what became of its exit:
 
 At most `TASKS_KEPT` tasks are kept in memory (the least recently stored forgotten first; an
 open one forgotten is logged as `a2a_task_forgotten`). An open or refused task is also stored
-as a correlation key of its run (`task_key`; `passed_key` once an open one passed): a read of a
-task this process does not hold (seen by another worker or replica, or forgotten, or before a
-restart) whose key names a run is refused, never relayed unchecked.
+as a correlation key of its run (`task_key`; `passed_key` once an open one passed), and every
+exit that read a final task stores `final_key` with its event, in the same commit; the event
+names the task (`task_id`) and, keyed by the store's secret, the digest of the output it read
+(`output_key`). A read of a task this process does not hold (seen by another worker or replica,
+or forgotten, or before a restart) is read from these: with a stored exit, as in the process
+that checked it (`stored_exit`: refused when the exit was; sent on, and relayed only when its
+answer shows the output that exit read); with an open exit, refused; with neither (no checked
+send started the task), relayed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 
 from stepguard.contracts.bounded import Bounded
+from stepguard.contracts.events import OBSERVE
 from stepguard.proxy.a2a.upstream import A2aCall
 from stepguard.proxy.core.calls import Violated
+from stepguard.proxy.core.joining import digest
 from stepguard.proxy.core.routing import Route
 
-__all__ = ["TASKS_KEPT", "Tasks", "Tracked", "passed_key", "task_key"]
+__all__ = ["TASKS_KEPT", "StoredExit", "Tasks", "Tracked", "final_key", "output_key", "passed_key",
+           "stored_exit", "task_key"]
 
 TASKS_KEPT: Final = 65_536
 
@@ -48,7 +59,7 @@ class Tracked:
     attempt: int
     checked: bool = False
     refused: Violated | None = None
-    # the digest of the final output its exit passed on (`joining.digest`): a later read must
+    # the keyed digest of the final output its exit passed on (`output_key`): a later read must
     # show the same (None: the exit passed on an output that cannot be digested)
     passed_on: str | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)   # one read of the task at a time
@@ -109,7 +120,7 @@ class Tasks:
     def checked(self, call: A2aCall, task_id: str, refused: Violated | None,
                 passed_on: str | None = None) -> list[Tracked]:
         """The exit of the task's send (or of a read of it) was checked: passed on the output
-        of digest `passed_on`, or `refused`. Returns the open tasks forgotten to keep the
+        of keyed digest `passed_on`, or `refused`. Returns the open tasks forgotten to keep the
         bound."""
         key = _key(call.route, task_id)
         tracked = self._tasks.get(key)
@@ -151,3 +162,41 @@ def passed_key(route: Route, task_id: str) -> str:
 
 def _key(route: Route, task_id: str) -> Key:
     return (route.contract.workflow, route.upstream.name, task_id)
+
+
+def final_key(route: Route, task_id: str) -> str:
+    """The key an exit that read the task final stores with its event, whatever its verdict:
+    another process finds the run by it, and the exit in the run's history (`stored_exit`)."""
+    return f"a2atask-final:{route.contract.workflow}:{route.upstream.name}:{task_id}"
+
+
+def output_key(secret: bytes, output: Any) -> str | None:
+    """The digest of a task's final output (`joining.digest`) keyed by the store's secret, as an
+    exit's event stores it (`output_key`): it tells whether a read shows the output the exit
+    read, and, unlike a plain digest, confirms no guess of a value the history redacts. None
+    for an output that cannot be digested."""
+    plain = digest(output)
+    return None if plain is None else hmac.new(secret, plain.encode(), hashlib.sha256).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class StoredExit:
+    """The exit of a task's send as its run's history stores it: its step and skill, whether
+    its answer was relayed (it passed, or the contract observes), and the output's keyed digest."""
+
+    step: str
+    skill: str | None
+    relayed: bool
+    output_key: str | None
+
+
+def stored_exit(history: Sequence[dict[str, Any]], task_id: str) -> StoredExit | None:
+    """The last exit in a run's `history` that read task `task_id` final, if any."""
+    for event in reversed(history):
+        if event.get("boundary") == "exit" and event.get("task_id") == task_id \
+                and isinstance(event.get("step"), str):
+            key, skill = event.get("output_key"), event.get("skill")
+            return StoredExit(event["step"], skill if isinstance(skill, str) else None,
+                              event.get("verdict") == "pass" or event.get("action") == OBSERVE,
+                              key if isinstance(key, str) else None)
+    return None

@@ -353,7 +353,7 @@ class Boundaries:
 
     async def refuse(self, contract: Contract, run_id: str, envelope: Envelope, step: str,
                      *, timing: Timing, traffic: str, boundary: str = "entry",
-                     extra: dict[str, Any] | None = None) -> Settled:
+                     extra: dict[str, Any] | None = None, keys: Sequence[str] = ()) -> Settled:
         """Record that a call of a stopped run was refused (at entry, or at exit when the run
         was halted while the call was at the upstream). A refusal at entry that repeats one
         this process stored (same run, halt and step) is counted instead (`proxy/core/refusals.py`)
@@ -374,7 +374,7 @@ class Boundaries:
         decision_id = new_decision_id()
         fields = {"step": step, "boundary": boundary, "verdict": "refused", "action": REFUSE,
                   "decision_id": decision_id, "halted_by": halted_by, **(extra or {})}
-        after, event = await self._commit(envelope, fields)
+        after, event = await self._commit(envelope, fields, None, keys)
         if countable:
             self.refusals.stored(key, decision_id)
         self.observer.verdict(contract, run_id, event, timing.added_s(), traffic)

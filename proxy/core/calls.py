@@ -25,7 +25,7 @@ run neither advances nor halts. Entries and exits take the envelope with `optimi
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Generic, NoReturn, Protocol, TypeVar
 
@@ -305,6 +305,11 @@ class CallProtocol(Protocol[C_contra, A]):
         in-band (the hold stays open in the store), else None to wait for an operator."""
         ...
 
+    def exit_keys(self, call: C_contra, answer: A) -> Sequence[str]:
+        """Correlation keys the exit of `answer` stores with its event, in the same commit
+        (whatever its verdict: a reader finds the event by them)."""
+        ...
+
     def recording(self, call: C_contra, answer: A) -> dict[str, Any] | None:
         """A passing answer of a `replay: recorded` step as it is stored, whole, to answer the
         call's repeats (JSON; None: the answer cannot be given again)."""
@@ -457,11 +462,12 @@ class CallLoop(Generic[C, A]):
             # every outcome is committed before it is acted on: RunBook, optimistic
             envelope = await self.runs.envelope(call.contract, call.run_id, optimistic=True)
             if envelope.status in STOPPED:
-                await self._refuse(call, envelope, "exit")
+                await self._refuse(call, envelope, "exit", self.protocol.exit_keys(call, answer))
             decision = check_exit(call.contract, call.step, envelope, call.input, answer.result,
                                   now=call.timing.arrived)
             settled = await self._settle(call, envelope, decision, attempt, answer,
-                                         self._recording(call, decision, answer))
+                                         self._recording(call, decision, answer),
+                                         self.protocol.exit_keys(call, answer))
         return decision, settled
 
     # -- recorded answers (`replay: recorded`) ------------------------------------------------
@@ -521,7 +527,8 @@ class CallLoop(Generic[C, A]):
                 await self._refuse(call, envelope, "entry")
 
     async def _settle(self, call: C, envelope: Envelope, decision: Decision, attempt: int = 1,
-                      answer: A | None = None, more: dict[str, Any] | None = None) -> Settled:
+                      answer: A | None = None, more: dict[str, Any] | None = None,
+                      keys: Sequence[str] = ()) -> Settled:
         result = answer.result if answer is not None else None
         extra = self.protocol.extra(call)
         if more:
@@ -535,7 +542,7 @@ class CallLoop(Generic[C, A]):
             Evidence(call.input, call.body, result, answer.body if answer is not None else None,
                      (lambda: call.target) if decision.boundary == "entry" else None),
             timing=call.timing, traffic=self.traffic, attempt=attempt,
-            safe_to_retry=call.safe_to_retry, extra=extra, shown=call.shown_run)
+            safe_to_retry=call.safe_to_retry, extra=extra, keys=keys, shown=call.shown_run)
 
     @staticmethod
     def _stop_if(decision: Decision, settled: Settled, status: int | None) -> None:
@@ -543,10 +550,11 @@ class CallLoop(Generic[C, A]):
                 and settled.refused is None:
             raise Violated(decision, settled, status)
 
-    async def _refuse(self, call: C, envelope: Envelope, boundary: str) -> NoReturn:
+    async def _refuse(self, call: C, envelope: Envelope, boundary: str,
+                      keys: Sequence[str] = ()) -> NoReturn:
         settled = await self.boundaries.refuse(
             call.contract, call.run_id, envelope, call.step.name, timing=call.timing,
-            traffic=self.traffic, boundary=boundary, extra=self.protocol.extra(call))
+            traffic=self.traffic, boundary=boundary, extra=self.protocol.extra(call), keys=keys)
         raise RunStopped(envelope, boundary, settled.decision_id)
 
     async def _reject(self, call: C, error: BodyError, envelope: Envelope) -> NoReturn:

@@ -255,6 +255,9 @@ class HttpToolAdapter:
     def extra(self, call: HttpCall) -> dict[str, Any] | None:
         return None
 
+    def exit_keys(self, call: HttpCall, answer: Answer) -> tuple[str, ...]:
+        return ()
+
     def recording(self, call: HttpCall, answer: Answer) -> dict[str, Any] | None:
         if answer.status is None:
             return None

@@ -200,6 +200,9 @@ class McpAdapter:
             return await self.resumption.left_open(call, attempt)
         return None
 
+    def exit_keys(self, call: McpCall, answer: McpAnswer) -> tuple[str, ...]:
+        return ()
+
     def recording(self, call: McpCall, answer: McpAnswer) -> dict[str, Any] | None:
         message = answer.message
         if message is None or "result" not in message:

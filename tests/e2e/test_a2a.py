@@ -66,16 +66,24 @@ class A2aStack:
 async def a2a_stack(tmp_path: Path, protocol: str = "1.0") -> AsyncIterator[A2aStack]:
     desk = A2aDesk(protocol=protocol)
     with serving_desk(desk) as base:
-        config = Settings.from_env(store=str(tmp_path / "a2a.db"), store_timeout=STORE_TIMEOUT_S,
-                                   upstreams=[f"desk={base}"])
-        sg = build(config, load_contracts([CONTRACT], config.vars, config.upstreams))
-        await sg.start()
-        try:
-            async with _serving(sg) as url:
-                desk.public_url = f"{url}/desk"
-                yield A2aStack(sg, url, desk)
-        finally:
-            await sg.stop()
+        async with guarding(desk, base, tmp_path / "a2a.db") as stack:
+            yield stack
+
+
+@contextlib.asynccontextmanager
+async def guarding(desk: A2aDesk, base: str, store: Path) -> AsyncIterator[A2aStack]:
+    """A stepguard in front of the desk served at `base`, on the SQLite store `store`; the
+    desk's card gives its address."""
+    config = Settings.from_env(store=str(store), store_timeout=STORE_TIMEOUT_S,
+                               upstreams=[f"desk={base}"])
+    sg = build(config, load_contracts([CONTRACT], config.vars, config.upstreams))
+    await sg.start()
+    try:
+        async with _serving(sg) as url:
+            desk.public_url = f"{url}/desk"
+            yield A2aStack(sg, url, desk)
+    finally:
+        await sg.stop()
 
 
 @SENDS

@@ -26,10 +26,10 @@ from a2a.types import (
     TaskState,
 )
 from a2a.utils.errors import TaskNotCancelableError, UnsupportedOperationError
-from test_a2a import VIOLATION, a2a_stack
+from test_a2a import VIOLATION, a2a_stack, guarding
 
 from stepguard.examples.order_confirmation.a2a_agent import A2aAgent, TaskNotCompleted, a2a_agent
-from stepguard.examples.order_confirmation.a2a_desk import SHAPE
+from stepguard.examples.order_confirmation.a2a_desk import SHAPE, A2aDesk, serving_desk
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -228,3 +228,37 @@ async def test_a_subscribe_to_a_task_whose_exit_passed_gets_the_agents_terminal_
             with pytest.raises(UnsupportedOperationError, match="terminal state"):
                 async for _ in streamer.client.subscribe(SubscribeToTaskRequest(id=task_id)):
                     pass
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["blocking", "streamed"])
+async def test_a_passed_task_read_through_a_restarted_stepguard_is_relayed_as_the_agent_keeps_it(
+        tmp_path: Path, streaming: bool) -> None:
+    desk = A2aDesk()
+    with serving_desk(desk) as base:
+        async with guarding(desk, base, tmp_path / "a2a.db") as first, \
+                a2a_agent(first.desk_url, streaming=streaming) as agent:
+            looked_up = await agent.ask("lookup", "T-29")
+            task_id = first_task_id(agent)
+        # the same store, nothing in memory: the read is checked against the stored exit
+        async with guarding(desk, base, tmp_path / "a2a.db") as second, \
+                a2a_agent(second.desk_url, streaming=False) as reader:
+            again = await reader.client.get_task(GetTaskRequest(id=task_id))
+
+    assert again.status.state == TaskState.TASK_STATE_COMPLETED
+    assert data_of(again) == looked_up
+
+
+async def test_a_task_whose_exit_was_refused_read_through_a_restarted_stepguard_is_refused(
+        tmp_path: Path) -> None:
+    desk = A2aDesk()
+    desk.drift("T-30", SHAPE)
+    with serving_desk(desk) as base:
+        async with guarding(desk, base, tmp_path / "a2a.db") as first, \
+                a2a_agent(first.desk_url, streaming=False) as agent:
+            with pytest.raises(A2AClientError, match=VIOLATION):
+                await agent.ask("lookup", "T-30")
+            task_id = (await first.run_of("T-30"))[1][-1]["task_id"]   # the exit names it
+        async with guarding(desk, base, tmp_path / "a2a.db") as second, \
+                a2a_agent(second.desk_url, streaming=False) as reader:
+            with pytest.raises(A2AClientError, match="its step's exit was refused"):
+                await reader.client.get_task(GetTaskRequest(id=task_id))

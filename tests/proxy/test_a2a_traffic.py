@@ -18,6 +18,8 @@ from sgtest import Proxy, Upstream, stored_envelope
 from stepguard.contracts.learned import Observation
 from stepguard.contracts.loader import parse_contract
 from stepguard.contracts.model import Contract
+from stepguard.proxy.a2a.tasks import output_key, passed_key, task_key
+from stepguard.proxy.core.joining import digest
 
 RUN = {"x-stepguard-run": "r1"}
 SEND = "/agent/rpc"
@@ -443,14 +445,14 @@ async def test_a_read_while_the_sends_stream_is_open_waits_for_the_sends_outcome
     assert agent.hits() == 1                  # the read never reached the agent
 
 
-async def test_a_send_whose_task_ends_final_stores_no_task_key(
+async def test_a_send_whose_task_ends_final_stores_its_final_key_and_no_open_task_key(
         make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
     agent = await make_upstream(streaming(TASK, ARTIFACT, last=final()))
     p = await proxy(a2a_contract(agent.url))
     await (await p.client.post(SEND, data=orjson.dumps(send()), headers=RUN)).read()
 
     assert [e["boundary"] for e in await p.history("r1")] == ["entry", "exit"]
-    assert await p.sg.store.find_keys("a2atask") == []
+    assert await p.sg.store.find_keys("a2atask") == ["a2atask-final:a2a-flow:agent:t1"]
 
 
 async def test_a_list_of_tasks_after_a_restart_is_refused_while_a_stored_task_is_open(
@@ -803,3 +805,110 @@ async def test_a_read_showing_a_passed_tasks_status_message_changed_is_refused(
 
     assert refused["error"]["code"] == -31002
     assert "wire" not in orjson.dumps(refused).decode()
+
+
+# -- reads of a task whose exit another process checked (here: a stepguard before a restart) --
+
+async def restarted_after_send(proxy: Callable[..., Awaitable[Proxy]], agent: Upstream,
+                               *steps: Any) -> Proxy:
+    """A send checked by one stepguard, then a second one on the same store with nothing in
+    memory: what a replica, another worker or a restart sees."""
+    contract = a2a_contract(agent.url, **({"steps": steps[0]} if steps else {}))
+    before = await proxy(contract)
+    await (await before.client.post(SEND, data=orjson.dumps(send("SendMessage")),
+                                    headers=RUN)).read()
+    await before.close()
+    return await proxy(contract)
+
+
+async def test_a_read_elsewhere_showing_the_output_the_exit_passed_is_relayed(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    agent = await make_upstream(sends_in_turn(task("TASK_STATE_COMPLETED", price=12.5)))
+    after = await restarted_after_send(proxy, agent)
+
+    relayed = await (await after.client.post(SEND, data=get_task())).json()
+
+    assert relayed["result"]["artifacts"][0]["parts"] == [{"data": {"price": 12.5}}]
+
+
+async def test_a_read_elsewhere_showing_a_passed_task_changed_is_refused_unrelayed(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    agent = await make_upstream(sends_in_turn(task("TASK_STATE_COMPLETED", price=12.5),
+                                              task("TASK_STATE_COMPLETED", price=0)))
+    after = await restarted_after_send(proxy, agent)
+
+    refused = await (await after.client.post(SEND, data=get_task())).json()
+
+    assert (refused["id"], refused["error"]["code"]) == ("g1", -31002), refused
+    assert "a final task does not change" in refused["error"]["message"]
+    assert "price" not in orjson.dumps(refused).decode()
+
+
+async def test_a_subscribe_elsewhere_to_a_passed_task_relays_no_event_of_a_changed_stream(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    added = {"artifactUpdate": {"taskId": "t1", "contextId": "c1", "artifact": {
+        "artifactId": "a9", "name": "quote", "parts": [{"data": {"refund": 99}}]}}}
+    agent = await make_upstream(subscribed_after(task("TASK_STATE_COMPLETED", price=12.5),
+                                                 added, final()))
+    after = await restarted_after_send(proxy, agent)
+
+    body = await (await after.client.post(SEND, data=get_task(method="SubscribeToTask"))).read()
+
+    assert b"refund" not in body
+    assert orjson.loads(body)["error"]["code"] == -31002
+
+
+async def test_a_read_elsewhere_of_a_task_whose_exit_was_refused_is_refused_unsent(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    agent = await make_upstream(sends_in_turn(task("TASK_STATE_COMPLETED", price=0)))
+    after = await restarted_after_send(proxy, agent)    # its postcondition refuses price 0
+    sent_before = agent.hits()
+
+    refused = await (await after.client.post(SEND, data=get_task())).json()
+
+    assert (refused["error"]["code"], refused["error"]["data"]["task_id"]) == (-31002, "t1")
+    assert "its step's exit was refused" in refused["error"]["message"]
+    assert agent.hits() == sent_before               # the read never reached the agent
+
+
+async def test_a_read_elsewhere_names_no_run_its_reader_did_not_name(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    agent = await make_upstream(sends_in_turn(task("TASK_STATE_COMPLETED", price=12.5),
+                                              task("TASK_STATE_COMPLETED", price=0)))
+    after = await restarted_after_send(proxy, agent)
+
+    refused = await (await after.client.post(SEND, data=get_task())).json()
+
+    assert refused["error"]["data"]["run"] == "<the run of the send that started the task>"
+    assert "r1" not in orjson.dumps(refused).decode()
+
+
+async def test_a_read_elsewhere_of_a_task_passed_with_no_stored_output_digest_is_refused(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    # what a stepguard before final keys stored for an open task that passed later
+    agent = await make_upstream(answering(task("TASK_STATE_COMPLETED", "t7", price=12.5)))
+    p = await proxy(a2a_contract(agent.url))
+    route = p.sg.dispatcher.router.resolve(SEND, SEND)
+    assert route is not None
+    await p.sg.store.add_keys("r0", [task_key(route, "t7"), passed_key(route, "t7")])
+
+    refused = await (await p.client.post(SEND, data=get_task("t7"))).json()
+
+    assert refused["error"]["code"] == -31002
+    assert "stored no digest of its output" in refused["error"]["message"]
+    assert agent.hits() == 0
+
+
+async def test_an_exit_stores_its_tasks_output_digest_keyed_by_the_stores_secret(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    agent = await make_upstream(sends_in_turn(task("TASK_STATE_COMPLETED", price=12.5)))
+    p = await proxy(a2a_contract(agent.url))
+    await (await p.client.post(SEND, data=orjson.dumps(send("SendMessage")),
+                               headers=RUN)).read()
+
+    exit_ = (await p.history("r1"))[-1]
+    secret = await p.sg.store.key_secret()
+    assert exit_["task_id"] == "t1"
+    assert exit_["output_key"] == output_key(secret, exit_["output"])
+    assert exit_["output_key"] != digest(exit_["output"])     # no plain digest: a redacted
+    assert exit_["output_key"] != output_key(b"another store", exit_["output"])  # value's guess
