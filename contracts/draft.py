@@ -110,7 +110,8 @@ class Call:
     at: float
     outcome: str                    # PASS, REJECT (4xx), FAIL, PENDING (no result seen)
     shape: str | None = None        # the error_when expression a 2xx failure matched
-    call_id: str | None = None      # a model tool call's id: entry and exit carry it
+    call_id: str | None = None      # a model tool call's id (entry and exit carry it); the task
+    #                                 an A2A send left open (the read showing it final answers it)
     rpc_id: str | None = None       # an MCP request id
     redacted: frozenset[str] = frozenset()   # dotted paths (input.x, output.y) stored redacted
     joined: bool = False            # a model's tool call whose execution was seen
@@ -294,7 +295,7 @@ def _call(step: str, obs: Observation) -> Call:
         return Call(step, "model", obs.input, obs.output, obs.status, obs.error, obs.at,
                     outcome, shape, obs.joined, None, frozenset(obs.redacted), joined=True)
     rpc = obs.call_id if obs.traffic == "mcp" else None
-    model = obs.call_id if obs.traffic == "model" else None
+    model = obs.call_id if obs.traffic in ("model", "a2a") else None
     return Call(step, obs.traffic, obs.input, obs.output, obs.status, obs.error, obs.at, outcome,
                 shape, model, rpc, frozenset(obs.redacted))
 
@@ -302,7 +303,18 @@ def _call(step: str, obs: Observation) -> Call:
 def _answer(calls: list[Call], obs: Observation) -> bool:
     """A model tool call seen again with its result (the agent handing it back), if learn mode
     stored the call and its result apart: the earlier call takes the result, unless the call
-    that executed it gave one already."""
+    that executed it gave one already. Likewise the read of an A2A task (no input, `call_id`
+    the task) that shows final a task a send left open: that send takes the task's final
+    state; a read no pending send waits for is not a call."""
+    if obs.traffic == "a2a" and obs.call_id is not None and obs.input is None:
+        for i, call in enumerate(calls):
+            if call.traffic == "a2a" and call.call_id == obs.call_id and call.outcome == PENDING:
+                outcome, shape = _outcome(obs)
+                calls[i] = replace(call, output=obs.output, status=obs.status, error=obs.error,
+                                   outcome=outcome, shape=shape, redacted=call.redacted | {
+                                       p for p in obs.redacted if p.startswith("output")})
+                break
+        return True
     if obs.traffic != "model" or obs.call_id is None:
         return False
     for i, call in enumerate(calls):

@@ -53,7 +53,9 @@ class Observation:
       that is not JSON), None on success;
     - `at`: when the call arrived at stepguard, seconds since the epoch;
     - `final`: a model's final answer (no tool call), whose parsed content is `output`;
-    - `call_id`: the model tool-call id or MCP request id, when there is one;
+    - `call_id`: the model tool-call id or MCP request id, when there is one; for A2A, the task a
+      send's answer left open, and on the read that later showed that task final (recorded in
+      the send's run with no `input`: the send's result) the task read;
     - `joined`: on an MCP or HTTP call that executed a tool call a model issued (cross-traffic
       joining), that call's id: the one observation of the call (the model's tool call is not
       stored again), whose output is the tool's answer;

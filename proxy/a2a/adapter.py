@@ -26,7 +26,8 @@ is relayed event by event; only its final event is held until the exit check.
 
 In learn mode every request is relayed unchanged, and each send is recorded (`_learn`): its
 message and the task's final state, as entry and exit read them (no output when the answer left
-the task open, as enforcement stores its entry alone).
+the task open, as enforcement stores its entry alone; the first read that then shows the task
+final is recorded as its result, `_learn_read`).
 
 Every POST body is parsed with `unique_keys`; one that is not strict JSON, a batch holding a
 send or a task's read or list, a send whose message cannot be read, or a read whose answer does
@@ -47,12 +48,14 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
+from stepguard.contracts.bounded import Bounded
 from stepguard.contracts.errors import StoreError
 from stepguard.contracts.learned import Observation
 from stepguard.contracts.runs import RunBook
 from stepguard.metrics.observer import Observer
 from stepguard.proxy.a2a.rpc import refusal_for
 from stepguard.proxy.a2a.tasks import (
+    TASKS_KEPT,
     Tasks,
     Tracked,
     final_key,
@@ -137,6 +140,9 @@ class A2aAdapter:
         self.tasks = Tasks()
         self.upstream.task_seen = self._task_seen
         self._secret: bytes | None = None     # the store's, for outputs' keyed digests
+        # learn mode: the tasks recorded sends left open, by (workflow, agent, task id): the
+        # run and skill a read showing the task final is recorded in (`_learn_read`)
+        self.learning: Bounded[tuple[str, str, str], tuple[str, str]] = Bounded(TASKS_KEPT)
 
     def error(self, route: Route, status: int, title: str, detail: str) -> web.Response:
         return titled_error(status, title, detail)
@@ -190,12 +196,15 @@ class A2aAdapter:
         ends (input-required, or working: its exit would come from a later read) is recorded
         with no output and no error, as enforcement stores its entry alone; a send naming no
         skill is relayed and not recorded (`stepguard_learn_dropped_total{reason="no_skill"}`).
-        Reads of tasks, lists and unreadable bodies are relayed."""
+        A read of a task such a send left open is recorded once it shows the task final
+        (`_learn_read`); other reads, lists and unreadable bodies are relayed."""
         contract, learner, agent = route.contract, self.boundaries.learner, route.upstream.name
         try:
             send = self._send(request, body)
         except (BodyError, WireError):
             send = None
+        if isinstance(send, TaskRead):
+            return await self._learn_read(request, route, headers, body, timing, send)
         skill = self._skill_of(route, send) if isinstance(send, Send) else None
         if isinstance(send, Send) and skill is None:
             learner.dropped(contract, "no_skill")
@@ -214,11 +223,38 @@ class A2aAdapter:
         answer = await self.http.forward_unchecked(request, route, headers, body, timing,
                                                    read_timeout_s=None, kept=kept)
         result = learned_answer(kept, send.rpc_id, self.settings.max_json_depth)
-        if open_task(result) is not None:     # its exit is read later: the entry alone
+        task_id = open_task(result)
+        if task_id is not None:     # its exit is read later: the entry alone
             result = replace(result, output=None, error=None)
+            self.learning[contract.workflow, agent, task_id] = (keyed.run_id, skill)
         await learner.record(contract, keyed.run_id, Observation(
             TRAFFIC, agent, timing.arrived, skill=skill, input=send.input,
-            output=result.output, status=kept.status, error=result.error))
+            output=result.output, status=kept.status, error=result.error, call_id=task_id))
+        return answer
+
+    async def _learn_read(self, request: web.Request, route: Route, headers: CIMultiDict[str],
+                          body: bytes, timing: Timing, read: TaskRead) -> web.StreamResponse:
+        """Learn mode: a read of a task a recorded send left open (a polling client's
+        `GetTask`, a `SubscribeToTask`), relayed unchanged; the first whose answer shows the
+        task final is recorded in the send's run as the send's result (`call_id`: the task;
+        no input), as enforcement checks that read as the send's exit."""
+        key = (route.contract.workflow, route.upstream.name, read.task_id)
+        started = self.learning.get(key)
+        if started is None:
+            return await self.http.forward_unchecked(request, route, headers, body, timing,
+                                                     read_timeout_s=None)
+        kept = Kept(self.boundaries.learner.max_run_bytes)
+        answer = await self.http.forward_unchecked(request, route, headers, body, timing,
+                                                   read_timeout_s=None, kept=kept)
+        result = learned_answer(kept, read.rpc_id, self.settings.max_json_depth)
+        output = result.output
+        if not isinstance(output, dict) or output.get("taskId") != read.task_id \
+                or open_task(result) is not None or self.learning.pop(key) is None:
+            return answer       # not final yet, or not the task: nothing to learn from it
+        run_id, skill = started
+        await self.boundaries.learner.record(route.contract, run_id, Observation(
+            TRAFFIC, route.upstream.name, timing.arrived, skill=skill, output=output,
+            status=kept.status, error=result.error, call_id=read.task_id))
         return answer
 
     def _skill_of(self, route: Route, send: Send) -> str | None:

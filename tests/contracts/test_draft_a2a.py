@@ -123,3 +123,40 @@ def test_learned_runs_with_an_input_required_send_pass_the_drafted_contract_on_r
     result = draft(learned_runs(runs), WORKFLOW, 5)
     verdicts = settle(result, learned_runs(runs).runs, compile_)
     assert [v.status for v in verdicts] == [PASSED] * len(runs)
+
+
+def polled_run(i: int) -> list[Observation]:
+    """Learned from a polling client: the lookup send's answer left its task working (recorded
+    with no output, the task as `call_id`); the GetTask that later showed it final is recorded
+    in the run with no input, the task as `call_id`, the final state as output."""
+    t, context = T0 + i * 100, f"ctx-{i}"
+    opened = Observation("a2a", "desk", t, skill="lookup",
+                         input=message(context, ticket_id=f"T-{i}"), status=200,
+                         call_id=f"t{i}a")
+    read = Observation("a2a", "desk", t + 0.5, skill="lookup", status=200, call_id=f"t{i}a",
+                       output=task(context, f"t{i}a", ticket_id=f"T-{i}", order_id=f"O-{i}"))
+    return [opened, read, *ticket_run(i)[1:]]
+
+
+def test_a_task_read_final_later_is_its_sends_output_and_rules_are_drafted_on_it() -> None:
+    runs = [recorded(f"run-{i}", polled_run(i)) for i in range(6)]
+    result = draft(learned_runs(runs), WORKFLOW, 5)
+
+    assert result.document["steps"]["lookup"]["record"]["data_order_id"] == "output.data.order_id"
+    assert "lookup.output" in result.document["schemas"]
+    assert len(learned_runs(runs).runs[0].calls) == 2      # the read is no call of its own
+
+
+def test_learned_runs_of_a_polling_client_pass_the_drafted_contract_on_replay() -> None:
+    runs = [recorded(f"run-{i}", polled_run(i)) for i in range(6)]
+    result = draft(learned_runs(runs), WORKFLOW, 5)
+    verdicts = settle(result, learned_runs(runs).runs, compile_)
+    assert [v.status for v in verdicts] == [PASSED] * len(runs)
+
+
+def test_a_task_read_no_learned_send_left_open_is_not_a_call() -> None:
+    stray = Observation("a2a", "desk", T0 - 1, skill="lookup", status=200, call_id="t-other",
+                        output=task("ctx-0", "t-other", ticket_id="T-0", order_id="O-0"))
+    runs = [recorded(f"run-{i}", [*([stray] if i == 0 else []), *ticket_run(i)])
+            for i in range(6)]
+    assert [c.step for c in learned_runs(runs).runs[0].calls] == ["lookup", "close"]

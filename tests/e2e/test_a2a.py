@@ -71,11 +71,12 @@ async def a2a_stack(tmp_path: Path, protocol: str = "1.0") -> AsyncIterator[A2aS
 
 
 @contextlib.asynccontextmanager
-async def guarding(desk: A2aDesk, base: str, store: Path) -> AsyncIterator[A2aStack]:
-    """A stepguard in front of the desk served at `base`, on the SQLite store `store`; the
-    desk's card gives its address."""
+async def guarding(desk: A2aDesk, base: str, store: Path,
+                   learn: bool = False) -> AsyncIterator[A2aStack]:
+    """A stepguard in front of the desk served at `base`, on the SQLite store `store` (in learn
+    mode with `learn`); the desk's card gives its address."""
     config = Settings.from_env(store=str(store), store_timeout=STORE_TIMEOUT_S,
-                               upstreams=[f"desk={base}"])
+                               upstreams=[f"desk={base}"], learn=learn)
     sg = build(config, load_contracts([CONTRACT], config.vars, config.upstreams))
     await sg.start()
     try:

@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
 from a2a.client import ClientConfig, ClientFactory
 from a2a.client.card_resolver import A2ACardResolver
 from a2a.client.errors import A2AClientError
@@ -26,8 +27,11 @@ from a2a.types import (
     TaskState,
 )
 from a2a.utils.errors import TaskNotCancelableError, UnsupportedOperationError
-from test_a2a import VIOLATION, a2a_stack, guarding
+from test_a2a import CONTRACT, VIOLATION, a2a_stack, guarding
 
+from stepguard.contracts.draft import PASSED, draft, learned_runs, settle
+from stepguard.contracts.loader import parse_contract
+from stepguard.contracts.recorded_stores import recorded_store
 from stepguard.examples.order_confirmation.a2a_agent import A2aAgent, TaskNotCompleted, a2a_agent
 from stepguard.examples.order_confirmation.a2a_desk import SHAPE, A2aDesk, serving_desk
 
@@ -262,3 +266,27 @@ async def test_a_task_whose_exit_was_refused_read_through_a_restarted_stepguard_
                 a2a_agent(second.desk_url, streaming=False) as reader:
             with pytest.raises(A2AClientError, match="its step's exit was refused"):
                 await reader.client.get_task(GetTaskRequest(id=task_id))
+
+
+async def test_a_polling_clients_learned_runs_draft_rules_on_the_tasks_it_read_final(
+        tmp_path: Path) -> None:
+    store, tickets = tmp_path / "learned.db", [f"T-4{i}" for i in range(5)]
+    desk = A2aDesk()
+    with serving_desk(desk) as base:
+        async with guarding(desk, base, store, learn=True) as s, \
+                polling_agent(s.desk_url) as agent:
+            for ticket in tickets:
+                gate = desk.hold(ticket)
+                task = await started(agent, "lookup", ticket)   # left working: no output yet
+                gate.set()
+                await read_until_final(agent, task.id)
+    document = yaml.safe_load(CONTRACT.read_text())
+    with recorded_store(str(store)) as recorded:
+        learned = learned_runs(recorded.runs(recorded.run_ids(document["workflow"])))
+    result = draft(learned, document["workflow"], 5, document["upstreams"])
+
+    lookup = result.document["steps"]["lookup"]
+    assert lookup["record"]["data_order_id"] == "output.data.order_id"   # from the read
+    verdicts = settle(result, learned.runs, lambda d: parse_contract(
+        yaml.safe_dump(d, sort_keys=False).encode(), "drafted.yaml"))
+    assert [v.status for v in verdicts] == [PASSED] * len(tickets)

@@ -534,6 +534,39 @@ async def test_learn_mode_records_a_send_whose_task_stays_open_with_no_output_or
     assert seen.input["data"] == {"sku": "S-1"}
 
 
+async def test_learn_mode_records_the_read_showing_an_open_task_final_as_that_sends_result(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    agent = await make_upstream(answering(task("TASK_STATE_WORKING"), task("TASK_STATE_WORKING"),
+                                          task("TASK_STATE_COMPLETED", price=12.5),
+                                          task("TASK_STATE_COMPLETED", price=12.5)))
+    p = await proxy(a2a_contract(agent.url), learn=True)
+    await (await p.client.post(SEND, data=orjson.dumps(send("SendMessage")),
+                               headers=RUN)).read()
+
+    states = [(await (await p.client.post(SEND, data=get_task())).json())["result"]["status"]
+              ["state"] for _ in range(3)]      # polled, as a non-blocking client does
+
+    assert states == ["TASK_STATE_WORKING", "TASK_STATE_COMPLETED", "TASK_STATE_COMPLETED"]
+    sent, read = await learned_in(p, "r1")     # the later reads add nothing
+    assert (sent.call_id, sent.output) == ("t1", None)
+    assert (read.skill, read.call_id, read.input, read.status) == ("quote", "t1", None, 200)
+    assert (read.output["state"], read.output["data"]) == ("completed", {"price": 12.5})
+
+
+async def test_learn_mode_records_no_read_of_a_task_no_recorded_send_left_open(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    agent = await make_upstream(answering(task("TASK_STATE_COMPLETED", price=1),
+                                          task("TASK_STATE_COMPLETED", "t9", price=0)))
+    p = await proxy(a2a_contract(agent.url), learn=True)
+    await (await p.client.post(SEND, data=orjson.dumps(send("SendMessage")),
+                               headers=RUN)).read()
+
+    relayed = await (await p.client.post(SEND, data=get_task("t9"), headers=RUN)).json()
+
+    assert relayed["result"]["id"] == "t9"
+    assert [o.call_id for o in await learned_in(p, "r1")] == [None]
+
+
 async def test_learn_mode_relays_unreadable_bodies_and_card_reads_and_records_neither(
         make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
     agent = await make_upstream()
