@@ -59,6 +59,7 @@ from stepguard.proxy.a2a.tasks import (
     Tasks,
     Tracked,
     final_key,
+    history_keys,
     output_key,
     passed_key,
     stored_exit,
@@ -387,7 +388,8 @@ class A2aAdapter:
                     if not found.relayed:
                         return await self._read_refused(call, None, False, REFUSED)
                     return await self._checked_read(call, Tracked(
-                        call, 1, checked=True, passed_on=found.output_key), None)
+                        call, 1, checked=True, passed_on=found.output_key,
+                        seen=found.history_keys), None)
                 why, retry = ("its exit, stored by another stepguard process (or by this one "
                               "before a restart), names no step of this contract"), False
             elif await store.find_run(task_key(route, read.task_id)) is None:
@@ -460,8 +462,8 @@ class A2aAdapter:
             if unread is not None:
                 return await self._read_refused(call, unread, retry=answer.unreachable
                                                 is not None, state=PASSED)
-        if answer.open or answer.result.error is not None or tracked.passed_on is None \
-                or self._output_key(answer.result.output) != tracked.passed_on:
+        if answer.open or answer.result.error is not None \
+                or not self._shows_as_passed(answer, tracked):
             return await self._read_refused(
                 call, "it shows the task other than as its exit passed it: a final task does "
                 "not change", retry=False, state=PASSED)
@@ -536,6 +538,7 @@ class A2aAdapter:
         # a stream cut after it named its task: the client knows the task, so it is kept
         answer.task_id = task_id if isinstance(task_id, str) else call.task_seen
         answer.open = open_task(answer.result) is not None
+        answer.shown = answer.result.output
         if call.as_tool:
             answer.result = tool_view(answer.result)
         return answer
@@ -549,8 +552,10 @@ class A2aAdapter:
         if read is not None:
             extra |= {"task_id": read.task_id, "read": read.method}
         if isinstance(answer, A2aAnswer) and answer.task_id is not None and not answer.open:
+            assert self._secret is not None      # read before the first send (`handle`)
             extra |= {"task_id": answer.task_id,
-                      "output_key": self._output_key(answer.result.output)}
+                      "output_key": output_key(self._secret, answer.shown),
+                      "history_keys": sorted(history_keys(self._secret, answer.shown))}
         return extra
 
     def exit_keys(self, call: A2aCall, answer: A2aAnswer) -> tuple[str, ...]:
@@ -560,9 +565,13 @@ class A2aAdapter:
             return ()
         return (final_key(call.route, answer.task_id),)
 
-    def _output_key(self, output: Any) -> str | None:
+    def _shows_as_passed(self, answer: A2aAnswer, tracked: Tracked) -> bool:
+        """Whether a read's answer shows the task as its exit passed it: the same output, its
+        history (which a read's `historyLength` may trim) holding only messages the exit saw."""
         assert self._secret is not None      # read before the first send (`handle`)
-        return output_key(self._secret, output)
+        return tracked.passed_on is not None \
+            and output_key(self._secret, answer.shown) == tracked.passed_on \
+            and history_keys(self._secret, answer.shown, status=False) <= tracked.seen
 
     async def pause(self, call: A2aCall, answer: A2aAnswer,
                     attempt: int) -> web.StreamResponse | None:
@@ -621,8 +630,10 @@ class A2aAdapter:
             tracked = self.tasks.get(call.route, answer.task_id)
             # open since its send ended (a task key stored), not one a stream named just now
             was_open = tracked is not None and not tracked.checked and tracked.decided.is_set()
-            self._forgotten(self.tasks.checked(call, answer.task_id, None,
-                                               self._output_key(answer.result.output)))
+            assert self._secret is not None      # read before the first send (`handle`)
+            self._forgotten(self.tasks.checked(
+                call, answer.task_id, None, output_key(self._secret, answer.shown),
+                history_keys(self._secret, answer.shown)))
             if was_open:
                 await self._store_key(call, passed_key(call.route, answer.task_id))
         return await self._answer(call, answer)

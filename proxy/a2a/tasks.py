@@ -42,8 +42,8 @@ from stepguard.proxy.core.calls import Violated
 from stepguard.proxy.core.joining import digest
 from stepguard.proxy.core.routing import Route
 
-__all__ = ["TASKS_KEPT", "StoredExit", "Tasks", "Tracked", "final_key", "output_key", "passed_key",
-           "stored_exit", "task_key"]
+__all__ = ["TASKS_KEPT", "StoredExit", "Tasks", "Tracked", "final_key", "history_keys",
+           "output_key", "passed_key", "stored_exit", "task_key"]
 
 TASKS_KEPT: Final = 65_536
 
@@ -62,6 +62,9 @@ class Tracked:
     # the keyed digest of the final output its exit passed on (`output_key`): a later read must
     # show the same (None: the exit passed on an output that cannot be digested)
     passed_on: str | None = None
+    # the keyed digests of the messages the exit saw (`history_keys`): all a later read's
+    # history may hold
+    seen: frozenset[str] = frozenset()
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)   # one read of the task at a time
     decided: asyncio.Event = field(default_factory=asyncio.Event)   # its send has ended
 
@@ -118,7 +121,8 @@ class Tasks:
         return self._store(key, Tracked(call, attempt))
 
     def checked(self, call: A2aCall, task_id: str, refused: Violated | None,
-                passed_on: str | None = None) -> list[Tracked]:
+                passed_on: str | None = None, seen: frozenset[str] = frozenset()
+                ) -> list[Tracked]:
         """The exit of the task's send (or of a read of it) was checked: passed on the output
         of keyed digest `passed_on`, or `refused`. Returns the open tasks forgotten to keep the
         bound."""
@@ -129,6 +133,7 @@ class Tasks:
             tracked = Tracked(call, 1)
             gone = self._store(key, tracked)
         tracked.checked, tracked.refused, tracked.passed_on = True, refused, passed_on
+        tracked.seen = seen
         tracked.decided.set()
         if refused is None:
             self._settle(key)
@@ -171,11 +176,30 @@ def final_key(route: Route, task_id: str) -> str:
 
 
 def output_key(secret: bytes, output: Any) -> str | None:
-    """The digest of a task's final output (`joining.digest`) keyed by the store's secret, as an
-    exit's event stores it (`output_key`): it tells whether a read shows the output the exit
-    read, and, unlike a plain digest, confirms no guess of a value the history redacts. None
-    for an output that cannot be digested."""
-    plain = digest(output)
+    """The digest of a task's final output (`joining.digest`) but its history, keyed by the
+    store's secret, as an exit's event stores it (`output_key`): it tells whether a read shows
+    the output the exit read, and, unlike a plain digest, confirms no guess of a value the
+    history redacts. None for an output that cannot be digested. The history is compared
+    apart (`history_keys`): a read's `historyLength` trims it."""
+    if isinstance(output, dict) and "history" in output:
+        output = {k: v for k, v in output.items() if k != "history"}
+    return _keyed(secret, output)
+
+
+def history_keys(secret: bytes, output: Any, status: bool = True) -> frozenset[str]:
+    """The keyed digests of the messages a task's output shows: its history, and (`status`)
+    its final status's message, which the agent's server moves into the history once another
+    status replaces it. An exit keeps those it saw (`history_keys` in its event); a later
+    read's history may hold no other."""
+    if not isinstance(output, dict):
+        return frozenset()
+    messages = [*(output.get("history") or ()),
+                *([output["status_message"]] if status and output.get("status_message") else [])]
+    return frozenset(key for m in messages if (key := _keyed(secret, m)) is not None)
+
+
+def _keyed(secret: bytes, value: Any) -> str | None:
+    plain = digest(value)
     return None if plain is None else hmac.new(secret, plain.encode(), hashlib.sha256).hexdigest()
 
 
@@ -188,6 +212,7 @@ class StoredExit:
     skill: str | None
     relayed: bool
     output_key: str | None
+    history_keys: frozenset[str]
 
 
 def stored_exit(history: Sequence[dict[str, Any]], task_id: str) -> StoredExit | None:
@@ -195,8 +220,11 @@ def stored_exit(history: Sequence[dict[str, Any]], task_id: str) -> StoredExit |
     for event in reversed(history):
         if event.get("boundary") == "exit" and event.get("task_id") == task_id \
                 and isinstance(event.get("step"), str):
-            key, skill = event.get("output_key"), event.get("skill")
+            key, skill, seen = event.get("output_key"), event.get("skill"), \
+                event.get("history_keys")
             return StoredExit(event["step"], skill if isinstance(skill, str) else None,
                               event.get("verdict") == "pass" or event.get("action") == OBSERVE,
-                              key if isinstance(key, str) else None)
+                              key if isinstance(key, str) else None,
+                              frozenset(k for k in seen if isinstance(k, str))
+                              if isinstance(seen, list) else frozenset())
     return None

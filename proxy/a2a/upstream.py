@@ -94,6 +94,9 @@ class A2aAnswer(Answer):
     event: bool = False
     task_id: str | None = None       # the task the answer shows (adapter.py, tasks.py)
     open: bool = False               # ... left in a state that is not final: its exit comes later
+    # the task's output as the agent's client sees it whole, also when the step reads it as a
+    # tool's (`tool_view`): what a later read of the task is compared with (tasks.py)
+    shown: Any = None
 
 
 class A2aUpstream:

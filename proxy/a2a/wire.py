@@ -9,11 +9,16 @@ Both protocol generations the `a2a-sdk` 1.x package speaks are read: A2A 1.0 (`S
 
 The entry input of a send: `text` (its text parts, joined by newlines), `data` (its data parts'
 objects, merged in order), `files` (file parts' `name`, `media_type` and `url`; never their
-bytes), `parts` (each part so read, in order), `skill`, `contextId`, `taskId` and `metadata`.
-The exit output of a final task: `state`, and its artifacts read the same way (`text`, `data`,
-`files`, and `artifacts`, each with its `name`), with the task's `taskId` and `contextId`. A
+bytes), `parts` (each part so read, in order: its content, a file's bytes as their `sha256` and
+`size`, and its `metadata`), `skill`, `contextId`, `taskId` and `metadata`.
+The exit output of a final task is everything the SDK's client hands the agent of it: `state`,
+its artifacts read the same way (`text`, `data`, `files`, and `artifacts`, each whole), the
+final status's message and the history (`message_view`), the task's `metadata`, `taskId` and
+`contextId`; a stream's events are folded as the SDK's server folds them (`StreamState`). A
 task read later (`GetTask`, `CancelTask`: the task unwrapped; `SubscribeToTask`: a stream as a
-send's) is read the same way; `open_task` names a task left in a state that is not final.
+send's) is read the same way; `open_task` names a task left in a state that is not final. A
+field spelled in snake_case (`SNAKE_CASE`), which the SDK reads and stepguard does not, and two
+artifacts naming one data key are refused (`WireError`).
 
 A send of a step that also matches a tool by name (a model's or an MCP tool: `match: [{tool:
 refund}, {skill: refund}]`) is read as that tool's call, so the step's conditions address every
@@ -24,6 +29,9 @@ the exit output the task's data (its artifacts' data parts, merged: `output.refu
 
 from __future__ import annotations
 
+import base64
+import binascii
+import hashlib
 from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
@@ -50,6 +58,12 @@ INTERRUPTED: Final = frozenset({"input-required", "auth-required"})
 FAILED: Final = frozenset({"failed", "canceled", "rejected"})
 OPEN: Final = frozenset({"submitted", "working"}) | INTERRUPTED   # its exit comes later
 SKILL_KEYS: Final = ("skill", "skillId")
+# the proto field names of A2A's objects whose ProtoJSON name differs (1.0), and 0.3's snake_case
+# aliases: the SDK reads either spelling (the later one when both are given), stepguard reads
+# the camelCase one alone, so a message, part, artifact, task or event spelling one is refused
+SNAKE_CASE: Final = frozenset({"message_id", "context_id", "task_id", "reference_task_ids",
+                               "media_type", "mime_type", "artifact_id", "last_chunk",
+                               "status_update", "artifact_update"})
 
 
 class WireError(ValueError):
@@ -152,6 +166,7 @@ def _skill(holder: dict[str, Any]) -> str | None:
 
 def message_input(holder: dict[str, Any]) -> dict[str, Any]:
     """A message's (or an artifact's) parts as `text`, `data`, `files` and `parts`."""
+    camel_case(holder, "a message or artifact")
     parts = holder.get("parts")
     if parts is None:
         parts = []
@@ -174,8 +189,19 @@ def message_input(holder: dict[str, Any]) -> dict[str, Any]:
 
 
 def _part(part: Any) -> dict[str, Any]:
+    """A part as a check reads it: `kind`, its content (a file's bytes as their `sha256` and
+    `size`, never the bytes), and its `metadata` when it has one."""
     if not isinstance(part, dict):
         raise WireError("a part is not an object")
+    camel_case(part, "a part")
+    read = _content(part)
+    metadata = part.get("metadata")
+    if metadata is not None:
+        read["metadata"] = metadata
+    return read
+
+
+def _content(part: dict[str, Any]) -> dict[str, Any]:
     kind = part.get("kind")
     if "text" in part and kind in (None, "text"):
         if not isinstance(part["text"], str):
@@ -185,11 +211,38 @@ def _part(part: Any) -> dict[str, Any]:
         return {"kind": "data", "data": part["data"]}
     file = part.get("file") if kind == "file" else part   # 0.3 nests it under `file`
     if isinstance(file, dict) and ({"url", "raw", "uri", "bytes"} & file.keys()):
+        if file is not part:
+            camel_case(file, "a file part's file")
         url = file.get("url", file.get("uri"))
-        return {"kind": "file", "name": _text(file.get("filename", file.get("name"))),
+        read = {"kind": "file", "name": _text(file.get("filename", file.get("name"))),
                 "media_type": _text(part.get("mediaType", file.get("mimeType"))),
                 "url": url if isinstance(url, str) else None}
+        raw = file.get("raw", file.get("bytes"))
+        if raw is not None:
+            read.update(_bytes_of(raw))
+        return read
     raise WireError(f"a part is neither text, data nor a file (keys: {sorted(part)[:8]})")
+
+
+def _bytes_of(raw: Any) -> dict[str, Any]:
+    """A file part's bytes (base64, as ProtoJSON and 0.3 write them) as their digest and size."""
+    if not isinstance(raw, str):
+        raise WireError("a file part's bytes are not a base64 string")
+    try:
+        content = base64.b64decode(raw.replace("-", "+").replace("_", "/") + "=" * (-len(raw) % 4),
+                                   validate=True)
+    except (binascii.Error, ValueError):
+        raise WireError("a file part's bytes are not base64") from None
+    return {"sha256": hashlib.sha256(content).hexdigest(), "size": len(content)}
+
+
+def camel_case(holder: dict[str, Any], what: str) -> None:
+    """Refuses `holder` (an A2A object) when it spells a field in snake_case (`SNAKE_CASE`)."""
+    snake = SNAKE_CASE & holder.keys()
+    if snake:
+        name = sorted(snake)[0]
+        raise WireError(f"{what} names {name!r}: the SDK reads it as its camelCase field, "
+                        "stepguard reads only the camelCase spelling")
 
 
 def _text(value: Any) -> str | None:
@@ -222,19 +275,61 @@ def _artifacts(artifacts: Any) -> list[dict[str, Any]]:
     return artifacts
 
 
-def task_output(task: dict[str, Any], artifacts: list[dict[str, Any]]) -> dict[str, Any]:
-    """A task (or a message answering in its stead) as the exit's output."""
-    read = [{"name": a.get("name"), "artifactId": a.get("artifactId"), **message_input(a)}
-            for a in artifacts]
+def task_output(task: dict[str, Any], artifacts: list[dict[str, Any]],
+                history: list[Any] | None = None) -> dict[str, Any]:
+    """A task (or a message answering in its stead) as the exit's output: what the `a2a-sdk`
+    client hands the agent of it, each field read once. `history`: the task's history as a
+    stream built it (`StreamState`), else the task's own."""
+    camel_case(task, "the task")
+    read = [_artifact_view(a) for a in artifacts]
     data: dict[str, Any] = {}
     for artifact in read:
+        twice = data.keys() & artifact["data"].keys()
+        if twice:   # `output.data` would show one of them: a check would miss the other
+            raise WireError(f"two artifacts name the data key {sorted(twice)[0][:60]!r}; "
+                            "a check of the task's data would read only one of them")
         data.update(artifact["data"])
+    messages = task.get("history") if history is None else history
+    if messages is not None and not isinstance(messages, list):
+        raise WireError("the task's history is not a list")
     return {"state": state_name(task.get("status")), "text": "\n".join(
         a["text"] for a in read if a["text"]), "data": data,
-        "files": [f for a in read for f in a["files"]],
-        "artifacts": [{k: v for k, v in a.items() if k != "parts"} for a in read],
+        "files": [f for a in read for f in a["files"]], "artifacts": read,
         "status_message": _status_message(task.get("status")),
+        "history": [message_view(m) for m in messages or ()],
+        "metadata": _metadata(task.get("metadata"), "the task"),
         "taskId": task.get("id", task.get("taskId")), "contextId": task.get("contextId")}
+
+
+def _artifact_view(artifact: dict[str, Any]) -> dict[str, Any]:
+    read = message_input(artifact)
+    extensions = artifact.get("extensions")
+    return {"name": artifact.get("name"), "artifactId": artifact.get("artifactId"),
+            "description": artifact.get("description"),
+            "metadata": _metadata(artifact.get("metadata"), "an artifact"),
+            "extensions": extensions if extensions is not None else [], **read}
+
+
+def message_view(message: Any) -> dict[str, Any]:
+    """A message as the exit reads one (the final status's, each of a task's history, one
+    answering in a task's stead): its parts as `message_input` reads them, with its `role`,
+    `metadata`, `extensions` and `referenceTaskIds` (not its ids, which the agent's server may
+    set on the copy it keeps)."""
+    if not isinstance(message, dict):
+        raise WireError("a message is not an object")
+    extensions, references = message.get("extensions"), message.get("referenceTaskIds")
+    return {"role": message.get("role"), **message_input(message),
+            "metadata": _metadata(message.get("metadata"), "a message"),
+            "extensions": extensions if extensions is not None else [],
+            "referenceTaskIds": references if references is not None else []}
+
+
+def _metadata(value: Any, what: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise WireError(f"{what}'s metadata is not an object")
+    return value
 
 
 def _status_message(status: Any) -> dict[str, Any] | None:
@@ -245,11 +340,11 @@ def _status_message(status: Any) -> dict[str, Any] | None:
         return None
     if not isinstance(message, dict):
         raise WireError("the task status's message is not an object")
-    read = message_input(message)
-    return {k: v for k, v in read.items() if k != "parts"}
+    return message_view(message)
 
 
-def task_result(result: Any, artifacts: list[dict[str, Any]] | None = None) -> ToolResult:
+def task_result(result: Any, artifacts: list[dict[str, Any]] | None = None,
+                history: list[Any] | None = None) -> ToolResult:
     """A send's JSON-RPC `result` (a task, a message, or `{"task"}` / `{"message"}` as 1.0
     wraps them) as the exit's result: a completed task's artifacts (or the message's parts) are
     the output; a failed, canceled or rejected task is a tool error; a task in any other state
@@ -261,12 +356,13 @@ def task_result(result: Any, artifacts: list[dict[str, Any]] | None = None) -> T
         if kind == "message":
             output = task_output({"status": {"state": "completed"}, "contextId":
                                   body.get("contextId"), "taskId": body.get("taskId")}, [body])
+            output["message"] = message_view(body)
             return ToolResult(200, output)
         if kind != "task":
             return ToolResult(200, error=f"the A2A answer is a {kind}, not a task or message",
                               error_kind="parse")
         own = _artifacts(body.get("artifacts"))
-        output = task_output(body, own or list(artifacts or []))
+        output = task_output(body, own or list(artifacts or []), history)
     except WireError as exc:
         return ToolResult(200, error=f"the A2A answer cannot be read: {exc}", error_kind="parse")
     return _by_state(output, body.get("status"))
@@ -323,11 +419,17 @@ def _kind_of(result: dict[str, Any]) -> tuple[str, dict[str, Any]]:
 
 @dataclass(slots=True)
 class StreamState:
-    """What a streamed send has delivered so far: its artifacts, by id (appended chunks
-    joined), to read the final event's output from."""
+    """What a streamed send has delivered so far, folded as the `a2a-sdk` server folds the same
+    events into the task a later `GetTask` shows: its artifacts by id (an appended chunk's parts
+    added and its metadata merged), its history (a status update moves the status message it
+    replaces there), its metadata (a status update's merged in); to read the final event's
+    output from."""
 
     artifacts: dict[str, dict[str, Any]] = field(default_factory=dict)
     task_id: str | None = None       # the task the stream's events name
+    history: list[Any] = field(default_factory=list)
+    status: Any = None               # the status the last task or status update gave
+    metadata: dict[str, Any] = field(default_factory=dict)
 
     def final(self, result: Any) -> ToolResult | None:
         """The exit's result when the event with this `result` ends the send (a message, or a
@@ -335,7 +437,9 @@ class StreamState:
         event, relayed at once (its artifacts noted)."""
         if not isinstance(result, dict):
             raise WireError("an event's result is not an object")
+        camel_case(result, "an event's result")
         kind, body = _kind_of(result)
+        camel_case(body, f"a {kind} event")
         task_id = body.get("id") if kind == "task" else body.get("taskId")
         if self.task_id is None and isinstance(task_id, str):
             self.task_id = task_id
@@ -344,25 +448,49 @@ class StreamState:
             return None
         if kind == "message":
             return task_result({"message": body})
-        state = state_name(body.get("status"))
         if kind == "task":
-            for artifact in _artifacts(body.get("artifacts")):
-                self.artifacts[str(artifact.get("artifactId"))] = artifact
+            self._task(body)
+        else:
+            self._status(body)
+        state = state_name(body.get("status"))
         if state in TERMINAL or state in INTERRUPTED or body.get("final") is True:
-            task = {**body, "id": body.get("id", body.get("taskId"))}
+            task = {**body, "id": body.get("id", body.get("taskId")), "status": self.status,
+                    "metadata": self.metadata}
             task.pop("artifacts", None)
-            return task_result({"task": task}, list(self.artifacts.values()))
+            return task_result({"task": task}, list(self.artifacts.values()), self.history)
         return None
+
+    def _task(self, task: dict[str, Any]) -> None:
+        """A whole task: what the stream knew of it replaced (as the server saves it)."""
+        self.artifacts = {}
+        for artifact in _artifacts(task.get("artifacts")):
+            self.artifacts[str(artifact.get("artifactId"))] = artifact
+        history = task.get("history")
+        if history is not None and not isinstance(history, list):
+            raise WireError("the task's history is not a list")
+        self.history = list(history or ())
+        self.status = task.get("status")
+        self.metadata = dict(_metadata(task.get("metadata"), "the task"))
+
+    def _status(self, update: dict[str, Any]) -> None:
+        message = self.status.get("message") if isinstance(self.status, dict) else None
+        if message is not None:
+            self.history.append(message)
+        self.metadata.update(_metadata(update.get("metadata"), "a status update"))
+        self.status = update.get("status")
 
     def _artifact(self, update: dict[str, Any]) -> None:
         artifact = update.get("artifact")
         if not isinstance(artifact, dict):
             raise WireError("an artifact update carries no artifact object")
+        camel_case(artifact, "an artifact")
         key = str(artifact.get("artifactId"))
         known = self.artifacts.get(key)
         if update.get("append") is True and known is not None:
             parts = [*_parts_of(known), *_parts_of(artifact)]
-            self.artifacts[key] = {**known, "parts": parts}
+            metadata = {**_metadata(known.get("metadata"), "an artifact"),
+                        **_metadata(artifact.get("metadata"), "an artifact")}
+            self.artifacts[key] = {**known, "parts": parts, "metadata": metadata}
         else:
             self.artifacts[key] = artifact
 

@@ -823,8 +823,10 @@ async def test_the_final_status_message_is_part_of_the_exit_output_conditions_re
     assert (refused["error"]["code"], refused["error"]["data"]["check"]) == (-31000,
                                                                               "postcondition")
     exit_ = (await p.history("r1"))[-1]
-    assert exit_["output"]["status_message"] == {"text": "wire it to X", "data": {},
-                                                 "files": []}
+    assert exit_["output"]["status_message"] == {
+        "role": "ROLE_AGENT", "text": "wire it to X", "data": {}, "files": [],
+        "parts": [{"kind": "text", "text": "wire it to X"}], "metadata": {}, "extensions": [],
+        "referenceTaskIds": []}
 
 
 async def test_a_read_showing_a_passed_tasks_status_message_changed_is_refused(
