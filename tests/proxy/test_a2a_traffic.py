@@ -773,12 +773,15 @@ def subscribed_after(sent: dict[str, Any], *results: dict[str, Any]) -> Callable
     return handle
 
 
+# an artifact a passed task did not have, shown by a stream read after its exit
+ADDED = {"artifactUpdate": {"taskId": "t1", "contextId": "c1", "artifact": {
+    "artifactId": "a9", "name": "quote", "parts": [{"data": {"refund": 99}}]}}}
+
+
 async def test_a_subscribe_to_a_passed_task_relays_no_event_of_a_stream_showing_it_changed(
         make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
-    added = {"artifactUpdate": {"taskId": "t1", "contextId": "c1", "artifact": {
-        "artifactId": "a9", "name": "quote", "parts": [{"data": {"refund": 99}}]}}}
     agent = await make_upstream(subscribed_after(task("TASK_STATE_COMPLETED", price=12.5),
-                                                 added, final()))
+                                                 ADDED, final()))
     p = await proxy(a2a_contract(agent.url))
     await p.client.post(SEND, data=orjson.dumps(send("SendMessage")), headers=RUN)
 
@@ -866,13 +869,20 @@ async def test_a_read_elsewhere_showing_the_output_the_exit_passed_is_relayed(
     assert relayed["result"]["artifacts"][0]["parts"] == [{"data": {"price": 12.5}}]
 
 
-async def test_a_read_elsewhere_showing_a_passed_task_changed_is_refused_unrelayed(
-        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+async def read_changed_elsewhere(make_upstream: Any,
+                                 proxy: Callable[..., Awaitable[Proxy]]) -> dict[str, Any]:
+    """The answer to a GetTask, through a restarted stepguard, of a task whose exit passed
+    before the restart and which the agent now shows changed."""
     agent = await make_upstream(sends_in_turn(task("TASK_STATE_COMPLETED", price=12.5),
                                               task("TASK_STATE_COMPLETED", price=0)))
     after = await restarted_after_send(proxy, agent)
+    answer: dict[str, Any] = await (await after.client.post(SEND, data=get_task())).json()
+    return answer
 
-    refused = await (await after.client.post(SEND, data=get_task())).json()
+
+async def test_a_read_elsewhere_showing_a_passed_task_changed_is_refused_unrelayed(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    refused = await read_changed_elsewhere(make_upstream, proxy)
 
     assert (refused["id"], refused["error"]["code"]) == ("g1", -31002), refused
     assert "a final task does not change" in refused["error"]["message"]
@@ -881,10 +891,8 @@ async def test_a_read_elsewhere_showing_a_passed_task_changed_is_refused_unrelay
 
 async def test_a_subscribe_elsewhere_to_a_passed_task_relays_no_event_of_a_changed_stream(
         make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
-    added = {"artifactUpdate": {"taskId": "t1", "contextId": "c1", "artifact": {
-        "artifactId": "a9", "name": "quote", "parts": [{"data": {"refund": 99}}]}}}
     agent = await make_upstream(subscribed_after(task("TASK_STATE_COMPLETED", price=12.5),
-                                                 added, final()))
+                                                 ADDED, final()))
     after = await restarted_after_send(proxy, agent)
 
     body = await (await after.client.post(SEND, data=get_task(method="SubscribeToTask"))).read()
@@ -908,11 +916,7 @@ async def test_a_read_elsewhere_of_a_task_whose_exit_was_refused_is_refused_unse
 
 async def test_a_read_elsewhere_names_no_run_its_reader_did_not_name(
         make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
-    agent = await make_upstream(sends_in_turn(task("TASK_STATE_COMPLETED", price=12.5),
-                                              task("TASK_STATE_COMPLETED", price=0)))
-    after = await restarted_after_send(proxy, agent)
-
-    refused = await (await after.client.post(SEND, data=get_task())).json()
+    refused = await read_changed_elsewhere(make_upstream, proxy)
 
     assert refused["error"]["data"]["run"] == "<the run of the send that started the task>"
     assert "r1" not in orjson.dumps(refused).decode()
