@@ -430,6 +430,11 @@ class StreamState:
     history: list[Any] = field(default_factory=list)
     status: Any = None               # the status the last task or status update gave
     metadata: dict[str, Any] = field(default_factory=dict)
+    # why an event held content the fold does not keep (an artifact or metadata value a later
+    # event replaced, an event's own metadata, a task replacing what came before), if one did:
+    # the task folded then does not show everything the client was handed of the stream
+    dropped: str | None = None
+    events: int = 0
 
     def final(self, result: Any) -> ToolResult | None:
         """The exit's result when the event with this `result` ends the send (a message, or a
@@ -440,6 +445,9 @@ class StreamState:
         camel_case(result, "an event's result")
         kind, body = _kind_of(result)
         camel_case(body, f"a {kind} event")
+        self.events += 1
+        if kind == "artifactUpdate" and body.get("metadata") not in (None, {}):
+            self._drop("an artifact update carries metadata of its own")
         task_id = body.get("id") if kind == "task" else body.get("taskId")
         if self.task_id is None and isinstance(task_id, str):
             self.task_id = task_id
@@ -462,6 +470,8 @@ class StreamState:
 
     def _task(self, task: dict[str, Any]) -> None:
         """A whole task: what the stream knew of it replaced (as the server saves it)."""
+        if self.events > 1:
+            self._drop("a task event replaced what events before it delivered")
         self.artifacts = {}
         for artifact in _artifacts(task.get("artifacts")):
             self.artifacts[str(artifact.get("artifactId"))] = artifact
@@ -476,7 +486,7 @@ class StreamState:
         message = self.status.get("message") if isinstance(self.status, dict) else None
         if message is not None:
             self.history.append(message)
-        self.metadata.update(_metadata(update.get("metadata"), "a status update"))
+        self._merge(self.metadata, _metadata(update.get("metadata"), "a status update"))
         self.status = update.get("status")
 
     def _artifact(self, update: dict[str, Any]) -> None:
@@ -488,11 +498,22 @@ class StreamState:
         known = self.artifacts.get(key)
         if update.get("append") is True and known is not None:
             parts = [*_parts_of(known), *_parts_of(artifact)]
-            metadata = {**_metadata(known.get("metadata"), "an artifact"),
-                        **_metadata(artifact.get("metadata"), "an artifact")}
+            metadata = dict(_metadata(known.get("metadata"), "an artifact"))
+            self._merge(metadata, _metadata(artifact.get("metadata"), "an artifact"))
             self.artifacts[key] = {**known, "parts": parts, "metadata": metadata}
         else:
+            if known is not None and known != artifact:
+                self._drop(f"artifact {key[:60]!r} was replaced by a later update")
             self.artifacts[key] = artifact
+
+    def _merge(self, into: dict[str, Any], more: dict[str, Any]) -> None:
+        if any(k in into and into[k] != v for k, v in more.items()):
+            self._drop("a metadata value was replaced by a later update")
+        into.update(more)
+
+    def _drop(self, why: str) -> None:
+        if self.dropped is None:
+            self.dropped = why
 
 
 def _parts_of(artifact: dict[str, Any]) -> list[Any]:
