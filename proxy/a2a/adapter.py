@@ -534,7 +534,9 @@ class A2aAdapter:
     async def send(self, call: A2aCall) -> A2aAnswer:
         answer = await self.upstream.attempt(call, time.perf_counter())
         output = answer.result.output
-        task_id = output.get("taskId") if isinstance(output, dict) else None
+        # a message names a task (`taskId`) without showing it: it is no read of that task
+        task_id = output.get("taskId") if isinstance(output, dict) \
+            and "message" not in output else None
         # a stream cut after it named its task: the client knows the task, so it is kept
         answer.task_id = task_id if isinstance(task_id, str) else call.task_seen
         answer.open = open_task(answer.result) is not None

@@ -7,6 +7,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
+from aiohttp import web
 from sgtest import Proxy
 from test_a2a_traffic import (
     SEND,
@@ -53,3 +54,39 @@ async def test_a_subscribe_to_a_passed_task_relays_no_event_metadata_the_fold_dr
     body = await (await p.client.post(SEND, data=get_task(method="SubscribeToTask"))).read()
 
     assert b"refund" not in body
+
+
+async def test_a_message_naming_an_open_task_does_not_settle_that_task(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    # run r1's send leaves t1 working; run r2's send is answered by a message naming t1: that
+    # shows nothing of t1, yet it was taken as t1's exit, t1 marked passed (a ListTasks then
+    # relayed though t1's exit is pending, and r1's GetTask compared with r2's message)
+    said = {"messageId": "s9", "role": "ROLE_AGENT", "taskId": "t1", "contextId": "c1",
+            "parts": [{"data": {"price": 12.5}}]}
+    sends = [{"task": task("TASK_STATE_WORKING")}, {"message": said}]
+
+    async def handle(request: web.Request) -> web.Response:
+        message = await request.json()
+        if message["method"] == "SendMessage":
+            result: Any = sends.pop(0)
+        elif message["method"] == "GetTask":
+            result = task("TASK_STATE_COMPLETED", price=12.5)
+        else:
+            result = {"tasks": [task("TASK_STATE_COMPLETED", price=0)]}
+        return web.json_response({"jsonrpc": "2.0", "id": message["id"], "result": result})
+
+    agent = await make_upstream(handle)
+    p = await proxy(a2a_contract(agent.url))
+    await p.client.post(SEND, data=orjson.dumps(send("SendMessage")),
+                        headers={"x-stepguard-run": "r1"})
+    await (await p.client.post(SEND, data=orjson.dumps(send("SendMessage")),
+                               headers={"x-stepguard-run": "r2"})).read()
+    listing = orjson.dumps({"jsonrpc": "2.0", "id": "l1", "method": "ListTasks", "params": {}})
+
+    listed = await (await p.client.post(SEND, data=listing)).json()
+    read = await (await p.client.post(SEND, data=get_task())).json()
+
+    assert listed.get("error", {}).get("code") == -31002, listed
+    assert read.get("result", {}).get("status") == {"state": "TASK_STATE_COMPLETED"}, read
+    assert [(e["boundary"], e["verdict"]) for e in await p.history("r1")] == [
+        ("entry", "pass"), ("exit", "pass")]
