@@ -81,6 +81,9 @@ class Send:
     skill: str | None
     input: dict[str, Any]
     arguments: dict[str, Any]
+    # the message as `message_view` reads it (None: it cannot be): the agent's server keeps it
+    # in the task's history, where a later read shows it (tasks.py, `history_keys`)
+    message: dict[str, Any] | None = None
 
     @property
     def streaming(self) -> bool:
@@ -114,7 +117,11 @@ def send_of(message: Any) -> Send | None:
     data["metadata"] = metadata if isinstance(metadata, dict) else {}
     data["skill"] = skill
     arguments = {**data["data"], "contextId": data["contextId"], "taskId": data["taskId"]}
-    return Send(message.get("id"), str(message["method"]), skill, data, arguments)
+    try:
+        viewed: dict[str, Any] | None = message_view(sent)
+    except WireError:
+        viewed = None
+    return Send(message.get("id"), str(message["method"]), skill, data, arguments, viewed)
 
 
 @dataclass(frozen=True, slots=True)

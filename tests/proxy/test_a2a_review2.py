@@ -90,3 +90,35 @@ async def test_a_message_naming_an_open_task_does_not_settle_that_task(
     assert read.get("result", {}).get("status") == {"state": "TASK_STATE_COMPLETED"}, read
     assert [(e["boundary"], e["verdict"]) for e in await p.history("r1")] == [
         ("entry", "pass"), ("exit", "pass")]
+
+
+async def test_a_read_showing_the_clients_own_message_in_history_is_relayed(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    # a send with `historyLength: 0` (or a stream the agent began with a status update) shows
+    # no history; the a2a-sdk server keeps the client's message in the task's history, and a
+    # GetTask shows it there: the client's own message, checked at entry, is no unseen content
+    sent = send("SendMessage")
+    sent["params"]["configuration"] = {"historyLength": 0}
+    user = {**sent["params"]["message"], "taskId": "t1"}
+    stored = {**task("TASK_STATE_COMPLETED", price=12.5), "history": [user]}
+
+    async def handle(request: web.Request) -> web.Response:
+        message = await request.json()
+        result: Any = {"task": task("TASK_STATE_COMPLETED", price=12.5)} \
+            if message["method"] == "SendMessage" else stored
+        return web.json_response({"jsonrpc": "2.0", "id": message["id"], "result": result})
+
+    for restarted in (False, True):
+        agent = await make_upstream(handle)
+        contract = a2a_contract(agent.url)
+        p = await proxy(contract)
+        await (await p.client.post(SEND, data=orjson.dumps(sent),
+                                   headers={"x-stepguard-run": "r1"})).read()
+        if restarted:       # read by a stepguard that did not check the send
+            await p.close()
+            p = await proxy(contract)
+
+        answer = await (await p.client.post(SEND, data=get_task())).json()
+
+        await p.close()
+        assert answer.get("result") == stored, (restarted, answer)
