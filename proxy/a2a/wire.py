@@ -458,6 +458,11 @@ class StreamState:
         task_id = body.get("id") if kind == "task" else body.get("taskId")
         if self.task_id is None and isinstance(task_id, str):
             self.task_id = task_id
+        elif self.task_id is not None and kind != "message" and task_id != self.task_id:
+            # the SDK's server refuses such an event; read as one task, the other would be
+            # stored nowhere (its reads relayed unchecked)
+            raise WireError(f"an event names task {str(task_id)[:100]!r}, the stream task "
+                            f"{self.task_id[:100]!r}")
         if kind == "artifactUpdate":
             self._artifact(body)
             return None

@@ -11,10 +11,13 @@ from aiohttp import web
 from sgtest import Proxy
 from test_a2a_traffic import (
     SEND,
+    TASK,
     a2a_contract,
+    events_of,
     final,
     get_task,
     send,
+    streaming,
     subscribed_after,
     task,
 )
@@ -122,3 +125,33 @@ async def test_a_read_showing_the_clients_own_message_in_history_is_relayed(
 
         await p.close()
         assert answer.get("result") == stored, (restarted, answer)
+
+
+async def test_a_stream_whose_events_name_two_tasks_ends_the_send_and_its_task_stays_guarded(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    # the stream names t1 (the client now knows it), its final event t9: read as t9's exit,
+    # t1 was stored nowhere, and a stepguard that did not check the send relayed t1's reads
+    other = {"statusUpdate": {"taskId": "t9", "contextId": "c1", "status": {
+        "state": "TASK_STATE_COMPLETED"}}}
+    artifact = {"artifactUpdate": {"taskId": "t9", "contextId": "c1", "artifact": task(
+        "TASK_STATE_COMPLETED", price=12.5)["artifacts"][0]}}
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        message = await request.json()
+        if message["method"] == "GetTask":
+            return web.json_response({"jsonrpc": "2.0", "id": message["id"], "result": task(
+                "TASK_STATE_COMPLETED", price=0)})
+        return await streaming(TASK, artifact, last=other)(request)
+
+    agent = await make_upstream(handle)
+    contract = a2a_contract(agent.url)
+    p = await proxy(contract)
+    body = await (await p.client.post(SEND, data=orjson.dumps(send()),
+                                      headers={"x-stepguard-run": "r1"})).read()
+    await p.close()
+    after = await proxy(contract)
+
+    read = await (await after.client.post(SEND, data=get_task())).json()
+
+    assert read.get("error", {}).get("code") == -31002, read    # t1's price 0, unchecked
+    assert "error" in (await events_of(body))[-1]
