@@ -410,18 +410,37 @@ def _by_state(output: dict[str, Any], status: Any) -> ToolResult:
 
 
 def _kind_of(result: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """(task | message | statusUpdate | artifactUpdate, its object), for 1.0 and 0.3."""
-    for kind in ("task", "message", "statusUpdate", "artifactUpdate"):
-        if isinstance(result.get(kind), dict):
-            return kind, result[kind]
-    named = {"task": "task", "message": "message", "status-update": "statusUpdate",
-             "artifact-update": "artifactUpdate"}.get(str(result.get("kind")))
-    if named is None and "kind" not in result and "id" in result and "status" in result:
-        named = "task"             # a task as 1.0 answers GetTask and CancelTask: unwrapped
-    if named is None:
+    """(task | message | statusUpdate | artifactUpdate, its object), for 1.0 and 0.3.
+
+    The 1.0 client reads a result by its wrapper (`{"task": ...}`; a `GetTask` answer, unwrapped,
+    as a task whatever else it holds), the 0.3 client by its `kind`, else (`kind` absent) as a
+    status update when it has `taskId` and `final`, a message when it has `messageId`, a task
+    when it has `id`: a result the two would read as different objects is refused."""
+    wrapped = next((k for k in ("task", "message", "statusUpdate", "artifactUpdate")
+                    if isinstance(result.get(k), dict)), None)
+    kind = result.get("kind")
+    if kind is not None:
+        legacy = {"task": "task", "message": "message", "status-update": "statusUpdate",
+                  "artifact-update": "artifactUpdate"}.get(str(kind))
+    elif "taskId" in result and "final" in result:
+        legacy = "statusUpdate"
+    elif "messageId" in result:
+        legacy = "message"
+    elif "id" in result and "status" in result:
+        legacy = "task"            # a task as 1.0 answers GetTask and CancelTask: unwrapped
+    else:
+        legacy = None
+    unwrapped_task = "id" in result and "status" in result
+    if (wrapped is not None and legacy is not None) \
+            or (legacy is not None and legacy != "task" and unwrapped_task):
+        raise WireError(f"the result reads as a {wrapped or 'task'} to an A2A 1.0 client and "
+                        f"as a {legacy} to a 0.3 one")
+    if wrapped is not None:
+        return wrapped, result[wrapped]
+    if legacy is None:
         raise WireError("the result is neither a task, a message, a status update nor an "
                         "artifact update")
-    return named, result
+    return legacy, result
 
 
 @dataclass(slots=True)
