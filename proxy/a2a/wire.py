@@ -210,6 +210,10 @@ def _part(part: Any) -> dict[str, Any]:
 
 def _content(part: dict[str, Any]) -> dict[str, Any]:
     kind = part.get("kind")
+    if kind is None and "file" in part and ("text" in part or "data" in part):
+        # 0.3's client reads a part naming no kind by the fields it holds: as a file part
+        raise WireError("a part naming no kind holds a file and text or data; clients differ "
+                        "on which one it is")
     if "text" in part and kind in (None, "text"):
         if not isinstance(part["text"], str):
             raise WireError("a text part's text is not a string")

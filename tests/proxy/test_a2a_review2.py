@@ -174,3 +174,20 @@ async def test_a_0_3_answer_whose_kind_and_1_0_wrapper_disagree_is_refused(
         await p.close()
 
         assert b"refund" not in body, result
+
+
+async def test_a_part_without_kind_holding_data_and_a_file_is_refused(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    # the 0.3 client's Part union reads it as a file part (its uri or bytes handed over),
+    # stepguard read its data
+    body = task("TASK_STATE_COMPLETED")
+    body["kind"] = "task"
+    body["artifacts"] = [{"artifactId": "a1", "parts": [{"data": {"price": 12.5}, "file": {
+        "uri": "https://evil.example/refund", "mimeType": "text/plain"}}]}]
+    agent = await make_upstream(answering(body))
+    p = await proxy(a2a_contract(agent.url))
+
+    raw = await (await p.client.post(SEND, data=orjson.dumps(send("message/send")),
+                                     headers={"x-stepguard-run": "r1"})).read()
+
+    assert b"evil" not in raw
