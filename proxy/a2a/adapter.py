@@ -534,7 +534,9 @@ class A2aAdapter:
     async def send(self, call: A2aCall) -> A2aAnswer:
         answer = await self.upstream.attempt(call, time.perf_counter())
         output = answer.result.output
-        task_id = output.get("taskId") if isinstance(output, dict) else None
+        # a message names a task (`taskId`) without showing it: it is no read of that task
+        task_id = output.get("taskId") if isinstance(output, dict) \
+            and "message" not in output else None
         # a stream cut after it named its task: the client knows the task, so it is kept
         answer.task_id = task_id if isinstance(task_id, str) else call.task_seen
         answer.open = open_task(answer.result) is not None
@@ -555,7 +557,7 @@ class A2aAdapter:
             assert self._secret is not None      # read before the first send (`handle`)
             extra |= {"task_id": answer.task_id,
                       "output_key": output_key(self._secret, answer.shown),
-                      "history_keys": sorted(history_keys(self._secret, answer.shown))}
+                      "history_keys": sorted(self._seen(call, answer))}
         return extra
 
     def exit_keys(self, call: A2aCall, answer: A2aAnswer) -> tuple[str, ...]:
@@ -564,6 +566,12 @@ class A2aAdapter:
         if answer.task_id is None or answer.open:
             return ()
         return (final_key(call.route, answer.task_id),)
+
+    def _seen(self, call: A2aCall, answer: A2aAnswer) -> frozenset[str]:
+        """The messages an exit saw (`history_keys`): the task's, and the one its send sent."""
+        assert self._secret is not None      # read before the first send (`handle`)
+        return history_keys(self._secret, answer.shown,
+                            sent=call.send.message if call.send is not None else None)
 
     def _shows_as_passed(self, answer: A2aAnswer, tracked: Tracked) -> bool:
         """Whether a read's answer shows the task as its exit passed it: the same output, its
@@ -633,7 +641,7 @@ class A2aAdapter:
             assert self._secret is not None      # read before the first send (`handle`)
             self._forgotten(self.tasks.checked(
                 call, answer.task_id, None, output_key(self._secret, answer.shown),
-                history_keys(self._secret, answer.shown)))
+                self._seen(call, answer)))
             if was_open:
                 await self._store_key(call, passed_key(call.route, answer.task_id))
         return await self._answer(call, answer)

@@ -186,15 +186,18 @@ def output_key(secret: bytes, output: Any) -> str | None:
     return _keyed(secret, output)
 
 
-def history_keys(secret: bytes, output: Any, status: bool = True) -> frozenset[str]:
+def history_keys(secret: bytes, output: Any, status: bool = True,
+                 sent: Any = None) -> frozenset[str]:
     """The keyed digests of the messages a task's output shows: its history, and (`status`)
     its final status's message, which the agent's server moves into the history once another
-    status replaces it. An exit keeps those it saw (`history_keys` in its event); a later
-    read's history may hold no other."""
+    status replaces it; and `sent`, the message the send carried (`Send.message`), which the
+    server keeps in the history even when the answer showed none (`historyLength`). An exit
+    keeps those it saw (`history_keys` in its event); a later read's history may hold no other."""
     if not isinstance(output, dict):
         return frozenset()
     messages = [*(output.get("history") or ()),
-                *([output["status_message"]] if status and output.get("status_message") else [])]
+                *([output["status_message"]] if status and output.get("status_message") else []),
+                *([sent] if sent is not None else [])]
     return frozenset(key for m in messages if (key := _keyed(secret, m)) is not None)
 
 

@@ -156,6 +156,12 @@ class A2aUpstream:
                                                     error_kind="cap"), resp.status)
                     result = self._event_result(call, state, event.data) \
                         if event is not None and event.data else None
+                    if result is not None and call.held is not None and state.dropped is not None:
+                        # the held events are relayed only with a final event showing all
+                        # they hold: this stream's would reach the client with content unread
+                        result = ToolResult(None, error=f"an A2A event's content is not in the "
+                                            f"task its stream folds to ({state.dropped})",
+                                            error_kind="transport")
                     if result is not None:
                         return A2aAnswer(result, resp.status, headers, raw, event=True)
                     if call.held is not None:

@@ -81,6 +81,9 @@ class Send:
     skill: str | None
     input: dict[str, Any]
     arguments: dict[str, Any]
+    # the message as `message_view` reads it (None: it cannot be): the agent's server keeps it
+    # in the task's history, where a later read shows it (tasks.py, `history_keys`)
+    message: dict[str, Any] | None = None
 
     @property
     def streaming(self) -> bool:
@@ -114,7 +117,11 @@ def send_of(message: Any) -> Send | None:
     data["metadata"] = metadata if isinstance(metadata, dict) else {}
     data["skill"] = skill
     arguments = {**data["data"], "contextId": data["contextId"], "taskId": data["taskId"]}
-    return Send(message.get("id"), str(message["method"]), skill, data, arguments)
+    try:
+        viewed: dict[str, Any] | None = message_view(sent)
+    except WireError:
+        viewed = None
+    return Send(message.get("id"), str(message["method"]), skill, data, arguments, viewed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +210,10 @@ def _part(part: Any) -> dict[str, Any]:
 
 def _content(part: dict[str, Any]) -> dict[str, Any]:
     kind = part.get("kind")
+    if kind is None and "file" in part and ("text" in part or "data" in part):
+        # 0.3's client reads a part naming no kind by the fields it holds: as a file part
+        raise WireError("a part naming no kind holds a file and text or data; clients differ "
+                        "on which one it is")
     if "text" in part and kind in (None, "text"):
         if not isinstance(part["text"], str):
             raise WireError("a text part's text is not a string")
@@ -403,18 +414,37 @@ def _by_state(output: dict[str, Any], status: Any) -> ToolResult:
 
 
 def _kind_of(result: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """(task | message | statusUpdate | artifactUpdate, its object), for 1.0 and 0.3."""
-    for kind in ("task", "message", "statusUpdate", "artifactUpdate"):
-        if isinstance(result.get(kind), dict):
-            return kind, result[kind]
-    named = {"task": "task", "message": "message", "status-update": "statusUpdate",
-             "artifact-update": "artifactUpdate"}.get(str(result.get("kind")))
-    if named is None and "kind" not in result and "id" in result and "status" in result:
-        named = "task"             # a task as 1.0 answers GetTask and CancelTask: unwrapped
-    if named is None:
+    """(task | message | statusUpdate | artifactUpdate, its object), for 1.0 and 0.3.
+
+    The 1.0 client reads a result by its wrapper (`{"task": ...}`; a `GetTask` answer, unwrapped,
+    as a task whatever else it holds), the 0.3 client by its `kind`, else (`kind` absent) as a
+    status update when it has `taskId` and `final`, a message when it has `messageId`, a task
+    when it has `id`: a result the two would read as different objects is refused."""
+    wrapped = next((k for k in ("task", "message", "statusUpdate", "artifactUpdate")
+                    if isinstance(result.get(k), dict)), None)
+    kind = result.get("kind")
+    if kind is not None:
+        legacy = {"task": "task", "message": "message", "status-update": "statusUpdate",
+                  "artifact-update": "artifactUpdate"}.get(str(kind))
+    elif "taskId" in result and "final" in result:
+        legacy = "statusUpdate"
+    elif "messageId" in result:
+        legacy = "message"
+    elif "id" in result and "status" in result:
+        legacy = "task"            # a task as 1.0 answers GetTask and CancelTask: unwrapped
+    else:
+        legacy = None
+    unwrapped_task = "id" in result and "status" in result
+    if (wrapped is not None and legacy is not None) \
+            or (legacy is not None and legacy != "task" and unwrapped_task):
+        raise WireError(f"the result reads as a {wrapped or 'task'} to an A2A 1.0 client and "
+                        f"as a {legacy} to a 0.3 one")
+    if wrapped is not None:
+        return wrapped, result[wrapped]
+    if legacy is None:
         raise WireError("the result is neither a task, a message, a status update nor an "
                         "artifact update")
-    return named, result
+    return legacy, result
 
 
 @dataclass(slots=True)
@@ -430,6 +460,11 @@ class StreamState:
     history: list[Any] = field(default_factory=list)
     status: Any = None               # the status the last task or status update gave
     metadata: dict[str, Any] = field(default_factory=dict)
+    # why an event held content the fold does not keep (an artifact or metadata value a later
+    # event replaced, an event's own metadata, a task replacing what came before), if one did:
+    # the task folded then does not show everything the client was handed of the stream
+    dropped: str | None = None
+    events: int = 0
 
     def final(self, result: Any) -> ToolResult | None:
         """The exit's result when the event with this `result` ends the send (a message, or a
@@ -440,9 +475,17 @@ class StreamState:
         camel_case(result, "an event's result")
         kind, body = _kind_of(result)
         camel_case(body, f"a {kind} event")
+        self.events += 1
+        if kind == "artifactUpdate" and body.get("metadata") not in (None, {}):
+            self._drop("an artifact update carries metadata of its own")
         task_id = body.get("id") if kind == "task" else body.get("taskId")
         if self.task_id is None and isinstance(task_id, str):
             self.task_id = task_id
+        elif self.task_id is not None and kind != "message" and task_id != self.task_id:
+            # the SDK's server refuses such an event; read as one task, the other would be
+            # stored nowhere (its reads relayed unchecked)
+            raise WireError(f"an event names task {str(task_id)[:100]!r}, the stream task "
+                            f"{self.task_id[:100]!r}")
         if kind == "artifactUpdate":
             self._artifact(body)
             return None
@@ -462,6 +505,8 @@ class StreamState:
 
     def _task(self, task: dict[str, Any]) -> None:
         """A whole task: what the stream knew of it replaced (as the server saves it)."""
+        if self.events > 1:
+            self._drop("a task event replaced what events before it delivered")
         self.artifacts = {}
         for artifact in _artifacts(task.get("artifacts")):
             self.artifacts[str(artifact.get("artifactId"))] = artifact
@@ -476,7 +521,7 @@ class StreamState:
         message = self.status.get("message") if isinstance(self.status, dict) else None
         if message is not None:
             self.history.append(message)
-        self.metadata.update(_metadata(update.get("metadata"), "a status update"))
+        self._merge(self.metadata, _metadata(update.get("metadata"), "a status update"))
         self.status = update.get("status")
 
     def _artifact(self, update: dict[str, Any]) -> None:
@@ -488,11 +533,22 @@ class StreamState:
         known = self.artifacts.get(key)
         if update.get("append") is True and known is not None:
             parts = [*_parts_of(known), *_parts_of(artifact)]
-            metadata = {**_metadata(known.get("metadata"), "an artifact"),
-                        **_metadata(artifact.get("metadata"), "an artifact")}
+            metadata = dict(_metadata(known.get("metadata"), "an artifact"))
+            self._merge(metadata, _metadata(artifact.get("metadata"), "an artifact"))
             self.artifacts[key] = {**known, "parts": parts, "metadata": metadata}
         else:
+            if known is not None and known != artifact:
+                self._drop(f"artifact {key[:60]!r} was replaced by a later update")
             self.artifacts[key] = artifact
+
+    def _merge(self, into: dict[str, Any], more: dict[str, Any]) -> None:
+        if any(k in into and into[k] != v for k, v in more.items()):
+            self._drop("a metadata value was replaced by a later update")
+        into.update(more)
+
+    def _drop(self, why: str) -> None:
+        if self.dropped is None:
+            self.dropped = why
 
 
 def _parts_of(artifact: dict[str, Any]) -> list[Any]:
