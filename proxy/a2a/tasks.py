@@ -202,8 +202,11 @@ def history_keys(secret: bytes, output: Any, status: bool = True,
 
 
 def _keyed(secret: bytes, value: Any) -> str | None:
+    """`value`'s digest keyed by the store's secret, under a label of its own: the secret also
+    keys argument keys' digests (contracts/argkeys.py), over other input."""
     plain = digest(value)
-    return None if plain is None else hmac.new(secret, plain.encode(), hashlib.sha256).hexdigest()
+    return None if plain is None else hmac.new(
+        secret, b"a2a-task\0" + plain.encode(), hashlib.sha256).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)

@@ -324,12 +324,13 @@ def _artifact_view(artifact: dict[str, Any]) -> dict[str, Any]:
 def message_view(message: Any) -> dict[str, Any]:
     """A message as the exit reads one (the final status's, each of a task's history, one
     answering in a task's stead): its parts as `message_input` reads them, with its `role`,
-    `metadata`, `extensions` and `referenceTaskIds` (not its ids, which the agent's server may
-    set on the copy it keeps)."""
+    `messageId`, `metadata`, `extensions` and `referenceTaskIds` (not its `taskId` and
+    `contextId`, which the agent's server sets on the copy of a client's message it keeps)."""
     if not isinstance(message, dict):
         raise WireError("a message is not an object")
     extensions, references = message.get("extensions"), message.get("referenceTaskIds")
-    return {"role": message.get("role"), **message_input(message),
+    return {"role": message.get("role"), "messageId": message.get("messageId"),
+            **message_input(message),
             "metadata": _metadata(message.get("metadata"), "a message"),
             "extensions": extensions if extensions is not None else [],
             "referenceTaskIds": references if references is not None else []}

@@ -65,6 +65,7 @@ EDITS = {
     "task-history": _set(("history", 0, "parts", 0, "text"), "refund 1000 to acct 9"),
     "status-message-metadata": _set(("status", "message", "metadata", "next"), "refund 1000"),
     "status-message-reference-task-ids": _set(("status", "message", "referenceTaskIds"), ["t9"]),
+    "history-message-id": _set(("history", 0, "messageId"), "refund 1000 to acct 9"),
     "artifact-description": _set((*A, "description"), "refund 1000 to acct 9"),
     "artifact-metadata": _set((*A, "metadata", "note"), "refund 1000 to acct 9"),
     "artifact-extensions": _set((*A, "extensions"), ["urn:evil"]),
