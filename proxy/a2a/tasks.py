@@ -14,16 +14,21 @@ and what became of its exit:
   change; one that did would reach the agent unchecked).
 - refused: the exit's violation; every read of the task is answered with it.
 
-At most `TASKS_KEPT` tasks are kept in memory (the least recently stored forgotten first; an
-open one forgotten is logged as `a2a_task_forgotten`). An open or refused task is also stored
-as a correlation key of its run (`task_key`; `passed_key` once an open one passed), and every
-exit that read a final task stores `final_key` with its event, in the same commit; the event
-names the task (`task_id`) and, keyed by the store's secret, the digest of the output it read
-(`output_key`). A read of a task this process does not hold (seen by another worker or replica,
-or forgotten, or before a restart) is read from these: with a stored exit, as in the process
-that checked it (`stored_exit`: refused when the exit was; sent on, and relayed only when its
-answer shows the output that exit read); with an open exit, refused; with neither (no checked
-send started the task), relayed.
+The tasks kept in memory weigh at most `TASKS_WEIGHT` (64 MiB) in all, the least recently
+stored forgotten first (an open one forgotten is logged as `a2a_task_forgotten`): a task weighs
+`TASK_BYTES` (so at most `TASKS_KEPT` are kept), plus its send's body (what its input was read
+from) and `SEEN_BYTES` for each message its exit saw. A task keeps its send's call without the
+body, the answer or the client's stream (`Tracked.of`): what a read of it needs.
+
+An open or refused task is also stored as a correlation key of its run (`task_key`;
+`passed_key` once an open one passed), and every exit that read a final task stores
+`final_key` with its event, in the same commit; the event names the task (`task_id`) and,
+keyed by the store's secret, the digests of the output it read (`output_key`) and of the
+messages it saw (`history_keys`). A read of a task this process does not hold (seen by another
+worker or replica, or forgotten, or before a restart) is read from these: with a stored exit,
+as in the process that checked it (`stored_exit`: refused when the exit was; sent on, and
+relayed only when its answer shows the output that exit read); with an open exit, refused;
+with neither (no checked send started the task), relayed.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import asyncio
 import hashlib
 import hmac
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
 from stepguard.contracts.bounded import Bounded
@@ -42,10 +47,13 @@ from stepguard.proxy.core.calls import Violated
 from stepguard.proxy.core.joining import digest
 from stepguard.proxy.core.routing import Route
 
-__all__ = ["TASKS_KEPT", "StoredExit", "Tasks", "Tracked", "final_key", "history_keys",
-           "output_key", "passed_key", "stored_exit", "task_key"]
+__all__ = ["TASKS_KEPT", "TASKS_WEIGHT", "StoredExit", "Tasks", "Tracked", "final_key",
+           "history_keys", "output_key", "passed_key", "stored_exit", "task_key"]
 
 TASKS_KEPT: Final = 65_536
+TASK_BYTES: Final = 1024            # what a kept task weighs, at least
+SEEN_BYTES: Final = 128             # ... and each message its exit saw (a key in `seen`)
+TASKS_WEIGHT: Final = TASKS_KEPT * TASK_BYTES
 
 Key = tuple[str, str, str]          # (workflow, upstream, task id)
 
@@ -67,17 +75,26 @@ class Tracked:
     seen: frozenset[str] = frozenset()
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)   # one read of the task at a time
     decided: asyncio.Event = field(default_factory=asyncio.Event)   # its send has ended
+    weight: int = TASK_BYTES            # what it weighs against `TASKS_WEIGHT`
 
     def __post_init__(self) -> None:
         self.decided.set()
+
+    @classmethod
+    def of(cls, call: A2aCall, attempt: int) -> Tracked:
+        """A task of `call`, kept without what a read of it does not need (its body, answer
+        and client stream, which a read replaces), weighed by the body its input was read
+        from."""
+        kept = replace(call, body=b"", answer=None, out=None, held=None)
+        return cls(kept, attempt, weight=TASK_BYTES + len(call.body))
 
 
 class Tasks:
     """The tasks of checked sends, bounded; with, per agent, those whose exit is open or was
     refused (what a list of the agent's tasks could show unchecked)."""
 
-    def __init__(self, limit: int = TASKS_KEPT) -> None:
-        self._tasks: Bounded[Key, Tracked] = Bounded(limit)
+    def __init__(self, limit: int = TASKS_WEIGHT) -> None:
+        self._tasks: Bounded[Key, Tracked] = Bounded(limit, weigh=lambda t: t.weight)
         self._unsettled: dict[tuple[str, str], set[str]] = {}
 
     def __len__(self) -> int:
@@ -97,7 +114,7 @@ class Tasks:
         key = _key(call.route, task_id)
         if self._tasks.get(key) is not None:
             return []
-        tracked = Tracked(call, 1)
+        tracked = Tracked.of(call, 1)
         tracked.decided.clear()
         return self._store(key, tracked)
 
@@ -118,7 +135,7 @@ class Tasks:
                 tracked.attempt = attempt
                 tracked.decided.set()
             return []
-        return self._store(key, Tracked(call, attempt))
+        return self._store(key, Tracked.of(call, attempt))
 
     def checked(self, call: A2aCall, task_id: str, refused: Violated | None,
                 passed_on: str | None = None, seen: frozenset[str] = frozenset()
@@ -127,14 +144,13 @@ class Tasks:
         of keyed digest `passed_on`, or `refused`. Returns the open tasks forgotten to keep the
         bound."""
         key = _key(call.route, task_id)
-        tracked = self._tasks.get(key)
-        gone: list[Tracked] = []
-        if tracked is None:
-            tracked = Tracked(call, 1)
-            gone = self._store(key, tracked)
+        # taken out and stored again: weighed with the messages it now keeps
+        tracked = self._tasks.pop(key) or Tracked.of(call, 1)
         tracked.checked, tracked.refused, tracked.passed_on = True, refused, passed_on
+        tracked.weight += SEEN_BYTES * (len(seen) - len(tracked.seen))
         tracked.seen = seen
         tracked.decided.set()
+        gone = self._store(key, tracked)
         if refused is None:
             self._settle(key)
         return gone
