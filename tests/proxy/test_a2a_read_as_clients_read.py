@@ -1,5 +1,8 @@
-"""Gaps found reviewing reads of tasks checked elsewhere, learn mode's reads and the exit's
-whole output (4ff31ac, 7d34769, 04e44b1): each test fails before its fix."""
+"""An A2A answer is read as the `a2a-sdk` clients read it, or refused: a subscription's held
+events only with the task they fold to showing all they hold; a message naming a task is no read
+of it; the client's own message is one the exit saw; a stream names one task; a result the 1.0
+and 0.3 clients would read as different objects, or a kindless part both a file and data, is
+refused."""
 
 from __future__ import annotations
 
