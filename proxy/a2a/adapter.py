@@ -554,10 +554,9 @@ class A2aAdapter:
         if read is not None:
             extra |= {"task_id": read.task_id, "read": read.method}
         if isinstance(answer, A2aAnswer) and answer.task_id is not None and not answer.open:
-            assert self._secret is not None      # read before the first send (`handle`)
-            extra |= {"task_id": answer.task_id,
-                      "output_key": output_key(self._secret, answer.shown),
-                      "history_keys": sorted(self._seen(call, answer))}
+            shown, seen = self._kept_keys(call, answer)
+            extra |= {"task_id": answer.task_id, "output_key": shown,
+                      "history_keys": sorted(seen)}
         return extra
 
     def exit_keys(self, call: A2aCall, answer: A2aAnswer) -> tuple[str, ...]:
@@ -567,19 +566,29 @@ class A2aAdapter:
             return ()
         return (final_key(call.route, answer.task_id),)
 
-    def _seen(self, call: A2aCall, answer: A2aAnswer) -> frozenset[str]:
-        """The messages an exit saw (`history_keys`): the task's, and the one its send sent."""
-        assert self._secret is not None      # read before the first send (`handle`)
-        return history_keys(self._secret, answer.shown,
-                            sent=call.send.message if call.send is not None else None)
+    @property
+    def _key(self) -> bytes:
+        """The store's secret, which outputs' digests are keyed by (read in `handle` before the
+        first send)."""
+        assert self._secret is not None
+        return self._secret
+
+    def _kept_keys(self, call: A2aCall, answer: A2aAnswer) -> tuple[str | None, frozenset[str]]:
+        """What an exit keeps of the task `answer` shows, taken once: the keyed digest of its
+        output (`output_key`) and of each message it saw (`history_keys`: the task's, and the
+        one its send sent)."""
+        if answer.keys is None:
+            answer.keys = (output_key(self._key, answer.shown), history_keys(
+                self._key, answer.shown,
+                sent=call.send.message if call.send is not None else None))
+        return answer.keys
 
     def _shows_as_passed(self, answer: A2aAnswer, tracked: Tracked) -> bool:
         """Whether a read's answer shows the task as its exit passed it: the same output, its
         history (which a read's `historyLength` may trim) holding only messages the exit saw."""
-        assert self._secret is not None      # read before the first send (`handle`)
         return tracked.passed_on is not None \
-            and output_key(self._secret, answer.shown) == tracked.passed_on \
-            and history_keys(self._secret, answer.shown, status=False) <= tracked.seen
+            and output_key(self._key, answer.shown) == tracked.passed_on \
+            and history_keys(self._key, answer.shown, status=False) <= tracked.seen
 
     async def pause(self, call: A2aCall, answer: A2aAnswer,
                     attempt: int) -> web.StreamResponse | None:
@@ -638,10 +647,8 @@ class A2aAdapter:
             tracked = self.tasks.get(call.route, answer.task_id)
             # open since its send ended (a task key stored), not one a stream named just now
             was_open = tracked is not None and not tracked.checked and tracked.decided.is_set()
-            assert self._secret is not None      # read before the first send (`handle`)
-            self._forgotten(self.tasks.checked(
-                call, answer.task_id, None, output_key(self._secret, answer.shown),
-                self._seen(call, answer)))
+            self._forgotten(self.tasks.checked(call, answer.task_id, None,
+                                               *self._kept_keys(call, answer)))
             if was_open:
                 await self._store_key(call, passed_key(call.route, answer.task_id))
         return await self._answer(call, answer)

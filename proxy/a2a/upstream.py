@@ -97,6 +97,9 @@ class A2aAnswer(Answer):
     # the task's output as the agent's client sees it whole, also when the step reads it as a
     # tool's (`tool_view`): what a later read of the task is compared with (tasks.py)
     shown: Any = None
+    # ... its keyed digests, once taken (adapter.py `_kept_keys`: the exit's event and the
+    # task kept in memory both hold them)
+    keys: tuple[str | None, frozenset[str]] | None = None
 
 
 class A2aUpstream:
@@ -181,16 +184,7 @@ class A2aUpstream:
             message = event_json(data, self.settings.max_json_depth)
         except EventTooDeep as exc:
             return ToolResult(None, error=f"A2A event: {exc}", error_kind="transport")
-        if _is_error(message):
-            return _rpc_failure(message)
-        if message.get("id") != call.rpc_id or "result" not in message:
-            return ToolResult(None, error="an A2A event is not a JSON-RPC response to the send",
-                              error_kind="transport")
-        try:
-            final = state.final(message["result"])
-        except WireError as exc:
-            final = ToolResult(None, error=f"an A2A event cannot be read: {exc}",
-                               error_kind="transport")
+        final = _event_outcome(message, call.rpc_id, state)
         if call.task_seen is None and state.task_id is not None:
             call.task_seen = state.task_id
             self.task_seen(call, state.task_id)
@@ -218,15 +212,36 @@ class A2aUpstream:
                                  "A2A agent response", self.settings.max_json_depth)
         except BodyError as exc:
             return ToolResult(status, error=exc.detail, error_kind="transport")
-        if not isinstance(message, dict) or ("result" not in message and not _is_error(message)):
-            return ToolResult(status, error="A2A agent response is not a JSON-RPC response",
-                              error_kind="transport")
-        if _is_error(message):
-            return _rpc_failure(message)
-        if message.get("id") != rpc_id:
-            return ToolResult(status, error="A2A agent response answers another request id",
-                              error_kind="transport")
-        return task_result(message["result"])
+        return _answer_outcome(message, rpc_id, status)
+
+
+def _answer_outcome(message: Any, rpc_id: Any, status: int | None) -> ToolResult:
+    """The exit's result of a JSON answer to the send `rpc_id`, read from its JSON `message`."""
+    if not isinstance(message, dict) or ("result" not in message and not _is_error(message)):
+        return ToolResult(status, error="A2A agent response is not a JSON-RPC response",
+                          error_kind="transport")
+    if _is_error(message):
+        return _rpc_failure(message)
+    if message.get("id") != rpc_id:
+        return ToolResult(status, error="A2A agent response answers another request id",
+                          error_kind="transport")
+    return task_result(message["result"])
+
+
+def _event_outcome(message: Any, rpc_id: Any, state: StreamState) -> ToolResult | None:
+    """The exit's result if the event whose JSON is `message` ends the send `rpc_id` (a
+    JSON-RPC error, an event that is no answer to it or cannot be read, the final state), else
+    None (a progress event, folded into `state`)."""
+    if isinstance(message, dict) and _is_error(message):
+        return _rpc_failure(message)
+    if not isinstance(message, dict) or message.get("id") != rpc_id or "result" not in message:
+        return ToolResult(None, error="an A2A event is not a JSON-RPC response to the send",
+                          error_kind="transport")
+    try:
+        return state.final(message["result"])
+    except WireError as exc:
+        return ToolResult(None, error=f"an A2A event cannot be read: {exc}",
+                          error_kind="transport")
 
 
 def _is_error(message: dict[str, Any]) -> bool:
@@ -243,34 +258,22 @@ def _rpc_failure(message: dict[str, Any]) -> ToolResult:
 
 def learned_answer(kept: Kept, rpc_id: Any, max_depth: int) -> ToolResult:
     """What learn mode reads of a send's answer, as relayed (JSON, or the event stream that
-    answered it): the result its exit would be checked on (`task_result`; a stream's events
-    read as a checked send's are), or why there is none."""
+    answered it): the result its exit would be checked on, read as a checked send's answer is
+    (`_answer_outcome`, `_event_outcome`), or why there is none."""
     try:
         read = kept_json(kept, "A2A agent", "A2A agent response", "A2A event", max_depth)
         if isinstance(read, str):
             return ToolResult(kept.status if kept.status and kept.status >= 300 else None,
                               error=read, error_kind="transport")
-        stream, messages = read
-        if not stream:
-            message = _answering(messages[0], rpc_id)
-            return _rpc_failure(message) if _is_error(message) else task_result(
-                message["result"])
-        state = StreamState()
-        for event in messages:
-            message = _answering(event, rpc_id)
-            if _is_error(message):
-                return _rpc_failure(message)
-            final = state.final(message["result"])
-            if final is not None:
-                return final
-        return ToolResult(None, error="the stream ended before the task was final",
-                          error_kind="transport")
-    except (BodyError, EventTooLarge, WireError) as exc:
+    except (BodyError, EventTooLarge) as exc:
         return ToolResult(None, error=f"the A2A answer cannot be read: {exc}", error_kind="parse")
-
-
-def _answering(message: Any, rpc_id: Any) -> dict[str, Any]:
-    if not isinstance(message, dict) or message.get("id") != rpc_id \
-            or ("result" not in message and not _is_error(message)):
-        raise WireError("a message is not a JSON-RPC response to the send")
-    return message
+    stream, messages = read
+    if not stream:
+        return _answer_outcome(messages[0], rpc_id, kept.status)
+    state = StreamState()
+    for message in messages:
+        final = _event_outcome(message, rpc_id, state)
+        if final is not None:
+            return final
+    return ToolResult(None, error="the stream ended before the task was final",
+                      error_kind="transport")
