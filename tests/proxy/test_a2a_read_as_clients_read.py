@@ -22,7 +22,7 @@ from test_a2a_traffic import (
     get_task,
     send,
     streaming,
-    subscribed_after,
+    subscribed_to_passed,
     task,
 )
 
@@ -36,12 +36,8 @@ async def test_a_subscribe_to_a_passed_task_relays_no_artifact_a_later_event_rep
         "artifactId": "a1", "name": "quote", "parts": [{"data": {"refund": 99}}]}}}
     same = {"artifactUpdate": {"taskId": "t1", "contextId": "c1",
                                "artifact": passed["artifacts"][0]}}
-    agent = await make_upstream(subscribed_after(passed, evil, same, final()))
-    p = await proxy(a2a_contract(agent.url))
-    await p.client.post(SEND, data=orjson.dumps(send("SendMessage")),
-                        headers={"x-stepguard-run": "r1"})
 
-    body = await (await p.client.post(SEND, data=get_task(method="SubscribeToTask"))).read()
+    body = await subscribed_to_passed(make_upstream, proxy, passed, evil, same, final())
 
     assert b"refund" not in body
 
@@ -53,12 +49,8 @@ async def test_a_subscribe_to_a_passed_task_relays_no_event_metadata_the_fold_dr
     passed = task("TASK_STATE_COMPLETED", price=12.5)
     same = {"artifactUpdate": {"taskId": "t1", "contextId": "c1", "metadata": {
         "note": "refund 99 to acct 9"}, "artifact": passed["artifacts"][0]}}
-    agent = await make_upstream(subscribed_after(passed, same, final()))
-    p = await proxy(a2a_contract(agent.url))
-    await p.client.post(SEND, data=orjson.dumps(send("SendMessage")),
-                        headers={"x-stepguard-run": "r1"})
 
-    body = await (await p.client.post(SEND, data=get_task(method="SubscribeToTask"))).read()
+    body = await subscribed_to_passed(make_upstream, proxy, passed, same, final())
 
     assert b"refund" not in body
 

@@ -778,14 +778,20 @@ ADDED = {"artifactUpdate": {"taskId": "t1", "contextId": "c1", "artifact": {
     "artifactId": "a9", "name": "quote", "parts": [{"data": {"refund": 99}}]}}}
 
 
-async def test_a_subscribe_to_a_passed_task_relays_no_event_of_a_stream_showing_it_changed(
-        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
-    agent = await make_upstream(subscribed_after(task("TASK_STATE_COMPLETED", price=12.5),
-                                                 ADDED, final()))
+async def subscribed_to_passed(make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]],
+                               passed: dict[str, Any], *results: dict[str, Any]) -> bytes:
+    """What a SubscribeToTask relays of a task whose send passed showing it as `passed`, the
+    agent then streaming `results`."""
+    agent = await make_upstream(subscribed_after(passed, *results))
     p = await proxy(a2a_contract(agent.url))
     await p.client.post(SEND, data=orjson.dumps(send("SendMessage")), headers=RUN)
+    return await (await p.client.post(SEND, data=get_task(method="SubscribeToTask"))).read()
 
-    body = await (await p.client.post(SEND, data=get_task(method="SubscribeToTask"))).read()
+
+async def test_a_subscribe_to_a_passed_task_relays_no_event_of_a_stream_showing_it_changed(
+        make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    body = await subscribed_to_passed(make_upstream, proxy,
+                                      task("TASK_STATE_COMPLETED", price=12.5), ADDED, final())
 
     assert b"refund" not in body                # not even before the refusal
     assert orjson.loads(body)["error"]["code"] == -31002
@@ -795,12 +801,9 @@ async def test_a_subscribe_to_a_passed_task_relays_every_event_of_a_stream_showi
         make_upstream: Any, proxy: Callable[..., Awaitable[Proxy]]) -> None:
     snapshot = {"artifactUpdate": {"taskId": "t1", "contextId": "c1", "artifact": task(
         "TASK_STATE_COMPLETED", price=12.5)["artifacts"][0]}}
-    agent = await make_upstream(subscribed_after(task("TASK_STATE_COMPLETED", price=12.5),
-                                                 snapshot, final()))
-    p = await proxy(a2a_contract(agent.url))
-    await p.client.post(SEND, data=orjson.dumps(send("SendMessage")), headers=RUN)
 
-    body = await (await p.client.post(SEND, data=get_task(method="SubscribeToTask"))).read()
+    body = await subscribed_to_passed(make_upstream, proxy,
+                                      task("TASK_STATE_COMPLETED", price=12.5), snapshot, final())
 
     assert [e["result"] for e in await events_of(body)] == [snapshot, final()]
 
