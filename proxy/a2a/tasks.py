@@ -75,10 +75,15 @@ class Tracked:
     seen: frozenset[str] = frozenset()
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)   # one read of the task at a time
     decided: asyncio.Event = field(default_factory=asyncio.Event)   # its send has ended
-    weight: int = TASK_BYTES            # what it weighs against `TASKS_WEIGHT`
+    body_bytes: int = 0                 # the body its send's input was read from
 
     def __post_init__(self) -> None:
         self.decided.set()
+
+    @property
+    def weight(self) -> int:
+        """What it weighs against `TASKS_WEIGHT`."""
+        return TASK_BYTES + self.body_bytes + SEEN_BYTES * len(self.seen)
 
     @classmethod
     def of(cls, call: A2aCall, attempt: int) -> Tracked:
@@ -86,7 +91,7 @@ class Tracked:
         and client stream, which a read replaces), weighed by the body its input was read
         from."""
         kept = replace(call, body=b"", answer=None, out=None, held=None)
-        return cls(kept, attempt, weight=TASK_BYTES + len(call.body))
+        return cls(kept, attempt, body_bytes=len(call.body))
 
 
 class Tasks:
@@ -147,7 +152,6 @@ class Tasks:
         # taken out and stored again: weighed with the messages it now keeps
         tracked = self._tasks.pop(key) or Tracked.of(call, 1)
         tracked.checked, tracked.refused, tracked.passed_on = True, refused, passed_on
-        tracked.weight += SEEN_BYTES * (len(seen) - len(tracked.seen))
         tracked.seen = seen
         tracked.decided.set()
         gone = self._store(key, tracked)
