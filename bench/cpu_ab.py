@@ -7,7 +7,9 @@ proxy` (`contract`, `model`, `model_stream`, ...), each round measuring A then B
 `stepguard serve` runs with its tree first on `PYTHONPATH`; the bench's upstream, wrk driver
 and CPU reading are this tree's, the same for both. The figure is the served process's CPU time
 (/proc) over the wrk phase divided by the calls it answered: CPU ms per call. Reported per row:
-each side's median and rounds, and the median of the rounds' B/A ratios.
+each side's median and rounds, and the median of the rounds' B/A ratios. `--a-items N` (or
+`--b-items`) gives that side an order answer of N line items instead of 100 (~100 bytes each):
+with the same tree on both sides (`--a .`), what the answer's size costs each row.
 
 `profile`: py-spy (the `bench` extra) samples one side's `stepguard serve` while wrk drives a
 row, and the samples are told apart by where they are (`CATEGORIES`: the first category a
@@ -162,9 +164,12 @@ def _cpu_per_call(bench: Bench, row: str, upstream_url: str, tree: Path, tag: st
 
 
 def measure_ab(a: Path, b: Path, rows: Sequence[str], rounds: int, seconds: float,
-               concurrency: int = 32, wrk: str = WRK) -> list[AbResult]:
+               concurrency: int = 32, wrk: str = WRK,
+               items: tuple[int | None, int | None] = (None, None)) -> list[AbResult]:
     """Each row's CPU per call, A's stepguard against B's, rounds interleaved (A first in even
-    rounds, B first in odd ones)."""
+    rounds, B first in odd ones). `items`: the line items of the order answer each side's
+    upstream gives (None: the bench's ~10 KB); with one tree on both sides, what the answer's
+    size costs a row."""
     if rounds < 1 or seconds <= 0:
         raise ValueError("rounds and seconds must be positive")
     for tree in (a, b):
@@ -173,13 +178,15 @@ def measure_ab(a: Path, b: Path, rows: Sequence[str], rounds: int, seconds: floa
     bench = Bench(BenchOptions(concurrency=concurrency, duration_s=seconds, wrk=wrk,
                                rows=list(rows)))
     try:
-        upstream_url = bench.start_upstream()
+        urls = {n: bench.start_upstream("upstream" if n is None else f"upstream-{n}", n)
+                for n in set(items)}
+        upstream_url = {"a": urls[items[0]], "b": urls[items[1]]}
         for bench.round in range(rounds):
             for row in rows:
                 figures: dict[str, float] = {}
                 order = (("a", a), ("b", b)) if bench.round % 2 == 0 else (("b", b), ("a", a))
                 for side, tree in order:
-                    ms, rps = _cpu_per_call(bench, row, upstream_url, tree,
+                    ms, rps = _cpu_per_call(bench, row, upstream_url[side], tree,
                                             f"{row}-{side}{bench.round}", seconds)
                     rounds_of = getattr(results[row], side)
                     rounds_of.ms_per_call.append(round(ms, 4))
@@ -208,10 +215,13 @@ def categorise(collapsed: str, categories: Sequence[tuple[str, str]] = CATEGORIE
 
 
 def profile(tree: Path, row: str, seconds: float, out: Path, rate: int = 250,
-            concurrency: int = 32, wrk: str = WRK, gil: bool = False) -> dict[str, Any]:
+            concurrency: int = 32, wrk: str = WRK, gil: bool = False,
+            native: bool = False) -> dict[str, Any]:
     """py-spy samples `tree`'s stepguard serving `row` under wrk; the collapsed stacks are
     written to `out` (a flame graph's input), the shares per category returned. `gil`: only
-    the thread holding the GIL is sampled (Python's own work, not threads waiting for it)."""
+    the thread holding the GIL is sampled (Python's own work, not threads waiting for it).
+    `native`: C frames too (py-spy then stops the process for each sample, which costs the
+    row calls/s but not the shares)."""
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     if not Path(spy).is_file():
         raise BenchError("py-spy not found (pip install 'stepguard[bench]')")
@@ -227,7 +237,8 @@ def profile(tree: Path, row: str, seconds: float, out: Path, rate: int = 250,
         driver.start()
         recorded = subprocess.run([spy, "record", "--pid", str(hop.pid), "--duration",
                                    str(max(1, int(seconds))), "--rate", str(rate), "--format",
-                                   "raw", "--output", str(out), "--nonblocking",
+                                   "raw", "--output", str(out),
+                                   *(["--native"] if native else ["--nonblocking"]),
                                    *(["--gil"] if gil else []),
                                    *(["--subprocesses"] if row_setup(row, upstream_url).workers > 1
                                      else [])],
@@ -253,6 +264,13 @@ def render_ab(results: Sequence[AbResult]) -> str:
     return "\n".join(lines)
 
 
+def _items(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError("an order has at least one line item")
+    return n
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m stepguard.bench.cpu_ab", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -263,12 +281,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ab.add_argument("--rows", default=",".join(AB_ROWS))
     ab.add_argument("--rounds", type=int, default=3)
     ab.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    for side in ("a", "b"):
+        ab.add_argument(f"--{side}-items", type=_items, default=None,
+                        help=f"line items of the order answer side {side.upper()}'s upstream "
+                             "gives (default: the bench's 100, ~10 KB)")
     spy = sub.add_parser("profile", help="where the CPU of a row goes (py-spy)")
     spy.add_argument("--tree", default=None, help="a git ref or source tree (default: this one)")
     spy.add_argument("--row", default="contract")
     spy.add_argument("--out", type=Path, required=True, help="the collapsed stacks (raw)")
     spy.add_argument("--rate", type=int, default=250, help="samples per second")
     spy.add_argument("--gil", action="store_true", help="sample only the thread holding the GIL")
+    spy.add_argument("--native", action="store_true", help="C frames too (stops the process "
+                     "for each sample)")
     for p in (ab, spy):
         p.add_argument("--duration", type=float, default=4.0, help="seconds of wrk per sample")
         p.add_argument("--concurrency", type=int, default=32)
@@ -281,7 +305,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 with source_tree(args.a, here, Path(scratch)) as a, \
                         source_tree(args.b or str(here), here, Path(scratch)) as b:
                     results = measure_ab(a, b, [r for r in args.rows.split(",") if r],
-                                         args.rounds, args.duration, args.concurrency, args.wrk)
+                                         args.rounds, args.duration, args.concurrency, args.wrk,
+                                         (args.a_items, args.b_items))
                 print(render_ab(results))
                 if args.json is not None:
                     args.json.write_bytes(orjson.dumps(
@@ -291,7 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 with source_tree(args.tree or str(here), here, Path(scratch)) as tree:
                     found = profile(tree, args.row, args.duration, args.out, args.rate,
-                                    args.concurrency, args.wrk, args.gil)
+                                    args.concurrency, args.wrk, args.gil, args.native)
                 print(orjson.dumps(found, option=orjson.OPT_INDENT_2).decode())
         except (BenchError, ValueError) as exc:
             print(f"cpu_ab: {exc}", file=sys.stderr)

@@ -127,9 +127,12 @@ class Bench:
 
     # the upstream, nginx, stepguard -----------------------------------------------------------
 
-    def start_upstream(self, name: str = "upstream") -> str:
-        proc = self.spawn(name, [sys.executable, "-m", "stepguard.bench.upstream",
-                                 "--port", "0"], stdout=subprocess.PIPE)
+    def start_upstream(self, name: str = "upstream", items: int | None = None) -> str:
+        """The bench upstream (`bench/upstream.py`); `items`: line items of its order answer
+        (its default when None)."""
+        proc = self.spawn(name, [sys.executable, "-m", "stepguard.bench.upstream", "--port", "0",
+                                 *(["--items", str(items)] if items is not None else [])],
+                          stdout=subprocess.PIPE)
         assert proc.popen.stdout is not None
         line = _readline(proc.popen.stdout, _READY_TIMEOUT_S)
         match = re.fullmatch(rb"listening (\d+)\s*", line)

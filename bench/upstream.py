@@ -1,6 +1,6 @@
 """The upstream of `stepguard bench proxy`: one fast, endless HTTP/1.1 server for every row.
 
-`python -m stepguard.bench.upstream --port P [--delay-ms D]` prints `listening <port>` on
+`python -m stepguard.bench.upstream --port P [--delay-ms D] [--items N]` prints `listening <port>` on
 stdout once it accepts connections (`--port 0` picks a free port), then answers:
 
 - `POST .../v1/chat/completions`: a fixed OpenAI Chat Completions turn that calls
@@ -11,7 +11,8 @@ stdout once it accepts connections (`--port 0` picks a free port), then answers:
 - `GET .../healthz`: `{"ok": true}`.
 - `POST /v1/traces`: an empty 200 (`application/x-protobuf`, an empty OTLP export response): a
   second instance is the OTLP sink of the traced row.
-- anything else: the ~10 KB order `{"order_id": "ord-17", "customer": ..., "items": [100 objects]}`.
+- anything else: the ~10 KB order `{"order_id": "ord-17", "customer": ..., "items": [100 objects]}`
+  (`--items N`: N line items instead, ~100 bytes each: what the answer's size costs a row).
 
 It is a bare asyncio protocol (no framework, no routing table), so that the upstream's own cost
 stays small beside the hop being measured. It speaks what the benchmark's clients send:
@@ -43,12 +44,14 @@ _MAX_HEAD = 64 * 1024
 _MAX_BODY = 16 * 1024 * 1024
 
 
-def order_body() -> bytes:
-    """The tool's answer: an order with 100 line items, about 10 KB of JSON."""
+def order_body(n_items: int = ITEMS) -> bytes:
+    """The tool's answer: an order with `n_items` line items (100: about 10 KB of JSON)."""
+    if n_items < 1:
+        raise ValueError("an order has at least one line item (the bench contract's minItems)")
     items = [{"sku": f"sku-{i:05d}", "name": f"line item {i:03d}",
               "qty": 1 + i % 7, "unit_price": round(4.5 + i * 0.37, 2), "currency": "EUR",
               "warehouse": f"wh-{i % 4}"}
-             for i in range(ITEMS)]
+             for i in range(n_items)]
     return orjson.dumps({"order_id": ORDER_ID, "customer": "Ada Lovelace", "status": "open",
                          "items": items})
 
@@ -97,8 +100,8 @@ def _head(status: str, content_type: str, length: int | None, extra: str = "") -
 class Payloads:
     """Every answer, built once. `answer()` returns the bytes to write, in order."""
 
-    def __init__(self) -> None:
-        order = order_body()
+    def __init__(self, n_items: int = ITEMS) -> None:
+        order = order_body(n_items)
         self.order = [_head("200 OK", "application/json", len(order)), order]
         health = b'{"ok": true}'
         self.health = [_head("200 OK", "application/json", len(health)), health]
@@ -259,9 +262,9 @@ class _Connection(asyncio.Protocol):
             pos += size + 2
 
 
-async def serve(host: str, port: int, delay_s: float = 0.0) -> None:
+async def serve(host: str, port: int, delay_s: float = 0.0, n_items: int = ITEMS) -> None:
     loop = asyncio.get_running_loop()
-    payloads = Payloads()
+    payloads = Payloads(n_items)
     server = await loop.create_server(lambda: _Connection(payloads, delay_s), host, port,
                                       backlog=1024, reuse_address=True)
     stop = asyncio.Event()
@@ -279,9 +282,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0: any free port (printed)")
     parser.add_argument("--delay-ms", type=float, default=0.0, help="hold every answer this long")
+    parser.add_argument("--items", type=int, default=ITEMS,
+                        help=f"line items of the order answer (default {ITEMS}: ~10 KB)")
     args = parser.parse_args(argv)
+    if args.items < 1:
+        parser.error("--items must be at least 1")
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(args.host, args.port, args.delay_ms / 1000))
+        asyncio.run(serve(args.host, args.port, args.delay_ms / 1000, args.items))
     return 0
 
 

@@ -106,6 +106,24 @@ def exchange(port: int, raw: bytes, responses: int) -> list[tuple[bytes, bytes]]
         return answers
 
 
+def test_upstream_given_items_answers_an_order_of_that_many_line_items() -> None:
+    with upstream("--items", "3") as port:
+        ((head, body),) = exchange(port, b"POST /lookup_order HTTP/1.1\r\nHost: x\r\n"
+                                         b"Content-Length: 21\r\n\r\n{\"order_id\":\"ord-17\"}", 1)
+    assert head.startswith(b"HTTP/1.1 200")
+    assert orjson.loads(body) == orjson.loads(bench_upstream.order_body(3))
+    assert len(orjson.loads(body)["items"]) == 3
+
+
+def test_upstream_refuses_an_order_without_line_items() -> None:
+    refused = subprocess.run([sys.executable, "-m", "stepguard.bench.upstream", "--items", "0"],
+                             capture_output=True, timeout=30, check=False)
+    assert refused.returncode == 2
+    assert b"--items must be at least 1" in refused.stderr
+    with pytest.raises(ValueError, match="at least one line item"):
+        bench_upstream.order_body(0)
+
+
 def test_upstream_answers_keep_alive_pipelined_and_chunked() -> None:
     order = bench_upstream.order_body()
     assert 9_000 <= len(order) <= 12_000

@@ -53,6 +53,17 @@ def test_a_tree_spending_more_cpu_per_call_is_measured_as_b_over_a_above_one(tmp
     assert result.ratio is not None and result.ratio > 2.0
 
 
+def test_each_side_is_served_the_order_answer_of_its_own_size(tmp_path: Path):
+    wrk = require_binary("wrk")
+
+    # one tree on both sides: A's answer has 1 line item (~0.2 KB), B's 2,000 (~200 KB), which
+    # B's stepguard parses, validates item by item and relays on every call
+    (result,) = measure_ab(REPO, REPO, ["contract"], rounds=1, seconds=1.0, concurrency=4,
+                           wrk=wrk, items=(1, 2000))
+
+    assert result.ratio is not None and result.ratio > 1.5
+
+
 def test_a_directory_whose_processes_import_another_stepguard_is_refused(tmp_path: Path):
     with pytest.raises(BenchError, match="imports stepguard from"):
         check_side(tmp_path)
