@@ -4,16 +4,23 @@ both to SQLite through `RunBook.commit`.
 
 `learn_append_micro()`: the store append of one call of the `learn` row, which its target adds
 to the `passthrough` row's CPU: the learned event that row stores, appended by the code learn
-mode appends with, to a store opened as `serve` opens it, as CPU time of the whole process."""
+mode appends with, to a store opened as `serve` opens it, as CPU time of the whole process.
+
+`answer_micro()`: the parts of checking the `contract` row's answer, each timed alone in a tight
+loop (warm caches: a floor, not what a call in the server pays). `python -m
+stepguard.bench.micro answer [--items N] [-n N]` prints them as JSON."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +38,18 @@ from stepguard.contracts.loader import parse_contract
 from stepguard.contracts.redact import Redactor
 from stepguard.contracts.runs import RunBook
 from stepguard.contracts.sqlite_store import SQLiteStore
-from stepguard.proxy.core.bodies import history_payload
+from stepguard.proxy.core.bodies import (
+    MAX_JSON_DEPTH,
+    _nests_within,
+    history_payload,
+    inexact_integer,
+    parse_json,
+)
 from stepguard.proxy.core.config import Settings
 from stepguard.proxy.core.learning import append_learned, learning, stored_fields
 from stepguard.proxy.ops.app import settings_store
 
-__all__ = ["PAYLOAD_HISTORY_BYTES", "boundary_micro", "learn_append_micro"]
+__all__ = ["PAYLOAD_HISTORY_BYTES", "answer_micro", "boundary_micro", "learn_append_micro"]
 
 PAYLOAD_HISTORY_BYTES = Settings().payload_history_bytes   # stepguard's default
 
@@ -160,3 +173,62 @@ async def _learn_append(n: int, concurrency: int) -> dict[str, Any]:
         shutil.rmtree(tmp, ignore_errors=True)
     return {"n": n, "concurrency": concurrency, "event_bytes": len(orjson.dumps(fields)),
             "cpu_ms": round(cpu / n * 1000, 4), "wall_us": round(wall / n * 1e6, 1)}
+
+
+def answer_micro(n: int = 2000, items: int = bench_upstream.ITEMS) -> dict[str, Any]:
+    """Median µs of each part of checking the `contract` row's answer (`items` line items), each
+    run `n` times in a row: `parse_and_free` (orjson builds the value, which is then dropped),
+    `hardening` (the depth and exact-integer reads of the text that `parse_json` adds),
+    `schema` (the output schema's validation of the parsed value), `parse_json` (the parse as
+    the proxy makes it: orjson and the hardening), and `lazy_parse` (pysimdjson's parse, which
+    builds no value a validator or CEL could read)."""
+    if n < 1:
+        raise ValueError("n must be at least 1")
+    import simdjson
+
+    contract = parse_contract(yaml.safe_dump(bench_contract("http://127.0.0.1:9")).encode(),
+                              "bench-contract.yaml")
+    schema = contract.steps["lookup_order"].output_schema
+    assert schema is not None
+    text = bench_upstream.order_body(items)
+    value = orjson.loads(text)
+    parser = simdjson.Parser()
+    parts: dict[str, Callable[[], object]] = {
+        "parse_and_free": lambda: orjson.loads(text),
+        "hardening": lambda: (_nests_within(text, MAX_JSON_DEPTH), inexact_integer(text)),
+        "schema": lambda: schema.first_fault(value, "output"),
+        "parse_json": lambda: parse_json(text, "upstream response"),
+        "lazy_parse": lambda: parser.parse(text),
+    }
+    times: dict[str, list[float]] = {name: [] for name in parts}
+    clock = time.perf_counter
+    for i in range(n + min(200, n)):      # the parts in turn, so that drift hits all alike
+        for name, part in parts.items():
+            t0 = clock()
+            part()
+            if i >= min(200, n):           # after a warm-up
+                times[name].append(clock() - t0)
+    result: dict[str, Any] = {"n": n, "body_bytes": len(text)}
+    for name, spent in times.items():
+        result[f"{name}_us"] = round(statistics.median(spent) * 1e6, 2)
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m stepguard.bench.micro",
+                                     description="the bench's in-process micro-benchmarks")
+    sub = parser.add_subparsers(dest="which", required=True)
+    answer = sub.add_parser("answer", help="the parts of checking the contract row's answer")
+    answer.add_argument("--items", type=int, default=bench_upstream.ITEMS)
+    answer.add_argument("-n", type=int, default=2000)
+    args = parser.parse_args(argv)
+    try:
+        found = answer_micro(args.n, args.items)
+    except ValueError as exc:
+        parser.error(str(exc))
+    print(orjson.dumps(found, option=orjson.OPT_INDENT_2).decode())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

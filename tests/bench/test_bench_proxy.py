@@ -30,7 +30,7 @@ from stepguard.bench import upstream as bench_upstream
 from stepguard.bench.harness import free_port, percentile
 from stepguard.bench.hops import Bench, parse_wrk
 from stepguard.bench.load import closed_loop, loadgen
-from stepguard.bench.micro import boundary_micro, learn_append_micro
+from stepguard.bench.micro import answer_micro, boundary_micro, learn_append_micro
 from stepguard.bench.procstat import children
 from stepguard.bench.proxy import (
     ROWS,
@@ -409,6 +409,18 @@ def test_boundary_micro_returns_sane_numbers() -> None:
     assert all(p > 0 for p in parts)
     with pytest.raises(ValueError):
         boundary_micro(0)
+
+
+def test_answer_micro_times_each_part_of_checking_the_answer_of_the_size_asked() -> None:
+    parts = ("parse_and_free", "hardening", "schema", "parse_json", "lazy_parse")
+    for items in (1, bench_upstream.ITEMS):
+        micro = answer_micro(20, items)
+        assert micro["body_bytes"] == len(bench_upstream.order_body(items))
+        assert all(micro[f"{p}_us"] > 0 for p in parts)
+    with pytest.raises(ValueError):
+        answer_micro(0)
+    with pytest.raises(ValueError, match="at least one line item"):
+        answer_micro(20, 0)
 
 
 def test_learn_append_micro_weighs_the_event_the_learn_row_stores() -> None:
