@@ -10,6 +10,8 @@ and CPU reading are this tree's, the same for both. The figure is the served pro
 each side's median and rounds, and the median of the rounds' B/A ratios. `--a-items N` (or
 `--b-items`) gives that side an order answer of N line items instead of 100 (~100 bytes each):
 with the same tree on both sides (`--a .`), what the answer's size costs each row.
+`--a-passthrough` serves side A with nothing checked (`serve --passthrough`, the row's own
+traffic and contract): with the same tree on both sides, what checking adds to each row.
 
 `profile`: py-spy (the `bench` extra) samples one side's `stepguard serve` while wrk drives a
 row, and the samples are told apart by where they are (`CATEGORIES`: the first category a
@@ -137,17 +139,23 @@ def check_side(tree: Path) -> None:
                          f"{found.stderr.decode(errors='replace')[-300:]}")
 
 
-def _serve(bench: Bench, row: str, upstream_url: str, tree: Path) -> tuple[Proc, str, bytes, bool]:
+PASSTHROUGH = {"STEPGUARD_PASSTHROUGH": "true"}    # a side served with nothing checked
+
+
+def _serve(bench: Bench, row: str, upstream_url: str, tree: Path,
+           env: dict[str, str] | None = None) -> tuple[Proc, str, bytes, bool]:
     setup = row_setup(row, upstream_url)
-    hop, port, _ = bench.start_stepguard(row, setup.contract, workers=setup.workers,
-                                         settings={**(setup.settings or {}), **side_env(tree)})
+    hop, port, _ = bench.start_stepguard(
+        row, setup.contract, workers=setup.workers,
+        settings={**(setup.settings or {}), **(env or {}), **side_env(tree)})
     return hop, f"http://127.0.0.1:{port}{setup.prefix}{setup.path}", setup.body, setup.run_ids
 
 
 def _cpu_per_call(bench: Bench, row: str, upstream_url: str, tree: Path, tag: str,
-                  seconds: float) -> tuple[float, float]:
-    """(CPU ms per call, rps) of `tree`'s stepguard on `row` under wrk for `seconds`."""
-    hop, url, body, run_ids = _serve(bench, row, upstream_url, tree)
+                  seconds: float, env: dict[str, str] | None = None) -> tuple[float, float]:
+    """(CPU ms per call, rps) of `tree`'s stepguard on `row` under wrk for `seconds`; `env`:
+    settings it is served with beyond the row's."""
+    hop, url, body, run_ids = _serve(bench, row, upstream_url, tree, env)
     try:
         bench.wrk(url, body, f"{tag}-warm" if run_ids else None, min(WARMUP_S, seconds))
         before = cpu_s(hop.pids())
@@ -165,11 +173,13 @@ def _cpu_per_call(bench: Bench, row: str, upstream_url: str, tree: Path, tag: st
 
 def measure_ab(a: Path, b: Path, rows: Sequence[str], rounds: int, seconds: float,
                concurrency: int = 32, wrk: str = WRK,
-               items: tuple[int | None, int | None] = (None, None)) -> list[AbResult]:
+               items: tuple[int | None, int | None] = (None, None),
+               passthrough: tuple[bool, bool] = (False, False)) -> list[AbResult]:
     """Each row's CPU per call, A's stepguard against B's, rounds interleaved (A first in even
     rounds, B first in odd ones). `items`: the line items of the order answer each side's
     upstream gives (None: the bench's ~10 KB); with one tree on both sides, what the answer's
-    size costs a row."""
+    size costs a row. `passthrough`: a side served with `--passthrough` (nothing checked): with
+    one tree on both sides, what checking adds to a row."""
     if rounds < 1 or seconds <= 0:
         raise ValueError("rounds and seconds must be positive")
     for tree in (a, b):
@@ -187,7 +197,8 @@ def measure_ab(a: Path, b: Path, rows: Sequence[str], rounds: int, seconds: floa
                 order = (("a", a), ("b", b)) if bench.round % 2 == 0 else (("b", b), ("a", a))
                 for side, tree in order:
                     ms, rps = _cpu_per_call(bench, row, upstream_url[side], tree,
-                                            f"{row}-{side}{bench.round}", seconds)
+                                            f"{row}-{side}{bench.round}", seconds,
+                                            PASSTHROUGH if passthrough[side == "b"] else None)
                     rounds_of = getattr(results[row], side)
                     rounds_of.ms_per_call.append(round(ms, 4))
                     rounds_of.rps.append(round(rps, 1))
@@ -285,6 +296,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ab.add_argument(f"--{side}-items", type=_items, default=None,
                         help=f"line items of the order answer side {side.upper()}'s upstream "
                              "gives (default: the bench's 100, ~10 KB)")
+        ab.add_argument(f"--{side}-passthrough", action="store_true",
+                        help=f"serve side {side.upper()} with nothing checked (--passthrough)")
     spy = sub.add_parser("profile", help="where the CPU of a row goes (py-spy)")
     spy.add_argument("--tree", default=None, help="a git ref or source tree (default: this one)")
     spy.add_argument("--row", default="contract")
@@ -306,7 +319,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         source_tree(args.b or str(here), here, Path(scratch)) as b:
                     results = measure_ab(a, b, [r for r in args.rows.split(",") if r],
                                          args.rounds, args.duration, args.concurrency, args.wrk,
-                                         (args.a_items, args.b_items))
+                                         (args.a_items, args.b_items),
+                                         (args.a_passthrough, args.b_passthrough))
                 print(render_ab(results))
                 if args.json is not None:
                     args.json.write_bytes(orjson.dumps(

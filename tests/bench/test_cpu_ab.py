@@ -64,6 +64,16 @@ def test_each_side_is_served_the_order_answer_of_its_own_size(tmp_path: Path):
     assert result.ratio is not None and result.ratio > 1.5
 
 
+def test_a_side_served_in_passthrough_checks_nothing_and_spends_less_per_call(tmp_path: Path):
+    wrk = require_binary("wrk")
+
+    # one tree on both sides: A forwards the contract row's calls unchecked, B checks them
+    (result,) = measure_ab(REPO, REPO, ["contract"], rounds=1, seconds=1.0, concurrency=4,
+                           wrk=wrk, passthrough=(True, False))
+
+    assert result.ratio is not None and result.ratio > 1.5
+
+
 def test_a_directory_whose_processes_import_another_stepguard_is_refused(tmp_path: Path):
     with pytest.raises(BenchError, match="imports stepguard from"):
         check_side(tmp_path)
