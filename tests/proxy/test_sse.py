@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from stepguard.proxy.core.sse import EventTooLarge, SSESplitter, decode_event
+from stepguard.proxy.core.sse import (
+    EventTooLarge,
+    EventUnreadable,
+    SSESplitter,
+    _decoded,
+    decode_event,
+    model_event,
+)
 
 
 def test_an_event_with_an_id_keeps_its_data() -> None:
@@ -70,3 +79,63 @@ def test_a_stream_of_cr_line_endings_is_cut_event_by_event() -> None:
     splitter = SSESplitter()
     events = list(splitter.events(b"event: message\rdata: a\r\r"))
     assert [(e.event, e.data) for _, e in events if e is not None] == [("message", "a")]
+
+
+@pytest.mark.parametrize("number", ["9223372036854775807", "-9223372036854775808",
+                                    "18446744073709551615"])
+def test_an_event_integer_orjson_holds_exactly_is_read(number: str) -> None:
+    assert model_event(f'{{"seed": {number}, "name": "ñ 5"}}') == {
+        "seed": int(number), "name": "ñ 5"}
+
+
+@pytest.mark.parametrize("number", ["18446744073709551616", "-9223372036854775809",
+                                    "123456789012345678901234567890"])
+def test_an_event_integer_past_64_bits_is_unreadable(number: str) -> None:
+    with pytest.raises(EventUnreadable, match="64-bit float"):
+        model_event(f'{{"name": "ñ", "seed": {number}}}')
+
+
+def test_a_long_run_of_digits_inside_an_event_string_is_text_not_an_integer() -> None:
+    digits = "1234567890" * 3
+    assert model_event(f'{{"id": "{digits}", "x": 1.{digits}, "y": 1e{digits[:2]}}}') == {
+        "id": digits, "x": float(f"1.{digits}"), "y": float(f"1e{digits[:2]}")}
+
+
+# lines of the shapes the fast path reads and of those it must leave to the decoder
+_VALUES = st.text(alphabet="ab :é\u2028\x00{}\"", max_size=5)
+_LINES = st.one_of(
+    st.builds(lambda name, space, value: f"{name}:{space}{value}",
+              st.sampled_from(["data", "event", "id", "retry", "", "x"]),
+              st.sampled_from(["", " ", "  "]), _VALUES),
+    st.sampled_from(["", "data", "event", ": comment"]))
+_EVENTS = st.builds(lambda lines, end: "".join(line + eol for line, eol in lines) + end,
+                    st.lists(st.tuples(_LINES, st.sampled_from(["\n", "\n", "\r", "\r\n"])),
+                             max_size=4),
+                    st.sampled_from(["", "\n", "\r\n"]))
+# the fast path's own shapes, give or take a space, a line or a line ending
+_NEAR = st.builds(lambda head, space, value, end: f"{head}data:{space}{value}{end}",
+                  st.sampled_from(["", "event: ", "event:", "event: a\n", "event:  a \n",
+                                   "event: \n", "event:a\n", "id: 1\n", "data: x\n"]),
+                  st.sampled_from(["", " ", "  "]), _VALUES,
+                  st.sampled_from(["\n\n", "\n", "\r\n\r\n", "\n\n\n", "\ndata: y\n\n",
+                                   "\r\n\n", "\n\r"]))
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.one_of(_NEAR, _EVENTS))
+def test_an_event_is_read_as_the_spec_following_decoder_reads_it(text: str) -> None:
+    fast, spec = decode_event(text.encode()), _decoded(text)
+    assert (fast is None) == (spec is None)
+    if fast is not None and spec is not None:
+        assert (fast.event, fast.data, fast.id, fast.retry) == (
+            spec.event, spec.data, spec.id, spec.retry)
+
+
+@pytest.mark.parametrize(("raw", "event", "data"), [
+    (b"data: {}\n\n", "message", "{}"),
+    (b"event: message_start\ndata: {\"a\": 1}\n\n", "message_start", '{"a": 1}'),
+    (b"event: \ndata:  x\n\n", "message", " x"),
+])
+def test_the_usual_event_shapes_are_read_whole(raw: bytes, event: str, data: str) -> None:
+    decoded = decode_event(raw)
+    assert decoded is not None and (decoded.event, decoded.data, decoded.id) == (event, data, "")
