@@ -156,13 +156,23 @@ class SSESplitter:
         self._buffer += chunk
         # a blank line ending in a CR at the end of the buffer is a blank line whatever comes
         # next: the event is cut at once, and an LF that follows (the CR's other half) starts
-        # the next event's bytes, where a decoder reads it as an empty line
-        while (m := _BOUNDARY.search(self._buffer, scan_from)) is not None:
-            raw, self._buffer = self._buffer[:m.end()], self._buffer[m.end():]
+        # the next event's bytes, where a decoder reads it as an empty line. Without a CR the
+        # only blank line is two LFs, found by `find` (memchr) where the pattern walks each byte
+        plain = b"\r" not in self._buffer
+        while (end := self._boundary_end(scan_from, plain)) >= 0:
+            raw, self._buffer = self._buffer[:end], self._buffer[end:]
             yield raw, decode_event(raw, self._strict)
             scan_from = 0
         if len(self._buffer) > self._limit:
             raise EventTooLarge(self._limit)
+
+    def _boundary_end(self, start: int, plain: bool) -> int:
+        """Where the first blank line at or after `start` ends, -1 when there is none yet."""
+        if plain:
+            at = self._buffer.find(b"\n\n", start)
+            return at + 2 if at >= 0 else -1
+        m = _BOUNDARY.search(self._buffer, start)
+        return m.end() if m is not None else -1
 
     def rest(self) -> bytes:
         rest, self._buffer = self._buffer, b""

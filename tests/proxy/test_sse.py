@@ -45,6 +45,16 @@ def test_events_split_across_chunks_come_out_whole_with_their_raw_bytes() -> Non
         (b"id: 1\r\ndata: x\r\n\r\n", "1", "x"), (b"id: 2\r\ndata: y\r\n\r\n", "2", "y")]
 
 
+@pytest.mark.parametrize("cut", range(30))
+def test_lf_ended_events_come_out_with_exactly_their_own_bytes(cut: int) -> None:
+    stream = b"data: a\n\nevent: e\ndata: b\n\n"
+    splitter = SSESplitter()
+    events = [*splitter.events(stream[:cut]), *splitter.events(stream[cut:])]
+    assert [(raw, e.event if e else None, e.data if e else None) for raw, e in events] == [
+        (b"data: a\n\n", "message", "a"), (b"event: e\ndata: b\n\n", "e", "b")]
+    assert splitter.rest() == b""
+
+
 def test_an_event_growing_past_the_limit_raises() -> None:
     splitter = SSESplitter(limit=16)
     with pytest.raises(EventTooLarge):
