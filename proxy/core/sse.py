@@ -1,5 +1,7 @@
 """Server-sent events, cut into whole events as bytes arrive: each event's raw bytes are kept
-for pass-through, and its fields are decoded by httpx-sse's spec-following decoder.
+for pass-through, and its fields are decoded by httpx-sse's spec-following decoder; the two
+shapes model streams send (`data: X`, or `event: N` then `data: X`, on LF-ended lines) are read
+directly, as that decoder reads them (a property test holds the two together).
 
 httpx-sse needs httpx, which it does not declare: pyproject.toml lists both.
 """
