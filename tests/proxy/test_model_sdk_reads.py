@@ -228,30 +228,3 @@ async def test_an_input_delta_at_a_negative_block_index_ends_the_turn(aiohttp_se
 def _sdk_versions() -> None:
     """The readings these tests mirror are those of the installed SDKs."""
     assert openai.__version__ and anthropic.__version__
-
-
-async def test_a_chat_tool_call_index_past_the_next_one_ends_the_turn(aiohttp_server, stepguard):
-    """The SDK inserts a call whose index is past its list's end at the end: the second piece
-    of index 2 (after 0) finds no call at position 2 and becomes a third call (`x`), so the
-    agent gets `check_policy` where a reading keyed by index joins `check_policyx` (no step)."""
-    body = chat_turn(chat_chunk(choice(call_piece(0, "lookup_order", "{}", "call_1"))),
-                     chat_chunk(choice(call_piece(2, "check_policy", "{}", "call_2"))),
-                     chat_chunk(choice(call_piece(2, "x", ""))))
-
-    built, raised, guard = await handed(aiohttp_server, stepguard, "openai", body, chat_helper)
-
-    await assert_ended_unchecked(built, raised, guard)
-
-
-async def test_a_choice_index_twice_in_the_first_chat_chunk_ends_the_turn(
-        aiohttp_server, stepguard):
-    """The SDK makes the first chunk's choices its list, each at its index: a second choice of
-    index 0 there replaces the first (`check_policy`), where a reading that joins them has
-    `xcheck_policy` (no step)."""
-    body = (sse(chat_chunk(choice(call_piece(0, "x", "", "call_1")),
-                           choice(call_piece(0, "check_policy", "{}"))))
-            + sse(chat_chunk(choice({}, finish="tool_calls"))) + sse(b"[DONE]"))
-
-    built, raised, guard = await handed(aiohttp_server, stepguard, "openai", body, chat_helper)
-
-    await assert_ended_unchecked(built, raised, guard)
