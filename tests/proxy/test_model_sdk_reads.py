@@ -17,7 +17,6 @@ from typing import Any
 
 import anthropic
 import openai
-import pytest
 from conftest_model import SDK_ERRORS, in_stream, provider_error
 from test_model_tool_call_shapes import RESPONSES_FUNCTION, TOOL_USE, contract, sse
 from test_stream_faults import streaming_model
@@ -30,26 +29,26 @@ ASKED = [{"role": "user", "content": "go"}]
 
 async def chat_helper(base: str) -> list[tuple[str, str, str]]:
     """(id, name, arguments) of every tool call of the completion `get_final_completion` built."""
-    async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="k", max_retries=0) as client:
-        async with client.chat.completions.stream(model="m", messages=ASKED) as stream:
-            completion = await stream.get_final_completion()
+    async with (openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="k", max_retries=0) as client,
+                client.chat.completions.stream(model="m", messages=ASKED) as stream):
+        completion = await stream.get_final_completion()
     return [(c.id, c.function.name, c.function.arguments)
             for choice in completion.choices for c in choice.message.tool_calls or []]
 
 
 async def responses_helper(base: str) -> list[tuple[str, str]]:
     """(name, arguments) of every function call of the response `get_final_response` built."""
-    async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="k", max_retries=0) as client:
-        async with client.responses.stream(model="m", input="go") as stream:
-            response = await stream.get_final_response()
+    async with (openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="k", max_retries=0) as client,
+                client.responses.stream(model="m", input="go") as stream):
+        response = await stream.get_final_response()
     return [(i.name, i.arguments) for i in response.output if i.type == "function_call"]
 
 
 async def messages_helper(base: str) -> list[tuple[str, Any]]:
     """(name, input) of every tool_use block of the message `get_final_message` built."""
-    async with anthropic.AsyncAnthropic(base_url=base, api_key="k", max_retries=0) as claude:
-        async with claude.messages.stream(model="m", max_tokens=10, messages=ASKED) as stream:
-            message = await stream.get_final_message()
+    async with (anthropic.AsyncAnthropic(base_url=base, api_key="k", max_retries=0) as claude,
+                claude.messages.stream(model="m", max_tokens=10, messages=ASKED) as stream):
+        message = await stream.get_final_message()
     return [(b.name, b.input) for b in message.content if b.type == "tool_use"]
 
 
@@ -223,8 +222,3 @@ async def test_an_input_delta_at_a_negative_block_index_ends_the_turn(aiohttp_se
 
     await assert_ended_unchecked(built, raised, guard)
 
-
-@pytest.fixture(autouse=True)
-def _sdk_versions() -> None:
-    """The readings these tests mirror are those of the installed SDKs."""
-    assert openai.__version__ and anthropic.__version__
