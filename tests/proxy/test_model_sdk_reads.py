@@ -222,3 +222,48 @@ async def test_an_input_delta_at_a_negative_block_index_ends_the_turn(aiohttp_se
 
     await assert_ended_unchecked(built, raised, guard)
 
+
+
+async def test_a_chat_chunk_after_done_is_not_read_into_the_turn(aiohttp_server, stepguard):
+    """The openai SDK stops reading at `[DONE]`: a name piece after it (`x`) is in no call the
+    agent gets (`check_policy`), so it must not be in the call stepguard checks either
+    (`check_policyx`, no step)."""
+    body = (chat_turn(chat_chunk(choice(call_piece(0, "check_policy", "{}", "call_1"))))
+            + sse(chat_chunk(choice(call_piece(0, "x", "")))))
+
+    built, raised, guard = await handed(aiohttp_server, stepguard, "openai", body, chat_helper)
+
+    assert built is None, f"the SDK handed the agent {built}"
+    assert raised is not None and in_stream(raised), raised
+    details = provider_error(raised)["stepguard"]
+    assert details["check"] == "order"      # check_policy, as the agent would have had it
+    stored = (await guard.history(details["run"]))[-1]
+    assert (stored["step"], stored["violation"]["check"]) == ("check_policy", "order")
+
+
+async def test_an_item_finished_again_after_the_completed_response_ends_the_turn(
+        aiohttp_server, stepguard):
+    """The openai stream helper builds its final response at `response.completed` (from the
+    finished items, when it carries no output): an `output_item.done` after it changes nothing
+    the agent gets (`check_policy`), where a reading that lets it replace the item checks
+    `lookup_order`."""
+    lookup = {**RESPONSES_FUNCTION, "name": "lookup_order"}
+    body = (sse({"type": "response.created", "sequence_number": 0,
+                 "response": response(status="in_progress", output=[])}, "response.created")
+            + sse({"type": "response.output_item.added", "sequence_number": 1,
+                   "output_index": 0, "item": RESPONSES_FUNCTION}, "response.output_item.added")
+            + sse({"type": "response.output_item.done", "sequence_number": 2,
+                   "output_index": 0, "item": RESPONSES_FUNCTION}, "response.output_item.done")
+            + sse({"type": "response.completed", "sequence_number": 3,
+                   "response": response(status="completed")}, "response.completed")
+            + sse({"type": "response.output_item.done", "sequence_number": 4,
+                   "output_index": 0, "item": lookup}, "response.output_item.done"))
+
+    built, raised, guard = await handed(aiohttp_server, stepguard, "openai", body,
+                                        responses_helper)
+
+    assert built is None, f"the SDK handed the agent {built}"
+    assert raised is not None and in_stream(raised), raised
+    assert provider_error(raised)["stepguard"]["check"] in ("order", "unclassified")
+    assert [e["step"] for run in await guard.run_ids()
+            for e in await guard.history(run) if e["verdict"] == "pass"] == []
