@@ -210,6 +210,23 @@ def _openai_event(event: ServerSentEvent) -> dict[str, Any]:
     return model_event(event.data)
 
 
+class _Ends(Protocol):
+    over: bool
+
+
+def _over(assembler: _Ends, event: ServerSentEvent) -> bool:
+    """`event` is `[DONE]` or comes after it: the openai SDK reads nothing from `[DONE]` on,
+    a reader of the raw stream may read on. An event with data after it is one the two read
+    otherwise, and ends the turn (EventUnreadable)."""
+    if assembler.over:
+        if event.data and not event.data.startswith("[DONE]"):
+            raise EventUnreadable("an event after [DONE], which the openai SDK never reads and "
+                                  "a reader of the raw stream may")
+        return True
+    assembler.over = event.data.startswith("[DONE]")
+    return assembler.over
+
+
 def _failure(error: Any) -> str:
     """What an upstream error event says, for the message that tells the client."""
     if isinstance(error, dict):
@@ -336,6 +353,7 @@ class _ChatAssembler:
         self.response_id: str | None = None
         self.calls: dict[tuple[int, int], dict[str, Any]] = {}
         self.highest: dict[int, int] = {}       # per choice, its highest tool-call index yet
+        self.over = False                       # `[DONE]` was read
         self.functions: dict[int, dict[str, list[str]]] = {}     # legacy delta.function_call
         self.text: dict[int, list[str]] = {}
         self.failure: str | None = None
@@ -349,6 +367,8 @@ class _ChatAssembler:
 
     def feed(self, event: ServerSentEvent) -> None:
         self.completing = False
+        if _over(self, event):
+            return
         chunk = _openai_event(event)
         if chunk.get("error"):  # as the SDK tests it: a falsy `error` ({}, "") is a chunk it reads
             self.failure = self.failure or _failure(chunk["error"])
@@ -604,10 +624,17 @@ class _ResponsesAssembler:
         self.calls_begun = 0
         self.pieces: dict[tuple[Any, str], list[Any]] = {}     # (output_index, field): pieces
         self.completing = False
+        self.over = False       # `[DONE]` was read
 
     def _kept(self, index: Any, item: dict[str, Any]) -> None:
         """`item` is the output item at `index` now (added, or replaced when done)."""
         before = self.items.get(index)
+        if (self.completed is not None and before is not None and index in self.done
+                and not self._same(before, item)):
+            # the openai stream helper built its final response at response.completed: a
+            # finished item changed after it is not the one the agent gets from it
+            self.unclassified.append(f"output item {_identity(item)[1]!r} finished again, as "
+                                     "another call, after the completed response")
         self.items[index] = item
         if before is None and _kind(item) not in ("message", "reasoning"):
             self.calls_begun += 1
@@ -615,6 +642,9 @@ class _ResponsesAssembler:
             self.shown.append(str(item["call_id"]))
 
     def feed(self, event: ServerSentEvent) -> None:
+        self.completing = False
+        if _over(self, event):
+            return
         data = _openai_event(event)
         kind = data.get("type") or event.event
         response = data.get("response")

@@ -15,8 +15,9 @@ without sockets:
   answer; the last action. Each carries the message and details of the provider's stream error
   the client gets instead.
 
-What is held: the terminator and everything after it (an SDK reads on to the stream's end: a
-Responses final output, a call sent after the terminator, are part of the checked turn); with
+What is held: the terminator and everything after it (the anthropic SDK reads on to the
+stream's end, the openai SDK to `[DONE]`: a Responses final output, a call sent after
+message_stop, are part of the checked turn; an event with data after `[DONE]` ends it); with
 `hold_calls` (the contract's tools run only inside the agent), also the event that completes a
 tool call, and everything after it. Held events are still fed to the dialect's `Assembler`."""
 
