@@ -30,6 +30,9 @@ from test_model_tool_call_shapes import (
 )
 from test_stream_faults import streaming_model
 
+from stepguard.proxy.model.dialects import Messages, Responses
+from stepguard.proxy.model.turn import Relay, TurnRelay
+
 ASKED = [{"role": "user", "content": "go"}]
 
 
@@ -314,3 +317,36 @@ async def test_the_result_of_a_call_whose_id_streamed_in_pieces_is_its_exit(
                 {"role": "tool", "tool_call_id": call.id, "content": '{"name": "c1"}'}])
 
     assert refused.value.status_code == 422
+
+
+# --- with model traffic alone, an event that hands over a whole call is held until checked ------
+
+
+def relayed(dialect: Any, body: bytes) -> bytes:
+    """What a turn's relay writes to the agent before the turn is checked, with model traffic
+    alone (`hold_calls`)."""
+    relay = TurnRelay(dialect, hold_calls=True, max_bytes=1 << 20, max_calls=64,
+                      max_event_bytes=1 << 20)
+    return b"".join(a.data for a in relay.feed(body) if isinstance(a, Relay))
+
+
+def test_a_message_start_that_holds_a_tool_use_block_is_held_until_the_turn_is_checked():
+    block = {**TOOL_USE, "id": "toolu_1", "name": "check_policy", "input": {"order_id": "o"}}
+
+    sent = relayed(Messages(), sse({"type": "message_start", "message": {
+        **MESSAGE, "content": [block]}}, "message_start") + messages_end())
+
+    assert b"toolu_1" not in sent
+
+
+def test_a_lifecycle_event_whose_output_holds_a_call_is_held_until_the_turn_is_checked():
+    sent = relayed(Responses(), sse({"type": "response.created", "sequence_number": 0,
+                                     "response": response(status="in_progress",
+                                                          output=[RESPONSES_FUNCTION])},
+                                    "response.created")
+                   + sse({"type": "response.completed", "sequence_number": 1,
+                          "response": response(status="completed",
+                                               output=[RESPONSES_FUNCTION])},
+                         "response.completed"))
+
+    assert b"call_1" not in sent
