@@ -654,6 +654,11 @@ class _ResponsesAssembler:
                            and kind not in _TEXT_ENDS
                            and not (kind == "response.output_item.done" and isinstance(item, dict)
                                     and _kind(item) in ("message", "reasoning")))
+        if kind in self._LIFECYCLE and isinstance(response, dict):
+            # its output's items come whole: one that may be a call completes it
+            output = response.get("output")
+            self.completing = isinstance(output, list) and any(
+                not (isinstance(i, dict) and _kind(i) in ("message", "reasoning")) for i in output)
         if kind == "error":
             self.failure = self.failure or _failure(data.get("error") or data)
         elif kind == "response.failed":
@@ -863,11 +868,13 @@ class _MessagesAssembler:
             content = message.get("content")
             if content is not None and not isinstance(content, list):
                 self.unclassified.append(f"message_start content {content!r}, not a list")
+            begun = self.calls_begun
             for block in content if isinstance(content, list) else []:
                 if isinstance(block, dict):
                     self._begin(dict(block))
                 else:
                     self.unclassified.append(f"message_start content {block!r}, not a block")
+            self.completing = self.calls_begun > begun      # its blocks come whole
         elif kind == "content_block_start":
             index = data.get("index", len(self.blocks))
             if index != len(self.blocks):
