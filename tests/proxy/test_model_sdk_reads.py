@@ -319,6 +319,29 @@ async def test_the_result_of_a_call_whose_id_streamed_in_pieces_is_its_exit(
     assert refused.value.status_code == 422
 
 
+async def test_an_unterminated_event_after_message_stop_ends_the_turn(aiohttp_server, stepguard):
+    """The SDKs dispatch an event at its blank line: one the stream ends without never reaches
+    the agent. Its input piece (`1"}`) would turn the input the SDK parses, partially, as
+    ord-A into one stepguard parses whole as ord-1 (the last of a key named twice)."""
+    block = {**TOOL_USE, "id": "toolu_1", "name": "lookup_order", "input": {}}
+
+    def delta(piece: str) -> dict[str, Any]:
+        return {"type": "content_block_delta", "index": 0,
+                "delta": {"type": "input_json_delta", "partial_json": piece}}
+
+    body = (sse({"type": "message_start", "message": MESSAGE}, "message_start")
+            + sse({"type": "content_block_start", "index": 0, "content_block": block},
+                  "content_block_start")
+            + sse(delta('{"order_id": "ord-A", "order_id": "ord-'), "content_block_delta")
+            + sse({"type": "content_block_stop", "index": 0}, "content_block_stop")
+            + messages_end() + sse(delta('1"}'), "content_block_delta")[:-2])
+
+    built, raised, guard = await handed(aiohttp_server, stepguard, "anthropic", body,
+                                        messages_helper)
+
+    await assert_ended_unchecked(built, raised, guard)
+
+
 # --- with model traffic alone, an event that hands over a whole call is held until checked ------
 
 
