@@ -239,8 +239,9 @@ class TurnRelay:
             yield ending
 
     def end(self) -> Check | Ending:
-        """The stream ended: its last event may lack its blank line (`SSESplitter.rest`); the
-        turn is complete (`Check`) or not (an `Ending`)."""
+        """The stream ended: its last event may lack its blank line (`SSESplitter.rest`), which
+        the SDKs never dispatch: read when it is the terminator, and ending the turn when it
+        follows one with data; the turn is complete (`Check`) or not (an `Ending`)."""
         rest, held = self._splitter.rest(), self._held
         try:
             last = decode_event(rest, strict=True) if rest else None
@@ -248,7 +249,11 @@ class TurnRelay:
             self._ended = self._ended or terminal
             if last is not None and (held or terminal):
                 held.append(rest)      # an event the upstream did not end with a blank line
-                self._read(last)
+                if terminal:
+                    self._read(last)
+                elif last.data:     # the SDKs dispatch an event at its blank line: never this
+                    raise EventUnreadable("the stream ended in an event without its blank "
+                                          "line, which the SDKs never hand over")
             elif rest and held:
                 held.append(rest)
         except (EventUnreadable, TurnCut) as exc:

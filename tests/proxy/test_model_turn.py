@@ -222,7 +222,7 @@ ROWS = [
     Row("chat: a terminator without its blank line is the held end of the turn", CHAT,
         [C_TEXT + b"data: [DONE]"],
         [("relay", C_TEXT), ("check", (b"data: [DONE]",), [], "Hel")]),
-    Row("chat: a trailing event after the terminator is read, and unreadable", CHAT,
+    Row("chat: a trailing event after the terminator, never dispatched by the SDKs, is unreadable", CHAT,
         [C_TEXT + C_DONE + C_TEXT2[:-2]], [("relay", C_TEXT), ("cut", "unreadable")]),
     Row("anthropic: a trailing message_stop without its blank line ends the turn", MESSAGES,
         [M_START + M_TEXT, M_STOP[:-2]],
@@ -281,7 +281,7 @@ ROWS = [
         hold_calls=True),
     Row("chat: a held event after the terminator is read: one with data is unreadable", CHAT,
         [C_TEXT + C_DONE, C_BAD_SHAPE], [("relay", C_TEXT), ("cut", "unreadable")]),
-    Row("chat: a trailing event after the terminator is read: one with data is unreadable",
+    Row("chat: a trailing event of any shape after the terminator is unreadable",
         CHAT, [C_TEXT + C_DONE + C_BAD_SHAPE[:-2]], [("relay", C_TEXT), ("cut", "unreadable")]),
 ]
 
