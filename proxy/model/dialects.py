@@ -17,7 +17,7 @@ joined with the final output, Anthropic blocks by position.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeGuard
 
 import orjson
 from httpx_sse import ServerSentEvent
@@ -210,6 +210,23 @@ def _openai_event(event: ServerSentEvent) -> dict[str, Any]:
     return model_event(event.data)
 
 
+class _Ends(Protocol):
+    over: bool
+
+
+def _over(assembler: _Ends, event: ServerSentEvent) -> bool:
+    """`event` is `[DONE]` or comes after it: the openai SDK reads nothing from `[DONE]` on,
+    a reader of the raw stream may read on. An event with data after it is one the two read
+    otherwise, and ends the turn (EventUnreadable)."""
+    if assembler.over:
+        if event.data and not event.data.startswith("[DONE]"):
+            raise EventUnreadable("an event after [DONE], which the openai SDK never reads and "
+                                  "a reader of the raw stream may")
+        return True
+    assembler.over = event.data.startswith("[DONE]")
+    return assembler.over
+
+
 def _failure(error: Any) -> str:
     """What an upstream error event says, for the message that tells the client."""
     if isinstance(error, dict):
@@ -305,6 +322,13 @@ def _choices(turns: list[Turn]) -> Turn:
     return first
 
 
+def _position(index: Any) -> TypeGuard[int]:
+    """`index` names a list position as the SDKs read it: they find a choice, a tool call or a
+    content block by its index in a list, where a negative one counts from the end and so
+    names another (the last) choice, call or block than a reading keyed by index does."""
+    return isinstance(index, int) and not isinstance(index, bool) and index >= 0
+
+
 def _piece(into: list[str], value: Any, what: str, unclassified: list[str]) -> None:
     """One streamed piece of a string field: the SDK concatenates them (openai's
     `accumulate_delta`); a null piece changes nothing; anything else is no piece at all."""
@@ -320,12 +344,16 @@ class _ChatAssembler:
     input is concatenated, as the openai SDK's stream accumulator does (a name streamed as
     "check_" then "policy" is "check_policy"); the id is the first one sent. The SDK keeps a
     choice's calls in a list it inserts new indexes into, so a new index below one already
-    seen would merge two calls there: such a stream is refused."""
+    seen would merge two calls there: such a stream is refused, as is a negative choice or
+    tool-call index (the SDK's list counts it from the end). The SDK's stream helper skips a
+    chunk whose `object` is not `chat.completion.chunk`, a reader of raw chunks does not: one
+    that carries a delta ends the turn."""
 
     def __init__(self) -> None:
         self.response_id: str | None = None
         self.calls: dict[tuple[int, int], dict[str, Any]] = {}
         self.highest: dict[int, int] = {}       # per choice, its highest tool-call index yet
+        self.over = False                       # `[DONE]` was read
         self.functions: dict[int, dict[str, list[str]]] = {}     # legacy delta.function_call
         self.text: dict[int, list[str]] = {}
         self.failure: str | None = None
@@ -339,13 +367,30 @@ class _ChatAssembler:
 
     def feed(self, event: ServerSentEvent) -> None:
         self.completing = False
+        if _over(self, event):
+            return
         chunk = _openai_event(event)
         if chunk.get("error"):  # as the SDK tests it: a falsy `error` ({}, "") is a chunk it reads
             self.failure = self.failure or _failure(chunk["error"])
             return
+        choices = chunk.get("choices") or []
+        if chunk.get("object") != "chat.completion.chunk":
+            # the SDK's stream helper skips such a chunk (Azure's asynchronous filter events)
+            # where a reader of the raw chunks reads it: one that says anything ends the turn
+            if any(isinstance(c, dict) and (c.get("delta") or c.get("finish_reason") is not None)
+                   for c in choices):
+                raise EventUnreadable(
+                    f"a chunk whose object is {chunk.get('object')!r}, not "
+                    "'chat.completion.chunk', carries a delta: the openai SDK's stream helper "
+                    "skips it where a reader of the raw chunks does not")
+            return
         self.response_id = self.response_id or chunk.get("id")
-        for choice in chunk.get("choices") or []:
+        for choice in choices:
             number = choice.get("index", 0)
+            if not _position(number):
+                self.unclassified.append(f"a streamed choice at index {number!r}, which the "
+                                         "SDK reads as another choice's")
+                continue
             delta = choice.get("delta") or {}
             if choice.get("finish_reason") is not None:
                 self.completing = True
@@ -363,8 +408,9 @@ class _ChatAssembler:
 
     def _tool_call(self, number: int, part: dict[str, Any]) -> None:
         index = part.get("index")
-        if not isinstance(index, int) or isinstance(index, bool):
-            self.unclassified.append(f"a streamed tool call without an integer index ({index!r})")
+        if not _position(index):
+            self.unclassified.append(f"a streamed tool call at index {index!r}, not a "
+                                     "position the SDK reads as its own")
             return
         call = self.calls.get((number, index))
         if call is None:
@@ -548,12 +594,23 @@ def _identity(item: dict[str, Any]) -> tuple[Any, Any]:
     return item.get("type"), item.get("call_id") or item.get("id")
 
 
+def _sdk_identity(item: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """An output item's identity as the openai stream helper matches items (its
+    `_output_identity`): a function, custom tool or shell call by its call_id alone."""
+    kind = item.get("type")
+    if kind in ("function_call", "custom_tool_call", "shell_call", "shell_call_output"):
+        return kind, None, item.get("call_id")
+    return kind, item.get("id"), item.get("call_id")
+
+
 class _ResponsesAssembler:
     """Output items as the stream builds them: `output_item.added`, then the pieces of a
     function call's arguments and a custom tool call's input (concatenated), replaced by
-    `output_item.done`. The turn is the final response's output (`response.completed` or
-    `response.incomplete`) plus every call the events showed that it leaves out; a call the
-    events finished one way and the final output says another way is refused."""
+    `output_item.done`, or by the item of the same identity a later lifecycle event's output
+    carries (as the openai stream helper replaces it). The turn is the final response's output
+    (`response.completed` or `response.incomplete`) plus every call the events showed that it
+    leaves out; a call the events finished one way and the final output says another way is
+    refused."""
 
     def __init__(self, dialect: Responses) -> None:
         self.dialect = dialect
@@ -567,10 +624,17 @@ class _ResponsesAssembler:
         self.calls_begun = 0
         self.pieces: dict[tuple[Any, str], list[Any]] = {}     # (output_index, field): pieces
         self.completing = False
+        self.over = False       # `[DONE]` was read
 
     def _kept(self, index: Any, item: dict[str, Any]) -> None:
         """`item` is the output item at `index` now (added, or replaced when done)."""
         before = self.items.get(index)
+        if (self.completed is not None and before is not None and index in self.done
+                and not self._same(before, item)):
+            # the openai stream helper built its final response at response.completed: a
+            # finished item changed after it is not the one the agent gets from it
+            self.unclassified.append(f"output item {_identity(item)[1]!r} finished again, as "
+                                     "another call, after the completed response")
         self.items[index] = item
         if before is None and _kind(item) not in ("message", "reasoning"):
             self.calls_begun += 1
@@ -578,6 +642,9 @@ class _ResponsesAssembler:
             self.shown.append(str(item["call_id"]))
 
     def feed(self, event: ServerSentEvent) -> None:
+        self.completing = False
+        if _over(self, event):
+            return
         data = _openai_event(event)
         kind = data.get("type") or event.event
         response = data.get("response")
@@ -587,6 +654,11 @@ class _ResponsesAssembler:
                            and kind not in _TEXT_ENDS
                            and not (kind == "response.output_item.done" and isinstance(item, dict)
                                     and _kind(item) in ("message", "reasoning")))
+        if kind in self._LIFECYCLE and isinstance(response, dict):
+            # its output's items come whole: one that may be a call completes it
+            output = response.get("output")
+            self.completing = isinstance(output, list) and any(
+                not (isinstance(i, dict) and _kind(i) in ("message", "reasoning")) for i in output)
         if kind == "error":
             self.failure = self.failure or _failure(data.get("error") or data)
         elif kind == "response.failed":
@@ -594,6 +666,8 @@ class _ResponsesAssembler:
             self.failure = self.failure or _failure(error or "response.failed")
         if isinstance(response, dict) and response.get("id"):
             self.response_id = response["id"]
+        if kind in self._LIFECYCLE and isinstance(response, dict):
+            self._replaced(response.get("output"))
         index = data.get("output_index", len(self.items))
         if kind == "response.output_item.added" and isinstance(item, dict):
             if index not in self.items:
@@ -614,6 +688,26 @@ class _ResponsesAssembler:
         if kind in self._TERMINAL and isinstance(response, dict):
             self.completed = response
 
+
+    # the events whose response replaces the finished items of its output (the SDK's stream
+    # helper, by their identity: `_sdk_identity`)
+    _LIFECYCLE = ("response.created", "response.queued", "response.in_progress")
+
+    def _replaced(self, output: Any) -> None:
+        """A lifecycle event's output replaces each finished item of the same identity, as the
+        openai stream helper does: when `response.completed` carries no output, the helper
+        hands the agent the finished items, replacements included."""
+        if not isinstance(output, list):
+            return
+        finished = {_sdk_identity(self.items[i]): i for i in self.done if i in self.items}
+        for item in output:
+            if not isinstance(item, dict):
+                self.unclassified.append(f"a {type(item).__name__} in a response's output, "
+                                         "not an item")
+                continue
+            index = finished.get(_sdk_identity(item))
+            if index is not None:
+                self._kept(index, dict(item))
 
     def new_call_ids(self) -> list[str]:
         shown, self.shown = self.shown, []
@@ -732,11 +826,14 @@ _PROSE = ("text", "thinking", "redacted_thinking")     # content blocks that are
 class _MessagesAssembler:
     """Content blocks as the anthropic SDK builds them: each `content_block_start` appends a
     block (the SDK ignores its index and later finds it by position, so a start whose index is
-    not the next position is refused), a tool call's input is its `input_json_delta` pieces
-    concatenated (else the start's `input`)."""
+    not the next position is refused), after the blocks the first `message_start`'s message
+    already holds; a delta finds its block by position (a negative or unknown one is refused);
+    a tool call's input is its `input_json_delta` pieces concatenated (else the start's
+    `input`)."""
 
     def __init__(self) -> None:
         self.message_id: str | None = None
+        self.started = False        # a message_start was read
         self.blocks: dict[int, dict[str, Any]] = {}
         self.failure: str | None = None
         self.unclassified: list[str] = []
@@ -762,23 +859,36 @@ class _MessagesAssembler:
             self.completing = self.calls_begun > 0
         if kind == "error":
             self.failure = self.failure or _failure(data.get("error"))
-        elif kind == "message_start":
-            self.message_id = (data.get("message") or {}).get("id")
+        elif kind == "message_start" and not self.started:
+            # the SDK begins its message with the first message_start's, blocks included (it
+            # ignores any later one)
+            self.started = True
+            message = data.get("message") or {}
+            self.message_id = message.get("id")
+            content = message.get("content")
+            if content is not None and not isinstance(content, list):
+                self.unclassified.append(f"message_start content {content!r}, not a list")
+            begun = self.calls_begun
+            for block in content if isinstance(content, list) else []:
+                if isinstance(block, dict):
+                    self._begin(dict(block))
+                else:
+                    self.unclassified.append(f"message_start content {block!r}, not a block")
+            self.completing = self.calls_begun > begun      # its blocks come whole
         elif kind == "content_block_start":
-            block = dict(data.get("content_block") or {})
-            block["_json"] = []
             index = data.get("index", len(self.blocks))
             if index != len(self.blocks):
                 self.unclassified.append(f"content block started at index {index!r} where the "
                                          f"SDK puts it at {len(self.blocks)}")
-            self.blocks[len(self.blocks)] = block
-            kind = _kind(block)
-            if kind not in _PROSE:
-                self.calls_begun += 1
-            if kind in _ANTHROPIC_CALLS and block.get("id"):
-                self.shown.append(str(block["id"]))
+            self._begin(dict(data.get("content_block") or {}))
         elif kind == "content_block_delta":
-            block = self.blocks.setdefault(data.get("index", 0), {"type": "text", "_json": []})
+            index = data.get("index", 0)
+            if not _position(index) or index not in self.blocks:
+                # the SDK finds the block by position: a negative index is another block
+                self.unclassified.append(f"content block delta at index {index!r}, where the "
+                                         "SDK reads another block or none")
+                return
+            block = self.blocks[index]
             delta = data.get("delta") or {}
             if delta.get("type") == "input_json_delta":
                 _piece(block["_json"], delta.get("partial_json"), "partial_json",
@@ -786,6 +896,16 @@ class _MessagesAssembler:
             elif delta.get("type") == "text_delta":    # joined once by `turn`
                 _piece(block.setdefault("_text", []), delta.get("text"), "text_delta.text",
                        self.unclassified)
+
+    def _begin(self, block: dict[str, Any]) -> None:
+        """`block` is the message's next content block, as the SDK appends it."""
+        block["_json"] = []
+        self.blocks[len(self.blocks)] = block
+        kind = _kind(block)
+        if kind not in _PROSE:
+            self.calls_begun += 1
+        if kind in _ANTHROPIC_CALLS and block.get("id"):
+            self.shown.append(str(block["id"]))
 
     def new_call_ids(self) -> list[str]:
         shown, self.shown = self.shown, []

@@ -15,8 +15,9 @@ without sockets:
   answer; the last action. Each carries the message and details of the provider's stream error
   the client gets instead.
 
-What is held: the terminator and everything after it (an SDK reads on to the stream's end: a
-Responses final output, a call sent after the terminator, are part of the checked turn); with
+What is held: the terminator and everything after it (the anthropic SDK reads on to the
+stream's end, the openai SDK to `[DONE]`: a Responses final output, a call sent after
+message_stop, are part of the checked turn; an event with data after `[DONE]` ends it); with
 `hold_calls` (the contract's tools run only inside the agent), also the event that completes a
 tool call, and everything after it. Held events are still fed to the dialect's `Assembler`."""
 
@@ -238,8 +239,9 @@ class TurnRelay:
             yield ending
 
     def end(self) -> Check | Ending:
-        """The stream ended: its last event may lack its blank line (`SSESplitter.rest`); the
-        turn is complete (`Check`) or not (an `Ending`)."""
+        """The stream ended: its last event may lack its blank line (`SSESplitter.rest`), which
+        the SDKs never dispatch: read when it is the terminator, and ending the turn when it
+        follows one with data; the turn is complete (`Check`) or not (an `Ending`)."""
         rest, held = self._splitter.rest(), self._held
         try:
             last = decode_event(rest, strict=True) if rest else None
@@ -247,7 +249,11 @@ class TurnRelay:
             self._ended = self._ended or terminal
             if last is not None and (held or terminal):
                 held.append(rest)      # an event the upstream did not end with a blank line
-                self._read(last)
+                if terminal:
+                    self._read(last)
+                elif last.data:     # the SDKs dispatch an event at its blank line: never this
+                    raise EventUnreadable("the stream ended in an event without its blank "
+                                          "line, which the SDKs never hand over")
             elif rest and held:
                 held.append(rest)
         except (EventUnreadable, TurnCut) as exc:
