@@ -1,0 +1,305 @@
+"""A tools/call answer is read by stepguard as the `mcp` SDK client reads it, or not let through.
+
+The SDK's streamable HTTP transport hands the agent what it reads, not what stepguard checked:
+
+- on a POST's event stream it takes the first JSON-RPC response or error as the request's
+  answer whatever its `id` says (it rewrites the id to the request's own);
+- it parses each event's data with pydantic's JSON parser, which reads NaN and Infinity and
+  keeps integers past 64 bits exact;
+- it decodes the stream's text in the charset its `content-type` names;
+- it resolves a pending request by any response that names its id (`"7"` and `7` alike), on
+  the session's GET stream or in the JSON answer to another request.
+
+Each test drives the real SDK `Client` (handshake protocol, with a session) through a real
+stepguard at an MCP server on loopback that answers a `tools/call` with a drifted result
+(`order_id` "ord-EVIL" where the contract wants "ord-7") in one of those ways, and asserts the
+agent never gets it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx2
+import pytest
+from aiohttp import web
+from mcp import Client, MCPError
+from mcp.client.streamable_http import streamable_http_client
+from mcp.types import CallToolResult
+
+from stepguard.bench.harness import running
+from stepguard.contracts.loader import parse_contract
+from stepguard.proxy.core.config import Settings
+from stepguard.proxy.ops.app import Stepguard, build
+from stepguard.proxy.ops.app import create_app as create_proxy_app
+
+pytestmark = pytest.mark.timeout(60)
+
+MOUNT = "/tools"
+PATH = "/mcp"
+SESSION = "session-1"
+ORDER, EVIL = "ord-7", "ord-EVIL"
+VIOLATION = -31000
+LIMIT = 2**64          # the contract's maximum for `total`: 2**64 + 1 is past it
+
+
+def drifted(order_id: str = EVIL, total: str = "1") -> str:
+    """A tools/call result whose structured content the contract refuses (`order_id`), as JSON
+    text: `total` is spliced in as written (NaN, a long integer)."""
+    text = json.dumps(json.dumps({"order_id": order_id}))
+    return (f'{{"content":[{{"type":"text","text":{text}}}],'
+            f'"structuredContent":{{"order_id":"{order_id}","total":{total}}}}}')
+
+
+def response(rpc_id: Any, result: str) -> str:
+    return f'{{"jsonrpc":"2.0","id":{json.dumps(rpc_id)},"result":{result}}}'
+
+
+def event(data: str, name: str | None = None) -> bytes:
+    head = f"event: {name}\n" if name else ""
+    return f"{head}data: {data}\n\n".encode()
+
+
+Answer = Callable[["McpServer", web.Request, dict[str, Any]], Awaitable[web.StreamResponse]]
+
+
+@dataclass
+class McpServer:
+    """An MCP server with a session: the handshake and a tool listing answered as the SDK
+    expects; a tools/call answered by `answer`; resources/list by `other`; the GET stream by
+    `stream` (else 405)."""
+
+    answer: Answer
+    stream: Callable[[McpServer, web.Request], Awaitable[web.StreamResponse]] | None = None
+    calls: list[dict[str, Any]] = field(default_factory=list)
+    called: asyncio.Event = field(default_factory=asyncio.Event)
+    other: Callable[[McpServer, dict[str, Any]], Awaitable[web.Response]] | None = None
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        if request.method == "GET":
+            if self.stream is None:
+                return web.Response(status=405)
+            return await self.stream(self, request)
+        if request.method == "DELETE":
+            return web.Response(status=200)
+        message = await request.json()
+        method, rpc_id = message.get("method"), message.get("id")
+        if "id" not in message or method is None:
+            return web.Response(status=202)
+        if method == "initialize":
+            return self.json({"jsonrpc": "2.0", "id": rpc_id, "result": {
+                "protocolVersion": message["params"]["protocolVersion"],
+                "capabilities": {"tools": {}, "resources": {}}, "serverInfo": {"name": "t", "version": "1"}}},
+                headers={"mcp-session-id": SESSION})
+        if method == "tools/list":
+            return self.json({"jsonrpc": "2.0", "id": rpc_id, "result": {"tools": [
+                {"name": "lookup_order", "inputSchema": {"type": "object"}}]}})
+        if method == "resources/list" and self.other is not None:
+            return await self.other(self, message)
+        if method == "tools/call":
+            self.calls.append(message)
+            self.called.set()
+            return await self.answer(self, request, message)
+        return self.json({"jsonrpc": "2.0", "id": rpc_id, "result": {}})
+
+    @staticmethod
+    def json(body: dict[str, Any], headers: dict[str, str] | None = None) -> web.Response:
+        return web.Response(body=json.dumps(body), content_type="application/json",
+                            headers=headers)
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_route("*", PATH, self.handle)
+        return app
+
+
+async def streamed(request: web.Request, *events: bytes,
+                   content_type: str = "text/event-stream") -> web.StreamResponse:
+    out = web.StreamResponse(headers={"content-type": content_type})
+    await out.prepare(request)
+    for chunk in events:
+        await out.write(chunk)
+    await out.write_eof()
+    return out
+
+
+def contract(base: str) -> Any:
+    document = {
+        "workflow": "sdk-reads", "contract_version": 1,
+        "run": {"key": ["header:x-stepguard-run"]},
+        "upstreams": {"tools": {"url": base, "kind": "mcp", "mount": MOUNT, "timeout_s": 5}},
+        "steps": {"lookup_order": {
+            "match": {"tool": "lookup_order"},
+            "output": {"schema": {"type": "object", "required": ["order_id"], "properties": {
+                "order_id": {"const": ORDER}, "total": {"type": "integer", "maximum": LIMIT}}}}}},
+    }
+    return parse_contract(json.dumps(document).encode(), "sdk-reads.json")
+
+
+@contextlib.asynccontextmanager
+async def guarded(server: McpServer, tmp_path: Any) -> AsyncIterator[tuple[Stepguard, str]]:
+    async with running(server.app()) as base:
+        sg = build(Settings(store=str(tmp_path / "s.db")), [contract(base)])
+        async with running(create_proxy_app(sg)) as proxy:
+            yield sg, f"{proxy}{MOUNT}{PATH}"
+
+
+@contextlib.asynccontextmanager
+async def agent(url: str) -> AsyncIterator[Client]:
+    http = httpx2.AsyncClient(headers={"x-stepguard-run": "r1"}, timeout=httpx2.Timeout(8.0))
+    async with http, Client(streamable_http_client(url, http_client=http), mode="legacy",
+                            read_timeout_seconds=8) as client:
+        yield client
+
+
+async def handed(server: McpServer, tmp_path: Any) -> Any:
+    """What the agent gets for a lookup_order call through stepguard: the result, or what the
+    SDK raised."""
+    async with guarded(server, tmp_path) as (_, url), agent(url) as client:
+        try:
+            return await client.call_tool("lookup_order", {"order_id": ORDER})
+        except (MCPError, RuntimeError) as exc:
+            return exc
+
+
+def assert_not_handed(got: Any) -> None:
+    if isinstance(got, CallToolResult):
+        assert (got.structured_content or {}).get("order_id") != EVIL, \
+            f"the agent got a result stepguard never checked: {got.structured_content}"
+
+
+# --- a POST's event stream ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("other_id", [lambda rpc_id: str(rpc_id), lambda rpc_id: rpc_id + 1000],
+                         ids=["the-id-as-a-string", "another-id"])
+async def test_a_streamed_response_under_another_id_is_checked_as_the_calls_answer(
+        tmp_path: Any, other_id: Callable[[Any], Any]) -> None:
+    """The SDK takes the first response on a POST's stream as the answer, whatever its id."""
+    async def answer(server: McpServer, request: web.Request,
+                     message: dict[str, Any]) -> web.StreamResponse:
+        return await streamed(request, event(response(other_id(message["id"]), drifted())))
+
+    got = await handed(McpServer(answer), tmp_path)
+
+    assert_not_handed(got)
+    assert isinstance(got, MCPError) and got.code == VIOLATION, got
+
+
+@pytest.mark.parametrize("total", ["NaN", "Infinity", "-Infinity"])
+async def test_a_streamed_response_the_sdk_reads_and_orjson_does_not_is_never_relayed(
+        tmp_path: Any, total: str) -> None:
+    """pydantic's JSON parser reads NaN and Infinity; stepguard took such an event for one
+    that says nothing and relayed it as it came."""
+    async def answer(server: McpServer, request: web.Request,
+                     message: dict[str, Any]) -> web.StreamResponse:
+        return await streamed(request, event(response(message["id"], drifted(total=total))))
+
+    got = await handed(McpServer(answer), tmp_path)
+
+    assert_not_handed(got)
+    assert isinstance(got, MCPError), got
+
+
+async def test_a_streamed_integer_past_64_bits_is_not_checked_as_the_float_it_rounds_to(
+        tmp_path: Any) -> None:
+    """The SDK keeps 2**64 + 1 exact; orjson reads it as the float 2**64, which the contract's
+    maximum (2**64) lets through."""
+    async def answer(server: McpServer, request: web.Request,
+                     message: dict[str, Any]) -> web.StreamResponse:
+        result = drifted(order_id=ORDER, total=str(LIMIT + 1))
+        return await streamed(request, event(response(message["id"], result)))
+
+    got = await handed(McpServer(answer), tmp_path)
+
+    if isinstance(got, CallToolResult):
+        total = (got.structured_content or {}).get("total")
+        assert not (isinstance(total, int) and total > LIMIT), \
+            f"the agent got total {total}, past the contract's maximum"
+    assert isinstance(got, MCPError), got
+
+
+async def test_an_event_stream_in_another_charset_is_not_read_as_utf8(tmp_path: Any) -> None:
+    """The SDK decodes the stream in the charset its content-type names (UTF-16 here), where
+    stepguard found no event it could read, relayed the bytes and waited for an answer."""
+    async def answer(server: McpServer, request: web.Request,
+                     message: dict[str, Any]) -> web.StreamResponse:
+        body = event(response(message["id"], drifted())).decode().encode("utf-16")
+        return await streamed(request, body, content_type="text/event-stream; charset=utf-16")
+
+    got = await handed(McpServer(answer), tmp_path)
+
+    assert_not_handed(got)
+    assert isinstance(got, MCPError), got
+
+
+# --- other streams and other requests ----------------------------------------------------------
+
+
+async def test_a_response_on_the_sessions_get_stream_does_not_answer_a_checked_call(
+        tmp_path: Any) -> None:
+    """The SDK resolves a pending request by a response on the GET stream that names its id."""
+    sent = asyncio.Event()
+
+    async def stream(server: McpServer, request: web.Request) -> web.StreamResponse:
+        out = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await out.prepare(request)
+        await out.write(b": open\n\n")
+        await server.called.wait()
+        await out.write(event(response(server.calls[-1]["id"], drifted())))
+        sent.set()
+        await asyncio.sleep(3)
+        return out
+
+    async def answer(server: McpServer, request: web.Request,
+                     message: dict[str, Any]) -> web.StreamResponse:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(sent.wait(), 3)
+        await asyncio.sleep(0.5)
+        return server.json({"jsonrpc": "2.0", "id": message["id"],
+                            "result": json.loads(drifted(order_id=ORDER))})
+
+    got = await handed(McpServer(answer, stream=stream), tmp_path)
+
+    assert_not_handed(got)
+    assert isinstance(got, MCPError), got      # the answer on the GET stream, withheld
+
+
+@pytest.mark.xfail(strict=True, reason="the JSON answers of requests stepguard passes through "
+                   "(resources/list here, pings, unmatched tools) are relayed without a look at their id; "
+                   "the SDK resolves whichever pending request that id names")
+async def test_the_json_answer_to_another_request_does_not_answer_a_checked_call(
+        tmp_path: Any) -> None:
+    answered = asyncio.Event()
+
+    async def resources(server: McpServer, message: dict[str, Any]) -> web.Response:
+        await server.called.wait()
+        answered.set()
+        return server.json({"jsonrpc": "2.0", "id": server.calls[-1]["id"],
+                            "result": json.loads(drifted())})
+
+    async def answer(server: McpServer, request: web.Request,
+                     message: dict[str, Any]) -> web.StreamResponse:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(answered.wait(), 3)
+        await asyncio.sleep(0.5)
+        return server.json({"jsonrpc": "2.0", "id": message["id"],
+                            "result": json.loads(drifted(order_id=ORDER))})
+
+    server = McpServer(answer, other=resources)
+    async with guarded(server, tmp_path) as (_, url), agent(url) as client:
+        call = asyncio.create_task(client.call_tool("lookup_order", {"order_id": ORDER}))
+        await server.called.wait()
+        with contextlib.suppress(MCPError, TimeoutError):
+            await asyncio.wait_for(client.list_resources(), 4)
+        try:
+            got: Any = await call
+        except (MCPError, RuntimeError) as exc:
+            got = exc
+
+    assert_not_handed(got)
