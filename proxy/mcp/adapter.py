@@ -4,8 +4,11 @@ A `tools/call` is a step (`match: {tool: NAME}` on an `mcp` upstream): its argum
 entry boundary's input; its result (`structuredContent`, else the JSON text content) is the exit
 boundary's output; `isError: true`, a JSON-RPC error, a transport failure or a timeout is a tool
 error. Everything else — discover, initialize, notifications, tools/list, resources, prompts,
-pings, the GET stream, DELETE — passes through untouched, in both protocol generations (session
-based, and the stateless 2026-07-28 protocol).
+pings, DELETE — passes through untouched, in both protocol generations (session based, and the
+stateless 2026-07-28 protocol); the GET stream too, but for the JSON-RPC responses on it, which
+the SDK would take for a pending call's answer: where tools are checked, they are withheld.
+The answer on a call's own stream is its first JSON-RPC response, whatever its id (the SDK
+reads it so), read as the SDK reads it or not at all (`rpc.event_message`).
 A violation is a JSON-RPC error answering the call's id (code -31000, details in `data`), so
 MCP clients raise `MCPError`. SSE responses are relayed event by event (progress notifications
 flow at once); only the event that answers the call is held until the exit check.
@@ -96,9 +99,12 @@ class McpAdapter:
             self.boundaries.call_refused(route, "unparseable", exc.detail, None, TRAFFIC)
             return error_response(None, REQUEST_CODE, f"stepguard: the request body cannot be "
                                   f"read to be checked: {exc.detail}", {"check": "request"})
-        if (request.method == "GET" and "last-event-id" in request.headers
-                and not self.settings.passthrough and _has_checked_tools(route)):
-            return await self.resumption.resume(request, route, headers, timing)
+        if request.method == "GET" and not self.settings.passthrough and _has_checked_tools(route):
+            if "last-event-id" in request.headers:
+                return await self.resumption.resume(request, route, headers, timing)
+            # the SDK takes an answer on the session's GET stream for the pending request
+            # whose id it names, a checked call's too: answers on it are withheld
+            return await self.resumption.withholding(request, route, headers, timing)
         message = calls_tool(parsed)
         if message is None and lists_tools(parsed) and not self.settings.passthrough \
                 and not route.contract.learning:

@@ -9,6 +9,7 @@ from typing import Any, Final
 
 import orjson
 from aiohttp import web
+from httpx_sse import ServerSentEvent
 
 from stepguard.contracts.events import ToolResult
 from stepguard.proxy.core.bodies import MAX_JSON_DEPTH, BodyError, charset_of, decode, parse_json
@@ -16,8 +17,9 @@ from stepguard.proxy.core.calls import Call, Stopped
 from stepguard.proxy.core.jsonrpc import REQUEST_CODE, Refusal, Wording, rpc_error
 from stepguard.proxy.core.jsonrpc import as_event as _as_event
 from stepguard.proxy.core.jsonrpc import refusal_for as _refusal_for
+from stepguard.proxy.core.sse import event_json, model_event
 
-__all__ = ["mcp_trace_meta"]
+__all__ = ["event_message", "mcp_trace_meta"]
 
 WORDING: Final = Wording(
     noun="call",
@@ -107,16 +109,35 @@ def message_result(message: dict[str, Any]) -> ToolResult:
     return ToolResult(200, output)
 
 
+def event_message(event: ServerSentEvent | None, max_depth: int = MAX_JSON_DEPTH) -> dict[str, Any]:
+    """The JSON-RPC message an MCP server's event carries, as the `mcp` SDK client reads it ({}
+    for none, or for data that is no JSON object: the SDK ends the call on those with an error
+    of its own). The SDK reads only events named `message` (others it skips; they are read
+    leniently here, as before), and parses their data with pydantic's JSON parser, which reads
+    NaN and Infinity and keeps integers past 64 bits exact: such data raises EventUnreadable,
+    never read as an event that says nothing. Nested deeper than `max_depth`: EventTooDeep."""
+    if event is None or not event.data:
+        return {}
+    if event.event != "message":
+        return event_json(event.data, max_depth)
+    value = model_event(event.data, "an MCP server's event data")
+    if value and event.data.count("[") + event.data.count("{") > max_depth:
+        return event_json(event.data, max_depth)      # raises EventTooDeep past the limit
+    return value
+
+
 def as_event(message: dict[str, Any]) -> bytes:
     """A JSON-RPC message as the SSE event that carries it."""
     return _as_event(message, "message")
 
 
-def withheld(rpc_id: Any, event_id: str) -> bytes:
-    """The error that replaces an answer replayed on a resumed stream stepguard did not hold."""
-    error = rpc_error(rpc_id, REQUEST_CODE, "stepguard: an answer replayed on a resumed stream "
-                      "cannot be checked there; send the request again",
-                      {"check": "resumption"})
+def withheld(rpc_id: Any, event_id: str, resumed: bool = True) -> bytes:
+    """The error that replaces an answer on a GET stream stepguard does not check: replayed on
+    a resumed stream it did not hold, or sent on the session's GET stream."""
+    where = "replayed on a resumed stream" if resumed else "sent on the session's GET stream"
+    error = rpc_error(rpc_id, REQUEST_CODE, f"stepguard: an answer {where} cannot be checked "
+                      "there; send the request again",
+                      {"check": "resumption" if resumed else "get_stream"})
     head = f"id: {event_id}\r\n".encode() if event_id else b""
     return head + as_event(error)
 

@@ -10,9 +10,11 @@ client whose stream was cut may resume it (`resumption.py`).
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import functools
 from dataclasses import dataclass
+from email.message import Message
 from typing import Any
 
 from aiohttp import web
@@ -34,10 +36,16 @@ from stepguard.proxy.core.forward import (
 )
 from stepguard.proxy.core.h1client import H1Response, UpstreamConnectionError
 from stepguard.proxy.core.holds import Target, http_target
-from stepguard.proxy.core.sse import EventTooDeep, EventTooLarge, SSESplitter, event_json, events_to_end
+from stepguard.proxy.core.sse import (
+    EventTooDeep,
+    EventTooLarge,
+    EventUnreadable,
+    SSESplitter,
+    events_to_end,
+)
 from stepguard.proxy.core.unchecked import upstream_url
 from stepguard.proxy.mcp.cuts import Cut, Resumptions, stream_scope
-from stepguard.proxy.mcp.rpc import message_result
+from stepguard.proxy.mcp.rpc import event_message, message_result
 
 
 @dataclass(slots=True)
@@ -136,6 +144,12 @@ class McpUpstream:
                                                 f"stream ({encoding}) though asked for "
                                                 "identity: it cannot be checked",
                                                 error_kind="transport"), resp.status)
+                charset = other_charset(resp.headers.get("content-type", ""))
+                if charset is not None:
+                    return McpAnswer(ToolResult(None, error=f"MCP server sent its event stream "
+                                                f"in charset {charset[:60]!r}, which the SDK "
+                                                "decodes and stepguard does not: it cannot be "
+                                                "checked", error_kind="transport"), resp.status)
                 return await self._relay_events(call, resp, headers)
             try:
                 body = await self.forwarder.read_capped(resp)
@@ -152,16 +166,22 @@ class McpUpstream:
             async with contextlib.aclosing(events_to_end(resp.iter_any(), splitter)) as events:
                 async for raw, event in events:
                     try:
-                        message = (event_json(event.data, self.settings.max_json_depth)
-                                   if event is not None else {})
+                        message = event_message(event, self.settings.max_json_depth)
                     except EventTooDeep as exc:
                         # unreadable, so taken as the call's answer, failed like an over-deep
                         # JSON answer: never relayed unchecked, never handed to the store
                         return McpAnswer(ToolResult(resp.status, error=f"MCP server response: "
                                                     f"{exc}", error_kind="transport"),
                                          resp.status, headers, raw, event=True)
-                    if message.get("id") == call.rpc_id and ("result" in message
-                                                             or "error" in message):
+                    except EventUnreadable as exc:
+                        # the SDK may read it as the answer (NaN, a long integer): failed,
+                        # and not relayed even if the failure is let through
+                        return McpAnswer(ToolResult(resp.status, error=f"MCP server response: "
+                                                    f"{exc}", error_kind="transport"),
+                                         resp.status)
+                    # the SDK takes the first response on a request's stream as its answer,
+                    # whatever its id says (it puts the request's own id on it): so does this
+                    if "result" in message or "error" in message:
                         return McpAnswer(message_result(message), resp.status, headers, raw,
                                          event=True, message=message)
                     out = await self._out(call, resp.status, headers)
@@ -207,3 +227,24 @@ class McpUpstream:
                               error_kind="transport"), None
         return message_result(message), message
 
+
+
+def other_charset(content_type: str) -> str | None:
+    """The charset an event stream's Content-Type names when it is a codec other than UTF-8,
+    else None. The SDK's HTTP client decodes the stream's text in that codec (a name it does
+    not know falls back to UTF-8); stepguard reads every event as UTF-8, so in UTF-16 or
+    Latin-1 the two would read other events, or other strings, from the same bytes."""
+    if "charset" not in content_type.lower():
+        return None
+    header = Message()
+    header["content-type"] = content_type
+    charset = header.get_content_charset(failobj=None)
+    if charset is None:
+        return None
+    try:
+        name = codecs.lookup(charset).name
+    except LookupError:
+        return None         # unknown to the SDK's client too: it reads UTF-8
+    except (ValueError, TypeError):
+        return charset
+    return None if name == "utf-8" else charset
