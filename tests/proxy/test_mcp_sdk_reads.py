@@ -71,14 +71,15 @@ Answer = Callable[["McpServer", web.Request, dict[str, Any]], Awaitable[web.Stre
 @dataclass
 class McpServer:
     """An MCP server with a session: the handshake and a tool listing answered as the SDK
-    expects; a tools/call answered by `answer`; resources/list by `other`; the GET stream by
-    `stream` (else 405)."""
+    expects; a tools/call answered by `answer`; resources/list by `other`; tools/list by
+    `listing` if given; the GET stream by `stream` (else 405)."""
 
     answer: Answer
     stream: Callable[[McpServer, web.Request], Awaitable[web.StreamResponse]] | None = None
     calls: list[dict[str, Any]] = field(default_factory=list)
     called: asyncio.Event = field(default_factory=asyncio.Event)
     other: Callable[[McpServer, dict[str, Any]], Awaitable[web.Response]] | None = None
+    listing: Answer | None = None
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         if request.method == "GET":
@@ -97,6 +98,8 @@ class McpServer:
                 "capabilities": {"tools": {}, "resources": {}}, "serverInfo": {"name": "t", "version": "1"}}},
                 headers={"mcp-session-id": SESSION})
         if method == "tools/list":
+            if self.listing is not None:
+                return await self.listing(self, request, message)
             return self.json({"jsonrpc": "2.0", "id": rpc_id, "result": {"tools": [
                 {"name": "lookup_order", "inputSchema": {"type": "object"}}]}})
         if method == "resources/list" and self.other is not None:
@@ -128,7 +131,7 @@ async def streamed(request: web.Request, *events: bytes,
     return out
 
 
-def contract(base: str) -> Any:
+def contract(base: str, **top: Any) -> Any:
     document = {
         "workflow": "sdk-reads", "contract_version": 1,
         "run": {"key": ["header:x-stepguard-run"]},
@@ -137,14 +140,16 @@ def contract(base: str) -> Any:
             "match": {"tool": "lookup_order"},
             "output": {"schema": {"type": "object", "required": ["order_id"], "properties": {
                 "order_id": {"const": ORDER}, "total": {"type": "integer", "maximum": LIMIT}}}}}},
+        **top,
     }
     return parse_contract(json.dumps(document).encode(), "sdk-reads.json")
 
 
 @contextlib.asynccontextmanager
-async def guarded(server: McpServer, tmp_path: Any) -> AsyncIterator[tuple[Stepguard, str]]:
+async def guarded(server: McpServer, tmp_path: Any,
+                  **top: Any) -> AsyncIterator[tuple[Stepguard, str]]:
     async with running(server.app()) as base:
-        sg = build(Settings(store=str(tmp_path / "s.db")), [contract(base)])
+        sg = build(Settings(store=str(tmp_path / "s.db")), [contract(base, **top)])
         async with running(create_proxy_app(sg)) as proxy:
             yield sg, f"{proxy}{MOUNT}{PATH}"
 
@@ -303,3 +308,37 @@ async def test_the_json_answer_to_another_request_does_not_answer_a_checked_call
             got = exc
 
     assert_not_handed(got)
+
+
+# --- a tool list stepguard filters --------------------------------------------------------------
+
+
+LISTED = {"tools": [{"name": "lookup_order", "inputSchema": {"type": "object"}},
+                    {"name": "delete_everything", "inputSchema": {"type": "object"}}]}
+
+
+@pytest.mark.parametrize("charset", [None, "utf-16"], ids=["utf-8", "utf-16"])
+async def test_a_streamed_tool_list_under_another_id_is_filtered_as_the_lists_answer(
+        tmp_path: Any, charset: str | None) -> None:
+    """Under `mcp.list: steps` the list answer keeps only the steps' tools; the SDK takes the
+    first response on the list's stream whatever its id, in the stream's charset."""
+    async def listing(server: McpServer, request: web.Request,
+                      message: dict[str, Any]) -> web.StreamResponse:
+        data = event(response(str(message["id"]), json.dumps(LISTED)))
+        if charset is None:
+            return await streamed(request, data)
+        return await streamed(request, data.decode().encode(charset),
+                              content_type=f"text/event-stream; charset={charset}")
+
+    async def answer(server: McpServer, request: web.Request,
+                     message: dict[str, Any]) -> web.StreamResponse:
+        raise AssertionError("no tool is called")
+
+    server = McpServer(answer, listing=listing)
+    async with guarded(server, tmp_path, mcp={"list": "steps"}) as (_, url), agent(url) as client:
+        try:
+            listed: Any = [t.name for t in (await client.list_tools()).tools]
+        except MCPError as exc:
+            listed = exc
+
+    assert not (isinstance(listed, list) and "delete_everything" in listed), listed
