@@ -64,7 +64,7 @@ from stepguard.proxy.core.sse import (
     events_to_end,
 )
 from stepguard.proxy.core.unchecked import upstream_url
-from stepguard.proxy.mcp.rpc import as_event
+from stepguard.proxy.mcp.rpc import as_event, other_charset
 
 __all__ = ["ToolLists", "lists_tools"]
 
@@ -179,7 +179,12 @@ class ToolLists:
         headers = end_to_end(resp.headers, HOP_BY_HOP | {"content-length"})
         encoding = resp.headers.get("content-encoding", "identity").strip().lower()
         if "text/event-stream" in resp.headers.get("content-type", "") and 200 <= resp.status < 300:
-            if encoding == "identity":
+            charset = other_charset(resp.headers.get("content-type", ""))
+            if charset is not None and allowed is not None:
+                return self._unreadable(route, rpc_id, f"its event stream is in charset "
+                                        f"{charset[:60]!r}, which the SDK decodes and "
+                                        "stepguard does not")
+            if encoding == "identity" and charset is None:
                 return await self._events(request, route, timing, resp, headers, rpc_id, allowed)
             if allowed is not None:
                 return self._unreadable(route, rpc_id, f"its event stream is compressed "
@@ -220,7 +225,9 @@ class ToolLists:
                                if event is not None and event.data else {})
                     if event is not None and event.data and not message and allowed is not None:
                         raise Unreadable("an event of its stream is not a JSON object")
-                    if message.get("id") == rpc_id and ("result" in message or "error" in message):
+                    # the SDK takes the first response on the stream as the list's answer,
+                    # whatever its id: so does this
+                    if "result" in message or "error" in message:
                         kept = self._filtered(route, request, message, rpc_id, allowed)
                         head = f"id: {event.id}\r\n".encode() if event and event.id else b""
                         await client.write(raw if kept is None else head + as_event(kept))

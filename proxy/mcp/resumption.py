@@ -43,8 +43,8 @@ from stepguard.proxy.core.sse import (
 )
 from stepguard.proxy.core.unchecked import upstream_url
 from stepguard.proxy.mcp.cuts import Cut, Resumptions, stream_scope
-from stepguard.proxy.mcp.rpc import event_message, withheld
-from stepguard.proxy.mcp.upstream import McpAnswer, McpCall, McpUpstream, other_charset
+from stepguard.proxy.mcp.rpc import event_message, other_charset, withheld
+from stepguard.proxy.mcp.upstream import McpAnswer, McpCall, McpUpstream
 
 __all__ = ["KEEPALIVE_S", "Cut", "McpResumption", "Resumptions", "stream_scope"]
 

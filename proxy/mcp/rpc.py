@@ -5,6 +5,8 @@ MCP's words, each as the JSON answer or as an SSE `message` event."""
 
 from __future__ import annotations
 
+import codecs
+from email.message import Message
 from typing import Any, Final
 
 import orjson
@@ -19,7 +21,7 @@ from stepguard.proxy.core.jsonrpc import as_event as _as_event
 from stepguard.proxy.core.jsonrpc import refusal_for as _refusal_for
 from stepguard.proxy.core.sse import event_json, model_event
 
-__all__ = ["event_message", "mcp_trace_meta"]
+__all__ = ["event_message", "mcp_trace_meta", "other_charset"]
 
 WORDING: Final = Wording(
     noun="call",
@@ -145,3 +147,24 @@ def withheld(rpc_id: Any, event_id: str, resumed: bool = True) -> bytes:
 def refusal_for(call: Call, why: Stopped) -> Refusal:
     """Why a checked call stops, as the JSON-RPC error that answers it."""
     return _refusal_for(call, why, WORDING)
+
+
+def other_charset(content_type: str) -> str | None:
+    """The charset an event stream's Content-Type names when it is a codec other than UTF-8,
+    else None. The SDK's HTTP client decodes the stream's text in that codec (a name it does
+    not know falls back to UTF-8); stepguard reads every event as UTF-8, so in UTF-16 or
+    Latin-1 the two would read other events, or other strings, from the same bytes."""
+    if "charset" not in content_type.lower():
+        return None
+    header = Message()
+    header["content-type"] = content_type
+    charset = header.get_content_charset(failobj=None)
+    if charset is None:
+        return None
+    try:
+        name = codecs.lookup(charset).name
+    except LookupError:
+        return None         # unknown to the SDK's client too: it reads UTF-8
+    except (ValueError, TypeError):
+        return charset
+    return None if name == "utf-8" else charset

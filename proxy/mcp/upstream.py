@@ -10,11 +10,9 @@ client whose stream was cut may resume it (`resumption.py`).
 from __future__ import annotations
 
 import asyncio
-import codecs
 import contextlib
 import functools
 from dataclasses import dataclass
-from email.message import Message
 from typing import Any
 
 from aiohttp import web
@@ -45,7 +43,7 @@ from stepguard.proxy.core.sse import (
 )
 from stepguard.proxy.core.unchecked import upstream_url
 from stepguard.proxy.mcp.cuts import Cut, Resumptions, stream_scope
-from stepguard.proxy.mcp.rpc import event_message, message_result
+from stepguard.proxy.mcp.rpc import event_message, message_result, other_charset
 
 
 @dataclass(slots=True)
@@ -228,23 +226,3 @@ class McpUpstream:
         return message_result(message), message
 
 
-
-def other_charset(content_type: str) -> str | None:
-    """The charset an event stream's Content-Type names when it is a codec other than UTF-8,
-    else None. The SDK's HTTP client decodes the stream's text in that codec (a name it does
-    not know falls back to UTF-8); stepguard reads every event as UTF-8, so in UTF-16 or
-    Latin-1 the two would read other events, or other strings, from the same bytes."""
-    if "charset" not in content_type.lower():
-        return None
-    header = Message()
-    header["content-type"] = content_type
-    charset = header.get_content_charset(failobj=None)
-    if charset is None:
-        return None
-    try:
-        name = codecs.lookup(charset).name
-    except LookupError:
-        return None         # unknown to the SDK's client too: it reads UTF-8
-    except (ValueError, TypeError):
-        return charset
-    return None if name == "utf-8" else charset
