@@ -342,3 +342,27 @@ async def test_a_streamed_tool_list_under_another_id_is_filtered_as_the_lists_an
             listed = exc
 
     assert not (isinstance(listed, list) and "delete_everything" in listed), listed
+
+
+# --- answers the SDK refuses -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", [5, None], ids=["a-number", "null"])
+async def test_a_text_block_whose_text_is_no_string_fails_the_call_at_its_exit(
+        tmp_path: Any, text: Any) -> None:
+    """The SDK refuses such a result; stepguard's reading of the text content raised a
+    TypeError, so the client got a bare 500 and the call's exit was never decided."""
+    async def answer(server: McpServer, request: web.Request,
+                     message: dict[str, Any]) -> web.StreamResponse:
+        return server.json({"jsonrpc": "2.0", "id": message["id"],
+                            "result": {"content": [{"type": "text", "text": text}]}})
+
+    server = McpServer(answer)
+    async with guarded(server, tmp_path) as (sg, url), agent(url) as client:
+        with pytest.raises(MCPError) as caught:
+            await client.call_tool("lookup_order", {"order_id": ORDER})
+        history = await sg.store.history("r1")
+
+    assert caught.value.code == VIOLATION
+    assert [(e["boundary"], e["verdict"], (e.get("violation") or {}).get("check"))
+            for e in history] == [("entry", "pass", None), ("exit", "violation", "tool_error")]
