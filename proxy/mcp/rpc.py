@@ -95,8 +95,12 @@ def message_result(message: dict[str, Any]) -> ToolResult:
     output = result.get("structuredContent")
     parse_error = None
     if output is None:
-        text = "".join(c.get("text", "") for c in result.get("content") or []
-                       if isinstance(c, dict) and c.get("type") == "text")
+        texts = [c.get("text", "") for c in result.get("content") or []
+                 if isinstance(c, dict) and c.get("type") == "text"]
+        if not all(isinstance(t, str) for t in texts):     # the SDK refuses the result too
+            return ToolResult(None, error="tool result has a text content block whose text is "
+                              "not a string", error_kind="transport")
+        text = "".join(texts)
         try:     # bounded like every parse (the default depth: no settings here)
             output = parse_json(text.encode(), "tool result text")
         except BodyError as exc:
