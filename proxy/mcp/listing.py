@@ -64,7 +64,7 @@ from stepguard.proxy.core.sse import (
     events_to_end,
 )
 from stepguard.proxy.core.unchecked import upstream_url
-from stepguard.proxy.mcp.rpc import as_event, other_charset
+from stepguard.proxy.mcp.rpc import ANOTHER_ID, answers_another, as_event, names_another, other_charset
 
 __all__ = ["ToolLists", "lists_tools"]
 
@@ -195,13 +195,18 @@ class ToolLists:
             answer = web.Response(status=resp.status, headers=headers, body=raw)
             timing.stamp(answer)
             return answer
+        text = None
         try:
-            message = parse_json(decode(raw, encoding, self.settings.max_response_bytes),
-                                 "MCP server's tools/list answer", self.settings.max_json_depth)
+            text = decode(raw, encoding, self.settings.max_response_bytes)
+            message = parse_json(text, "MCP server's tools/list answer",
+                                 self.settings.max_json_depth)
+            if names_another(message, rpc_id):
+                raise Unreadable(ANOTHER_ID)
             kept = self._filtered(route, request, message, rpc_id, allowed)
             body = raw if kept is None else orjson.dumps(kept)
         except (BodyError, Unreadable, TypeError) as exc:   # TypeError: orjson cannot write it
-            if allowed is not None:
+            if allowed is not None or str(exc) == ANOTHER_ID or (
+                    isinstance(exc, BodyError) and (text is None or answers_another(text, rpc_id))):
                 return self._unreadable(route, rpc_id, str(exc))
             kept, body = None, raw     # nothing to filter: passed on as it came
         if kept is not None:

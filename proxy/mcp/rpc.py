@@ -6,6 +6,7 @@ MCP's words, each as the JSON answer or as an SSE `message` event."""
 from __future__ import annotations
 
 import codecs
+import json
 from email.message import Message
 from typing import Any, Final
 
@@ -21,7 +22,8 @@ from stepguard.proxy.core.jsonrpc import as_event as _as_event
 from stepguard.proxy.core.jsonrpc import refusal_for as _refusal_for
 from stepguard.proxy.core.sse import event_json, model_event
 
-__all__ = ["event_message", "mcp_trace_meta", "other_charset"]
+__all__ = ["ANOTHER_ID", "answers_another", "event_message", "mcp_trace_meta", "names_another",
+           "other_charset"]
 
 WORDING: Final = Wording(
     noun="call",
@@ -172,3 +174,44 @@ def other_charset(content_type: str) -> str | None:
     except (ValueError, TypeError):
         return charset
     return None if name == "utf-8" else charset
+
+
+_NO_ID = object()
+ANOTHER_ID: Final = ("it names another request's id: the SDK would take it for that request's "
+                     "answer")
+
+
+def _sdk_id(value: Any) -> Any:
+    """A response's id as the SDK correlates it (`coerce_request_id`): a string that reads as
+    an integer is that integer ("7" and 7 are one id); an id the SDK cannot read, none."""
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        return _NO_ID
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            return value
+    return value
+
+
+def answers_another(body: bytes, rpc_id: Any) -> bool:
+    """Whether the JSON answer to the request `rpc_id` may be taken by the SDK client for the
+    answer to another of its requests: it dispatches a JSON answer by the id in it, not by
+    the request it came to, so a response or error naming another pending request's id (a
+    checked call's in flight) answers that one. Parsed as the SDK parses it (the standard
+    library reads NaN, Infinity and long integers as pydantic does); one that cannot be
+    parsed so may still be read by the SDK: True."""
+    try:
+        message = json.loads(body)
+    except (ValueError, RecursionError):
+        return True
+    return names_another(message, rpc_id)
+
+
+def names_another(message: Any, rpc_id: Any) -> bool:
+    """Whether a parsed JSON answer is a response or error the SDK would take for the answer to
+    another request than `rpc_id` (`answers_another`)."""
+    if not isinstance(message, dict) or ("result" not in message and "error" not in message):
+        return False
+    named = _sdk_id(message.get("id"))
+    return named is not _NO_ID and named != _sdk_id(rpc_id)

@@ -275,18 +275,25 @@ async def test_a_response_on_the_sessions_get_stream_does_not_answer_a_checked_c
     assert isinstance(got, MCPError), got      # the answer on the GET stream, withheld
 
 
-@pytest.mark.xfail(strict=True, reason="the JSON answers of requests stepguard passes through "
-                   "(resources/list here, pings, unmatched tools) are relayed without a look at their id; "
-                   "the SDK resolves whichever pending request that id names")
+@pytest.mark.parametrize("other", ["resources/list", "tools/list"])
 async def test_the_json_answer_to_another_request_does_not_answer_a_checked_call(
-        tmp_path: Any) -> None:
+        tmp_path: Any, other: str) -> None:
+    """The SDK dispatches a JSON answer by the id in it: the answer to a request stepguard
+    passes through (resources/list), or lists tools for (tools/list), naming the id of a
+    checked call in flight answered that call."""
     answered = asyncio.Event()
 
-    async def resources(server: McpServer, message: dict[str, Any]) -> web.Response:
+    async def hijacked(server: McpServer, message: dict[str, Any]) -> web.Response:
+        if answered.is_set():      # the SDK's own listing after the call: answered as asked
+            return server.json({"jsonrpc": "2.0", "id": message["id"], "result": {"tools": []}})
         await server.called.wait()
         answered.set()
         return server.json({"jsonrpc": "2.0", "id": server.calls[-1]["id"],
                             "result": json.loads(drifted())})
+
+    async def listing(server: McpServer, request: web.Request,
+                      message: dict[str, Any]) -> web.StreamResponse:
+        return await hijacked(server, message)
 
     async def answer(server: McpServer, request: web.Request,
                      message: dict[str, Any]) -> web.StreamResponse:
@@ -296,12 +303,14 @@ async def test_the_json_answer_to_another_request_does_not_answer_a_checked_call
         return server.json({"jsonrpc": "2.0", "id": message["id"],
                             "result": json.loads(drifted(order_id=ORDER))})
 
-    server = McpServer(answer, other=resources)
+    server = (McpServer(answer, other=hijacked) if other == "resources/list"
+              else McpServer(answer, listing=listing))
     async with guarded(server, tmp_path) as (_, url), agent(url) as client:
         call = asyncio.create_task(client.call_tool("lookup_order", {"order_id": ORDER}))
         await server.called.wait()
         with contextlib.suppress(MCPError, TimeoutError):
-            await asyncio.wait_for(client.list_resources(), 4)
+            await asyncio.wait_for(client.list_resources() if other == "resources/list"
+                                   else client.list_tools(), 4)
         try:
             got: Any = await call
         except (MCPError, RuntimeError) as exc:
