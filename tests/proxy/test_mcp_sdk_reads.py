@@ -101,7 +101,8 @@ class McpServer:
             if self.listing is not None:
                 return await self.listing(self, request, message)
             return self.json({"jsonrpc": "2.0", "id": rpc_id, "result": {"tools": [
-                {"name": "lookup_order", "inputSchema": {"type": "object"}}]}})
+                {"name": name, "inputSchema": {"type": "object"}}
+                for name in ("lookup_order", "check_policy")]}})
         if method == "resources/list" and self.other is not None:
             return await self.other(self, message)
         if method == "tools/call":
@@ -131,8 +132,8 @@ async def streamed(request: web.Request, *events: bytes,
     return out
 
 
-def contract(base: str, **top: Any) -> Any:
-    document = {
+def contract(base: str, more_steps: dict[str, Any] | None = None, **top: Any) -> Any:
+    document: dict[str, Any] = {
         "workflow": "sdk-reads", "contract_version": 1,
         "run": {"key": ["header:x-stepguard-run"]},
         "upstreams": {"tools": {"url": base, "kind": "mcp", "mount": MOUNT, "timeout_s": 5}},
@@ -142,14 +143,15 @@ def contract(base: str, **top: Any) -> Any:
                 "order_id": {"const": ORDER}, "total": {"type": "integer", "maximum": LIMIT}}}}}},
         **top,
     }
+    document["steps"].update(more_steps or {})
     return parse_contract(json.dumps(document).encode(), "sdk-reads.json")
 
 
 @contextlib.asynccontextmanager
-async def guarded(server: McpServer, tmp_path: Any,
+async def guarded(server: McpServer, tmp_path: Any, more_steps: dict[str, Any] | None = None,
                   **top: Any) -> AsyncIterator[tuple[Stepguard, str]]:
     async with running(server.app()) as base:
-        sg = build(Settings(store=str(tmp_path / "s.db")), [contract(base, **top)])
+        sg = build(Settings(store=str(tmp_path / "s.db")), [contract(base, more_steps, **top)])
         async with running(create_proxy_app(sg)) as proxy:
             yield sg, f"{proxy}{MOUNT}{PATH}"
 
@@ -375,3 +377,39 @@ async def test_a_text_block_whose_text_is_no_string_fails_the_call_at_its_exit(
     assert caught.value.code == VIOLATION
     assert [(e["boundary"], e["verdict"], (e.get("violation") or {}).get("check"))
             for e in history] == [("entry", "pass", None), ("exit", "violation", "tool_error")]
+
+
+async def test_a_checked_calls_json_answer_naming_another_checked_call_answers_neither(
+        tmp_path: Any) -> None:
+    """Two checked calls in flight: lookup_order's JSON answer names check_policy's id. The SDK
+    hands it to the agent as check_policy's result, which only lookup_order's contract saw."""
+    policy_called = asyncio.Event()
+
+    async def answer(server: McpServer, request: web.Request,
+                     message: dict[str, Any]) -> web.StreamResponse:
+        if message["params"]["name"] == "check_policy":
+            policy_called.set()
+            await asyncio.sleep(1.0)
+            return server.json({"jsonrpc": "2.0", "id": message["id"], "result": {
+                "content": [], "structuredContent": {"order_id": ORDER, "approved": True}}})
+        await asyncio.wait_for(policy_called.wait(), 5)
+        policy = next(c for c in server.calls if c["params"]["name"] == "check_policy")
+        return server.json({"jsonrpc": "2.0", "id": policy["id"],
+                            "result": json.loads(drifted(order_id=ORDER))})
+
+    server = McpServer(answer)
+    steps = {"check_policy": {"match": {"tool": "check_policy"}, "output": {"schema": {
+        "type": "object", "required": ["approved"]}}}}
+    async with guarded(server, tmp_path, more_steps=steps) as (_, url), agent(url) as client:
+        lookup = asyncio.create_task(client.call_tool("lookup_order", {"order_id": ORDER}))
+        await server.called.wait()
+        try:
+            policy: Any = await client.call_tool("check_policy", {"order_id": ORDER})
+        except (MCPError, RuntimeError) as exc:
+            policy = exc
+        with contextlib.suppress(MCPError, RuntimeError):
+            await lookup
+
+    assert not (isinstance(policy, CallToolResult)
+                and "approved" not in (policy.structured_content or {})), \
+        f"check_policy's result was lookup_order's answer: {policy}"
