@@ -43,7 +43,13 @@ from stepguard.proxy.core.sse import (
 )
 from stepguard.proxy.core.unchecked import upstream_url
 from stepguard.proxy.mcp.cuts import Cut, Resumptions, stream_scope
-from stepguard.proxy.mcp.rpc import event_message, message_result, other_charset
+from stepguard.proxy.mcp.rpc import (
+    ANOTHER_ID,
+    event_message,
+    message_result,
+    names_another,
+    other_charset,
+)
 
 
 @dataclass(slots=True)
@@ -154,7 +160,7 @@ class McpUpstream:
             except UpstreamError as exc:     # mid-body: "cap" or "transport"
                 return McpAnswer(ToolResult(None, error=exc.detail, error_kind="cap"
                                             if exc.kind == "cap" else "transport"), resp.status)
-            result, message = self._result(body, resp.status, encoding)
+            result, message = self._result(body, resp.status, encoding, call.rpc_id)
             return McpAnswer(result, resp.status, headers, body, message=message)
 
     async def _relay_events(self, call: McpCall, resp: H1Response,
@@ -207,8 +213,8 @@ class McpUpstream:
     def _seen(self, call: McpCall, status: int | None, since: float) -> None:
         self.boundaries.upstream_seen(call.route, call.timing, since, status)
 
-    def _result(self, body: bytes, status: int,
-                encoding: str = "identity") -> tuple[ToolResult, dict[str, Any] | None]:
+    def _result(self, body: bytes, status: int, encoding: str = "identity",
+                rpc_id: Any = None) -> tuple[ToolResult, dict[str, Any] | None]:
         """The answer as the exit's result, and the JSON-RPC response it read it from."""
         if status >= 500:
             return ToolResult(status, error=f"MCP server answered {status}",
@@ -222,6 +228,9 @@ class McpUpstream:
             return ToolResult(status, error=exc.detail, error_kind="transport"), None
         if not isinstance(message, dict):
             return ToolResult(status, error="MCP server response is not a JSON-RPC object",
+                              error_kind="transport"), None
+        if names_another(message, rpc_id):    # the SDK would hand it to that request
+            return ToolResult(status, error=f"MCP server response: {ANOTHER_ID}",
                               error_kind="transport"), None
         return message_result(message), message
 
