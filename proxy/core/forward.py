@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -52,6 +52,7 @@ __all__ = [
     "BudgetSpent",
     "ClientEnd",
     "Forwarder",
+    "Screen",
     "Timing",
     "UpstreamError",
     "Upstreamed",
@@ -251,6 +252,8 @@ async def read_body(request: web.Request, limit: int, budget: BodyBudget,
 
 _IDLE_CHECK_S = 15.0
 SAME_AS_TIMEOUT = -1.0   # read timeout default: the call's own timeout (None: no read timeout)
+# sees an unchecked call's answer before it is relayed: the response to relay instead, or None
+Screen = Callable[[H1Response], Awaitable[web.StreamResponse | None]]
 
 
 async def read_chunks(resp: H1Response, request: web.Request,
@@ -422,13 +425,14 @@ class Forwarder:
     async def stream(self, request: web.Request, method: str, url: str,
                      headers: CIMultiDict[str], body: bytes, timeout_s: float,
                      timing: Timing, read_timeout_s: float | None = SAME_AS_TIMEOUT,
-                     kept: Kept | None = None) -> web.StreamResponse:
+                     kept: Kept | None = None, screen: Screen | None = None) -> web.StreamResponse:
         """Pass a call through without buffering the response (used for unchecked calls).
         Errors before the response starts raise UpstreamError; after it, the connection is cut.
         `read_timeout_s` bounds the wait for the head and the silence between chunks (default
         `timeout_s`; None: no bound on the silence, for long-lived event streams, whose head
         must still come within `timeout_s`). `kept` (learn mode) gets the answer's status,
-        headers and body as relayed (`Kept`)."""
+        headers and body as relayed (`Kept`). `screen` sees the answer first: the response it
+        returns (having read the body within `timeout_s`) is the one relayed, else None."""
         sock_read = timeout_s if read_timeout_s == SAME_AS_TIMEOUT else read_timeout_s
         limit = self.max_response_bytes
         since = time.perf_counter()
@@ -438,6 +442,17 @@ class Forwarder:
         if kept is not None:
             kept.status, kept.headers = resp.status, resp.headers
         async with resp:
+            if screen is not None:
+                try:
+                    async with asyncio.timeout(timeout_s):
+                        screened = await screen(resp)
+                except TimeoutError:
+                    raise UpstreamError("timeout", "upstream stalled mid-body") from None
+                except UpstreamConnectionError as exc:
+                    raise UpstreamError("transport", f"upstream failed mid-body: {exc}") from None
+                if screened is not None:
+                    timing.stamp(screened)
+                    return screened
             length = resp.content_length if resp.has_body else 0
             if length is not None and length > limit:
                 raise UpstreamError("cap", f"upstream response exceeds {limit} bytes")

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 from aiohttp import web
 from multidict import CIMultiDict
 
-from stepguard.proxy.core.forward import SAME_AS_TIMEOUT, Kept, Timing, UpstreamError
+from stepguard.proxy.core.forward import SAME_AS_TIMEOUT, Kept, Screen, Timing, UpstreamError
 from stepguard.proxy.core.problems import problem
 from stepguard.proxy.core.routing import Route
 
@@ -25,7 +25,8 @@ class UncheckedForwarder(Protocol):
     async def forward_unchecked(self, request: web.Request, route: Route,
                                 headers: CIMultiDict[str], body: bytes, timing: Timing,
                                 read_timeout_s: float | None = SAME_AS_TIMEOUT,
-                                kept: Kept | None = None) -> web.StreamResponse: ...
+                                kept: Kept | None = None,
+                                screen: Screen | None = None) -> web.StreamResponse: ...
 
 
 def unreachable_problem(exc: UpstreamError, **members: Any) -> web.Response:

@@ -53,6 +53,7 @@ from stepguard.proxy.core.forward import (
     SAME_AS_TIMEOUT,
     Forwarder,
     Kept,
+    Screen,
     Timing,
     Upstreamed,
     UpstreamError,
@@ -209,11 +210,12 @@ class HttpToolAdapter:
     async def forward_unchecked(self, request: web.Request, route: Route,
                                 headers: CIMultiDict[str], body: bytes, timing: Timing,
                                 read_timeout_s: float | None = SAME_AS_TIMEOUT,
-                                kept: Kept | None = None) -> web.StreamResponse:
+                                kept: Kept | None = None,
+                                screen: Screen | None = None) -> web.StreamResponse:
         try:
             return await self.forwarder.stream(request, request.method, upstream_url(route, request),
                                                headers, body, route.upstream.timeout_s, timing,
-                                               read_timeout_s, kept)
+                                               read_timeout_s, kept, screen)
         except UpstreamError as exc:
             return self._failed(exc, route)
 

@@ -4,8 +4,11 @@ A `tools/call` is a step (`match: {tool: NAME}` on an `mcp` upstream): its argum
 entry boundary's input; its result (`structuredContent`, else the JSON text content) is the exit
 boundary's output; `isError: true`, a JSON-RPC error, a transport failure or a timeout is a tool
 error. Everything else — discover, initialize, notifications, tools/list, resources, prompts,
-pings, the GET stream, DELETE — passes through untouched, in both protocol generations (session
-based, and the stateless 2026-07-28 protocol).
+pings, DELETE — passes through untouched, in both protocol generations (session based, and the
+stateless 2026-07-28 protocol); the GET stream too, but for the JSON-RPC responses on it, which
+the SDK would take for a pending call's answer: where tools are checked, they are withheld.
+The answer on a call's own stream is its first JSON-RPC response, whatever its id (the SDK
+reads it so), read as the SDK reads it or not at all (`rpc.event_message`).
 A violation is a JSON-RPC error answering the call's id (code -31000, details in `data`), so
 MCP clients raise `MCPError`. SSE responses are relayed event by event (progress notifications
 flow at once); only the event that answers the call is held until the exit check.
@@ -33,12 +36,13 @@ from multidict import CIMultiDict
 from stepguard.contracts.learned import Observation
 from stepguard.contracts.runs import RunBook
 from stepguard.metrics.observer import Observer
-from stepguard.proxy.core.bodies import BodyError
+from stepguard.proxy.core.bodies import BodyError, decode
 from stepguard.proxy.core.boundaries import Boundaries
 from stepguard.proxy.core.calls import Answer, CallLoop, Replayed, Stopped
 from stepguard.proxy.core.config import Settings
 from stepguard.proxy.core.correlation import ARGUMENT_RUN, NO_RUN_KEY, STORE
-from stepguard.proxy.core.forward import ClientEnd, Forwarder, Kept, Timing, end_to_end
+from stepguard.proxy.core.forward import ClientEnd, Forwarder, Kept, Screen, Timing, end_to_end
+from stepguard.proxy.core.h1client import H1Response
 from stepguard.proxy.core.holds import Held
 from stepguard.proxy.core.jsonrpc import (
     REQUEST_CODE,
@@ -55,7 +59,15 @@ from stepguard.proxy.mcp.approvals import InBand, Refused, answers_in_band, asks
 from stepguard.proxy.mcp.approvals import refused as refused_in_band
 from stepguard.proxy.mcp.listing import ToolLists, lists_tools
 from stepguard.proxy.mcp.resumption import McpResumption, Resumptions
-from stepguard.proxy.mcp.rpc import as_event, calls_tool, message_result, posted, refusal_for
+from stepguard.proxy.mcp.rpc import (
+    ANOTHER_ID,
+    answers_another,
+    as_event,
+    calls_tool,
+    message_result,
+    posted,
+    refusal_for,
+)
 from stepguard.proxy.mcp.upstream import McpAnswer, McpCall, McpUpstream
 
 __all__ = ["McpAdapter"]
@@ -75,6 +87,7 @@ class McpAdapter:
         self.settings = settings
         self.boundaries = boundaries
         self.http = http
+        self.forwarder = forwarder
         self.resumptions = Resumptions()
         self.upstream = McpUpstream(forwarder, settings, boundaries, self.resumptions)
         self.calls = CallLoop(self, runs, boundaries, observer, settings)
@@ -96,9 +109,12 @@ class McpAdapter:
             self.boundaries.call_refused(route, "unparseable", exc.detail, None, TRAFFIC)
             return error_response(None, REQUEST_CODE, f"stepguard: the request body cannot be "
                                   f"read to be checked: {exc.detail}", {"check": "request"})
-        if (request.method == "GET" and "last-event-id" in request.headers
-                and not self.settings.passthrough and _has_checked_tools(route)):
-            return await self.resumption.resume(request, route, headers, timing)
+        if request.method == "GET" and not self.settings.passthrough and _has_checked_tools(route):
+            if "last-event-id" in request.headers:
+                return await self.resumption.resume(request, route, headers, timing)
+            # the SDK takes an answer on the session's GET stream for the pending request
+            # whose id it names, a checked call's too: answers on it are withheld
+            return await self.resumption.withholding(request, route, headers, timing)
         message = calls_tool(parsed)
         if message is None and lists_tools(parsed) and not self.settings.passthrough \
                 and not route.contract.learning:
@@ -107,7 +123,8 @@ class McpAdapter:
                 return listed
         if message is None or self.settings.passthrough:
             return await self.http.forward_unchecked(request, route, headers, body, timing,
-                                                     read_timeout_s=None)
+                                                     read_timeout_s=None,
+                                                     screen=self._screen(route, parsed))
         if route.contract.learning:
             return await self._learn(request, route, headers, body, timing, message)
         if isinstance(message, list):
@@ -126,7 +143,8 @@ class McpAdapter:
                 self.boundaries.call_refused(route, "unmatched", detail, None, TRAFFIC)
                 return error_response(rpc_id, REQUEST_CODE, f"stepguard: {detail}",
                                       {"check": "unmatched"})
-            return await self.http.forward_unchecked(request, route, headers, body, timing)
+            return await self.http.forward_unchecked(request, route, headers, body, timing,
+                                                     screen=self._screen(route, message))
         meta: dict[str, Any] = params["_meta"] if isinstance(params.get("_meta"), dict) else {}
         keyed = await self.boundaries.run_keys.resolve(
             route.contract, step, request.headers, params.get("arguments"),
@@ -151,6 +169,41 @@ class McpAdapter:
                        traceparent=traceparent if isinstance(
                            traceparent := meta.get("traceparent"), str) else None)
         return await self.calls.checked(call)
+
+    def _screen(self, route: Route, parsed: Any) -> Screen | None:
+        """For a request passed through on an upstream with checked tools: its JSON answer is
+        read first, and one the SDK client would take for another request's answer (a checked
+        call's in flight: it dispatches a JSON answer by the id in it) is withheld, an error
+        for this request's id relayed instead. An event stream is not read: the SDK puts the
+        request's own id on the first answer in it."""
+        if (self.settings.passthrough or route.contract.learning or not _has_checked_tools(route)
+                or not isinstance(parsed, dict) or "id" not in parsed
+                or not isinstance(parsed.get("method"), str)):
+            return None
+        rpc_id = parsed["id"]
+
+        async def screen(resp: H1Response) -> web.StreamResponse | None:
+            content_type = resp.headers.get("content-type", "").lower()
+            if resp.status >= 400 or resp.status == 202 \
+                    or not content_type.startswith("application/json"):
+                return None      # the SDK reads no answer to another request from it
+            raw = await self.forwarder.read_capped(resp)
+            try:
+                text = decode(raw, resp.headers.get("content-encoding"),
+                              self.settings.max_response_bytes)
+            except BodyError:
+                text = None
+            if text is not None and not answers_another(text, rpc_id):
+                return web.Response(status=resp.status, reason=resp.reason, body=raw,
+                                    headers=end_to_end(resp.headers))
+            detail = (ANOTHER_ID if text is not None else
+                      "its content coding cannot be read to see which request it answers")
+            self.boundaries.call_refused(route, "unparseable", f"answer to {parsed['method']!r}: "
+                                         f"{detail}", None, TRAFFIC)
+            return error_response(rpc_id, REQUEST_CODE, f"stepguard: the MCP server's answer to "
+                                  f"this request is withheld: {detail}", {"check": "answer_id"})
+
+        return screen
 
     async def _learn(self, request: web.Request, route: Route, headers: CIMultiDict[str],
                      body: bytes, timing: Timing,

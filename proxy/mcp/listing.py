@@ -64,7 +64,7 @@ from stepguard.proxy.core.sse import (
     events_to_end,
 )
 from stepguard.proxy.core.unchecked import upstream_url
-from stepguard.proxy.mcp.rpc import as_event
+from stepguard.proxy.mcp.rpc import ANOTHER_ID, answers_another, as_event, names_another, other_charset
 
 __all__ = ["ToolLists", "lists_tools"]
 
@@ -179,7 +179,12 @@ class ToolLists:
         headers = end_to_end(resp.headers, HOP_BY_HOP | {"content-length"})
         encoding = resp.headers.get("content-encoding", "identity").strip().lower()
         if "text/event-stream" in resp.headers.get("content-type", "") and 200 <= resp.status < 300:
-            if encoding == "identity":
+            charset = other_charset(resp.headers.get("content-type", ""))
+            if charset is not None and allowed is not None:
+                return self._unreadable(route, rpc_id, f"its event stream is in charset "
+                                        f"{charset[:60]!r}, which the SDK decodes and "
+                                        "stepguard does not")
+            if encoding == "identity" and charset is None:
                 return await self._events(request, route, timing, resp, headers, rpc_id, allowed)
             if allowed is not None:
                 return self._unreadable(route, rpc_id, f"its event stream is compressed "
@@ -190,13 +195,18 @@ class ToolLists:
             answer = web.Response(status=resp.status, headers=headers, body=raw)
             timing.stamp(answer)
             return answer
+        text = None
         try:
-            message = parse_json(decode(raw, encoding, self.settings.max_response_bytes),
-                                 "MCP server's tools/list answer", self.settings.max_json_depth)
+            text = decode(raw, encoding, self.settings.max_response_bytes)
+            message = parse_json(text, "MCP server's tools/list answer",
+                                 self.settings.max_json_depth)
+            if names_another(message, rpc_id):
+                raise Unreadable(ANOTHER_ID)
             kept = self._filtered(route, request, message, rpc_id, allowed)
             body = raw if kept is None else orjson.dumps(kept)
         except (BodyError, Unreadable, TypeError) as exc:   # TypeError: orjson cannot write it
-            if allowed is not None:
+            if allowed is not None or str(exc) == ANOTHER_ID or (
+                    isinstance(exc, BodyError) and (text is None or answers_another(text, rpc_id))):
                 return self._unreadable(route, rpc_id, str(exc))
             kept, body = None, raw     # nothing to filter: passed on as it came
         if kept is not None:
@@ -220,7 +230,9 @@ class ToolLists:
                                if event is not None and event.data else {})
                     if event is not None and event.data and not message and allowed is not None:
                         raise Unreadable("an event of its stream is not a JSON object")
-                    if message.get("id") == rpc_id and ("result" in message or "error" in message):
+                    # the SDK takes the first response on the stream as the list's answer,
+                    # whatever its id: so does this
+                    if "result" in message or "error" in message:
                         kept = self._filtered(route, request, message, rpc_id, allowed)
                         head = f"id: {event.id}\r\n".encode() if event and event.id else b""
                         await client.write(raw if kept is None else head + as_event(kept))

@@ -34,10 +34,16 @@ from stepguard.proxy.core.forward import (
 )
 from stepguard.proxy.core.h1client import UpstreamConnectionError
 from stepguard.proxy.core.routing import Route
-from stepguard.proxy.core.sse import EventTooDeep, EventTooLarge, SSESplitter, event_json, events_to_end
+from stepguard.proxy.core.sse import (
+    EventTooDeep,
+    EventTooLarge,
+    EventUnreadable,
+    SSESplitter,
+    events_to_end,
+)
 from stepguard.proxy.core.unchecked import upstream_url
 from stepguard.proxy.mcp.cuts import Cut, Resumptions, stream_scope
-from stepguard.proxy.mcp.rpc import withheld
+from stepguard.proxy.mcp.rpc import event_message, other_charset, withheld
 from stepguard.proxy.mcp.upstream import McpAnswer, McpCall, McpUpstream
 
 __all__ = ["KEEPALIVE_S", "Cut", "McpResumption", "Resumptions", "stream_scope"]
@@ -91,11 +97,11 @@ class McpResumption:
         refusal) is handed over, waiting for it if the call is still at the server, or, if the
         server cut its stream before answering, the resumption goes on upstream and the answer
         is checked as it arrives. Any other stream resumes with its answers withheld
-        (`_resume_unheld`)."""
+        (`withholding`)."""
         scope = stream_scope(route, request)
         cut = self.resumptions.find(scope, request.headers["last-event-id"])
         if cut is None:
-            return await self._resume_unheld(request, route, headers, timing)
+            return await self.withholding(request, route, headers, timing)
         # the same session (part of the key), or without one the same run, resumes: never
         # another client's call
         if not scope[1] and run_id_for(route.contract, request.headers) != cut.call.run_id:
@@ -123,12 +129,15 @@ class McpResumption:
         answer = await self.upstream.attempt(call, time.perf_counter(), "GET", headers)
         return await self.calls.resumed(call, cut.attempt, answer)
 
-    async def _resume_unheld(self, request: web.Request, route: Route, headers: CIMultiDict[str],
-                             timing: Timing) -> web.StreamResponse:
-        """A stream stepguard holds no checked call of (the session's GET stream, or one held
-        by a process that has restarted since) resumes upstream, but every answer replayed on
-        it (a JSON-RPC response) is replaced by an error for its id: it may be a checked call's,
-        and no exit check sees it here. Notifications and server requests pass as they are."""
+    async def withholding(self, request: web.Request, route: Route, headers: CIMultiDict[str],
+                          timing: Timing) -> web.StreamResponse:
+        """A GET stream stepguard holds no checked call of (the session's GET stream, resumed
+        or not, or one held by a process that has restarted since) goes on upstream, but every
+        answer on it (a JSON-RPC response) is replaced by an error for its id: the SDK resolves
+        any pending request whose id an answer on that stream names, a checked call's too, and
+        no exit check sees it here. Notifications and server requests pass as they are; an
+        event the SDK may read otherwise than stepguard (`event_message`) is withheld as an
+        answer, and a stream in a charset other than UTF-8 is not relayed."""
         timeout_s = route.upstream.timeout_s
         ask_for_identity(headers)
         try:
@@ -136,14 +145,22 @@ class McpResumption:
                                              timeout_s)
         except UpstreamError as exc:
             return web.Response(status=504 if exc.kind == "timeout" else 502, text=exc.detail)
+        resumed = "last-event-id" in request.headers
         async with resp:
-            if resp.status != 200 or "text/event-stream" not in resp.headers.get("content-type", ""):
+            content_type = resp.headers.get("content-type", "")
+            encoding = resp.headers.get("content-encoding", "identity").strip().lower()
+            streams = "text/event-stream" in content_type.lower()
+            if streams and (encoding != "identity" or other_charset(content_type) is not None):
+                return web.Response(status=502, text="the MCP server sent its GET stream "
+                                    "compressed or in a charset other than UTF-8: its answers "
+                                    "cannot be withheld")
+            if not streams:     # the SDK reads a GET's events whatever its 2xx status
                 try:
                     body = await self.forwarder.read_capped(resp)
                 except UpstreamError as exc:
                     return web.Response(status=502, text=exc.detail)
                 return web.Response(status=resp.status, headers=end_to_end(resp.headers), body=body)
-            out = web.StreamResponse(status=200, headers=end_to_end(
+            out = web.StreamResponse(status=resp.status, headers=end_to_end(
                 resp.headers, HOP_BY_HOP | {"content-length"}))
             timing.stamp(out)
             end = await ClientEnd(out).start(request)
@@ -155,13 +172,12 @@ class McpResumption:
                 async with contextlib.aclosing(events_to_end(chunks, splitter)) as events:
                     async for raw, event in events:
                         try:
-                            message = (event_json(event.data, self.settings.max_json_depth)
-                                       if event is not None else {})
-                        except EventTooDeep:     # unreadable: it may be an answer, withheld
+                            message = event_message(event, self.settings.max_json_depth)
+                        except (EventTooDeep, EventUnreadable):  # it may be an answer: withheld
                             message = {"id": None, "error": None}
                         if "method" not in message and "id" in message and (
                                 "result" in message or "error" in message):
-                            raw = withheld(message["id"], event.id if event else "")
+                            raw = withheld(message["id"], event.id if event else "", resumed)
                         await end.write(raw)
                         if end.gone:
                             break

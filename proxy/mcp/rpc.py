@@ -5,10 +5,14 @@ MCP's words, each as the JSON answer or as an SSE `message` event."""
 
 from __future__ import annotations
 
+import codecs
+import json
+from email.message import Message
 from typing import Any, Final
 
 import orjson
 from aiohttp import web
+from httpx_sse import ServerSentEvent
 
 from stepguard.contracts.events import ToolResult
 from stepguard.proxy.core.bodies import MAX_JSON_DEPTH, BodyError, charset_of, decode, parse_json
@@ -16,8 +20,10 @@ from stepguard.proxy.core.calls import Call, Stopped
 from stepguard.proxy.core.jsonrpc import REQUEST_CODE, Refusal, Wording, rpc_error
 from stepguard.proxy.core.jsonrpc import as_event as _as_event
 from stepguard.proxy.core.jsonrpc import refusal_for as _refusal_for
+from stepguard.proxy.core.sse import event_json, model_event
 
-__all__ = ["mcp_trace_meta"]
+__all__ = ["ANOTHER_ID", "answers_another", "event_message", "mcp_trace_meta", "names_another",
+           "other_charset"]
 
 WORDING: Final = Wording(
     noun="call",
@@ -91,8 +97,12 @@ def message_result(message: dict[str, Any]) -> ToolResult:
     output = result.get("structuredContent")
     parse_error = None
     if output is None:
-        text = "".join(c.get("text", "") for c in result.get("content") or []
-                       if isinstance(c, dict) and c.get("type") == "text")
+        texts = [c.get("text", "") for c in result.get("content") or []
+                 if isinstance(c, dict) and c.get("type") == "text"]
+        if not all(isinstance(t, str) for t in texts):     # the SDK refuses the result too
+            return ToolResult(None, error="tool result has a text content block whose text is "
+                              "not a string", error_kind="transport")
+        text = "".join(texts)
         try:     # bounded like every parse (the default depth: no settings here)
             output = parse_json(text.encode(), "tool result text")
         except BodyError as exc:
@@ -107,16 +117,35 @@ def message_result(message: dict[str, Any]) -> ToolResult:
     return ToolResult(200, output)
 
 
+def event_message(event: ServerSentEvent | None, max_depth: int = MAX_JSON_DEPTH) -> dict[str, Any]:
+    """The JSON-RPC message an MCP server's event carries, as the `mcp` SDK client reads it ({}
+    for none, or for data that is no JSON object: the SDK ends the call on those with an error
+    of its own). The SDK reads only events named `message` (others it skips; they are read
+    leniently here, as before), and parses their data with pydantic's JSON parser, which reads
+    NaN and Infinity and keeps integers past 64 bits exact: such data raises EventUnreadable,
+    never read as an event that says nothing. Nested deeper than `max_depth`: EventTooDeep."""
+    if event is None or not event.data:
+        return {}
+    if event.event != "message":
+        return event_json(event.data, max_depth)
+    value = model_event(event.data, "an MCP server's event data")
+    if value and event.data.count("[") + event.data.count("{") > max_depth:
+        return event_json(event.data, max_depth)      # raises EventTooDeep past the limit
+    return value
+
+
 def as_event(message: dict[str, Any]) -> bytes:
     """A JSON-RPC message as the SSE event that carries it."""
     return _as_event(message, "message")
 
 
-def withheld(rpc_id: Any, event_id: str) -> bytes:
-    """The error that replaces an answer replayed on a resumed stream stepguard did not hold."""
-    error = rpc_error(rpc_id, REQUEST_CODE, "stepguard: an answer replayed on a resumed stream "
-                      "cannot be checked there; send the request again",
-                      {"check": "resumption"})
+def withheld(rpc_id: Any, event_id: str, resumed: bool = True) -> bytes:
+    """The error that replaces an answer on a GET stream stepguard does not check: replayed on
+    a resumed stream it did not hold, or sent on the session's GET stream."""
+    where = "replayed on a resumed stream" if resumed else "sent on the session's GET stream"
+    error = rpc_error(rpc_id, REQUEST_CODE, f"stepguard: an answer {where} cannot be checked "
+                      "there; send the request again",
+                      {"check": "resumption" if resumed else "get_stream"})
     head = f"id: {event_id}\r\n".encode() if event_id else b""
     return head + as_event(error)
 
@@ -124,3 +153,65 @@ def withheld(rpc_id: Any, event_id: str) -> bytes:
 def refusal_for(call: Call, why: Stopped) -> Refusal:
     """Why a checked call stops, as the JSON-RPC error that answers it."""
     return _refusal_for(call, why, WORDING)
+
+
+def other_charset(content_type: str) -> str | None:
+    """The charset an event stream's Content-Type names when it is a codec other than UTF-8,
+    else None. The SDK's HTTP client decodes the stream's text in that codec (a name it does
+    not know falls back to UTF-8); stepguard reads every event as UTF-8, so in UTF-16 or
+    Latin-1 the two would read other events, or other strings, from the same bytes."""
+    if "charset" not in content_type.lower():
+        return None
+    header = Message()
+    header["content-type"] = content_type
+    charset = header.get_content_charset(failobj=None)
+    if charset is None:
+        return None
+    try:
+        name = codecs.lookup(charset).name
+    except LookupError:
+        return None         # unknown to the SDK's client too: it reads UTF-8
+    except (ValueError, TypeError):
+        return charset
+    return None if name == "utf-8" else charset
+
+
+_NO_ID = object()
+ANOTHER_ID: Final = ("it names another request's id: the SDK would take it for that request's "
+                     "answer")
+
+
+def _sdk_id(value: Any) -> Any:
+    """A response's id as the SDK correlates it (`coerce_request_id`): a string that reads as
+    an integer is that integer ("7" and 7 are one id); an id the SDK cannot read, none."""
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        return _NO_ID
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            return value
+    return value
+
+
+def answers_another(body: bytes, rpc_id: Any) -> bool:
+    """Whether the JSON answer to the request `rpc_id` may be taken by the SDK client for the
+    answer to another of its requests: it dispatches a JSON answer by the id in it, not by
+    the request it came to, so a response or error naming another pending request's id (a
+    checked call's in flight) answers that one. Parsed as the SDK parses it (the standard
+    library reads NaN, Infinity and long integers as pydantic does); one that cannot be
+    parsed so may still be read by the SDK: True."""
+    try:
+        message = json.loads(body)
+    except (ValueError, RecursionError):
+        return True
+    return names_another(message, rpc_id)
+
+
+def names_another(message: Any, rpc_id: Any) -> bool:
+    """Whether a parsed JSON answer is a response or error the SDK would take for the answer to
+    another request than `rpc_id` (`answers_another`)."""
+    if not isinstance(message, dict) or ("result" not in message and "error" not in message):
+        return False
+    named = _sdk_id(message.get("id"))
+    return named is not _NO_ID and named != _sdk_id(rpc_id)

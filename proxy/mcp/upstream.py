@@ -34,10 +34,22 @@ from stepguard.proxy.core.forward import (
 )
 from stepguard.proxy.core.h1client import H1Response, UpstreamConnectionError
 from stepguard.proxy.core.holds import Target, http_target
-from stepguard.proxy.core.sse import EventTooDeep, EventTooLarge, SSESplitter, event_json, events_to_end
+from stepguard.proxy.core.sse import (
+    EventTooDeep,
+    EventTooLarge,
+    EventUnreadable,
+    SSESplitter,
+    events_to_end,
+)
 from stepguard.proxy.core.unchecked import upstream_url
 from stepguard.proxy.mcp.cuts import Cut, Resumptions, stream_scope
-from stepguard.proxy.mcp.rpc import message_result
+from stepguard.proxy.mcp.rpc import (
+    ANOTHER_ID,
+    event_message,
+    message_result,
+    names_another,
+    other_charset,
+)
 
 
 @dataclass(slots=True)
@@ -136,13 +148,19 @@ class McpUpstream:
                                                 f"stream ({encoding}) though asked for "
                                                 "identity: it cannot be checked",
                                                 error_kind="transport"), resp.status)
+                charset = other_charset(resp.headers.get("content-type", ""))
+                if charset is not None:
+                    return McpAnswer(ToolResult(None, error=f"MCP server sent its event stream "
+                                                f"in charset {charset[:60]!r}, which the SDK "
+                                                "decodes and stepguard does not: it cannot be "
+                                                "checked", error_kind="transport"), resp.status)
                 return await self._relay_events(call, resp, headers)
             try:
                 body = await self.forwarder.read_capped(resp)
             except UpstreamError as exc:     # mid-body: "cap" or "transport"
                 return McpAnswer(ToolResult(None, error=exc.detail, error_kind="cap"
                                             if exc.kind == "cap" else "transport"), resp.status)
-            result, message = self._result(body, resp.status, encoding)
+            result, message = self._result(body, resp.status, encoding, call.rpc_id)
             return McpAnswer(result, resp.status, headers, body, message=message)
 
     async def _relay_events(self, call: McpCall, resp: H1Response,
@@ -152,16 +170,22 @@ class McpUpstream:
             async with contextlib.aclosing(events_to_end(resp.iter_any(), splitter)) as events:
                 async for raw, event in events:
                     try:
-                        message = (event_json(event.data, self.settings.max_json_depth)
-                                   if event is not None else {})
+                        message = event_message(event, self.settings.max_json_depth)
                     except EventTooDeep as exc:
                         # unreadable, so taken as the call's answer, failed like an over-deep
                         # JSON answer: never relayed unchecked, never handed to the store
                         return McpAnswer(ToolResult(resp.status, error=f"MCP server response: "
                                                     f"{exc}", error_kind="transport"),
                                          resp.status, headers, raw, event=True)
-                    if message.get("id") == call.rpc_id and ("result" in message
-                                                             or "error" in message):
+                    except EventUnreadable as exc:
+                        # the SDK may read it as the answer (NaN, a long integer): failed,
+                        # and not relayed even if the failure is let through
+                        return McpAnswer(ToolResult(resp.status, error=f"MCP server response: "
+                                                    f"{exc}", error_kind="transport"),
+                                         resp.status)
+                    # the SDK takes the first response on a request's stream as its answer,
+                    # whatever its id says (it puts the request's own id on it): so does this
+                    if "result" in message or "error" in message:
                         return McpAnswer(message_result(message), resp.status, headers, raw,
                                          event=True, message=message)
                     out = await self._out(call, resp.status, headers)
@@ -189,8 +213,8 @@ class McpUpstream:
     def _seen(self, call: McpCall, status: int | None, since: float) -> None:
         self.boundaries.upstream_seen(call.route, call.timing, since, status)
 
-    def _result(self, body: bytes, status: int,
-                encoding: str = "identity") -> tuple[ToolResult, dict[str, Any] | None]:
+    def _result(self, body: bytes, status: int, encoding: str = "identity",
+                rpc_id: Any = None) -> tuple[ToolResult, dict[str, Any] | None]:
         """The answer as the exit's result, and the JSON-RPC response it read it from."""
         if status >= 500:
             return ToolResult(status, error=f"MCP server answered {status}",
@@ -205,5 +229,9 @@ class McpUpstream:
         if not isinstance(message, dict):
             return ToolResult(status, error="MCP server response is not a JSON-RPC object",
                               error_kind="transport"), None
+        if names_another(message, rpc_id):    # the SDK would hand it to that request
+            return ToolResult(status, error=f"MCP server response: {ANOTHER_ID}",
+                              error_kind="transport"), None
         return message_result(message), message
+
 
