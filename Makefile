@@ -12,7 +12,7 @@ BIN := $(VENV)/bin
 # resumption, correlation and cross-traffic joining across calls, reload under traffic, a
 # recorded answer across kill -9, run-key lock shards, counted refusals, listener slots, approvals
 # bound to their call, a tool client's own run header, stream faults, A2A sends joined to a model's
-# calls), run REPEAT more times after the
+# calls, answers the MCP and model SDKs read with calls in flight), run REPEAT more times after the
 # suite: a race that passes by luck once fails here instead of on someone's clean clone.
 REPEAT ?= 5
 REPEATED := tests/contracts/test_store.py tests/contracts/test_sqlite_store_counts.py \
@@ -29,7 +29,8 @@ REPEATED := tests/contracts/test_store.py tests/contracts/test_sqlite_store_coun
 	tests/e2e/test_hybrid_a2a.py tests/proxy/test_learn_mode_joining.py \
 	tests/proxy/test_mcp_in_band_approval.py tests/proxy/test_mcp_tool_lists.py \
 	tests/proxy/test_a2a_traffic.py tests/e2e/test_a2a.py tests/e2e/test_a2a_tasks.py \
-	tests/proxy/test_a2a_sdk_fields.py tests/proxy/test_a2a_read_as_clients_read.py
+	tests/proxy/test_a2a_sdk_fields.py tests/proxy/test_a2a_read_as_clients_read.py \
+	tests/proxy/test_mcp_sdk_reads.py tests/proxy/test_model_sdk_reads.py
 # ... and the multi-process ones (worker processes, replicas on one store: ~75 s a pass, each
 # test starting two or three stepguard processes) REPEAT_PROCESSES more times, so the repeat
 # pass stays within a few minutes of CI
