@@ -342,7 +342,8 @@ class _ChatAssembler:
     """Calls are keyed by (choice index, tool-call index): with `n` > 1 every choice numbers
     its tool calls from 0. Every string piece of a call's name, arguments, custom name and
     input is concatenated, as the openai SDK's stream accumulator does (a name streamed as
-    "check_" then "policy" is "check_policy"); the id is the first one sent. The SDK keeps a
+    "check_" then "policy" is "check_policy"); the id is the first one sent, and more of it in
+    a later piece is unclassified (the SDK would join it on). The SDK keeps a
     choice's calls in a list it inserts new indexes into, so a new index below one already
     seen would merge two calls there: such a stream is refused, as is a negative choice or
     tool-call index (the SDK's list counts it from the end). The SDK's stream helper skips a
@@ -423,12 +424,21 @@ class _ChatAssembler:
             call = self.calls[(number, index)] = {
                 "id": "", "types": set(), "name": [], "arguments": [], "custom_name": [],
                 "input": []}
+        ids: list[str] = []
+        _piece(ids, part.get("id"), "tool call id", self.unclassified)
+        piece = "".join(ids)
         if not call["id"]:
-            ids: list[str] = []
-            _piece(ids, part.get("id"), "tool call id", self.unclassified)
-            call["id"] = "".join(ids)
-            if call["id"]:
-                self.shown.append(call["id"])
+            call["id"] = piece
+            if piece:
+                self.shown.append(piece)
+        elif piece:
+            # the openai stream helper joins every piece of the id (`call_` + `1`, or `call_1`
+            # sent twice: `call_1call_1`), a reader of the raw chunks keeps the first: the
+            # agent's result could name either, and one of them no call stepguard checked
+            self.unclassified.append(f"tool call {call['id'][:60]!r} sent more of its id in a "
+                                     f"later piece ({piece[:60]!r}), which the openai stream "
+                                     "helper joins to it and a reader of the raw chunks does "
+                                     "not")
         if part.get("type") is not None:
             call["types"].add(part["type"])
         function = part.get("function")

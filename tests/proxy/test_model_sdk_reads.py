@@ -18,14 +18,11 @@ from typing import Any
 import anthropic
 import openai
 import pytest
-from aiohttp import web
 from conftest_model import SDK_ERRORS, in_stream, provider_error
 from test_model_tool_call_shapes import (
     RESPONSES_FUNCTION,
     TOOL_USE,
-    chat_whole,
     contract,
-    lookup_needs_customer,
     sse,
 )
 from test_stream_faults import streaming_model
@@ -276,47 +273,21 @@ async def test_an_item_finished_again_after_the_completed_response_ends_the_turn
             for e in await guard.history(run) if e["verdict"] == "pass"] == []
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "stepguard keeps a streamed call's first id piece (`call_`), the openai stream helper joins "
-    "them all (`call_1`): the result's id finds no pending call and passes unchecked. Joining "
-    "like the helper breaks readers of raw chunks and providers that repeat the id in every "
-    "chunk (test_model_turn: 'a call id sent again in a later piece'); refusing a second id "
-    "piece refuses those providers: a design choice, not made here"))
-async def test_the_result_of_a_call_whose_id_streamed_in_pieces_is_its_exit(
-        aiohttp_server, stepguard):
-    """The openai SDK joins every piece of a streamed tool call's id (`call_` + `1`), like its
-    name and arguments: the agent answers `call_1`, which must be the id stepguard checked and
-    keeps pending, so the result is checked at the call's exit (here: refused, no customer)."""
-    body = chat_turn(chat_chunk(choice(call_piece(0, "lookup_order", "", "call_"))),
-                     chat_chunk(choice({"tool_calls": [{"index": 0, "id": "1", "function": {
+@pytest.mark.parametrize("later", ["1", "call_1"], ids=["rest-of-the-id", "the-id-again"])
+async def test_a_call_id_sent_in_more_than_one_piece_ends_the_turn(aiohttp_server, stepguard,
+                                                                   later: str):
+    """The openai stream helper joins every piece of a streamed call's id, as it joins its name
+    and arguments (`call_` + `1` is `call_1`; `call_1` sent twice is `call_1call_1`), where a
+    reader of the raw chunks keeps the first: the agent's result could name an id no checked
+    call has, and its exit would go unchecked. Such a turn ends; nothing of it is stored."""
+    first = "call_" if later == "1" else "call_1"
+    body = chat_turn(chat_chunk(choice(call_piece(0, "check_policy", "", first))),
+                     chat_chunk(choice({"tool_calls": [{"index": 0, "id": later, "function": {
                          "arguments": "{}"}}]})))
 
-    async def answer(request: web.Request) -> web.StreamResponse:
-        if not (await request.json()).get("stream"):
-            return web.json_response(chat_whole({"content": "done"}))
-        out = web.StreamResponse(headers={"content-type": "text/event-stream"})
-        await out.prepare(request)
-        await out.write(body)
-        return out
+    built, raised, guard = await handed(aiohttp_server, stepguard, "openai", body, chat_helper)
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", answer)
-    server = await aiohttp_server(app)
-    guard = await stepguard(lookup_needs_customer(str(server.make_url("")).rstrip("/")))
-    base = str(guard.client.make_url("/o"))
-    async with (openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="k", max_retries=0) as client,
-                client.chat.completions.stream(model="m", messages=ASKED) as stream):
-        message = (await stream.get_final_completion()).choices[0].message
-    [call] = message.tool_calls or []
-    assert call.id == "call_1"      # as the SDK joins it
-
-    async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="k", max_retries=0) as client:
-        with pytest.raises(openai.APIStatusError) as refused:
-            await client.chat.completions.create(model="m", messages=[
-                *ASKED, {"role": "assistant", "tool_calls": [call.model_dump()]},
-                {"role": "tool", "tool_call_id": call.id, "content": '{"name": "c1"}'}])
-
-    assert refused.value.status_code == 422
+    await assert_ended_unchecked(built, raised, guard)
 
 
 async def test_an_unterminated_event_after_message_stop_ends_the_turn(aiohttp_server, stepguard):

@@ -182,7 +182,8 @@ ROWS = [
         [C_TEXT, C_CALL + C_ARGS + C_FINISH_CALLS + C_DONE],
         [("relay", C_TEXT), ("show", ("call_1",)), ("relay", C_CALL + C_ARGS + C_FINISH_CALLS),
          ("check", (C_DONE,), CALL, None)]),
-    Row("chat: a call id sent again in a later piece is not shown again", CHAT,
+    Row("chat: a call id sent again in a later piece is shown once (its turn is then refused "
+        "as unclassified: test_model_sdk_reads)", CHAT,
         [C_CALL, C_ARGS_AGAIN + C_FINISH_CALLS + C_DONE],
         [("show", ("call_1",)), ("relay", C_CALL), ("relay", C_ARGS_AGAIN + C_FINISH_CALLS),
          ("check", (C_DONE,), CALL, None)]),
