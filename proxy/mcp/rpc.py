@@ -23,7 +23,7 @@ from stepguard.proxy.core.jsonrpc import refusal_for as _refusal_for
 from stepguard.proxy.core.sse import event_json, model_event
 
 __all__ = ["ANOTHER_ID", "answers_another", "event_message", "mcp_trace_meta", "names_another",
-           "other_charset"]
+           "other_charset", "sdk_bool"]
 
 WORDING: Final = Wording(
     noun="call",
@@ -88,12 +88,23 @@ def calls_tool(message: Any) -> Any:
 
 def message_result(message: dict[str, Any]) -> ToolResult:
     """A JSON-RPC response to a tools/call as the exit boundary's result: `structuredContent`,
-    else the JSON text content; `isError` or a JSON-RPC error is a tool error."""
+    else the JSON text content; `isError` (read as the SDK reads a boolean: `sdk_bool`) or a
+    JSON-RPC error is a tool error. A result the SDK reads otherwise (a field in snake_case, an
+    `isError` it refuses) fails the call."""
     if "error" in message:
         error: dict[str, Any] = message["error"] if isinstance(message["error"], dict) else {}
         return ToolResult(None, error=f"JSON-RPC error {error.get('code')}: "
                           f"{error.get('message')}", error_kind="tool")
     result: dict[str, Any] = message["result"] if isinstance(message.get("result"), dict) else {}
+    snake = next((name for name in _SNAKE_CASE if name in result), None)
+    if snake is not None:      # the SDK reads it as the camelCase field stepguard reads
+        return ToolResult(None, error=f"tool result names {snake!r}, which the mcp SDK reads as "
+                          f"{_SNAKE_CASE[snake]!r} and stepguard does not", error_kind="transport")
+    failed = sdk_bool(result.get("isError", False))
+    if failed is None:         # the SDK refuses the result: no answer the agent gets
+        return ToolResult(None, error=f"tool result's isError is "
+                          f"{orjson.dumps(result.get('isError'), default=str).decode()[:60]}, "
+                          "which the mcp SDK does not read as a boolean", error_kind="transport")
     output = result.get("structuredContent")
     parse_error = None
     if output is None:
@@ -109,12 +120,33 @@ def message_result(message: dict[str, Any]) -> ToolResult:
             output = {"text": text}
             parse_error = ("tool result has neither structuredContent nor JSON text"
                            f" ({exc.detail})")
-    if result.get("isError") is True:
+    if failed:
         return ToolResult(None, output, error="tool reported isError: "
                           f"{orjson.dumps(output).decode()[:500]}", error_kind="tool")
     if parse_error:
         return ToolResult(200, None, error=parse_error, error_kind="parse")
     return ToolResult(200, output)
+
+
+# a result's fields the mcp SDK's model also reads under their Python names (pydantic,
+# `populate_by_name`): a server that sends one would hand the agent what stepguard never read
+_SNAKE_CASE: Final = {"structured_content": "structuredContent", "is_error": "isError"}
+_TRUE: Final = frozenset(("1", "on", "t", "true", "y", "yes"))
+_FALSE: Final = frozenset(("0", "off", "f", "false", "n", "no"))
+
+
+def sdk_bool(value: Any) -> bool | None:
+    """`value` as the mcp SDK's pydantic model reads a boolean (lax: 1, "true", "Yes", "on"...
+    are True), None where it refuses it (null, 2, " true"). tests/proxy/test_mcp_sdk_reads.py
+    holds it to pydantic's own reading."""
+    if value is True or value is False:
+        return value
+    if type(value) is int or type(value) is float:
+        return True if value == 1 else False if value == 0 else None
+    if type(value) is str:
+        low = value.lower()
+        return True if low in _TRUE else False if low in _FALSE else None
+    return None
 
 
 def event_message(event: ServerSentEvent | None, max_depth: int = MAX_JSON_DEPTH) -> dict[str, Any]:

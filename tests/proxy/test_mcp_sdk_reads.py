@@ -35,6 +35,7 @@ from mcp.types import CallToolResult
 from stepguard.bench.harness import running
 from stepguard.contracts.loader import parse_contract
 from stepguard.proxy.core.config import Settings
+from stepguard.proxy.mcp.rpc import sdk_bool
 from stepguard.proxy.ops.app import Stepguard, build
 from stepguard.proxy.ops.app import create_app as create_proxy_app
 
@@ -413,3 +414,61 @@ async def test_a_checked_calls_json_answer_naming_another_checked_call_answers_n
     assert not (isinstance(policy, CallToolResult)
                 and "approved" not in (policy.structured_content or {})), \
         f"check_policy's result was lookup_order's answer: {policy}"
+
+
+# --- a result's fields as the SDK's model reads them ---------------------------------------------
+
+
+@pytest.mark.parametrize("value", [
+    True, False, 1, 0, 1.0, 0.0, 0.5, 2, -1, "true", "TRUE", "tRuE", "false", "t", "F", "y", "N",
+    "yes", "no", "on", "OFF", "1", "0", "2", "1.0", "", " true", "true ", "yes\n", None, [], {},
+    "\uff34\uff32\uff35\uff25", "\uff54", "\u0130"])
+def test_is_error_is_read_as_the_sdks_model_reads_a_boolean(value: Any) -> None:
+    try:
+        sdk: bool | None = CallToolResult.model_validate({"content": [], "isError": value}).is_error
+    except ValueError:      # pydantic's ValidationError: the SDK refuses the result
+        sdk = None
+    assert sdk_bool(value) is sdk
+
+
+@pytest.mark.parametrize("result", [
+    {"content": [], "structuredContent": {"order_id": ORDER}, "isError": "true"},
+    {"content": [], "structuredContent": {"order_id": ORDER}, "isError": 1},
+    {"content": [], "structuredContent": {"order_id": ORDER}, "is_error": True},
+], ids=["isError-as-a-string", "isError-as-a-number", "is_error-in-snake-case"])
+async def test_a_result_the_sdk_reads_as_an_error_is_a_tool_error(tmp_path: Any,
+                                                                   result: dict[str, Any]) -> None:
+    """The SDK hands the agent `is_error=True` for each: the step must not be taken as done."""
+    async def answer(server: McpServer, request: web.Request,
+                     message: dict[str, Any]) -> web.StreamResponse:
+        return server.json({"jsonrpc": "2.0", "id": message["id"], "result": result})
+
+    server = McpServer(answer)
+    async with guarded(server, tmp_path) as (sg, url), agent(url) as client:
+        with pytest.raises(MCPError) as caught:
+            await client.call_tool("lookup_order", {"order_id": ORDER})
+        history = await sg.store.history("r1")
+
+    assert caught.value.code == VIOLATION
+    assert [(e["boundary"], e["verdict"], (e.get("violation") or {}).get("check"))
+            for e in history] == [("entry", "pass", None), ("exit", "violation", "tool_error")]
+
+
+async def test_a_structured_result_in_snake_case_is_not_handed_over_unread(tmp_path: Any) -> None:
+    """The SDK's model reads `structured_content` as its `structuredContent`: the agent would
+    get ord-EVIL while stepguard checked the text content's ord-7."""
+    async def answer(server: McpServer, request: web.Request,
+                     message: dict[str, Any]) -> web.StreamResponse:
+        return server.json({"jsonrpc": "2.0", "id": message["id"], "result": {
+            "content": [{"type": "text", "text": json.dumps({"order_id": ORDER})}],
+            "structured_content": {"order_id": EVIL}}})
+
+    server = McpServer(answer)
+    async with guarded(server, tmp_path) as (sg, url), agent(url) as client:
+        with pytest.raises(MCPError) as caught:
+            await client.call_tool("lookup_order", {"order_id": ORDER})
+        history = await sg.store.history("r1")
+
+    assert caught.value.code == VIOLATION
+    assert [(e["boundary"], e["verdict"]) for e in history] == [
+        ("entry", "pass"), ("exit", "violation")]
