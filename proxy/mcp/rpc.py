@@ -107,19 +107,24 @@ def message_result(message: dict[str, Any]) -> ToolResult:
                           "which the mcp SDK does not read as a boolean", error_kind="transport")
     output = result.get("structuredContent")
     parse_error = None
+    texts = [c.get("text", "") for c in result.get("content") or []
+             if isinstance(c, dict) and c.get("type") == "text"]
+    if not all(isinstance(t, str) for t in texts):     # the SDK refuses the result too
+        return ToolResult(None, error="tool result has a text content block whose text is "
+                          "not a string", error_kind="transport")
+    text = "".join(texts)
     if output is None:
-        texts = [c.get("text", "") for c in result.get("content") or []
-                 if isinstance(c, dict) and c.get("type") == "text"]
-        if not all(isinstance(t, str) for t in texts):     # the SDK refuses the result too
-            return ToolResult(None, error="tool result has a text content block whose text is "
-                              "not a string", error_kind="transport")
-        text = "".join(texts)
         try:     # bounded like every parse (the default depth: no settings here)
             output = parse_json(text.encode(), "tool result text")
         except BodyError as exc:
             output = {"text": text}
             parse_error = ("tool result has neither structuredContent nor JSON text"
                            f" ({exc.detail})")
+    elif len(texts) == 1 and _json_other_than(texts[0], output):
+        # the SDK hands the agent both, and a model reads the text: the two must say one thing
+        return ToolResult(None, error="tool result's text content is JSON other than its "
+                          "structuredContent: the agent would read what was not checked",
+                          error_kind="transport")
     if failed:
         return ToolResult(None, output, error="tool reported isError: "
                           f"{orjson.dumps(output).decode()[:500]}", error_kind="tool")
@@ -133,6 +138,27 @@ def message_result(message: dict[str, Any]) -> ToolResult:
 _SNAKE_CASE: Final = {"structured_content": "structuredContent", "is_error": "isError"}
 _TRUE: Final = frozenset(("1", "on", "t", "true", "y", "yes"))
 _FALSE: Final = frozenset(("0", "off", "f", "false", "n", "no"))
+
+
+def _json_other_than(text: str, structured: Any) -> bool:
+    """Whether a result's one text block is JSON whose value is neither `structured` nor, for
+    `{"result": value}`, that value (the SDK's server wraps a tool's value that is no object
+    so, and writes the value alone as text). Text that is no JSON (prose) says nothing a check
+    could compare; nor do several text blocks (a list's items, one block each)."""
+    try:
+        value = parse_json(text.encode(), "tool result text")
+    except BodyError:
+        return False
+    # as JSON, not as Python values: `true` and `1`, or `1` and `1.0`, are not one value
+    said = orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+    wrapped = (structured["result"] if isinstance(structured, dict) and len(structured) == 1
+               and "result" in structured else _NOTHING)
+    return said != orjson.dumps(structured, option=orjson.OPT_SORT_KEYS, default=str) and (
+        wrapped is _NOTHING or said != orjson.dumps(wrapped, option=orjson.OPT_SORT_KEYS,
+                                                    default=str))
+
+
+_NOTHING: Final = object()
 
 
 def sdk_bool(value: Any) -> bool | None:

@@ -35,7 +35,7 @@ from mcp.types import CallToolResult
 from stepguard.bench.harness import running
 from stepguard.contracts.loader import parse_contract
 from stepguard.proxy.core.config import Settings
-from stepguard.proxy.mcp.rpc import sdk_bool
+from stepguard.proxy.mcp.rpc import message_result, sdk_bool
 from stepguard.proxy.ops.app import Stepguard, build
 from stepguard.proxy.ops.app import create_app as create_proxy_app
 
@@ -51,10 +51,11 @@ LIMIT = 2**64          # the contract's maximum for `total`: 2**64 + 1 is past i
 
 def drifted(order_id: str = EVIL, total: str = "1") -> str:
     """A tools/call result whose structured content the contract refuses (`order_id`), as JSON
-    text: `total` is spliced in as written (NaN, a long integer)."""
-    text = json.dumps(json.dumps({"order_id": order_id}))
-    return (f'{{"content":[{{"type":"text","text":{text}}}],'
-            f'"structuredContent":{{"order_id":"{order_id}","total":{total}}}}}')
+    text, its text content the same JSON: `total` is spliced in as written (NaN, a long
+    integer)."""
+    structured = f'{{"order_id":"{order_id}","total":{total}}}'
+    return (f'{{"content":[{{"type":"text","text":{json.dumps(structured)}}}],'
+            f'"structuredContent":{structured}}}')
 
 
 def response(rpc_id: Any, result: str) -> str:
@@ -472,3 +473,74 @@ async def test_a_structured_result_in_snake_case_is_not_handed_over_unread(tmp_p
     assert caught.value.code == VIOLATION
     assert [(e["boundary"], e["verdict"]) for e in history] == [
         ("entry", "pass"), ("exit", "violation")]
+
+
+@pytest.mark.parametrize("text", ['{"order_id": "ord-EVIL"}', '{"order_id": "ord-7", "ok": 1}'],
+                         ids=["another-order", "1-for-true"])
+async def test_text_content_that_is_json_other_than_the_structured_content_fails_the_call(
+        tmp_path: Any, text: str) -> None:
+    """The SDK hands the agent both; a model reads the text: it must say what was checked."""
+    async def answer(server: McpServer, request: web.Request,
+                     message: dict[str, Any]) -> web.StreamResponse:
+        return server.json({"jsonrpc": "2.0", "id": message["id"], "result": {
+            "content": [{"type": "text", "text": text}],
+            "structuredContent": {"order_id": ORDER, "ok": True}}})
+
+    server = McpServer(answer)
+    async with guarded(server, tmp_path) as (sg, url), agent(url) as client:
+        with pytest.raises(MCPError) as caught:
+            await client.call_tool("lookup_order", {"order_id": ORDER})
+        history = await sg.store.history("r1")
+
+    assert caught.value.code == VIOLATION
+    assert [(e["boundary"], e["verdict"]) for e in history] == [
+        ("entry", "pass"), ("exit", "violation")]
+
+
+@pytest.mark.parametrize("text", ['{"ok": true, "order_id": "ord-7"}', "Found order ord-7."],
+                         ids=["the-same-json", "prose"])
+async def test_text_content_that_says_the_structured_content_or_is_prose_passes(
+        tmp_path: Any, text: str) -> None:
+    async def answer(server: McpServer, request: web.Request,
+                     message: dict[str, Any]) -> web.StreamResponse:
+        return server.json({"jsonrpc": "2.0", "id": message["id"], "result": {
+            "content": [{"type": "text", "text": text}],
+            "structuredContent": {"order_id": ORDER, "ok": True}}})
+
+    server = McpServer(answer)
+    async with guarded(server, tmp_path) as (sg, url), agent(url) as client:
+        result = await client.call_tool("lookup_order", {"order_id": ORDER})
+        history = await sg.store.history("r1")
+
+    assert result.structured_content == {"order_id": ORDER, "ok": True}
+    assert [(e["boundary"], e["verdict"]) for e in history] == [("entry", "pass"), ("exit", "pass")]
+
+
+def text_result(structured: Any, *texts: str) -> dict[str, Any]:
+    return {"jsonrpc": "2.0", "id": 1, "result": {
+        "content": [{"type": "text", "text": t} for t in texts], "structuredContent": structured}}
+
+
+@pytest.mark.parametrize(("structured", "texts"), [
+    ({"result": 5}, ["5"]),
+    ({"result": 2.0}, ["2.0"]),
+    ({"result": ["1", "2"]}, ["1", "2"]),
+    ({"order_id": ORDER}, ['{\n  "order_id": "ord-7"\n}']),
+], ids=["an-int-wrapped", "a-float-wrapped", "a-list-one-block-an-item", "an-object-indented"])
+def test_text_the_sdks_server_writes_beside_structured_content_is_read_as_saying_it(
+        structured: Any, texts: list[str]) -> None:
+    """The SDK's server wraps a tool's value that is no object as `{"result": value}` and
+    writes the value alone as text (a list: one block an item)."""
+    result = message_result(text_result(structured, *texts))
+    assert (result.error, result.output) == (None, structured)
+
+
+@pytest.mark.parametrize(("structured", "texts"), [
+    ({"result": 5}, ["6"]),
+    ({"result": 5, "more": 1}, ["5"]),
+    ({"order_id": ORDER}, ['{"order_id": "ord-EVIL"}']),
+], ids=["another-value", "not-only-a-result", "another-object"])
+def test_one_text_block_of_json_other_than_the_structured_content_is_no_answer(
+        structured: Any, texts: list[str]) -> None:
+    result = message_result(text_result(structured, *texts))
+    assert result.output is None and result.error_kind == "transport"
