@@ -8,7 +8,11 @@ mode appends with, to a store opened as `serve` opens it, as CPU time of the who
 
 `answer_micro()`: the parts of checking the `contract` row's answer, each timed alone in a tight
 loop (warm caches: a floor, not what a call in the server pays). `python -m
-stepguard.bench.micro answer [--items N] [-n N]` prints them as JSON."""
+stepguard.bench.micro answer [--items N] [-n N]` prints them as JSON.
+
+`relay_micro()`: the `model_stream` row's streamed turn (the bench upstream's 7 events) read
+by the relay's core (`TurnRelay`: cut into events, decoded, assembled, the turn built), in a
+tight loop. `python -m stepguard.bench.micro relay [-n N]`."""
 
 from __future__ import annotations
 
@@ -49,7 +53,8 @@ from stepguard.proxy.core.config import Settings
 from stepguard.proxy.core.learning import append_learned, learning, stored_fields
 from stepguard.proxy.ops.app import settings_store
 
-__all__ = ["PAYLOAD_HISTORY_BYTES", "answer_micro", "boundary_micro", "learn_append_micro"]
+__all__ = ["PAYLOAD_HISTORY_BYTES", "answer_micro", "boundary_micro", "learn_append_micro",
+           "relay_micro"]
 
 PAYLOAD_HISTORY_BYTES = Settings().payload_history_bytes   # stepguard's default
 
@@ -214,6 +219,39 @@ def answer_micro(n: int = 2000, items: int = bench_upstream.ITEMS) -> dict[str, 
     return result
 
 
+def relay_micro(n: int = 2000) -> dict[str, Any]:
+    """Median µs to read the `model_stream` row's turn through `TurnRelay` (as one chunk, its
+    7 events: the upstream writes them at once), `n` times after a warm-up; the turn must come
+    out whole (one tool call, the terminator held)."""
+    if n < 1:
+        raise ValueError("n must be at least 1")
+    from stepguard.proxy.model.dialects import ChatCompletions
+    from stepguard.proxy.model.turn import Check, TurnRelay
+
+    dialect = ChatCompletions()
+    events = bench_upstream.chat_events()
+    stream = b"".join(events)
+
+    def one() -> object:
+        relay = TurnRelay(dialect, hold_calls=False, max_bytes=1 << 20, max_calls=64,
+                          max_event_bytes=1 << 20)
+        for _ in relay.feed(stream):
+            pass
+        return relay.end()
+
+    ended = one()
+    if not isinstance(ended, Check) or len(ended.turn.calls) != 1:
+        raise RuntimeError(f"the bench's turn did not come out whole: {ended!r}")
+    times = []
+    for i in range(n + min(200, n)):
+        t0 = time.perf_counter()
+        one()
+        if i >= min(200, n):
+            times.append(time.perf_counter() - t0)
+    return {"n": n, "events": len(events), "stream_bytes": len(stream),
+            "median_us": round(statistics.median(times) * 1e6, 2)}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m stepguard.bench.micro",
                                      description="the bench's in-process micro-benchmarks")
@@ -221,9 +259,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     answer = sub.add_parser("answer", help="the parts of checking the contract row's answer")
     answer.add_argument("--items", type=int, default=bench_upstream.ITEMS)
     answer.add_argument("-n", type=int, default=2000)
+    relay = sub.add_parser("relay", help="the model_stream row's turn through the relay's core")
+    relay.add_argument("-n", type=int, default=2000)
     args = parser.parse_args(argv)
     try:
-        found = answer_micro(args.n, args.items)
+        found = (answer_micro(args.n, args.items) if args.which == "answer"
+                 else relay_micro(args.n))
     except ValueError as exc:
         parser.error(str(exc))
     print(orjson.dumps(found, option=orjson.OPT_INDENT_2).decode())

@@ -30,7 +30,12 @@ from stepguard.bench import upstream as bench_upstream
 from stepguard.bench.harness import free_port, percentile
 from stepguard.bench.hops import Bench, parse_wrk
 from stepguard.bench.load import closed_loop, loadgen
-from stepguard.bench.micro import answer_micro, boundary_micro, learn_append_micro
+from stepguard.bench.micro import (
+    answer_micro,
+    boundary_micro,
+    learn_append_micro,
+    relay_micro,
+)
 from stepguard.bench.procstat import children
 from stepguard.bench.proxy import (
     ROWS,
@@ -421,6 +426,14 @@ def test_answer_micro_times_each_part_of_checking_the_answer_of_the_size_asked()
         answer_micro(0)
     with pytest.raises(ValueError, match="at least one line item"):
         answer_micro(20, 0)
+
+
+def test_relay_micro_reads_the_model_stream_rows_turn_whole() -> None:
+    micro = relay_micro(20)
+    assert (micro["n"], micro["events"]) == (20, len(bench_upstream.chat_events()))
+    assert micro["median_us"] > 0
+    with pytest.raises(ValueError):
+        relay_micro(0)
 
 
 def test_learn_append_micro_weighs_the_event_the_learn_row_stores() -> None:
