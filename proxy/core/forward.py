@@ -25,7 +25,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -250,6 +250,7 @@ async def read_body(request: web.Request, limit: int, budget: BodyBudget,
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
+T = TypeVar("T")
 _IDLE_CHECK_S = 15.0
 SAME_AS_TIMEOUT = -1.0   # read timeout default: the call's own timeout (None: no read timeout)
 # sees an unchecked call's answer before it is relayed: the response to relay instead, or None
@@ -330,6 +331,18 @@ class ClientEnd:
 
 
 CONNECT_BACKOFF_S = 0.25   # the first wait before another try to reach an upstream; doubles
+
+
+async def _mid_body(reading: Awaitable[T], timeout_s: float | None) -> T:
+    """`reading` of an answer whose head has come, within `timeout_s`: a stall or a transport
+    failure is the UpstreamError it is mid-body."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await reading
+    except TimeoutError:
+        raise UpstreamError("timeout", "upstream stalled mid-body") from None
+    except UpstreamConnectionError as exc:
+        raise UpstreamError("transport", f"upstream failed mid-body: {exc}") from None
 
 
 class Forwarder:
@@ -443,13 +456,7 @@ class Forwarder:
             kept.status, kept.headers = resp.status, resp.headers
         async with resp:
             if screen is not None:
-                try:
-                    async with asyncio.timeout(timeout_s):
-                        screened = await screen(resp)
-                except TimeoutError:
-                    raise UpstreamError("timeout", "upstream stalled mid-body") from None
-                except UpstreamConnectionError as exc:
-                    raise UpstreamError("transport", f"upstream failed mid-body: {exc}") from None
+                screened = await _mid_body(screen(resp), timeout_s)
                 if screened is not None:
                     timing.stamp(screened)
                     return screened
@@ -458,13 +465,7 @@ class Forwarder:
                 raise UpstreamError("cap", f"upstream response exceeds {limit} bytes")
             if length is not None and length <= _SMALL:
                 # a small body of known size: one read, one write, as cheap as a proxy gets
-                try:
-                    async with asyncio.timeout(sock_read):
-                        body_in = await resp.read()
-                except TimeoutError:
-                    raise UpstreamError("timeout", "upstream stalled mid-body") from None
-                except UpstreamConnectionError as exc:
-                    raise UpstreamError("transport", f"upstream failed mid-body: {exc}") from None
+                body_in = await _mid_body(resp.read(), sock_read)
                 if kept is not None:
                     kept.keep(body_in)
                     kept.whole = True

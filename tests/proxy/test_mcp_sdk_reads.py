@@ -432,6 +432,26 @@ def test_is_error_is_read_as_the_sdks_model_reads_a_boolean(value: Any) -> None:
     assert sdk_bool(value) is sdk
 
 
+async def answered_with(tmp_path: Any, result: dict[str, Any]
+                        ) -> tuple[MCPError | None, CallToolResult | None, list[dict[str, Any]]]:
+    """The agent's lookup_order call through stepguard, the server answering `result`: what
+    the SDK raised or handed over, and the run's history."""
+    async def answer(server: McpServer, request: web.Request,
+                     message: dict[str, Any]) -> web.StreamResponse:
+        return server.json({"jsonrpc": "2.0", "id": message["id"], "result": result})
+
+    server = McpServer(answer)
+    raised: MCPError | None = None
+    got: CallToolResult | None = None
+    async with guarded(server, tmp_path) as (sg, url), agent(url) as client:
+        try:
+            got = await client.call_tool("lookup_order", {"order_id": ORDER})
+        except MCPError as exc:
+            raised = exc
+        history = await sg.store.history("r1")
+    return raised, got, history
+
+
 @pytest.mark.parametrize("result", [
     {"content": [], "structuredContent": {"order_id": ORDER}, "isError": "true"},
     {"content": [], "structuredContent": {"order_id": ORDER}, "isError": 1},
@@ -440,17 +460,9 @@ def test_is_error_is_read_as_the_sdks_model_reads_a_boolean(value: Any) -> None:
 async def test_a_result_the_sdk_reads_as_an_error_is_a_tool_error(tmp_path: Any,
                                                                    result: dict[str, Any]) -> None:
     """The SDK hands the agent `is_error=True` for each: the step must not be taken as done."""
-    async def answer(server: McpServer, request: web.Request,
-                     message: dict[str, Any]) -> web.StreamResponse:
-        return server.json({"jsonrpc": "2.0", "id": message["id"], "result": result})
+    raised, _, history = await answered_with(tmp_path, result)
 
-    server = McpServer(answer)
-    async with guarded(server, tmp_path) as (sg, url), agent(url) as client:
-        with pytest.raises(MCPError) as caught:
-            await client.call_tool("lookup_order", {"order_id": ORDER})
-        history = await sg.store.history("r1")
-
-    assert caught.value.code == VIOLATION
+    assert raised is not None and raised.code == VIOLATION
     assert [(e["boundary"], e["verdict"], (e.get("violation") or {}).get("check"))
             for e in history] == [("entry", "pass", None), ("exit", "violation", "tool_error")]
 
@@ -458,19 +470,11 @@ async def test_a_result_the_sdk_reads_as_an_error_is_a_tool_error(tmp_path: Any,
 async def test_a_structured_result_in_snake_case_is_not_handed_over_unread(tmp_path: Any) -> None:
     """The SDK's model reads `structured_content` as its `structuredContent`: the agent would
     get ord-EVIL while stepguard checked the text content's ord-7."""
-    async def answer(server: McpServer, request: web.Request,
-                     message: dict[str, Any]) -> web.StreamResponse:
-        return server.json({"jsonrpc": "2.0", "id": message["id"], "result": {
-            "content": [{"type": "text", "text": json.dumps({"order_id": ORDER})}],
-            "structured_content": {"order_id": EVIL}}})
+    raised, _, history = await answered_with(tmp_path, {
+        "content": [{"type": "text", "text": json.dumps({"order_id": ORDER})}],
+        "structured_content": {"order_id": EVIL}})
 
-    server = McpServer(answer)
-    async with guarded(server, tmp_path) as (sg, url), agent(url) as client:
-        with pytest.raises(MCPError) as caught:
-            await client.call_tool("lookup_order", {"order_id": ORDER})
-        history = await sg.store.history("r1")
-
-    assert caught.value.code == VIOLATION
+    assert raised is not None and raised.code == VIOLATION
     assert [(e["boundary"], e["verdict"]) for e in history] == [
         ("entry", "pass"), ("exit", "violation")]
 
@@ -480,19 +484,11 @@ async def test_a_structured_result_in_snake_case_is_not_handed_over_unread(tmp_p
 async def test_text_content_that_is_json_other_than_the_structured_content_fails_the_call(
         tmp_path: Any, text: str) -> None:
     """The SDK hands the agent both; a model reads the text: it must say what was checked."""
-    async def answer(server: McpServer, request: web.Request,
-                     message: dict[str, Any]) -> web.StreamResponse:
-        return server.json({"jsonrpc": "2.0", "id": message["id"], "result": {
-            "content": [{"type": "text", "text": text}],
-            "structuredContent": {"order_id": ORDER, "ok": True}}})
+    raised, _, history = await answered_with(tmp_path, {
+        "content": [{"type": "text", "text": text}],
+        "structuredContent": {"order_id": ORDER, "ok": True}})
 
-    server = McpServer(answer)
-    async with guarded(server, tmp_path) as (sg, url), agent(url) as client:
-        with pytest.raises(MCPError) as caught:
-            await client.call_tool("lookup_order", {"order_id": ORDER})
-        history = await sg.store.history("r1")
-
-    assert caught.value.code == VIOLATION
+    assert raised is not None and raised.code == VIOLATION
     assert [(e["boundary"], e["verdict"]) for e in history] == [
         ("entry", "pass"), ("exit", "violation")]
 
@@ -501,18 +497,12 @@ async def test_text_content_that_is_json_other_than_the_structured_content_fails
                          ids=["the-same-json", "prose"])
 async def test_text_content_that_says_the_structured_content_or_is_prose_passes(
         tmp_path: Any, text: str) -> None:
-    async def answer(server: McpServer, request: web.Request,
-                     message: dict[str, Any]) -> web.StreamResponse:
-        return server.json({"jsonrpc": "2.0", "id": message["id"], "result": {
-            "content": [{"type": "text", "text": text}],
-            "structuredContent": {"order_id": ORDER, "ok": True}}})
+    raised, got, history = await answered_with(tmp_path, {
+        "content": [{"type": "text", "text": text}],
+        "structuredContent": {"order_id": ORDER, "ok": True}})
 
-    server = McpServer(answer)
-    async with guarded(server, tmp_path) as (sg, url), agent(url) as client:
-        result = await client.call_tool("lookup_order", {"order_id": ORDER})
-        history = await sg.store.history("r1")
-
-    assert result.structured_content == {"order_id": ORDER, "ok": True}
+    assert raised is None and got is not None
+    assert got.structured_content == {"order_id": ORDER, "ok": True}
     assert [(e["boundary"], e["verdict"]) for e in history] == [("entry", "pass"), ("exit", "pass")]
 
 

@@ -152,18 +152,24 @@ def response(**more: Any) -> dict[str, Any]:
     return {"id": "resp_1", "object": "response", "created_at": 0, "model": "m", **more}
 
 
+def item_finished(item: dict[str, Any]) -> bytes:
+    """A Responses stream's first events: the response created, `item` added and done (at
+    sequence numbers 0 to 2, output index 0)."""
+    return (sse({"type": "response.created", "sequence_number": 0,
+                 "response": response(status="in_progress", output=[])}, "response.created")
+            + sse({"type": "response.output_item.added", "sequence_number": 1,
+                   "output_index": 0, "item": item}, "response.output_item.added")
+            + sse({"type": "response.output_item.done", "sequence_number": 2,
+                   "output_index": 0, "item": item}, "response.output_item.done"))
+
+
 async def test_a_call_a_lifecycle_event_replaces_is_the_call_checked(aiohttp_server, stepguard):
     """The openai stream helper replaces a finished output item with the item of the same
     identity a later `response.in_progress` (or created, queued) carries, and builds the final
     output from the finished items when `response.completed` has none: the agent gets
     `check_policy` while the item the events finished says `lookup_order`."""
     lookup = {**RESPONSES_FUNCTION, "name": "lookup_order"}
-    body = (sse({"type": "response.created", "sequence_number": 0,
-                 "response": response(status="in_progress", output=[])}, "response.created")
-            + sse({"type": "response.output_item.added", "sequence_number": 1,
-                   "output_index": 0, "item": lookup}, "response.output_item.added")
-            + sse({"type": "response.output_item.done", "sequence_number": 2,
-                   "output_index": 0, "item": lookup}, "response.output_item.done")
+    body = (item_finished(lookup)
             + sse({"type": "response.in_progress", "sequence_number": 3,
                    "response": response(status="in_progress", output=[RESPONSES_FUNCTION])},
                   "response.in_progress")
@@ -252,12 +258,7 @@ async def test_an_item_finished_again_after_the_completed_response_ends_the_turn
     the agent gets (`check_policy`), where a reading that lets it replace the item checks
     `lookup_order`."""
     lookup = {**RESPONSES_FUNCTION, "name": "lookup_order"}
-    body = (sse({"type": "response.created", "sequence_number": 0,
-                 "response": response(status="in_progress", output=[])}, "response.created")
-            + sse({"type": "response.output_item.added", "sequence_number": 1,
-                   "output_index": 0, "item": RESPONSES_FUNCTION}, "response.output_item.added")
-            + sse({"type": "response.output_item.done", "sequence_number": 2,
-                   "output_index": 0, "item": RESPONSES_FUNCTION}, "response.output_item.done")
+    body = (item_finished(RESPONSES_FUNCTION)
             + sse({"type": "response.completed", "sequence_number": 3,
                    "response": response(status="completed")}, "response.completed")
             + sse({"type": "response.output_item.done", "sequence_number": 4,
