@@ -96,7 +96,7 @@ def test_arrival_time_is_taken_once_per_call_on_the_wall_clock() -> None:
 async def rpc_answer(request: web.Request) -> web.Response:
     call = await request.json()
     return web.json_response({"jsonrpc": "2.0", "id": call["id"], "result": {
-        "content": [{"type": "text", "text": "{}"}], "structuredContent": {"ok": True}}})
+        "content": [{"type": "text", "text": '{"ok": true}'}], "structuredContent": {"ok": True}}})
 
 
 async def test_an_mcp_tool_call_is_checked_against_the_clock_too(proxy, make_upstream):
