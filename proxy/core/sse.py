@@ -20,13 +20,14 @@ from stepguard.proxy.core.bodies import BodyError, check_depth, inexact_integer
 
 __all__ = [
     "EventTooDeep", "EventTooLarge", "EventUnreadable", "SSESplitter", "decode_event", "event_json",
-    "events_to_end", "model_event",
+    "events_to_end", "model_event", "within_depth",
 ]
 
 # an event ends at a blank line: a line terminator (CRLF, LF or a lone CR) right after another,
 # in any mix (`\n\r\n` and `\r\n\r` included); a CR followed by LF is one terminator, never two
 _EOL = rb"(?:\r\n|\r(?!\n)|\n)"
 _BOUNDARY = re.compile(_EOL + _EOL)
+_WHAT = "server-sent event data"
 
 
 class EventTooDeep(ValueError):
@@ -39,7 +40,7 @@ def event_json(data: str, max_depth: int | None = None) -> dict[str, Any]:
     every parse (`parse_json`): nested deeper than `max_depth` raises EventTooDeep. Without
     `max_depth` only the parser's own limit applies (a model's events: the tool-call
     arguments inside them are held to the limit where they are read)."""
-    what = "server-sent event data"
+    what = _WHAT
     try:
         value = orjson.loads(data)
     except orjson.JSONDecodeError as exc:
@@ -51,10 +52,16 @@ def event_json(data: str, max_depth: int | None = None) -> dict[str, Any]:
         return {}
     if type(value) is not dict:
         return {}
+    return within_depth(value, data, max_depth) if max_depth is not None else value
+
+
+def within_depth(value: dict[str, Any], data: str, max_depth: int) -> dict[str, Any]:
+    """`value`, parsed from the event data `data`, or EventTooDeep when it nests deeper than
+    `max_depth` containers."""
     # counting brackets first is cheap: fewer opening ones than the limit cannot nest past it
-    if max_depth is not None and data.count("[") + data.count("{") > max_depth:
+    if data.count("[") + data.count("{") > max_depth:
         try:
-            check_depth(value, what, max_depth)
+            check_depth(value, _WHAT, max_depth)
         except BodyError as exc:
             raise EventTooDeep(exc.detail) from None
     return value

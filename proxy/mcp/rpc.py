@@ -20,7 +20,7 @@ from stepguard.proxy.core.calls import Call, Stopped
 from stepguard.proxy.core.jsonrpc import REQUEST_CODE, Refusal, Wording, rpc_error
 from stepguard.proxy.core.jsonrpc import as_event as _as_event
 from stepguard.proxy.core.jsonrpc import refusal_for as _refusal_for
-from stepguard.proxy.core.sse import event_json, model_event
+from stepguard.proxy.core.sse import event_json, model_event, within_depth
 
 __all__ = ["ANOTHER_ID", "answers_another", "event_message", "mcp_trace_meta", "names_another",
            "other_charset", "sdk_bool"]
@@ -186,10 +186,8 @@ def event_message(event: ServerSentEvent | None, max_depth: int = MAX_JSON_DEPTH
         return {}
     if event.event != "message":
         return event_json(event.data, max_depth)
-    value = model_event(event.data, "an MCP server's event data")
-    if value and event.data.count("[") + event.data.count("{") > max_depth:
-        return event_json(event.data, max_depth)      # raises EventTooDeep past the limit
-    return value
+    return within_depth(model_event(event.data, "an MCP server's event data"), event.data,
+                        max_depth)
 
 
 def as_event(message: dict[str, Any]) -> bytes:
