@@ -665,10 +665,12 @@ class _ResponsesAssembler:
                            and not (kind == "response.output_item.done" and isinstance(item, dict)
                                     and _kind(item) in ("message", "reasoning")))
         if kind in self._LIFECYCLE and isinstance(response, dict):
-            # its output's items come whole: one that may be a call completes it
+            # its output's items come whole: one that may be a call completes it, and replaces
+            # the finished item of its identity
             output = response.get("output")
             self.completing = isinstance(output, list) and any(
                 not (isinstance(i, dict) and _kind(i) in ("message", "reasoning")) for i in output)
+            self._replaced(output)
         if kind == "error":
             self.failure = self.failure or _failure(data.get("error") or data)
         elif kind == "response.failed":
@@ -676,8 +678,6 @@ class _ResponsesAssembler:
             self.failure = self.failure or _failure(error or "response.failed")
         if isinstance(response, dict) and response.get("id"):
             self.response_id = response["id"]
-        if kind in self._LIFECYCLE and isinstance(response, dict):
-            self._replaced(response.get("output"))
         index = data.get("output_index", len(self.items))
         if kind == "response.output_item.added" and isinstance(item, dict):
             if index not in self.items:
@@ -697,7 +697,6 @@ class _ResponsesAssembler:
                 self.unclassified.append(f"{kind} with a delta that is not a string")
         if kind in self._TERMINAL and isinstance(response, dict):
             self.completed = response
-
 
     # the events whose response replaces the finished items of its output (the SDK's stream
     # helper, by their identity: `_sdk_identity`)
