@@ -205,18 +205,25 @@ def answer_micro(n: int = 2000, items: int = bench_upstream.ITEMS) -> dict[str, 
         "parse_json": lambda: parse_json(text, "upstream response"),
         "lazy_parse": lambda: parser.parse(text),
     }
+    result: dict[str, Any] = {"n": n, "body_bytes": len(text)}
+    for name, median in _median_us(parts, n).items():
+        result[f"{name}_us"] = median
+    return result
+
+
+def _median_us(parts: dict[str, Callable[[], object]], n: int) -> dict[str, float]:
+    """Each part's median µs over `n` runs after a warm-up of min(200, n), the parts in turn
+    (so that the machine's drift hits all alike)."""
+    warm = min(200, n)
     times: dict[str, list[float]] = {name: [] for name in parts}
     clock = time.perf_counter
-    for i in range(n + min(200, n)):      # the parts in turn, so that drift hits all alike
+    for i in range(n + warm):
         for name, part in parts.items():
             t0 = clock()
             part()
-            if i >= min(200, n):           # after a warm-up
+            if i >= warm:
                 times[name].append(clock() - t0)
-    result: dict[str, Any] = {"n": n, "body_bytes": len(text)}
-    for name, spent in times.items():
-        result[f"{name}_us"] = round(statistics.median(spent) * 1e6, 2)
-    return result
+    return {name: round(statistics.median(spent) * 1e6, 2) for name, spent in times.items()}
 
 
 def relay_micro(n: int = 2000) -> dict[str, Any]:
@@ -242,14 +249,8 @@ def relay_micro(n: int = 2000) -> dict[str, Any]:
     ended = one()
     if not isinstance(ended, Check) or len(ended.turn.calls) != 1:
         raise RuntimeError(f"the bench's turn did not come out whole: {ended!r}")
-    times = []
-    for i in range(n + min(200, n)):
-        t0 = time.perf_counter()
-        one()
-        if i >= min(200, n):
-            times.append(time.perf_counter() - t0)
     return {"n": n, "events": len(events), "stream_bytes": len(stream),
-            "median_us": round(statistics.median(times) * 1e6, 2)}
+            "median_us": _median_us({"relay": one}, n)["relay"]}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
