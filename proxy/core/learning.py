@@ -19,13 +19,23 @@ and its depth (`Redactor.clean`).
 What is stored is bounded: at most `--learn-max-runs` runs and `--learn-max-run-bytes` bytes of events per
 run are recorded by one process; a call past a bound is forwarded all the same, not recorded,
 and counted (`stepguard_learn_dropped_total`). A store failure never stops a call either.
+
+Nothing waits on the store: an observation is redacted and weighed on the call's path, then
+queued, and the call answered. The queue is stored together every `WRITE_WINDOW_S` (one store
+transaction for the calls of that window, where appending each call on its own path made one
+per call: a transaction costs the writer more than the event it stores), run by run in the order
+recorded. What is queued waits for at most `BACKLOG_BYTES` (past it an observation is dropped,
+`backlog`); `settled()` stores it at once (the runs API before a read, `close` before the store
+closes), so a read through stepguard sees every call answered before it. A process killed
+outright loses the last window's observations.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 from multidict import CIMultiDict
@@ -56,6 +66,8 @@ DEFAULT_MAX_RUNS = 1000
 DEFAULT_MAX_RUN_BYTES = 1024 * 1024
 CONFLICT_TRIES = 8      # appends of one recording lost to another writer of the run, at most
 JOINED_LIMIT = 65536    # model tool calls known executed over MCP or HTTP, kept at most
+WRITE_WINDOW_S = 0.01   # observations gathered this long are stored in one transaction
+BACKLOG_BYTES = 64 * 1024 * 1024    # observations waiting to be stored, at most (their JSON)
 
 
 def learning(contract: Contract) -> Contract:
@@ -109,6 +121,13 @@ class Learner:
         # (run id, model tool-call id) of calls an MCP or HTTP call executed (joined), until the
         # model's side sees their results (oldest out first)
         self._executed: Bounded[tuple[str, str], None] = Bounded(JOINED_LIMIT)
+        self.window_s = WRITE_WINDOW_S
+        self.backlog_bytes = BACKLOG_BYTES
+        self._queue: list[_Queued] = []        # recorded, not yet handed to the store
+        self._waiting = 0                      # bytes of them, and of those being stored
+        self._writer: asyncio.Task[None] | None = None     # stores the queue (`_write_queue`)
+        self._hurry = asyncio.Event()          # set: store the queue now, not after the window
+        self._closed = False
 
     def joined(self, run_id: str, call_id: str) -> None:
         """The model's tool call `call_id` of `run_id` is executed by an MCP or HTTP call that
@@ -135,8 +154,9 @@ class Learner:
 
     async def record(self, contract: Contract, run_id: str, seen: Observation,
                      keys: Sequence[str] = ()) -> bool:
-        """`seen` redacted and stored as one event of `run_id` (with correlation `keys`), unless
-        a bound is passed or the store fails: then counted, and False. Never raises."""
+        """`seen` redacted and queued to be stored as one event of `run_id` (with correlation
+        `keys`), unless a bound is passed: then counted, and False. A store failure is counted
+        when the queue is stored. Never raises; waits for the store only once closed."""
         fields = self.stored(contract, seen)
         size = len(orjson.dumps(fields, default=str))
         used = self._recorded.get(run_id)
@@ -148,18 +168,74 @@ class Learner:
             self.dropped(contract, "bytes", run_id)
             self._recorded.setdefault(run_id, used)
             return False
-        self._recorded[run_id] = used + size     # taken before the write: others see it
-        try:
-            await append_learned(self.runs, contract, run_id, fields, keys)
-        except (StoreError, RunOfAnotherWorkflow) as exc:
-            self._recorded[run_id] -= size
-            if isinstance(exc, StoreError):
-                self.observer.store_error("append", str(exc), run_id=run_id,
-                                          workflow=contract.workflow)
-            self.dropped(contract, "store", run_id)
+        if self._waiting + size > self.backlog_bytes:
+            self.dropped(contract, "backlog", run_id)
             return False
-        self.observer.learned(contract.workflow, seen.traffic)
+        self._recorded[run_id] = used + size     # taken before the write: others see it
+        queued = _Queued(contract, run_id, fields, tuple(keys), size, seen.traffic)
+        if self._closed:        # after `close` (a call outliving the shutdown): stored now
+            return await self._store_run([queued])
+        self._queue.append(queued)
+        self._waiting += size
+        if self._writer is None:
+            self._writer = asyncio.get_running_loop().create_task(self._write_queue())
         return True
+
+    async def settled(self) -> None:
+        """Every observation recorded so far stored (or dropped and counted), without waiting
+        for the rest of the window."""
+        while self._writer is not None:
+            self._hurry.set()
+            await asyncio.shield(self._writer)
+
+    async def close(self) -> None:
+        """What is queued stored, and from now on every observation stored as it is recorded
+        (before the store closes: nothing recorded is lost to the shutdown)."""
+        self._closed = True
+        await self.settled()
+
+    async def _write_queue(self) -> None:
+        """The writer task: the queue stored every window (at once when hurried) until it is
+        empty. The runs of a batch are stored side by side (their appends share the store's
+        transaction), each run's observations in the order they were recorded."""
+        try:
+            while self._queue:
+                if not self._hurry.is_set():
+                    try:
+                        async with asyncio.timeout(self.window_s):
+                            await self._hurry.wait()
+                    except TimeoutError:
+                        pass
+                batch, self._queue = self._queue, []
+                of_run: dict[str, list[_Queued]] = {}
+                for queued in batch:
+                    of_run.setdefault(queued.run_id, []).append(queued)
+                try:
+                    await asyncio.gather(*(self._store_run(q) for q in of_run.values()))
+                finally:
+                    self._waiting -= sum(q.size for q in batch)
+        finally:
+            self._writer = None
+            self._hurry.clear()
+
+    async def _store_run(self, queue: list[_Queued]) -> bool:
+        """The observations of one run appended in order; a failed one counted (dropped,
+        `store`) and its bytes given back. Whether the last was stored."""
+        stored = False
+        for q in queue:
+            try:
+                await append_learned(self.runs, q.contract, q.run_id, q.fields, q.keys)
+            except (StoreError, RunOfAnotherWorkflow) as exc:
+                self._recorded[q.run_id] -= q.size
+                if isinstance(exc, StoreError):
+                    self.observer.store_error("append", str(exc), run_id=q.run_id,
+                                              workflow=q.contract.workflow)
+                self.dropped(q.contract, "store", q.run_id)
+                stored = False
+                continue
+            self.observer.learned(q.contract.workflow, q.traffic)
+            stored = True
+        return stored
 
     def stored(self, contract: Contract, seen: Observation) -> dict[str, Any]:
         """The event fields `seen` is stored as: its payloads redacted (the paths replaced
@@ -177,6 +253,17 @@ class Learner:
         except StoreError as exc:
             self.observer.store_error("add_keys", str(exc), run_id=run_id,
                                       workflow=contract.workflow)
+
+
+class _Queued(NamedTuple):
+    """An observation recorded and not yet stored: its event fields, weighed (`size`)."""
+
+    contract: Contract
+    run_id: str
+    fields: dict[str, Any]
+    keys: tuple[str, ...]
+    size: int
+    traffic: str
 
 
 def stored_fields(redact: Redactor, seen: Observation,

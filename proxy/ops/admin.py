@@ -26,7 +26,7 @@ import getpass
 import hmac
 import ipaddress
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -335,6 +335,7 @@ class _RunsApi:
 
     store: Store
     operations: Operations
+    settled: Callable[[], Awaitable[None]] | None     # learn mode's queue stored (before a read)
 
     async def list_runs(self, request: web.Request) -> web.StreamResponse:
         status = request.query.get("status")
@@ -346,6 +347,8 @@ class _RunsApi:
             limit = 0
         if not 1 <= limit <= LIST_LIMIT_MAX:
             return _error(400, f"limit must be a whole number from 1 to {LIST_LIMIT_MAX}")
+        if self.settled is not None:
+            await self.settled()
         try:
             found = await self.store.runs(status, limit)
         except StepguardError as exc:
@@ -354,6 +357,8 @@ class _RunsApi:
 
     async def show_run(self, request: web.Request) -> web.StreamResponse:
         run_id = request.match_info["run_id"]
+        if self.settled is not None:
+            await self.settled()
         try:
             envelope = await self.store.load(run_id)
             if envelope is None:
@@ -407,10 +412,12 @@ class _RunsApi:
 
 
 def run_routes(runs: RunBook, observer: Observer, tokens: AdminTokens,
-               holds: Holds | None = None, open_reads: bool = False) -> list[web.RouteDef]:
-    """The runs API; `open_reads`: reads need no token (the admin listener is on loopback)."""
+               holds: Holds | None = None, open_reads: bool = False,
+               settled: Callable[[], Awaitable[None]] | None = None) -> list[web.RouteDef]:
+    """The runs API; `open_reads`: reads need no token (the admin listener is on loopback);
+    `settled`: awaited before a read (learn mode's queued observations stored first)."""
     access = _Access(tokens, observer, open_reads)
-    api = _RunsApi(runs.store, Operations(runs, observer, holds))
+    api = _RunsApi(runs.store, Operations(runs, observer, holds), settled)
     return [web.get("/runs", access.reading(api.list_runs)),
             web.get("/runs/{run_id}", access.reading(api.show_run)),
             web.post("/runs/{run_id}/resume", access.acting(api.resume)),

@@ -209,6 +209,7 @@ class Stepguard:
             tallies.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await tallies
+        await self.boundaries.learner.close()    # learn mode's queued observations stored
         await self.boundaries.flush_refusals()   # counted refusals, written before the store closes
         try:
             await self.store.close()
@@ -280,7 +281,8 @@ def create_admin_app(sg: Stepguard) -> web.Application:
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)
     app.router.add_routes(run_routes(sg.runs, sg.observer, sg.tokens, sg.boundaries.holds,
-                                     open_reads=loopback(sg.settings.admin_host)))
+                                     open_reads=loopback(sg.settings.admin_host),
+                                     settled=sg.boundaries.learner.settled))
     app.add_subapp("/ui/", console_app(sg))      # the operator console (docs/console.md)
     return app
 

@@ -57,9 +57,11 @@ class Stack:
         return f"{self.url}/agents"
 
     async def runs(self) -> list[Envelope]:
+        await self.sg.boundaries.learner.settled()    # learn mode stores after the answer
         return await self.sg.store.runs()
 
     async def history(self, run_id: str) -> list[dict[str, Any]]:
+        await self.sg.boundaries.learner.settled()
         return await self.sg.store.history(run_id)
 
     async def run_of(self, ticket: str) -> Envelope:

@@ -198,22 +198,32 @@ class Stack:
         assert self._loop is not None
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(10)
 
+    def settled(self) -> None:
+        """Learn mode's observations stored (it stores them after the answer; a stack closed
+        has stored them on its way down)."""
+        if self.sg is not None and self._loop is not None and not self._loop.is_closed():
+            self._call(self.sg.boundaries.learner.settled())
+
     def history(self, run_id: str) -> list[dict[str, Any]]:
         assert self.sg is not None
+        self.settled()
         history: list[dict[str, Any]] = self._call(self.sg.store.history(run_id))
         return history
 
     def envelope(self, run_id: str) -> Envelope | None:
         assert self.sg is not None
+        self.settled()
         envelope: Envelope | None = self._call(self.sg.store.load(run_id))
         return envelope
 
     def run_ids(self) -> list[str]:
+        self.settled()
         with contextlib.closing(sqlite3.connect(self.store)) as db:
             return [r[0] for r in db.execute("SELECT run_id FROM runs ORDER BY created")]
 
     def stored_rows(self) -> Iterator[tuple[str, bytes]]:
         """Every row of every table of stepguard's SQLite file, as (table, row bytes)."""
+        self.settled()
         with contextlib.closing(sqlite3.connect(self.store)) as db:
             tables = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
             for table in tables:

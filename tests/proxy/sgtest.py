@@ -184,9 +184,11 @@ class Proxy:
         return await send(self.client.request, path, payload, **options)
 
     async def history(self, run: str) -> list[dict[str, Any]]:
+        await self.sg.boundaries.learner.settled()    # learn mode stores after the answer
         return await self.sg.store.history(run)
 
     async def status(self, run: str) -> str | None:
+        await self.sg.boundaries.learner.settled()
         envelope = await self.sg.store.load(run)
         return envelope.status if envelope else None
 
@@ -284,14 +286,17 @@ class Guard:
     client: TestClient
 
     async def history(self, run: str) -> list[dict[str, Any]]:
+        await self.sg.boundaries.learner.settled()    # learn mode stores after the answer
         return await self.sg.store.history(run)
 
     async def envelope(self, run: str) -> Envelope:
+        await self.sg.boundaries.learner.settled()
         envelope = await self.sg.store.load(run)
         assert envelope is not None
         return envelope
 
     async def run_ids(self) -> list[str]:
+        await self.sg.boundaries.learner.settled()
         return [e.run_id for e in await self.sg.store.runs()]
 
     def fail_open_passes(self, workflow: str, step: str) -> float:

@@ -106,6 +106,7 @@ async def model_loop(model_url: str, execute: Any) -> tuple[Any, dict[str, tuple
 
 
 async def learned(sg: Stepguard) -> tuple[RecordedRun, list[Observation]]:
+    await sg.boundaries.learner.settled()     # learn mode stores after the answer
     (run,) = await sg.store.runs()
     recorded = RecordedRun(run.run_id, run.workflow, run.status, 0.0,
                            await sg.store.history(run.run_id))

@@ -233,13 +233,16 @@ class Guard:
     url: str           # the MCP endpoint through stepguard
 
     async def history(self, run_id: str) -> list[dict[str, Any]]:
+        await self.sg.boundaries.learner.settled()    # learn mode stores after the answer
         return await self.sg.store.history(run_id)
 
     async def status(self, run_id: str) -> str | None:
+        await self.sg.boundaries.learner.settled()
         envelope = await self.sg.store.load(run_id)
         return envelope.status if envelope else None
 
     async def run_ids(self) -> set[str]:
+        await self.sg.boundaries.learner.settled()
         return {e.run_id for e in await self.sg.store.runs()}
 
 

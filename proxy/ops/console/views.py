@@ -381,6 +381,7 @@ class Console:
             page = max(1, int(query.get("page", "1")))
         except ValueError:
             page = 1
+        await self.sg.boundaries.learner.settled()    # learn mode's queue stored: read after
         found = [e for e in await self.store.runs(status, SCAN_RUNS)
                  if _matches(e, filters["workflow"], filters["step"], since, filters["q"])]
         shown = found[(page - 1) * PAGE_RUNS: page * PAGE_RUNS]
@@ -398,6 +399,7 @@ class Console:
 
     async def run_page(self, request: web.Request, who: Identity) -> web.StreamResponse:
         run_id = request.match_info["run_id"]
+        await self.sg.boundaries.learner.settled()
         envelope = await self.store.load(run_id)
         if envelope is None:
             return self.refuse(request, 404, f"no run {run_id!r}", who)

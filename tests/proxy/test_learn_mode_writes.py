@@ -1,0 +1,164 @@
+"""How learn mode stores what it saw (issue #26): an observation is redacted and weighed on the
+call's path and queued; the call is answered without waiting for the store, and the queue is
+stored a window later, every run's observations in the order they were recorded. Nothing is
+lost to the shutdown or hidden from a read through stepguard, and what waits is bounded. Real
+SQLite stores throughout; a store held by another connection stands for a slow one."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sqlite3
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+from aiohttp import web
+from sgtest import Guard, Upstream, send
+
+from stepguard.contracts.learned import Observation
+from stepguard.contracts.loader import parse_contract
+from stepguard.contracts.model import Contract
+from stepguard.contracts.sqlite_store import SQLiteStore
+from stepguard.proxy.ops.app import create_admin_app
+
+MakeUpstream = Callable[..., Awaitable[Upstream]]
+StartGuard = Callable[..., Awaitable[Guard]]
+WORKFLOW = "learn-writes"
+
+
+def learning(url: str) -> Contract:
+    return parse_contract(orjson.dumps({
+        "workflow": WORKFLOW, "contract_version": 1, "mode": "learn",
+        "upstreams": {"tools": {"url": url, "mount": "/tools", "timeout_s": 5}}}), "learn.json")
+
+
+async def echo(request: web.Request) -> web.Response:
+    raw = await request.read()
+    return web.json_response({"got": orjson.loads(raw) if raw else None})
+
+
+@contextlib.contextmanager
+def write_locked(db: Path) -> Iterator[None]:
+    """The SQLite file's write lock, held by another connection (readers still read)."""
+    other = sqlite3.connect(db, isolation_level=None)
+    try:
+        other.execute("BEGIN IMMEDIATE")
+        yield
+        other.execute("ROLLBACK")
+    finally:
+        other.close()
+
+
+def inputs(history: list[dict[str, Any]]) -> list[Any]:
+    return [o.input for o in map(Observation.from_event, history) if o is not None]
+
+
+def dropped(guard: Guard, reason: str) -> float:
+    return guard.sg.metrics.registry.get_sample_value(
+        "stepguard_learn_dropped_total", {"workflow": WORKFLOW, "reason": reason}) or 0.0
+
+
+async def test_a_learned_call_is_answered_while_the_store_is_busy_and_stored_once_it_is_free(
+        make_upstream: MakeUpstream, stepguard: StartGuard, tmp_path: Path) -> None:
+    up = await make_upstream(echo)
+    guard = await stepguard(learning(up.url))
+    guard.sg.boundaries.learner.window_s = 0.0
+
+    with write_locked(tmp_path / "s.db"):
+        reply = await send(guard.client.request, "/tools/a", {"n": 1}, run="r1")
+        assert reply.status == 200 and reply.json == {"got": {"n": 1}}
+        assert await guard.sg.store.history("r1") == []     # the store has not taken it yet
+
+    assert inputs(await guard.history("r1")) == [{"n": 1}]
+
+
+async def test_a_runs_observations_are_stored_in_the_order_its_calls_were_answered(
+        make_upstream: MakeUpstream, stepguard: StartGuard) -> None:
+    up = await make_upstream(echo)
+    guard = await stepguard(learning(up.url))
+
+    for n in range(12):
+        await send(guard.client.request, "/tools/a", {"n": n}, run="r1")
+
+    assert inputs(await guard.history("r1")) == [{"n": n} for n in range(12)]
+
+
+async def test_calls_of_many_runs_at_once_are_each_stored_in_their_own_run(
+        make_upstream: MakeUpstream, stepguard: StartGuard) -> None:
+    up = await make_upstream(echo)
+    guard = await stepguard(learning(up.url))
+
+    replies = await asyncio.gather(*(send(guard.client.request, "/tools/a", {"n": n},
+                                          run=f"r{n}") for n in range(24)))
+
+    assert {r.status for r in replies} == {200}
+    for n in range(24):
+        assert inputs(await guard.history(f"r{n}")) == [{"n": n}]
+
+
+async def test_what_is_queued_when_stepguard_stops_is_stored_before_the_store_closes(
+        make_upstream: MakeUpstream, stepguard: StartGuard, tmp_path: Path) -> None:
+    up = await make_upstream(echo)
+    guard = await stepguard(learning(up.url))
+    guard.sg.boundaries.learner.window_s = 3600.0     # only the shutdown stores it
+
+    await send(guard.client.request, "/tools/a", {"n": 1}, run="r1")
+    await guard.client.close()
+
+    store = SQLiteStore(tmp_path / "s.db")
+    await store.open()
+    try:
+        assert inputs(await store.history("r1")) == [{"n": 1}]
+    finally:
+        await store.close()
+
+
+async def test_the_runs_api_shows_every_call_answered_before_the_read(
+        make_upstream: MakeUpstream, stepguard: StartGuard, aiohttp_client: Any) -> None:
+    up = await make_upstream(echo)
+    guard = await stepguard(learning(up.url))
+    guard.sg.boundaries.learner.window_s = 3600.0     # only the read stores it
+    admin = await aiohttp_client(create_admin_app(guard.sg))
+
+    await send(guard.client.request, "/tools/a", {"n": 1}, run="r1")
+    listed = await admin.get("/runs")
+    shown = await admin.get("/runs/r1")
+
+    assert [r["run_id"] for r in (await listed.json())["runs"]] == ["r1"]
+    assert inputs((await shown.json())["history"]) == [{"n": 1}]
+
+
+async def test_a_call_past_the_backlog_is_forwarded_and_counted_not_recorded(
+        make_upstream: MakeUpstream, stepguard: StartGuard) -> None:
+    up = await make_upstream(echo)
+    guard = await stepguard(learning(up.url))
+    learner = guard.sg.boundaries.learner
+    learner.window_s, learner.backlog_bytes = 3600.0, 200     # room for one (161 bytes)
+
+    first = await send(guard.client.request, "/tools/a", {"n": 1}, run="r1")
+    second = await send(guard.client.request, "/tools/a", {"n": 2}, run="r1")
+
+    assert (first.status, second.status) == (200, 200) and second.json == {"got": {"n": 2}}
+    assert dropped(guard, "backlog") == 1
+    assert inputs(await guard.history("r1")) == [{"n": 1}]
+    third = await send(guard.client.request, "/tools/a", {"n": 3}, run="r1")   # room again
+    assert third.status == 200
+    assert inputs(await guard.history("r1")) == [{"n": 1}, {"n": 3}]
+
+
+async def test_an_observation_the_store_cannot_take_in_time_is_counted_and_its_bytes_given_back(
+        make_upstream: MakeUpstream, stepguard: StartGuard, tmp_path: Path) -> None:
+    up = await make_upstream(echo)
+    guard = await stepguard(learning(up.url), store_timeout=0.2, learn_max_run_bytes=400)
+    guard.sg.boundaries.learner.window_s = 0.0
+
+    with write_locked(tmp_path / "s.db"):
+        reply = await send(guard.client.request, "/tools/a", {"n": 1}, run="r1")
+        await guard.sg.boundaries.learner.settled()      # the store's deadline passes meanwhile
+
+    assert reply.status == 200
+    assert dropped(guard, "store") == 1
+    await send(guard.client.request, "/tools/a", {"n": 2}, run="r1")   # its bytes are free again
+    assert inputs(await guard.history("r1")) == [{"n": 2}]
