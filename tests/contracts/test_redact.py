@@ -125,10 +125,10 @@ def test_a_redactor_with_a_field_an_escape_could_spell_tells_nothing_from_bytes(
 
 @settings(max_examples=300)
 @given(st.lists(st.text("abk_", min_size=1, max_size=4), min_size=1, max_size=6, unique=True),
-       st.text('abk_"', max_size=30))
+       st.text('abkAK_-"', max_size=30))
 def test_the_quoted_keys_pattern_finds_exactly_the_quoted_keys(fields, text):
     redact = Redactor(fields)
-    folded = text.encode()
+    folded = text.lower().replace("-", "_").encode()     # as keys are matched
 
-    assert redact.names_none(folded) == (
+    assert redact.names_none(text.encode()) == (
         not any(f'"{k}"'.encode() in folded for k in redact.keys))
