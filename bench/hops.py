@@ -58,6 +58,7 @@ class Proc:
     popen: subprocess.Popen[bytes]
     log: Path
     stop_signal: int = signal.SIGTERM
+    admin_port: int | None = None     # stepguard's admin listener (its /metrics)
 
     @property
     def pid(self) -> int:
@@ -184,6 +185,7 @@ class Bench:
                                  "--workers", str(workers)],
                           env=env)
         self._wait_http(proc, admin, "/readyz", "GET")
+        proc.admin_port = admin
         return proc, port, store
 
     def _wait_http(self, proc: Proc, port: int, path: str, method: str) -> None:

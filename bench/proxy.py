@@ -179,6 +179,7 @@ class Row:
     steal_pct: float | None = None        # CPU time the hypervisor took while the row ran
     server: str | None = None             # the Server header the client saw
     stored_events: int | None = None      # events in stepguard's history after the row
+    learn_dropped: int | None = None      # the learn row's calls not recorded (any reason)
     rps_rounds: list[float] = field(default_factory=list)   # each round's rps (--repeat)
 
 
@@ -282,6 +283,11 @@ def _measure_row(bench: Bench, name: str, upstream_url: str, wrk_missing: str | 
         if hop:
             hop.check_alive()
             row.rss_mb = peak_rss_mb(hop.pids())
+            if name == "learn":
+                row.learn_dropped = learn_dropped(hop)
+                if row.learn_dropped:
+                    row.notes.append(f"{row.learn_dropped} calls were not recorded "
+                                     "(stepguard_learn_dropped_total): its CPU is not the target's")
     except (FileNotFoundError, Unreachable) as exc:
         row.status, row.reason = "skipped", str(exc)
     except (BenchError, OSError, subprocess.SubprocessError, ValueError) as exc:
@@ -359,7 +365,8 @@ def _noise_notes(row: Row) -> None:
 
 _MEDIAN_FIELDS = ("rps", "cpu_s_per_1k", "p50_ms", "p90_ms", "p99_ms", "ttfb_p50_ms",
                   "seq_p50_ms", "seq_p99_ms", "seq_ttfb_p50_ms", "cores", "hop_pct", "bench_pct")
-_SUM_FIELDS = ("requests", "non_2xx", "socket_errors", "sent", "completed", "failed_requests")
+_SUM_FIELDS = ("requests", "non_2xx", "socket_errors", "sent", "completed", "failed_requests",
+               "learn_dropped")
 _MAX_FIELDS = ("max_ms", "send_lag_p99_ms", "rss_mb", "steal_pct", "busy_pct")
 
 
@@ -424,6 +431,19 @@ _OPS = {">=": lambda v, limit: v >= limit, "<=": lambda v, limit: v <= limit,
         "<": lambda v, limit: v < limit}
 
 
+def learn_dropped(hop: Proc) -> int:
+    """The calls a learn-mode stepguard forwarded without recording them, whatever the reason
+    (`stepguard_learn_dropped_total` on its admin listener): a learn row that dropped calls did
+    less than it is measured for."""
+    if hop.admin_port is None:
+        raise BenchError(f"{hop.name}: no admin listener to read stepguard_learn_dropped_total from")
+    status, _, body = http_call(hop.admin_port, "GET", "/metrics")
+    if status != 200:
+        raise BenchError(f"{hop.name}: /metrics answered {status}")
+    return round(sum(float(line.rsplit(" ", 1)[1]) for line in body.decode().splitlines()
+                     if line.startswith("stepguard_learn_dropped_total")))
+
+
 def _targets(rows: dict[str, Row], ratios: dict[str, float | None],
              micro: dict[str, Any] | None,
              learn_append: dict[str, Any] | None = None) -> list[dict[str, Any]]:
@@ -462,6 +482,8 @@ def _targets(rows: dict[str, Row], ratios: dict[str, float | None],
     if micro is not None:
         add("boundary pair (micro) median", micro["median_us"], "<", 100.0, "µs")
     learn, passthrough = rows.get("learn"), rows.get("passthrough")
+    if learn is not None:
+        add("learn: calls not recorded", learn.learn_dropped, "<=", 0)
     if learn_append is not None and learn is not None and passthrough is not None:
         add("learn: CPU per call over passthrough's, at most the store append",
             _diff(learn.cpu_s_per_1k, passthrough.cpu_s_per_1k), "<=", learn_append["cpu_ms"],

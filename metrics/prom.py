@@ -115,8 +115,7 @@ class Metrics:
             "stepguard_learn_dropped", "Calls learn mode forwarded but did not record, by "
             "reason: runs (past --learn-max-runs), bytes (past --learn-max-run-bytes in the "
             "call's run), no_run_key or no_live_run (no run found), store (the store failed), "
-            "backlog (too much waiting to be stored), batch (an MCP batch), no_skill (an A2A "
-            "send naming no skill).",
+            "batch (an MCP batch), no_skill (an A2A send naming no skill).",
             ["workflow", "reason"], registry=r)
         self.connections_reclaimed = Counter(
             "stepguard_connections_reclaimed", "Connections a listener closed while they waited "

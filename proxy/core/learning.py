@@ -24,10 +24,11 @@ Nothing waits on the store: an observation is redacted and weighed on the call's
 queued, and the call answered. The queue is stored together every `WRITE_WINDOW_S` (one store
 transaction for the calls of that window, where appending each call on its own path made one
 per call: a transaction costs the writer more than the event it stores), run by run in the order
-recorded. What is queued waits for at most `BACKLOG_BYTES` (past it an observation is dropped,
-`backlog`); `settled()` stores it at once (the runs API before a read, `close` before the store
-closes), so a read through stepguard sees every call answered before it. A process killed
-outright loses the last window's observations.
+recorded. At most `BACKLOG_BYTES` wait: past it a call waits for room before it is answered (a
+store slower than the calls, or starved of the GIL by a busy event loop, slows the calls down
+as storing each on its path did, and loses none). `settled()` stores the queue at once (the runs
+API before a read, `close` before the store closes), so a read through stepguard sees every call
+answered before it. A process killed outright loses the last window's observations.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ DEFAULT_MAX_RUN_BYTES = 1024 * 1024
 CONFLICT_TRIES = 8      # appends of one recording lost to another writer of the run, at most
 JOINED_LIMIT = 65536    # model tool calls known executed over MCP or HTTP, kept at most
 WRITE_WINDOW_S = 0.01   # observations gathered this long are stored in one transaction
-BACKLOG_BYTES = 64 * 1024 * 1024    # observations waiting to be stored, at most (their JSON)
+BACKLOG_BYTES = 16 * 1024 * 1024    # observations waiting to be stored, at most (their JSON)
 
 
 def learning(contract: Contract) -> Contract:
@@ -127,6 +128,9 @@ class Learner:
         self._waiting = 0                      # bytes of them, and of those being stored
         self._writer: asyncio.Task[None] | None = None     # stores the queue (`_write_queue`)
         self._hurry = asyncio.Event()          # set: store the queue now, not after the window
+        # notified when stored observations free room in the backlog, or a call starts waiting
+        self.room_changed = asyncio.Condition()
+        self.waiting_for_room = 0              # calls waiting for the backlog to have room
         self._closed = False
 
     def joined(self, run_id: str, call_id: str) -> None:
@@ -156,7 +160,8 @@ class Learner:
                      keys: Sequence[str] = ()) -> bool:
         """`seen` redacted and queued to be stored as one event of `run_id` (with correlation
         `keys`), unless a bound is passed: then counted, and False. A store failure is counted
-        when the queue is stored. Never raises; waits for the store only once closed."""
+        when the queue is stored. Never raises; waits for the store only for room in the
+        backlog, and once closed."""
         fields = self.stored(contract, seen)
         size = len(orjson.dumps(fields, default=str))
         used = self._recorded.get(run_id)
@@ -168,11 +173,10 @@ class Learner:
             self.dropped(contract, "bytes", run_id)
             self._recorded.setdefault(run_id, used)
             return False
-        if self._waiting + size > self.backlog_bytes:
-            self.dropped(contract, "backlog", run_id)
-            return False
         self._recorded[run_id] = used + size     # taken before the write: others see it
         queued = _Queued(contract, run_id, fields, tuple(keys), size, seen.traffic)
+        if self._waiting and self._waiting + size > self.backlog_bytes:
+            await self._wait_for_room(size)
         if self._closed:        # after `close` (a call outliving the shutdown): stored now
             return await self._store_run([queued])
         self._queue.append(queued)
@@ -180,6 +184,18 @@ class Learner:
         if self._writer is None:
             self._writer = asyncio.get_running_loop().create_task(self._write_queue())
         return True
+
+    async def _wait_for_room(self, size: int) -> None:
+        """Until `size` more bytes fit in the backlog (or nothing waits: one observation larger
+        than it is stored on its own), the writer's stores freeing it."""
+        async with self.room_changed:
+            self.waiting_for_room += 1
+            self.room_changed.notify_all()
+            try:
+                await self.room_changed.wait_for(
+                    lambda: not self._waiting or self._waiting + size <= self.backlog_bytes)
+            finally:
+                self.waiting_for_room -= 1
 
     async def settled(self) -> None:
         """Every observation recorded so far stored (or dropped and counted), without waiting
@@ -214,6 +230,8 @@ class Learner:
                     await asyncio.gather(*(self._store_run(q) for q in of_run.values()))
                 finally:
                     self._waiting -= sum(q.size for q in batch)
+                    async with self.room_changed:
+                        self.room_changed.notify_all()
         finally:
             self._writer = None
             self._hurry.clear()

@@ -28,7 +28,7 @@ from programs import require_binary
 
 from stepguard.bench import upstream as bench_upstream
 from stepguard.bench.harness import free_port, percentile
-from stepguard.bench.hops import Bench, parse_wrk
+from stepguard.bench.hops import Bench, http_call, parse_wrk
 from stepguard.bench.load import closed_loop, loadgen
 from stepguard.bench.micro import (
     answer_micro,
@@ -45,10 +45,11 @@ from stepguard.bench.proxy import (
     _plan,
     combine_rounds,
     hop_bounds,
+    learn_dropped,
     render,
     run,
 )
-from stepguard.bench.proxy_setup import BenchError
+from stepguard.bench.proxy_setup import MOUNT, TOOL_PATH, BenchError, bench_contract
 from stepguard.bench.render import render_bounds
 
 ALL_ROWS = ["direct", "nginx", "passthrough", "learn", "contract", "contract_traced", "contract_workers2",
@@ -280,8 +281,12 @@ def test_quick_run_measures_every_row() -> None:
     assert {t["met"] for t in result["targets"]} <= {True, False}
     assert result["micro"]["n"] == 30
     assert (result["learn_append"]["n"], result["learn_append"]["rounds"]) == (30, 1)
-    [learn_target] = [t for t in result["targets"] if t["target"].startswith("learn:")]
+    [learn_target] = [t for t in result["targets"] if t["target"].startswith("learn: CPU")]
     assert learn_target["limit"] == result["learn_append"]["cpu_ms"]
+    # ... and every call of the learn row was recorded (read from its own counter)
+    assert rows["learn"]["learn_dropped"] == 0
+    [recorded] = [t for t in result["targets"] if t["target"] == "learn: calls not recorded"]
+    assert recorded["met"] is True
     assert children(os.getpid()) == []                     # upstream, nginx, stepguards: gone
     text = render(result)
     for name in [*ALL_ROWS, "contract/passthrough", "contract/nginx", "passthrough/nginx",
@@ -290,6 +295,23 @@ def test_quick_run_measures_every_row() -> None:
                  "learn store append", "worker efficiency", "calls split",
                  "CPU per 1,000 calls"]:
         assert name in text
+
+
+def test_learn_dropped_counts_the_calls_a_learn_mode_stepguard_did_not_record() -> None:
+    bench = Bench(BenchOptions(rows=["learn"]))
+    try:
+        upstream_url = bench.start_upstream()
+        hop, port, _ = bench.start_stepguard(
+            "learn", bench_contract(upstream_url, TOOL_PATH), settings={
+                "STEPGUARD_LEARN": "true", "STEPGUARD_LEARN_MAX_RUNS": "1"})
+        for run in ("r1", "r2", "r3"):     # the first run recorded, the other two past the bound
+            status, _, _ = http_call(port, "POST", MOUNT + TOOL_PATH, bench_upstream.order_request(),
+                                     {"x-stepguard-run": run, "content-type": "application/json"})
+            assert status == 200
+
+        assert learn_dropped(hop) == 2
+    finally:
+        bench.close()
 
 
 @pytest.mark.timeout(180)

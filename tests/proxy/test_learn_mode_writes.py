@@ -130,7 +130,7 @@ async def test_the_runs_api_shows_every_call_answered_before_the_read(
     assert inputs((await shown.json())["history"]) == [{"n": 1}]
 
 
-async def test_a_call_past_the_backlog_is_forwarded_and_counted_not_recorded(
+async def test_a_call_past_the_backlog_is_answered_once_the_store_makes_room_and_nothing_is_lost(
         make_upstream: MakeUpstream, stepguard: StartGuard) -> None:
     up = await make_upstream(echo)
     guard = await stepguard(learning(up.url))
@@ -138,14 +138,16 @@ async def test_a_call_past_the_backlog_is_forwarded_and_counted_not_recorded(
     learner.window_s, learner.backlog_bytes = 3600.0, 200     # room for one (161 bytes)
 
     first = await send(guard.client.request, "/tools/a", {"n": 1}, run="r1")
-    second = await send(guard.client.request, "/tools/a", {"n": 2}, run="r1")
+    second = asyncio.create_task(send(guard.client.request, "/tools/a", {"n": 2}, run="r1"))
+    async with learner.room_changed:
+        await learner.room_changed.wait_for(lambda: learner.waiting_for_room == 1)
 
-    assert (first.status, second.status) == (200, 200) and second.json == {"got": {"n": 2}}
-    assert dropped(guard, "backlog") == 1
-    assert inputs(await guard.history("r1")) == [{"n": 1}]
-    third = await send(guard.client.request, "/tools/a", {"n": 3}, run="r1")   # room again
-    assert third.status == 200
-    assert inputs(await guard.history("r1")) == [{"n": 1}, {"n": 3}]
+    assert first.status == 200 and not second.done() and up.hits("/a") == 2
+    await learner.settled()          # the first stored: room for the second
+    assert (await second).json == {"got": {"n": 2}}
+    assert inputs(await guard.history("r1")) == [{"n": 1}, {"n": 2}]
+    assert guard.sg.metrics.registry.get_sample_value(
+        "stepguard_learned_total", {"workflow": WORKFLOW, "traffic": "http"}) == 2
 
 
 async def test_an_observation_the_store_cannot_take_in_time_is_counted_and_its_bytes_given_back(
