@@ -48,6 +48,7 @@ from stepguard.proxy.core.bodies import (
     history_payload,
     inexact_integer,
     parse_json,
+    plain_json,
 )
 from stepguard.proxy.core.config import Settings
 from stepguard.proxy.core.learning import append_learned, learning, stored_fields
@@ -186,7 +187,9 @@ def answer_micro(n: int = 2000, items: int = bench_upstream.ITEMS) -> dict[str, 
     `hardening` (the depth and exact-integer reads of the text that `parse_json` adds),
     `schema` (the output schema's validation of the parsed value), `parse_json` (the parse as
     the proxy makes it: orjson and the hardening), and `lazy_parse` (pysimdjson's parse, which
-    builds no value a validator or CEL could read)."""
+    builds no value a validator or CEL could read); and learn mode's reads of the answer it
+    stores as its text: `redaction_look` (`Redactor.names_none`: any key to redact in its
+    bytes) and `plain_json` (`bodies.plain_json`: valid JSON within the depth limit)."""
     if n < 1:
         raise ValueError("n must be at least 1")
     import simdjson
@@ -198,12 +201,15 @@ def answer_micro(n: int = 2000, items: int = bench_upstream.ITEMS) -> dict[str, 
     text = bench_upstream.order_body(items)
     value = orjson.loads(text)
     parser = simdjson.Parser()
+    redactor = Redactor(contract.redact)
     parts: dict[str, Callable[[], object]] = {
         "parse_and_free": lambda: orjson.loads(text),
         "hardening": lambda: (_nests_within(text, MAX_JSON_DEPTH), inexact_integer(text)),
         "schema": lambda: schema.first_fault(value, "output"),
         "parse_json": lambda: parse_json(text, "upstream response"),
         "lazy_parse": lambda: parser.parse(text),
+        "redaction_look": lambda: redactor.names_none(text),
+        "plain_json": lambda: plain_json(text),
     }
     result: dict[str, Any] = {"n": n, "body_bytes": len(text)}
     for name, median in _median_us(parts, n).items():

@@ -57,7 +57,10 @@ gives the process's CPU time per append (writer and checkpoints included) in `le
 once per round, after the rows, so that the figure it is compared with drifts with the machine
 as theirs do. The target: learn's CPU per call minus passthrough's <= that append. Appends that
 many at once share their transactions; `cpu_ms_alone`, the same appended one at a time (each a
-transaction of its own), is the most an append costs.
+transaction of its own), is the most an append costs. The learn row also reads
+`stepguard_learn_dropped_total` from the served process (`learn_dropped`): a call learn mode
+did not record costs less than one it did, and the row's figures hold only if it is 0 (its own
+target).
 
 Every process started is stopped and every temporary file removed when `run()` returns (or
 fails). stepguard children get a clean environment: `STEPGUARD_*` and `OTEL_*` variables are not
