@@ -162,6 +162,7 @@ class Boundaries:
         self.holds = Holds(observer)            # calls held for an operator (ops/app.py sets it up)
         self.refusals = RefusalTally()          # repeated refusals of stopped runs, counted
         self.learner = Learner(runs, observer, self.redactor)   # learn mode's recordings
+        self.run_keys.recorded_here = self.learner.recorded_in
         self.use(contracts)
 
     def use(self, contracts: list[Contract]) -> None:

@@ -33,7 +33,7 @@ import re
 import time
 import uuid
 import zlib
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -283,6 +283,9 @@ class RunKeys:
         self._aliases: Bounded[tuple[str, str], str] = Bounded(limit)
         self._own: Bounded[tuple[str, str], str] = Bounded(limit)
         self._headed: Bounded[str, None] = Bounded(limit)   # runs known named by a header
+        # whether this process recorded in a run that the store may not show yet (learn mode
+        # stores its observations after the answer: `Learner.recorded_in`)
+        self.recorded_here: Callable[[str], bool] = lambda run_id: False
         self._secret: bytes | None = None
 
     async def resolve(self, contract: Contract, step: Step, headers: Mapping[str, str],
@@ -350,7 +353,8 @@ class RunKeys:
         if key in self._own or not (self.store.shared
                                     or self.pending.waiting(contract.workflow, step.name)):
             return run_id, None
-        if await self.store.load(run_id) is not None:     # a run with history of its own
+        if self.recorded_here(run_id) or await self.store.load(run_id) is not None:
+            # a run with history of its own
             self._own.put(key, run_id)
             return run_id, None
         issued = await self._issue_of(contract, step, call, None)

@@ -126,10 +126,13 @@ class Learner:
         self.backlog_bytes = BACKLOG_BYTES
         self._queue: list[_Queued] = []        # recorded, not yet handed to the store
         self._waiting = 0                      # bytes of them, and of those being stored
+        self._queued_n = 0                     # observations queued so far, in all
+        self._done_n = 0                       # of them, stored or dropped (in queue order)
+        self._settle_to = 0                    # `settled` waits for _done_n to reach this
         self._writer: asyncio.Task[None] | None = None     # stores the queue (`_write_queue`)
-        self._hurry = asyncio.Event()          # set: store the queue now, not after the window
-        # notified when stored observations free room in the backlog, or a call starts waiting
-        self.room_changed = asyncio.Condition()
+        self._hurry = asyncio.Event()          # set: end the writer's window now
+        # notified when the writer finishes a batch, or a call starts waiting for room
+        self.changed = asyncio.Condition()
         self.waiting_for_room = 0              # calls waiting for the backlog to have room
         self._closed = False
 
@@ -174,35 +177,54 @@ class Learner:
             self._recorded.setdefault(run_id, used)
             return False
         self._recorded[run_id] = used + size     # taken before the write: others see it
-        queued = _Queued(contract, run_id, fields, tuple(keys), size, seen.traffic)
         if self._waiting and self._waiting + size > self.backlog_bytes:
-            await self._wait_for_room(size)
-        if self._closed:        # after `close` (a call outliving the shutdown): stored now
-            return await self._store_run([queued])
-        self._queue.append(queued)
+            try:
+                await self._wait_for_room(size)
+            except BaseException:
+                self._recorded[run_id] -= size   # the call ended waiting: nothing recorded
+                raise
+        self._queue.append(_Queued(contract, run_id, fields, tuple(keys), size, seen.traffic))
         self._waiting += size
-        if self._writer is None:
-            self._writer = asyncio.get_running_loop().create_task(self._write_queue())
+        self._queued_n += 1
+        self._write()
+        if self._closed:        # after `close` (a call outliving the shutdown): stored now
+            await self.settled()
         return True
+
+    def recorded_in(self, run_id: str) -> bool:
+        """Whether this process recorded an observation in the run (stored, or still queued:
+        the run has history of its own even if the store does not show it yet)."""
+        return bool(self._recorded.get(run_id))
+
+    def _write(self) -> None:
+        """The writer task started if the queue holds anything and none runs."""
+        if self._queue and self._writer is None:
+            self._writer = asyncio.get_running_loop().create_task(self._write_queue())
 
     async def _wait_for_room(self, size: int) -> None:
         """Until `size` more bytes fit in the backlog (or nothing waits: one observation larger
         than it is stored on its own), the writer's stores freeing it."""
-        async with self.room_changed:
+        async with self.changed:
             self.waiting_for_room += 1
-            self.room_changed.notify_all()
+            self.changed.notify_all()
             try:
-                await self.room_changed.wait_for(
+                self._write()
+                await self.changed.wait_for(
                     lambda: not self._waiting or self._waiting + size <= self.backlog_bytes)
             finally:
                 self.waiting_for_room -= 1
 
     async def settled(self) -> None:
         """Every observation recorded so far stored (or dropped and counted), without waiting
-        for the rest of the window."""
-        while self._writer is not None:
-            self._hurry.set()
-            await asyncio.shield(self._writer)
+        for the rest of the window; what is recorded meanwhile is not waited for."""
+        target = self._queued_n
+        if self._done_n >= target:
+            return
+        self._settle_to = max(self._settle_to, target)
+        self._hurry.set()
+        async with self.changed:
+            self._write()
+            await self.changed.wait_for(lambda: self._done_n >= target)
 
     async def close(self) -> None:
         """What is queued stored, and from now on every observation stored as it is recorded
@@ -216,7 +238,8 @@ class Learner:
         transaction), each run's observations in the order they were recorded."""
         try:
             while self._queue:
-                if not self._hurry.is_set():
+                if self._settle_to <= self._done_n:     # nobody waits for it: a window
+                    self._hurry.clear()
                     try:
                         async with asyncio.timeout(self.window_s):
                             await self._hurry.wait()
@@ -230,30 +253,28 @@ class Learner:
                     await asyncio.gather(*(self._store_run(q) for q in of_run.values()))
                 finally:
                     self._waiting -= sum(q.size for q in batch)
-                    async with self.room_changed:
-                        self.room_changed.notify_all()
+                    self._done_n += len(batch)
+                    async with self.changed:
+                        self.changed.notify_all()
         finally:
             self._writer = None
-            self._hurry.clear()
 
-    async def _store_run(self, queue: list[_Queued]) -> bool:
+    async def _store_run(self, queue: list[_Queued]) -> None:
         """The observations of one run appended in order; a failed one counted (dropped,
-        `store`) and its bytes given back. Whether the last was stored."""
-        stored = False
+        `store`), logged, and its bytes given back. Whatever fails, the rest are tried and the
+        writer carries on (a bug here must not stop learn mode recording)."""
         for q in queue:
             try:
                 await append_learned(self.runs, q.contract, q.run_id, q.fields, q.keys)
-            except (StoreError, RunOfAnotherWorkflow) as exc:
+            except Exception as exc:     # StoreError, RunOfAnotherWorkflow, or a bug
                 self._recorded[q.run_id] -= q.size
-                if isinstance(exc, StoreError):
-                    self.observer.store_error("append", str(exc), run_id=q.run_id,
+                if not isinstance(exc, RunOfAnotherWorkflow):
+                    detail = str(exc) if isinstance(exc, StoreError) else repr(exc)
+                    self.observer.store_error("append", detail, run_id=q.run_id,
                                               workflow=q.contract.workflow)
                 self.dropped(q.contract, "store", q.run_id)
-                stored = False
                 continue
             self.observer.learned(q.contract.workflow, q.traffic)
-            stored = True
-        return stored
 
     def stored(self, contract: Contract, seen: Observation) -> dict[str, Any]:
         """The event fields `seen` is stored as: its payloads redacted (the paths replaced

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
 from aiohttp import web
 from sgtest import Guard, Upstream, send
 
@@ -21,6 +22,7 @@ from stepguard.contracts.learned import Observation
 from stepguard.contracts.loader import parse_contract
 from stepguard.contracts.model import Contract
 from stepguard.contracts.sqlite_store import SQLiteStore
+from stepguard.proxy.core import learning as learning_module
 from stepguard.proxy.ops.app import create_admin_app
 
 MakeUpstream = Callable[..., Awaitable[Upstream]]
@@ -139,8 +141,8 @@ async def test_a_call_past_the_backlog_is_answered_once_the_store_makes_room_and
 
     first = await send(guard.client.request, "/tools/a", {"n": 1}, run="r1")
     second = asyncio.create_task(send(guard.client.request, "/tools/a", {"n": 2}, run="r1"))
-    async with learner.room_changed:
-        await learner.room_changed.wait_for(lambda: learner.waiting_for_room == 1)
+    async with learner.changed:
+        await learner.changed.wait_for(lambda: learner.waiting_for_room == 1)
 
     assert first.status == 200 and not second.done() and up.hits("/a") == 2
     await learner.settled()          # the first stored: room for the second
@@ -164,3 +166,75 @@ async def test_an_observation_the_store_cannot_take_in_time_is_counted_and_its_b
     assert dropped(guard, "store") == 1
     await send(guard.client.request, "/tools/a", {"n": 2}, run="r1")   # its bytes are free again
     assert inputs(await guard.history("r1")) == [{"n": 2}]
+
+
+def seen(n: int) -> Observation:
+    return Observation("http", "tools", 0.0, method="POST", path="/a", input={"n": n},
+                       output={"got": {"n": n}}, status=200)
+
+
+async def test_a_read_waits_for_what_was_recorded_before_it_not_for_what_keeps_coming(
+        stepguard: StartGuard) -> None:
+    guard = await stepguard(learning("http://127.0.0.1:9"), learn_max_run_bytes=10**9)
+    learner, contract = guard.sg.boundaries.learner, guard.sg.contracts[0]
+    await learner.record(contract, "r0", seen(0))
+    done = asyncio.Event()
+
+    async def keep_recording() -> int:
+        n = 0
+        while not done.is_set():      # one more at every turn of the loop: never an empty queue
+            n += 1
+            assert await learner.record(contract, "busy", seen(n))
+            await asyncio.sleep(0)
+        return n
+
+    recording = asyncio.create_task(keep_recording())
+    history = await guard.history("r0")
+    done.set()
+
+    assert inputs(history) == [{"n": 0}]
+    assert await recording > 0
+
+
+async def test_an_observation_that_fails_in_an_unforeseen_way_is_counted_and_the_rest_stored(
+        make_upstream: MakeUpstream, stepguard: StartGuard,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    up = await make_upstream(echo)
+    guard = await stepguard(learning(up.url))
+    real = learning_module.append_learned
+
+    async def failing_for_r1(runs: Any, contract: Contract, run_id: str, *rest: Any) -> None:
+        if run_id == "r1":
+            raise RuntimeError("a bug in the append")
+        await real(runs, contract, run_id, *rest)
+
+    monkeypatch.setattr(learning_module, "append_learned", failing_for_r1)
+
+    await asyncio.gather(*(send(guard.client.request, "/tools/a", {"n": n}, run=f"r{n}")
+                           for n in range(1, 4)))
+
+    assert await guard.history("r1") == []
+    assert [inputs(await guard.history(f"r{n}")) for n in (2, 3)] == [[{"n": 2}], [{"n": 3}]]
+    assert dropped(guard, "store") == 1
+    await send(guard.client.request, "/tools/a", {"n": 4}, run="r4")     # still recording
+    assert inputs(await guard.history("r4")) == [{"n": 4}]
+
+
+async def test_a_call_that_ends_while_waiting_for_room_gives_its_runs_bytes_back(
+        make_upstream: MakeUpstream, stepguard: StartGuard) -> None:
+    up = await make_upstream(echo)
+    guard = await stepguard(learning(up.url), learn_max_run_bytes=400)   # two of 161 bytes
+    learner = guard.sg.boundaries.learner
+    learner.window_s, learner.backlog_bytes = 3600.0, 200                # room for one
+    contract = guard.sg.contracts[0]
+    assert await learner.record(contract, "r1", seen(1))
+    waiting = asyncio.create_task(learner.record(contract, "r1", seen(2)))
+    async with learner.changed:
+        await learner.changed.wait_for(lambda: learner.waiting_for_room == 1)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+
+    await learner.settled()                                   # the first stored: room again
+    assert await learner.record(contract, "r1", seen(3))     # within the run's 400 bytes
+    assert inputs(await guard.history("r1")) == [{"n": 1}, {"n": 3}]
