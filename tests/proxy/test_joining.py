@@ -54,10 +54,11 @@ class Hybrid:
 @contextlib.asynccontextmanager
 async def hybrid(tmp_path: Path, mcp_base: str, model: FakeModel,
                  run: dict[str, Any] | None = None,
-                 steps: dict[str, dict[str, Any]] | None = None) -> AsyncIterator[Hybrid]:
+                 steps: dict[str, dict[str, Any]] | None = None,
+                 learn: bool = False) -> AsyncIterator[Hybrid]:
     """The example model contract with an MCP upstream beside the model: its steps match tool
     names, so they match the model's tool calls and the MCP tools/calls alike. `steps` adds
-    options to steps."""
+    options to steps; `learn`: stepguard in learn mode."""
     document = yaml.safe_load(CONTRACT.read_bytes())
     if run is not None:
         document["run"] = run
@@ -67,7 +68,7 @@ async def hybrid(tmp_path: Path, mcp_base: str, model: FakeModel,
         document["upstreams"]["model"]["url"] = model_base
         document["upstreams"]["tools"] = {"url": mcp_base, "kind": "mcp", "mount": "/mcp-tools"}
         contract = parse_contract(yaml.safe_dump(document).encode(), "hybrid.yaml")
-        sg = build(Settings(store=str(tmp_path / "s.db")), [contract])
+        sg = build(Settings(store=str(tmp_path / "s.db"), learn=learn), [contract])
         async with running(create_app(sg)) as url:
             yield Hybrid(sg, f"{url}/openai/v1", f"{url}/mcp-tools{mcp_tools.MCP_PATH}")
 
@@ -520,6 +521,26 @@ async def test_a_run_header_naming_a_run_with_history_is_not_joined(
     (model_run,) = [r for r in runs.values() if r.run_id != "chosen"]
     assert call.id in model_run.pending         # the model's call was not executed in its run
     assert found is None
+
+
+async def test_in_learn_mode_a_run_header_naming_a_run_recorded_in_but_not_yet_stored_is_not_joined(
+        tmp_path: Path, mcp_server: str) -> None:
+    async with hybrid(tmp_path, mcp_server, FakeModel(model_agent.script_for(1, None)),
+                      learn=True) as h:
+        learner = h.sg.boundaries.learner
+        learner.window_s = 3600.0          # what "chosen" recorded waits in the queue meanwhile
+        await call_with_run_header(h, "chosen", "lookup_order", {"order_id": "ord-2"})
+        call = await issue_first_call(h)
+        await call_with_run_header(h, "chosen", call.function.name,
+                                   json.loads(call.function.arguments))
+        await learner.settled()
+        chosen = await h.sg.store.history("chosen")
+        found = await h.sg.store.find_run(f"alias:{h.sg.contracts[0].workflow}:chosen")
+
+    assert [(e.get("tool"), e["input"]) for e in chosen] == [
+        ("lookup_order", {"order_id": "ord-2"}), (call.function.name,
+                                                  json.loads(call.function.arguments))]
+    assert found is None                  # "chosen" never became the model's run's alias
 
 
 async def test_waiting_for_streamed_turns_is_bounded_and_leaves_no_waiter_behind() -> None:
