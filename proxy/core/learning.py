@@ -28,7 +28,8 @@ recorded. At most `BACKLOG_BYTES` wait: past it a call waits for room before it 
 store slower than the calls, or starved of the GIL by a busy event loop, slows the calls down
 as storing each on its path did, and loses none). `settled()` stores the queue at once (the runs
 API before a read, `close` before the store closes), so a read through stepguard sees every call
-answered before it. A process killed outright loses the last window's observations.
+answered before it. A process killed outright loses what waits: the last window's
+observations, or up to the backlog's when the store had fallen behind.
 """
 
 from __future__ import annotations
