@@ -12,6 +12,7 @@ size.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable
 from itertools import chain
@@ -124,7 +125,7 @@ class Redactor:
         if not self._tellable or not text.isascii() or has_unicode_escape(text):
             return False
         if self._quoted is None:
-            self._quoted = _quoted_keys(self.keys)
+            self._quoted = _quoted_keys(self.keys)    # compiled once per set of keys
         try:
             self._quoted.scan(text, match_event_handler=_stop)
         except hyperscan.ScanTerminated:     # `_stop` ended it at the first key found
@@ -146,9 +147,11 @@ def has_unicode_escape(text: bytes) -> bool:
     return b"\\" in text and b"\\u" in text
 
 
-def _quoted_keys(keys: Iterable[str]) -> hyperscan.Database:
+@functools.lru_cache(maxsize=64)
+def _quoted_keys(keys: frozenset[str]) -> hyperscan.Database:
     """A Hyperscan database finding any of `keys` quoted, as `names_none` looks for them: ASCII
-    letters in either case, each `_` written `_` or `-` (`"X-Api-Key"` is `x_api_key`)."""
+    letters in either case, each `_` written `_` or `-` (`"X-Api-Key"` is `x_api_key`). One
+    per set of keys (a call in flight across a reload makes a Redactor of its own contract's)."""
     patterns = [b'"' + b"".join(b"[-_]" if c == "_" else re.escape(c).encode() for c in key)
                 + b'"' for key in sorted(keys)]
     database = hyperscan.Database(mode=hyperscan.HS_MODE_BLOCK)

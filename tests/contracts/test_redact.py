@@ -118,6 +118,14 @@ def test_a_text_whose_bytes_may_not_show_its_keys_is_not_said_clean(text: bytes)
     assert not Redactor().names_none(text)
 
 
+def test_redactors_of_the_same_keys_share_one_compiled_look():
+    first, again = Redactor(["card_number"]), Redactor(["Card-Number"])
+    assert first.names_none(b'{"a": 1}') and again.names_none(b'{"a": 1}')
+
+    assert first._quoted is again._quoted
+    assert Redactor(["pan"]).names_none(b'{"pan": 1}') is False    # other keys: its own
+
+
 def test_a_redactor_with_a_field_an_escape_could_spell_tells_nothing_from_bytes():
     assert not Redactor(["a/b"]).names_none(b'{"order_id": "o-1"}')
     assert Redactor(["a_b"]).names_none(b'{"order_id": "o-1"}')
