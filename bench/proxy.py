@@ -85,6 +85,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+from prometheus_client.parser import text_string_to_metric_families
 
 from stepguard.bench import upstream as bench_upstream
 from stepguard.bench.hops import WARMUP_S, Bench, Proc, count_events, http_call
@@ -443,8 +444,9 @@ def learn_dropped(hop: Proc) -> int:
     status, _, body = http_call(hop.admin_port, "GET", "/metrics")
     if status != 200:
         raise BenchError(f"{hop.name}: /metrics answered {status}")
-    return round(sum(float(line.rsplit(" ", 1)[1]) for line in body.decode().splitlines()
-                     if line.startswith("stepguard_learn_dropped_total")))
+    return round(sum(sample.value for family in text_string_to_metric_families(body.decode())
+                     if family.name == "stepguard_learn_dropped" for sample in family.samples
+                     if sample.name == "stepguard_learn_dropped_total"))
 
 
 def _targets(rows: dict[str, Row], ratios: dict[str, float | None],
