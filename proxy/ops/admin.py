@@ -335,7 +335,7 @@ class _RunsApi:
 
     store: Store
     operations: Operations
-    settled: Callable[[], Awaitable[None]] | None     # learn mode's queue stored (before a read)
+    settled: Callable[[], Awaitable[None]]     # learn mode's queue stored (before a read)
 
     async def list_runs(self, request: web.Request) -> web.StreamResponse:
         status = request.query.get("status")
@@ -347,8 +347,7 @@ class _RunsApi:
             limit = 0
         if not 1 <= limit <= LIST_LIMIT_MAX:
             return _error(400, f"limit must be a whole number from 1 to {LIST_LIMIT_MAX}")
-        if self.settled is not None:
-            await self.settled()
+        await self.settled()
         try:
             found = await self.store.runs(status, limit)
         except StepguardError as exc:
@@ -357,8 +356,7 @@ class _RunsApi:
 
     async def show_run(self, request: web.Request) -> web.StreamResponse:
         run_id = request.match_info["run_id"]
-        if self.settled is not None:
-            await self.settled()
+        await self.settled()
         try:
             envelope = await self.store.load(run_id)
             if envelope is None:
@@ -412,8 +410,8 @@ class _RunsApi:
 
 
 def run_routes(runs: RunBook, observer: Observer, tokens: AdminTokens,
-               holds: Holds | None = None, open_reads: bool = False,
-               settled: Callable[[], Awaitable[None]] | None = None) -> list[web.RouteDef]:
+               settled: Callable[[], Awaitable[None]], holds: Holds | None = None,
+               open_reads: bool = False) -> list[web.RouteDef]:
     """The runs API; `open_reads`: reads need no token (the admin listener is on loopback);
     `settled`: awaited before a read (learn mode's queued observations stored first)."""
     access = _Access(tokens, observer, open_reads)

@@ -280,9 +280,9 @@ def create_admin_app(sg: Stepguard) -> web.Application:
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)
-    app.router.add_routes(run_routes(sg.runs, sg.observer, sg.tokens, sg.boundaries.holds,
-                                     open_reads=loopback(sg.settings.admin_host),
-                                     settled=sg.boundaries.learner.settled))
+    app.router.add_routes(run_routes(sg.runs, sg.observer, sg.tokens,
+                                     sg.boundaries.learner.settled, sg.boundaries.holds,
+                                     open_reads=loopback(sg.settings.admin_host)))
     app.add_subapp("/ui/", console_app(sg))      # the operator console (docs/console.md)
     return app
 
