@@ -40,7 +40,7 @@ from stepguard.contracts.events import ToolResult
 from stepguard.contracts.learned import Observation, Verbatim
 from stepguard.contracts.loader import parse_contract
 from stepguard.contracts.redact import Redactor
-from stepguard.contracts.runs import RunBook
+from stepguard.contracts.runs import RunBook, RunCommit
 from stepguard.contracts.sqlite_store import SQLiteStore
 from stepguard.proxy.core.bodies import (
     MAX_JSON_DEPTH,
@@ -51,7 +51,7 @@ from stepguard.proxy.core.bodies import (
     plain_json,
 )
 from stepguard.proxy.core.config import Settings
-from stepguard.proxy.core.learning import append_learned, learning, stored_fields
+from stepguard.proxy.core.learning import learning, stored_fields
 from stepguard.proxy.ops.app import settings_store
 
 __all__ = ["PAYLOAD_HISTORY_BYTES", "answer_micro", "boundary_micro", "learn_append_micro",
@@ -138,9 +138,9 @@ def _event(boundary: str, version: str, payload: dict[str, Any]) -> dict[str, An
 def learn_append_micro(n: int = 2000, concurrency: int = 32) -> dict[str, Any]:
     """The store append of a `learn` row call: the event that row stores for the bench call
     (`stored_fields` of its 21 B request and 10 KB answer) appended `n` times, each to a run of
-    its own, by `concurrency` tasks at once (wrk's connections), through `append_learned` into a
-    SQLite store opened as `serve` opens it (`settings_store`, the default settings), on uvloop
-    as `serve` runs. `cpu_ms`: CPU time of the whole process (the store's writer and checkpoint
+    its own, as learn mode's writer stores a window of `concurrency` calls (wrk's connections):
+    `RunBook.commit_runs` of that many runs at a time, into a SQLite store opened as `serve`
+    opens it (`settings_store`, the default settings), on uvloop as `serve` runs. `cpu_ms`: CPU time of the whole process (the store's writer and checkpoint
     threads included) per append, after a warm-up; `wall_us`: elapsed time per append."""
     if n < 1 or concurrency < 1:
         raise ValueError("n and concurrency must be at least 1")
@@ -164,10 +164,11 @@ async def _learn_append(n: int, concurrency: int) -> dict[str, Any]:
         runs = RunBook(store)
 
         async def appends(count: int, tag: str) -> None:
-            async def one(worker: int) -> None:
-                for i in range(worker, count, concurrency):
-                    await append_learned(runs, contract, f"learn-micro-{tag}-{i}", fields)
-            await asyncio.gather(*(one(w) for w in range(concurrency)))
+            for at in range(0, count, concurrency):
+                window = [RunCommit(contract, f"learn-micro-{tag}-{i}", [fields])
+                          for i in range(at, min(count, at + concurrency))]
+                if any(await runs.commit_runs(window)):
+                    raise RuntimeError("learn_append_micro: an append was not stored")
 
         await appends(min(500, max(50, n // 4)), "warm")
         cpu, wall = time.process_time(), time.perf_counter()

@@ -79,7 +79,7 @@ from stepguard.contracts.argkeys import LEGACY_FORWARD, LEGACY_OWN, SECRET_NAME,
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.errors import ConflictError, StoreError
 from stepguard.contracts.pg_schema import KEY_DIGESTS, MIGRATION_LOCK, MIGRATIONS, VERSION
-from stepguard.contracts.store import ADVISORY, DEFAULT_RUN_LOCKS, RunLock, settle
+from stepguard.contracts.store import ADVISORY, DEFAULT_RUN_LOCKS, RunAppend, RunLock, settle
 from stepguard.contracts.store_urls import redacted
 
 __all__ = ["migrate_store"]
@@ -391,6 +391,18 @@ class PostgresStore:
                 raise ConflictError(envelope.run_id, first - 1, int(stored or 0))
 
         await self._tracked(self._guarded_write(op))
+
+    async def append_runs(self, appends: Sequence[RunAppend]) -> list[StoreError | None]:
+        """Each run's `append_batch` (one statement each, side by side on the pool); a run's
+        StoreError is its outcome, anything else is raised."""
+        done = await asyncio.gather(*(self.append_batch(*a) for a in appends),
+                                    return_exceptions=True)
+        outcomes: list[StoreError | None] = []
+        for outcome in done:
+            if outcome is not None and not isinstance(outcome, StoreError):
+                raise outcome
+            outcomes.append(outcome)
+        return outcomes
 
     async def add_keys(self, run_id: str, keys: Sequence[str]) -> None:
         if not keys:

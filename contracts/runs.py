@@ -43,15 +43,15 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 from stepguard.contracts.bounded import Bounded
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.errors import ConflictError, RunOfAnotherWorkflow, StoreError
 from stepguard.contracts.model import Contract
-from stepguard.contracts.store import Store
+from stepguard.contracts.store import RunAppend, Store
 
-__all__ = ["RunBook", "StaleEnvelope"]
+__all__ = ["RunBook", "RunCommit", "StaleEnvelope"]
 
 
 class StaleEnvelope(ConflictError):
@@ -161,24 +161,97 @@ class RunBook:
         batch.envelope, batch.events, batch.keys = None, [], []
         await self._stored(after, self.store.append_batch(after, events, keys))
 
+    async def commit_runs(self, commits: Sequence[RunCommit]) -> list[BaseException | None]:
+        """The events of each commit (distinct runs) committed in order as `batched` stores them,
+        every run's in one store write (`Store.append_runs`): learn mode's writer, which acts
+        on no envelope. Each run is under its lock, served without a read (`optimistic`). The
+        outcome of each, in order: None (stored), or what stored nothing of it (a
+        ConflictError, StaleEnvelope among them; RunOfAnotherWorkflow; a StoreError). A run
+        whose lock is held or waited for, or that must be read first (moving between
+        processes; a store with a cross-process lock), is committed after the others on its
+        own, so that no lock is waited for while others are held. A StoreError of a write as a
+        whole is the outcome of each of its runs."""
+        free = [self._free(c.run_id) for c in commits]
+        groups = [[i for i, f in enumerate(free) if f]] + [[i] for i, f in enumerate(free) if not f]
+        outcomes: list[BaseException | None] = [None] * len(commits)
+        for group in groups:
+            if not group:
+                continue
+            try:
+                done = await self._commit_together([commits[i] for i in group])
+            except StoreError as exc:
+                done = [exc] * len(group)
+            for i, outcome in zip(group, done, strict=True):
+                outcomes[i] = outcome
+        return outcomes
+
+    def _free(self, run_id: str) -> bool:
+        """Whether the run can be committed without waiting for a lock or reading the store."""
+        return self.run_lock is None and run_id not in self._locks and run_id not in self._moving
+
+    async def _commit_together(self, commits: Sequence[RunCommit]) -> list[BaseException | None]:
+        outcomes: list[BaseException | None] = [None] * len(commits)
+        held: list[tuple[int, _RunLock]] = []
+        appends: list[tuple[int, RunAppend]] = []
+        try:
+            for i, (contract, run_id, fields, keys) in enumerate(commits):
+                lock = _RunLock(self, run_id)
+                await lock.__aenter__()
+                held.append((i, lock))
+                try:
+                    envelope = await self.envelope(contract, run_id, optimistic=True)
+                except (RunOfAnotherWorkflow, StoreError) as exc:
+                    outcomes[i] = exc
+                    continue
+                events = []
+                for one in fields:
+                    event = {"seq": envelope.seq + 1, "ts": time.time(), **one}
+                    envelope = envelope.apply(event)
+                    events.append(event)
+                appends.append((i, RunAppend(envelope, events, keys)))
+            try:
+                stored = await self.store.append_runs([a for _, a in appends])
+            except BaseException as exc:
+                for _, append in appends:
+                    self._settle(append.envelope, exc)
+                raise
+            for (i, append), lost in zip(appends, stored, strict=True):
+                outcomes[i] = self._settle(append.envelope, lost)
+        finally:
+            for i, lock in held:
+                failed = outcomes[i]
+                try:
+                    await lock.__aexit__(None if failed is None else type(failed), failed, None)
+                except StoreError as exc:     # the run's confirming read (StaleEnvelope)
+                    outcomes[i] = exc
+        return outcomes
+
     async def _stored(self, after: Envelope, write: Awaitable[None]) -> None:
         """`write` (of the events up to `after`) awaited: the envelope cached, or on a lost
         compare-and-set dropped (StaleEnvelope when it was served without a read)."""
-        run_id = after.run_id
         try:
             await write
-        except ConflictError as exc:
-            self._cache.pop(run_id)   # read from the store next time
-            if self._unconfirmed.pop(run_id, None) is not None:
-                self._moved(run_id)
-                raise StaleEnvelope(run_id, exc.expected, exc.actual) from None
-            raise
-        except BaseException:
-            self._cache.pop(run_id)
-            self._unconfirmed.pop(run_id, None)
-            raise
-        self._unconfirmed.pop(run_id, None)    # the compare-and-set confirmed it
-        self._remember(after)
+        except BaseException as exc:
+            failed = self._settle(after, exc)
+            if failed is exc or failed is None:
+                raise
+            raise failed from None
+        self._settle(after, None)
+
+    def _settle(self, after: Envelope, failed: BaseException | None) -> BaseException | None:
+        """The outcome of storing the events up to `after`: stored, the envelope cached (the
+        compare-and-set confirmed it); else dropped, and a lost compare-and-set of an envelope
+        served without a read made a StaleEnvelope (the run is read at its next boundaries)."""
+        run_id = after.run_id
+        unconfirmed = self._unconfirmed.pop(run_id, None)
+        if failed is None:
+            self._remember(after)
+            return None
+        self._cache.pop(run_id)   # read from the store next time
+        if isinstance(failed, ConflictError) and unconfirmed is not None:
+            self._moved(run_id)
+            return StaleEnvelope(run_id, failed.expected, failed.actual)
+        return failed
 
     async def _confirm(self, run_id: str, seq: int) -> None:
         """A boundary served `seq` without a read and stored nothing: the store must still be
@@ -195,6 +268,16 @@ class RunBook:
 
     def _remember(self, envelope: Envelope) -> None:
         self._cache.put(envelope.run_id, envelope)
+
+
+class RunCommit(NamedTuple):
+    """One run's part of `RunBook.commit_runs`: its events' fields, in order, and the
+    correlation keys that find it from now on."""
+
+    contract: Contract
+    run_id: str
+    fields: Sequence[dict[str, Any]]
+    keys: Sequence[str] = ()
 
 
 class _Batch:

@@ -70,7 +70,7 @@ import queue
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, cast
@@ -80,7 +80,7 @@ import orjson
 from stepguard.contracts.argkeys import LEGACY_FORWARD, LEGACY_OWN, SECRET_NAME, legacy_rewrite, new_secret
 from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.errors import ConflictError, StoreError
-from stepguard.contracts.store import RunLock, settle
+from stepguard.contracts.store import RunAppend, RunLock, settle
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -312,6 +312,10 @@ class SQLiteStore:
     async def append_batch(self, envelope: Envelope, events: Sequence[dict[str, Any]],
                            keys: Sequence[str] = ()) -> None:
         await self._write(lambda c: _append_batch(c, envelope, events, keys))
+
+    async def append_runs(self, appends: Sequence[RunAppend]) -> list[StoreError | None]:
+        outcomes: list[StoreError | None] = await self._write(lambda c: _append_runs(c, appends))
+        return outcomes
 
     async def add_keys(self, run_id: str, keys: Sequence[str]) -> None:
         if keys:
@@ -986,6 +990,113 @@ def _append_batch(conn: sqlite3.Connection, envelope: Envelope,
             raise _conflict_at(conn, envelope.run_id, first)
     conn.executemany("INSERT INTO events (run_id, seq, ts, event) VALUES (?, ?, ?, ?)", rows)
     _add_keys(conn, envelope.run_id, keys)
+
+
+# rows of one statement in `_append_runs`: at most this many, in power-of-two chunks, so that
+# the statement cache holds a few texts per table (64 runs: 512 variables, within any build's)
+ROWS_PER_STATEMENT = 64
+# SQLite 3.33 and later update many runs' rows from one VALUES list (`UPDATE ... FROM`)
+UPDATE_FROM = sqlite3.sqlite_version_info >= (3, 33, 0)
+_RUN_COLUMNS = "run_id, workflow, contract_version, status, seq, envelope, created, updated"
+
+
+class _Lost(Exception):
+    """A compare-and-set of `_append_runs`' statements did not hold for every run."""
+
+
+def _append_runs(conn: sqlite3.Connection, appends: Sequence[RunAppend]
+                 ) -> list[StoreError | None]:
+    """`Store.append_runs`: every run's compare-and-set, events and keys in a few statements
+    (a multi-row INSERT of the new runs' rows, one UPDATE of the others', a multi-row INSERT of
+    the events and one of the keys) instead of two or three per run, each of which gives up the
+    GIL and must take it back from the busy event loop. When a compare-and-set does not hold
+    for every run, what they wrote is rolled back and each run is appended alone
+    (`_append_batch`, in a savepoint), so only the runs that lost fail."""
+    outcomes: list[StoreError | None] = [None] * len(appends)
+    new: list[tuple[Any, ...]] = []
+    moved: list[tuple[Any, ...]] = []
+    events: list[tuple[Any, ...]] = []
+    keys: list[tuple[str, str]] = []
+    for i, (envelope, run_events, run_keys) in enumerate(appends):
+        first = envelope.seq - len(run_events) + 1
+        try:
+            data = orjson.dumps(envelope.to_dict())
+            rows = [(envelope.run_id, first + n, e["ts"], orjson.dumps(e))
+                    for n, e in enumerate(run_events)]
+        except (TypeError, ValueError) as exc:     # a value orjson cannot encode
+            outcomes[i] = StoreError(f"run {envelope.run_id!r}: the event cannot be stored: {exc}")
+            continue
+        if first == 1:
+            new.append((envelope.run_id, envelope.workflow, envelope.contract_version,
+                        envelope.status, envelope.seq, data, envelope.created, envelope.updated))
+        else:
+            moved.append((envelope.run_id, first - 1, envelope.contract_version, envelope.status,
+                          envelope.seq, data, envelope.updated))
+        events.extend(rows)
+        keys.extend((key, envelope.run_id) for key in run_keys)
+    conn.execute("SAVEPOINT runs")
+    try:
+        _insert(conn, f"INSERT INTO runs ({_RUN_COLUMNS}) VALUES ", 8, new)
+        if _update_runs(conn, moved) != len(moved):
+            raise _Lost
+        _insert(conn, "INSERT INTO events (run_id, seq, ts, event) VALUES ", 4, events)
+        _insert(conn, "INSERT OR REPLACE INTO run_keys (key, run_id) VALUES ", 2, keys)
+    except (sqlite3.IntegrityError, _Lost):     # a run that is not where its append expects
+        conn.execute("ROLLBACK TO runs")
+        for i, (envelope, run_events, run_keys) in enumerate(appends):
+            if outcomes[i] is None:
+                outcomes[i] = _alone(conn, envelope, run_events, run_keys)
+    conn.execute("RELEASE runs")
+    return outcomes
+
+
+def _alone(conn: sqlite3.Connection, envelope: Envelope, events: Sequence[dict[str, Any]],
+           keys: Sequence[str]) -> ConflictError | None:
+    """One run of `_append_runs` appended in a savepoint: its ConflictError, or None."""
+    conn.execute("SAVEPOINT run")
+    try:
+        _append_batch(conn, envelope, events, keys)
+    except ConflictError as exc:
+        conn.execute("ROLLBACK TO run")
+        return exc
+    finally:
+        conn.execute("RELEASE run")
+    return None
+
+
+def _chunks(rows: list[tuple[Any, ...]]) -> Iterator[list[tuple[Any, ...]]]:
+    """`rows` in chunks of `ROWS_PER_STATEMENT`, then of the powers of two below it."""
+    size, at = ROWS_PER_STATEMENT, 0
+    while at < len(rows):
+        while size > len(rows) - at:
+            size //= 2
+        yield rows[at:at + size]
+        at += size
+
+
+def _insert(conn: sqlite3.Connection, head: str, width: int, rows: list[tuple[Any, ...]]) -> None:
+    """`rows` (of `width` values) inserted by statements `head` + a VALUES list of each chunk."""
+    one = "(" + ", ".join("?" * width) + ")"
+    for chunk in _chunks(rows):
+        conn.execute(head + ", ".join([one] * len(chunk)), [v for row in chunk for v in row])
+
+
+def _update_runs(conn: sqlite3.Connection, rows: list[tuple[Any, ...]]) -> int:
+    """Runs' rows moved on from the seq each expects (row: run id, that seq, contract version,
+    status, seq, envelope, updated); how many were where they were expected."""
+    if not UPDATE_FROM:
+        return int(conn.executemany(
+            "UPDATE runs SET contract_version = ?3, status = ?4, seq = ?5, envelope = ?6, "
+            "updated = ?7 WHERE run_id = ?1 AND seq = ?2", rows).rowcount)
+    updated = 0
+    for chunk in _chunks(rows):
+        updated += conn.execute(
+            "UPDATE runs SET contract_version = v.column3, status = v.column4, seq = v.column5, "
+            "envelope = v.column6, updated = v.column7 FROM (VALUES "
+            + ", ".join(["(?, ?, ?, ?, ?, ?, ?)"] * len(chunk))
+            + ") AS v WHERE runs.run_id = v.column1 AND runs.seq = v.column2",
+            [v for row in chunk for v in row]).rowcount
+    return updated
 
 
 def _conflict_at(conn: sqlite3.Connection, run_id: str, seq: int) -> ConflictError:

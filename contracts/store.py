@@ -15,11 +15,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from stepguard.contracts.envelope import Envelope
+from stepguard.contracts.errors import StoreError
 
-__all__ = ["DEFAULT_RUN_LOCKS", "RUN_LOCKS", "Store"]
+__all__ = ["DEFAULT_RUN_LOCKS", "RUN_LOCKS", "RunAppend", "Store"]
 
 # how one run's boundaries on several processes are serialised (PostgreSQL: `--run-locks`):
 # the append's compare-and-set and a re-check on a lost race, or a per-run advisory lock held
@@ -28,6 +29,14 @@ CAS = "cas"
 ADVISORY = "advisory"
 RUN_LOCKS = (CAS, ADVISORY)
 DEFAULT_RUN_LOCKS = CAS
+class RunAppend(NamedTuple):
+    """One run's part of `Store.append_runs`: what `append_batch` takes."""
+
+    envelope: Envelope
+    events: Sequence[dict[str, Any]]
+    keys: Sequence[str] = ()
+
+
 # a lock of one run held across processes for a boundary: `async with run_lock(run_id):`
 RunLock = Callable[[str], AbstractAsyncContextManager[None]]
 
@@ -79,6 +88,14 @@ class Store(Protocol):
 
         Raises ConflictError when the stored run is not at the first event's seq - 1.
         """
+        ...
+
+    async def append_runs(self, appends: Sequence[RunAppend]) -> list[StoreError | None]:
+        """Each of `appends` (distinct runs) stored as `append_batch` stores it, all in one
+        write where the store can (learn mode's window of runs: contracts/runs.py
+        `commit_runs`). The outcome of each, in order: None (stored), or the StoreError of a run
+        nothing of which was stored (its ConflictError; an event that cannot be encoded). A
+        StoreError raised: none of them stored."""
         ...
 
     async def add_keys(self, run_id: str, keys: Sequence[str]) -> None:

@@ -47,7 +47,7 @@ from stepguard.contracts.errors import ConflictError, RunOfAnotherWorkflow, Stor
 from stepguard.contracts.learned import Observation, Verbatim
 from stepguard.contracts.model import Contract, Match, Step
 from stepguard.contracts.redact import Redactor
-from stepguard.contracts.runs import RunBook
+from stepguard.contracts.runs import RunBook, RunCommit
 from stepguard.metrics.observer import Observer
 from stepguard.proxy.core.bodies import (
     MAX_JSON_DEPTH,
@@ -247,11 +247,8 @@ class Learner:
                     except TimeoutError:
                         pass
                 batch, self._queue = self._queue, []
-                of_run: dict[str, list[_Queued]] = {}
-                for queued in batch:
-                    of_run.setdefault(queued.run_id, []).append(queued)
                 try:
-                    await asyncio.gather(*(self._store_run(q) for q in of_run.values()))
+                    await self._store_batch(batch)
                 finally:
                     self._waiting -= sum(q.size for q in batch)
                     self._done_n += len(batch)
@@ -260,22 +257,56 @@ class Learner:
         finally:
             self._writer = None
 
+    async def _store_batch(self, batch: list[_Queued]) -> None:
+        """A window's observations stored: every run's in one store write (`commit_runs`),
+        each run's in the order recorded. A run that lost its compare-and-set (another writer
+        moved it) is appended again alone, on the stored envelope (`append_learned`); one that
+        failed otherwise is counted. Should the write fail in an unforeseen way (a bug), each
+        run is tried alone, so that one bad run never sinks the others."""
+        of_run: dict[str, list[_Queued]] = {}
+        for queued in batch:
+            of_run.setdefault(queued.run_id, []).append(queued)
+        commits = [RunCommit(queue[0].contract, run_id, [q.fields for q in queue],
+                             [key for q in queue for key in q.keys])
+                   for run_id, queue in of_run.items()]
+        try:
+            outcomes = await self.runs.commit_runs(commits)
+        except Exception:
+            await asyncio.gather(*(self._store_run(q) for q in of_run.values()))
+            return
+        again = []
+        for queue, failed in zip(of_run.values(), outcomes, strict=True):
+            if isinstance(failed, ConflictError):
+                again.append(queue)
+            elif failed is not None:
+                for q in queue:
+                    self._lost(q, failed)
+            else:
+                for q in queue:
+                    self.observer.learned(q.contract.workflow, q.traffic)
+        await asyncio.gather(*(self._store_run(q) for q in again))
+
     async def _store_run(self, queue: list[_Queued]) -> None:
-        """The observations of one run appended in order; a failed one counted (dropped,
-        `store`), logged, and its bytes given back. Whatever fails, the rest are tried and the
-        writer carries on (a bug here must not stop learn mode recording)."""
+        """The observations of one run appended in order, one at a time; a failed one counted.
+        Whatever fails, the rest are tried and the writer carries on (a bug here must not stop
+        learn mode recording)."""
         for q in queue:
             try:
                 await append_learned(self.runs, q.contract, q.run_id, q.fields, q.keys)
             except Exception as exc:     # StoreError, RunOfAnotherWorkflow, or a bug
-                self._recorded[q.run_id] -= q.size
-                if not isinstance(exc, RunOfAnotherWorkflow):
-                    detail = str(exc) if isinstance(exc, StoreError) else repr(exc)
-                    self.observer.store_error("append", detail, run_id=q.run_id,
-                                              workflow=q.contract.workflow)
-                self.dropped(q.contract, "store", q.run_id)
+                self._lost(q, exc)
                 continue
             self.observer.learned(q.contract.workflow, q.traffic)
+
+    def _lost(self, q: _Queued, failed: BaseException) -> None:
+        """An observation the store did not take: counted (dropped, `store`), logged, and its
+        bytes given back."""
+        self._recorded[q.run_id] -= q.size
+        if not isinstance(failed, RunOfAnotherWorkflow):
+            detail = str(failed) if isinstance(failed, StoreError) else repr(failed)
+            self.observer.store_error("append", detail, run_id=q.run_id,
+                                      workflow=q.contract.workflow)
+        self.dropped(q.contract, "store", q.run_id)
 
     def stored(self, contract: Contract, seen: Observation) -> dict[str, Any]:
         """The event fields `seen` is stored as: its payloads redacted (the paths replaced

@@ -18,11 +18,11 @@ import pytest
 from aiohttp import web
 from sgtest import Guard, Upstream, send
 
+from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.learned import Observation
 from stepguard.contracts.loader import parse_contract
 from stepguard.contracts.model import Contract
 from stepguard.contracts.sqlite_store import SQLiteStore
-from stepguard.proxy.core import learning as learning_module
 from stepguard.proxy.ops.app import create_admin_app
 
 MakeUpstream = Callable[..., Awaitable[Upstream]]
@@ -201,14 +201,14 @@ async def test_an_observation_that_fails_in_an_unforeseen_way_is_counted_and_the
         monkeypatch: pytest.MonkeyPatch) -> None:
     up = await make_upstream(echo)
     guard = await stepguard(learning(up.url))
-    real = learning_module.append_learned
+    real = Envelope.apply
 
-    async def failing_for_r1(runs: Any, contract: Contract, run_id: str, *rest: Any) -> None:
-        if run_id == "r1":
+    def failing_for_r1(envelope: Envelope, event: dict[str, Any]) -> Envelope:
+        if envelope.run_id == "r1":
             raise RuntimeError("a bug in the append")
-        await real(runs, contract, run_id, *rest)
+        return real(envelope, event)
 
-    monkeypatch.setattr(learning_module, "append_learned", failing_for_r1)
+    monkeypatch.setattr(Envelope, "apply", failing_for_r1)
 
     await asyncio.gather(*(send(guard.client.request, "/tools/a", {"n": n}, run=f"r{n}")
                            for n in range(1, 4)))

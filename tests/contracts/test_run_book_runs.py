@@ -1,0 +1,118 @@
+"""`RunBook.commit_runs` (learn mode's writer): the events of many runs committed in one store
+write, each run under its lock and in order; a run that cannot be written with the others (its
+lock held, another writer moved it) is told apart and never holds the others up. On the
+`store` fixture's SQLite and PostgreSQL stores."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from storetest import BOUND_S, advance, start
+
+from stepguard.contracts.errors import ConflictError, RunOfAnotherWorkflow
+from stepguard.contracts.model import Contract
+from stepguard.contracts.runs import RunBook, RunCommit, StaleEnvelope
+from stepguard.contracts.store import RunAppend, Store
+
+pytestmark = pytest.mark.timeout(20)
+
+
+def learned(n: int) -> dict[str, Any]:
+    return {"kind": "learned", "traffic": "http", "input": {"n": n}}
+
+
+class Counted:
+    """The real store, its writes of many runs counted (`wrote` set after each)."""
+
+    def __init__(self, store: Store) -> None:
+        self.store, self.writes, self.appends = store, 0, 0
+        self.wrote = asyncio.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+    async def append(self, *args: Any, **kwargs: Any) -> None:
+        self.appends += 1
+        await self.store.append(*args, **kwargs)
+
+    async def append_runs(self, appends: list[RunAppend]) -> Any:
+        self.writes += 1
+        try:
+            return await self.store.append_runs(appends)
+        finally:
+            self.wrote.set()
+
+
+async def inputs(store: Store, run_id: str) -> list[Any]:
+    return [e.get("input") for e in await store.history(run_id)]
+
+
+async def test_many_runs_events_are_stored_in_one_write_each_runs_in_order(store, make_contract):
+    counted = Counted(store)
+    book = RunBook(counted)  # type: ignore[arg-type]
+    contract = make_contract()
+    commits = [RunCommit(contract, f"r{r}", [learned(10 * r + n) for n in range(3)], [f"k:{r}"])
+               for r in range(4)]
+
+    outcomes = await asyncio.wait_for(book.commit_runs(commits), BOUND_S)
+
+    assert outcomes == [None] * 4 and (counted.writes, counted.appends) == (1, 0)
+    for r in range(4):
+        assert await inputs(store, f"r{r}") == [{"n": 10 * r + n} for n in range(3)]
+        assert await store.find_run(f"k:{r}") == f"r{r}"
+    # each run's envelope is the book's from then on: the next commit goes on from seq 3
+    await asyncio.wait_for(book.commit_runs([RunCommit(contract, "r0", [learned(99)])]), BOUND_S)
+    assert [e["seq"] for e in await store.history("r0")] == [1, 2, 3, 4]
+
+
+async def test_a_run_whose_lock_is_held_is_stored_when_let_go_without_holding_up_the_others(
+        store, make_contract):
+    counted = Counted(store)
+    book = RunBook(counted)  # type: ignore[arg-type]
+    contract = make_contract()
+    commits = [RunCommit(contract, run_id, [learned(n)]) for n, run_id in enumerate("abc")]
+
+    async with book.locked("b"):                 # a boundary of run b in progress
+        writing = asyncio.create_task(book.commit_runs(commits))
+        await asyncio.wait_for(counted.wrote.wait(), BOUND_S)
+        assert (await inputs(store, "a"), await inputs(store, "c")) == ([{"n": 0}], [{"n": 2}])
+        assert await inputs(store, "b") == []
+
+    assert await asyncio.wait_for(writing, BOUND_S) == [None, None, None]
+    assert await inputs(store, "b") == [{"n": 1}] and counted.writes == 2
+
+
+async def test_a_run_another_writer_opened_is_stale_and_read_from_the_store_next_time(
+        store, make_contract):
+    book = RunBook(store)
+    contract = make_contract()
+    await advance(store, start("r1", contract.workflow))     # the other writer's event 1
+
+    outcomes = await asyncio.wait_for(
+        book.commit_runs([RunCommit(contract, "r1", [learned(1)]),
+                          RunCommit(contract, "r2", [learned(2)])]), BOUND_S)
+
+    assert isinstance(outcomes[0], StaleEnvelope) and outcomes[1] is None
+    assert (outcomes[0].expected, outcomes[0].actual) == (0, 1)
+    assert len(await store.history("r1")) == 1
+    again = await asyncio.wait_for(book.commit_runs([RunCommit(contract, "r1", [learned(1)])]),
+                                   BOUND_S)
+    assert again == [None]
+    assert [e["seq"] for e in await store.history("r1")] == [1, 2]
+
+
+async def test_a_run_of_another_workflow_is_refused_alone(store, make_contract):
+    book = RunBook(store)
+    mine: Contract = make_contract()
+    theirs: Contract = make_contract(workflow="another-workflow")
+    assert await book.commit_runs([RunCommit(theirs, "r1", [learned(1)])]) == [None]
+
+    outcomes = await asyncio.wait_for(
+        book.commit_runs([RunCommit(mine, "r1", [learned(2)]),
+                          RunCommit(mine, "r2", [learned(3)])]), BOUND_S)
+
+    assert isinstance(outcomes[0], RunOfAnotherWorkflow) and outcomes[1] is None
+    assert not isinstance(outcomes[0], ConflictError)
+    assert await inputs(store, "r1") == [{"n": 1}]
