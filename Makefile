@@ -31,7 +31,7 @@ REPEATED := tests/contracts/test_store.py tests/contracts/test_sqlite_store_coun
 	tests/proxy/test_a2a_traffic.py tests/e2e/test_a2a.py tests/e2e/test_a2a_tasks.py \
 	tests/proxy/test_a2a_sdk_fields.py tests/proxy/test_a2a_read_as_clients_read.py \
 	tests/proxy/test_mcp_sdk_reads.py tests/proxy/test_model_sdk_reads.py \
-	tests/proxy/test_learn_mode_writes.py
+	tests/proxy/test_learn_mode_writes.py tests/contracts/test_run_book_runs.py
 # ... and the multi-process ones (worker processes, replicas on one store: ~75 s a pass, each
 # test starting two or three stepguard processes) REPEAT_PROCESSES more times, so the repeat
 # pass stays within a few minutes of CI
