@@ -140,8 +140,9 @@ def learn_append_micro(n: int = 2000, concurrency: int = 32) -> dict[str, Any]:
     (`stored_fields` of its 21 B request and 10 KB answer) appended `n` times, each to a run of
     its own, as learn mode's writer stores a window of `concurrency` calls (wrk's connections):
     `RunBook.commit_runs` of that many runs at a time, into a SQLite store opened as `serve`
-    opens it (`settings_store`, the default settings), on uvloop as `serve` runs. `cpu_ms`: CPU time of the whole process (the store's writer and checkpoint
-    threads included) per append, after a warm-up; `wall_us`: elapsed time per append."""
+    opens it (`settings_store`, the default settings), on uvloop as `serve` runs. `cpu_ms`:
+    CPU time of the whole process (the store's writer and checkpoint threads included) per
+    append, after a warm-up; `wall_us`: elapsed time per append."""
     if n < 1 or concurrency < 1:
         raise ValueError("n and concurrency must be at least 1")
     import uvloop

@@ -394,13 +394,17 @@ class PostgresStore:
 
     async def append_runs(self, appends: Sequence[RunAppend]) -> list[StoreError | None]:
         """Each run's `append_batch` (one statement each, side by side on the pool); a run's
-        StoreError is its outcome, anything else is raised."""
+        StoreError is its outcome, as is any other exception of it (made a StoreError); a
+        cancellation is raised."""
         done = await asyncio.gather(*(self.append_batch(*a) for a in appends),
                                     return_exceptions=True)
         outcomes: list[StoreError | None] = []
         for outcome in done:
-            if outcome is not None and not isinstance(outcome, StoreError):
-                raise outcome
+            if isinstance(outcome, Exception) and not isinstance(outcome, StoreError):
+                # that run's alone (the others may be stored): never raised for all of them
+                outcome = StoreError(f"store {self.shown}: {outcome!r}")
+            elif outcome is not None and not isinstance(outcome, StoreError):
+                raise outcome       # a cancellation
             outcomes.append(outcome)
         return outcomes
 

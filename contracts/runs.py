@@ -166,23 +166,28 @@ class RunBook:
         every run's in one store write (`Store.append_runs`): learn mode's writer, which acts
         on no envelope. Each run is under its lock, served without a read (`optimistic`). The
         outcome of each, in order: None (stored), or what stored nothing of it (a
-        ConflictError, StaleEnvelope among them; RunOfAnotherWorkflow; a StoreError). A run
-        whose lock is held or waited for, or that must be read first (moving between
-        processes; a store with a cross-process lock), is committed after the others on its
-        own, so that no lock is waited for while others are held. A StoreError of a write as a
-        whole is the outcome of each of its runs."""
+        ConflictError, StaleEnvelope among them; RunOfAnotherWorkflow; a StoreError; any other
+        exception, a bug, of a write that stored nothing of its runs). A run whose lock is held
+        or waited for, or that must be read first (moving between processes; a store with a
+        cross-process lock), is committed after the others on its own (those side by side), so
+        that no lock is waited for while another is held. A StoreError of a write as a whole is
+        the outcome of each of its runs."""
         free = [self._free(c.run_id) for c in commits]
-        groups = [[i for i, f in enumerate(free) if f]] + [[i] for i, f in enumerate(free) if not f]
         outcomes: list[BaseException | None] = [None] * len(commits)
-        for group in groups:
-            if not group:
-                continue
+
+        async def commit(group: list[int]) -> None:
             try:
                 done = await self._commit_together([commits[i] for i in group])
-            except StoreError as exc:
-                done = [exc] * len(group)
+            except Exception as exc:      # a StoreError, or a bug: the group's runs, not those
+                done = [exc] * len(group)   # another group stored
             for i, outcome in zip(group, done, strict=True):
                 outcomes[i] = outcome
+
+        together = [i for i, f in enumerate(free) if f]
+        if together:
+            await commit(together)
+        # side by side, each holding no lock but its own while it waits for it
+        await asyncio.gather(*(commit([i]) for i, f in enumerate(free) if not f))
         return outcomes
 
     def _free(self, run_id: str) -> bool:
@@ -218,12 +223,17 @@ class RunBook:
             for (i, append), lost in zip(appends, stored, strict=True):
                 outcomes[i] = self._settle(append.envelope, lost)
         finally:
-            for i, lock in held:
+            error: BaseException | None = None
+            for i, lock in held:      # every lock let go of, whatever one's exit raises
                 failed = outcomes[i]
                 try:
                     await lock.__aexit__(None if failed is None else type(failed), failed, None)
                 except StoreError as exc:     # the run's confirming read (StaleEnvelope)
                     outcomes[i] = exc
+                except BaseException as exc:  # a cancellation, a bug: raised once all are out
+                    error = error or exc
+            if error is not None:
+                raise error
         return outcomes
 
     async def _stored(self, after: Envelope, write: Awaitable[None]) -> None:

@@ -167,7 +167,13 @@ class Learner:
         when the queue is stored. Never raises; waits for the store only for room in the
         backlog, and once closed."""
         fields = self.stored(contract, seen)
-        size = len(orjson.dumps(fields, default=str))
+        try:
+            size = len(orjson.dumps(fields))    # as the store encodes it
+        except orjson.JSONEncodeError as exc:   # never queued: it would fail its run's window
+            self.observer.store_error("append", f"run {run_id!r}: the event cannot be stored: "
+                                      f"{exc}", run_id=run_id, workflow=contract.workflow)
+            self.dropped(contract, "store", run_id)
+            return False
         used = self._recorded.get(run_id)
         if used is None and len(self._recorded) >= self.max_runs:
             self.dropped(contract, "runs", run_id)
@@ -266,18 +272,25 @@ class Learner:
         of_run: dict[str, list[_Queued]] = {}
         for queued in batch:
             of_run.setdefault(queued.run_id, []).append(queued)
+        # a run id two workflows recorded in: each observation checked against the run alone
+        # (the one whose workflow does not own the run is RunOfAnotherWorkflow, as ever)
+        mixed = [queue for queue in of_run.values()
+                 if any(q.contract.workflow != queue[0].contract.workflow for q in queue)]
+        for queue in mixed:
+            del of_run[queue[0].run_id]
         commits = [RunCommit(queue[0].contract, run_id, [q.fields for q in queue],
                              [key for q in queue for key in q.keys])
                    for run_id, queue in of_run.items()]
         try:
             outcomes = await self.runs.commit_runs(commits)
         except Exception:
-            await asyncio.gather(*(self._store_run(q) for q in of_run.values()))
+            await asyncio.gather(*(self._store_run(q) for q in [*of_run.values(), *mixed]))
             return
-        again = []
+        again = mixed
         for queue, failed in zip(of_run.values(), outcomes, strict=True):
-            if isinstance(failed, ConflictError):
-                again.append(queue)
+            if isinstance(failed, ConflictError) or not isinstance(
+                    failed, (StoreError, RunOfAnotherWorkflow, type(None))):
+                again.append(queue)     # moved by another writer, or a bug: tried alone
             elif failed is not None:
                 for q in queue:
                     self._lost(q, failed)

@@ -116,3 +116,77 @@ async def test_a_run_of_another_workflow_is_refused_alone(store, make_contract):
     assert isinstance(outcomes[0], RunOfAnotherWorkflow) and outcomes[1] is None
     assert not isinstance(outcomes[0], ConflictError)
     assert await inputs(store, "r1") == [{"n": 1}]
+
+
+class ReadHeldUp:
+    """The real store, seen as shared (another process may write its runs), its reads held up
+    once `hold` is set: `reading` is set when one waits."""
+
+    shared = True
+
+    def __init__(self, store: Store) -> None:
+        self.store, self.hold = store, False
+        self.reading = asyncio.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+    async def load(self, run_id: str) -> Any:
+        if self.hold:
+            self.reading.set()
+            await asyncio.Event().wait()
+        return await self.store.load(run_id)
+
+
+async def test_a_commit_cancelled_while_confirming_one_run_lets_go_of_every_runs_lock(
+        store, make_contract):
+    held_up = ReadHeldUp(store)
+    book = RunBook(held_up)  # type: ignore[arg-type]
+    mine: Contract = make_contract()
+    theirs: Contract = make_contract(workflow="another-workflow")
+    assert await book.commit_runs([RunCommit(theirs, "r1", [learned(1)])]) == [None]
+    held_up.hold = True
+    # r1 (another workflow's, cached) is refused and confirmed by a read at its lock's exit
+    writing = asyncio.create_task(book.commit_runs([RunCommit(mine, "r1", [learned(2)]),
+                                                    RunCommit(mine, "r2", [learned(3)])]))
+    await asyncio.wait_for(held_up.reading.wait(), BOUND_S)
+
+    writing.cancel()                              # stepguard stopping, say
+    with pytest.raises(asyncio.CancelledError):
+        await writing
+
+    async def boundary(run_id: str) -> None:
+        async with book.locked(run_id):
+            pass
+
+    await asyncio.wait_for(boundary("r1"), BOUND_S)
+    await asyncio.wait_for(boundary("r2"), BOUND_S)     # never let go of before the fix
+
+
+async def test_runs_whose_locks_are_held_are_each_stored_as_soon_as_theirs_is_let_go(
+        store, make_contract):
+    counted = Counted(store)
+    book = RunBook(counted)  # type: ignore[arg-type]
+    contract = make_contract()
+    let_go = {run_id: asyncio.Event() for run_id in "ab"}
+    holding = {run_id: asyncio.Event() for run_id in "ab"}
+
+    async def boundary(run_id: str) -> None:
+        async with book.locked(run_id):
+            holding[run_id].set()
+            await let_go[run_id].wait()
+
+    boundaries = [asyncio.create_task(boundary(run_id)) for run_id in "ab"]
+    for run_id in "ab":
+        await asyncio.wait_for(holding[run_id].wait(), BOUND_S)
+    writing = asyncio.create_task(book.commit_runs(
+        [RunCommit(contract, run_id, [learned(n)]) for n, run_id in enumerate("ab")]))
+
+    let_go["b"].set()                            # b's boundary ends first
+    await asyncio.wait_for(counted.wrote.wait(), BOUND_S)
+    assert (await inputs(store, "a"), await inputs(store, "b")) == ([], [{"n": 1}])
+
+    let_go["a"].set()
+    assert await asyncio.wait_for(writing, BOUND_S) == [None, None]
+    assert await inputs(store, "a") == [{"n": 0}]
+    await asyncio.gather(*boundaries)

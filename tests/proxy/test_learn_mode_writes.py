@@ -238,3 +238,72 @@ async def test_a_call_that_ends_while_waiting_for_room_gives_its_runs_bytes_back
     await learner.settled()                                   # the first stored: room again
     assert await learner.record(contract, "r1", seen(3))     # within the run's 400 bytes
     assert inputs(await guard.history("r1")) == [{"n": 1}, {"n": 3}]
+
+
+async def test_an_observation_of_another_workflows_run_in_the_same_window_is_not_stored_in_it(
+        stepguard: StartGuard) -> None:
+    other = parse_contract(orjson.dumps({
+        "workflow": "learn-other", "contract_version": 1, "mode": "learn",
+        "upstreams": {"tools": {"url": "http://127.0.0.1:9", "mount": "/other",
+                                "timeout_s": 5}}}), "other.json")
+    guard = await stepguard(learning("http://127.0.0.1:9"), other)
+    learner = guard.sg.boundaries.learner
+    learner.window_s = 3600.0                     # both in one window
+    mine = next(c for c in guard.sg.contracts if c.workflow == WORKFLOW)
+    assert await learner.record(mine, "r1", seen(1))
+    assert await learner.record(other, "r1", seen(2))    # the same run id, another workflow
+
+    await learner.settled()
+
+    assert inputs(await guard.history("r1")) == [{"n": 1}]
+    assert guard.sg.metrics.registry.get_sample_value(
+        "stepguard_learn_dropped_total", {"workflow": "learn-other", "reason": "store"}) == 1
+
+
+async def test_a_window_that_fails_in_an_unforeseen_way_after_storing_some_runs_stores_none_twice(
+        stepguard: StartGuard, monkeypatch: pytest.MonkeyPatch) -> None:
+    guard = await stepguard(learning("http://127.0.0.1:9"))
+    learner, contract = guard.sg.boundaries.learner, guard.sg.contracts[0]
+    learner.window_s = 3600.0
+    store, wrote = learner.runs.store, asyncio.Event()
+    real_append_runs, real_apply = store.append_runs, Envelope.apply
+
+    async def append_runs(appends: Any) -> Any:
+        try:
+            return await real_append_runs(appends)
+        finally:
+            wrote.set()
+
+    def failing_for_r2(envelope: Envelope, event: dict[str, Any]) -> Envelope:
+        if envelope.run_id == "r2":
+            raise RuntimeError("a bug in the append")
+        return real_apply(envelope, event)
+
+    monkeypatch.setattr(store, "append_runs", append_runs)
+    monkeypatch.setattr(Envelope, "apply", failing_for_r2)
+    async with learner.runs.locked("r2"):        # a boundary of r2 in progress: r2 goes after r1
+        assert await learner.record(contract, "r1", seen(1))
+        assert await learner.record(contract, "r2", seen(2))
+        settling = asyncio.create_task(learner.settled())
+        await asyncio.wait_for(wrote.wait(), 2)   # r1 stored; r2 waits for its lock
+    await asyncio.wait_for(settling, 2)
+
+    assert inputs(await guard.history("r1")) == [{"n": 1}]
+    assert await guard.history("r2") == [] and dropped(guard, "store") == 1
+
+
+async def test_an_observation_the_store_cannot_encode_loses_only_itself_not_its_runs_others(
+        stepguard: StartGuard) -> None:
+    guard = await stepguard(learning("http://127.0.0.1:9"))
+    learner, contract = guard.sg.boundaries.learner, guard.sg.contracts[0]
+    learner.window_s = 3600.0                     # all three in one window
+    unencodable = Observation("http", "tools", 0.0, method="POST", path="/a",
+                              input={"raw": b"\x00"}, output=None, status=200)
+    assert await learner.record(contract, "r1", seen(1))
+    assert not await learner.record(contract, "r1", unencodable)     # refused, not queued
+    assert await learner.record(contract, "r1", seen(3))
+
+    await learner.settled()
+
+    assert inputs(await guard.history("r1")) == [{"n": 1}, {"n": 3}]
+    assert dropped(guard, "store") == 1
