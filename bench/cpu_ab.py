@@ -18,6 +18,10 @@ row, and the samples are told apart by where they are (`CATEGORIES`: the first c
 frame matches, from the innermost frame out): the share of samples in each. With `--gil` only
 the thread holding the GIL is sampled; without it every thread that is not idle.
 
+`threads`: one tree's stepguard on each of the given rows in turn, and each of its threads' CPU
+time per call over the wrk phase (/proc/PID/task): the event loop's, and the other threads'
+(the store's writer and checkpointer among them), most first.
+
 Every process started is stopped and every temporary file removed on return."""
 
 from __future__ import annotations
@@ -42,12 +46,12 @@ from typing import Any
 import orjson
 
 from stepguard.bench.hops import WARMUP_S, Bench, Proc
-from stepguard.bench.procstat import cpu_s
+from stepguard.bench.procstat import cpu_s, thread_cpu_s
 from stepguard.bench.proxy import row_setup
 from stepguard.bench.proxy_setup import WRK, BenchError, BenchOptions
 
 __all__ = ["CATEGORIES", "AbResult", "SideRounds", "categorise", "main", "measure_ab",
-           "profile", "source_tree"]
+           "profile", "render_threads", "source_tree", "threads"]
 
 AB_ROWS = ("contract", "model", "model_stream")
 # where a sample's CPU goes: the first pattern that matches a frame ("function (file:line)"),
@@ -264,6 +268,67 @@ def profile(tree: Path, row: str, seconds: float, out: Path, rate: int = 250,
         bench.close()
 
 
+def threads(tree: Path, rows: Sequence[str], seconds: float, concurrency: int = 32,
+            wrk: str = WRK) -> list[dict[str, Any]]:
+    """`tree`'s stepguard serving each of `rows` in turn under wrk for `seconds`, and each of
+    its threads' CPU time (/proc/PID/task) over the wrk phase per call answered: the event
+    loop's (the process's main thread) first, then the others (the store's writer, its
+    checkpointer, executors), most first. A row of several processes (workers) is refused."""
+    check_side(tree)
+    bench = Bench(BenchOptions(concurrency=concurrency, duration_s=seconds, wrk=wrk,
+                               rows=list(rows)))
+    found = []
+    try:
+        upstream_url = bench.start_upstream()
+        for row in rows:
+            if row_setup(row, upstream_url).workers > 1:
+                raise BenchError(f"{row}: served by several processes; threads reads one")
+            hop, url, body, run_ids = _serve(bench, row, upstream_url, tree)
+            try:
+                bench.wrk(url, body, f"{row}-warm" if run_ids else None, min(WARMUP_S, seconds))
+                before = thread_cpu_s(hop.pid)
+                load = bench.wrk(url, body, row if run_ids else None, seconds)
+                after = thread_cpu_s(hop.pid)
+                hop.check_alive()
+            finally:
+                bench.stop(hop)
+                os.sync()
+            calls = load["requests"]
+            if not calls or load["non_2xx"] or load["socket_errors"]:
+                raise BenchError(f"{row}: {calls} calls, {load['non_2xx']} non-2xx, "
+                                 f"{load['socket_errors']} socket errors")
+            found.append({"row": row, "calls": calls, "rps": round(load["rps"], 1),
+                          "threads": _per_call(before, after, hop.pid, calls)})
+    finally:
+        bench.close()
+    return found
+
+
+def _per_call(before: dict[int, tuple[float, float]], after: dict[int, tuple[float, float]],
+              pid: int, calls: int) -> list[dict[str, Any]]:
+    spent: list[dict[str, Any]] = []
+    for tid, (user, system) in after.items():
+        was_user, was_system = before.get(tid, (0.0, 0.0))
+        user_ms, system_ms = (user - was_user) / calls * 1000, (system - was_system) / calls * 1000
+        if user_ms + system_ms > 0 or tid == pid:
+            spent.append({"thread": "event loop" if tid == pid else f"thread {tid}",
+                          "ms": round(user_ms + system_ms, 4), "user_ms": round(user_ms, 4),
+                          "system_ms": round(system_ms, 4)})
+    spent.sort(key=lambda t: (t["thread"] != "event loop", -float(t["ms"])))
+    return spent
+
+
+def render_threads(found: Sequence[dict[str, Any]]) -> str:
+    lines = ["row           thread            CPU ms/call (user, system)", "-" * 60]
+    for row in found:
+        for t in row["threads"]:
+            lines.append(f"{row['row']:<13} {t['thread']:<17} {t['ms']:.4f} "
+                         f"({t['user_ms']:.4f}, {t['system_ms']:.4f})")
+        total = sum(t["ms"] for t in row["threads"])
+        lines.append(f"{row['row']:<13} {'all':<17} {total:.4f}   ({row['rps']} calls/s)")
+    return "\n".join(lines)
+
+
 def render_ab(results: Sequence[AbResult]) -> str:
     lines = ["row           A ms/call (rounds)            B ms/call (rounds)            B/A",
              "-" * 86]
@@ -306,7 +371,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     spy.add_argument("--gil", action="store_true", help="sample only the thread holding the GIL")
     spy.add_argument("--native", action="store_true", help="C frames too (stops the process "
                      "for each sample)")
-    for p in (ab, spy):
+    per_thread = sub.add_parser("threads", help="CPU per call of each thread of a row's process")
+    per_thread.add_argument("--tree", default=None,
+                            help="a git ref or source tree (default: this one)")
+    per_thread.add_argument("--rows", default="passthrough,learn")
+    per_thread.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    for p in (ab, spy, per_thread):
         p.add_argument("--duration", type=float, default=4.0, help="seconds of wrk per sample")
         p.add_argument("--concurrency", type=int, default=32)
         p.add_argument("--wrk", default=WRK)
@@ -327,6 +397,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                         [asdict(r) | {"a_median": r.a.median, "b_median": r.b.median,
                                       "ratio": r.ratio} for r in results],
                         option=orjson.OPT_INDENT_2))
+            elif args.mode == "threads":
+                with source_tree(args.tree or str(here), here, Path(scratch)) as tree:
+                    rows = threads(tree, [r for r in args.rows.split(",") if r], args.duration,
+                                   args.concurrency, args.wrk)
+                print(render_threads(rows))
+                if args.json is not None:
+                    args.json.write_bytes(orjson.dumps(rows, option=orjson.OPT_INDENT_2))
             else:
                 with source_tree(args.tree or str(here), here, Path(scratch)) as tree:
                     found = profile(tree, args.row, args.duration, args.out, args.rate,

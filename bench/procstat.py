@@ -12,19 +12,36 @@ from typing import NamedTuple
 
 __all__ = ["CLK_TCK", "MachineTicks", "busy_pct", "children", "cpu_quota", "cpu_s",
            "machine_ticks", "parse_machine_line", "parse_pid_stat", "peak_rss_mb", "pid_cpu_s",
-           "proc_stat_cpus", "steal_pct", "usable_cpus"]
+           "proc_stat_cpus", "steal_pct", "thread_cpu_s", "usable_cpus", "user_system_ticks"]
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def parse_pid_stat(text: str) -> int:
-    """The CPU time (user + system, in clock ticks) in a /proc/PID/stat line. The command name
-    (field 2, in brackets) may hold spaces and brackets itself: the fields are counted from its
-    last closing bracket."""
+    """The CPU time (user + system, in clock ticks) in a /proc/PID/stat line."""
+    return sum(user_system_ticks(text))
+
+
+def user_system_ticks(text: str) -> tuple[int, int]:
+    """The user and system CPU time (clock ticks) in a /proc/PID/stat (or task) line. The
+    command name (field 2, in brackets) may hold spaces and brackets itself: the fields are
+    counted from its last closing bracket."""
     fields = text.rsplit(")", 1)[1].split()
     if len(fields) < 13:
         raise ValueError(f"not a /proc/PID/stat line: {text[:120]!r}")
-    return int(fields[11]) + int(fields[12])       # utime, stime (fields 14 and 15)
+    return int(fields[11]), int(fields[12])       # utime, stime (fields 14 and 15)
+
+
+def thread_cpu_s(pid: int) -> dict[int, tuple[float, float]]:
+    """Each thread of `pid` (by thread id) and its user and system CPU seconds so far; a thread
+    gone while read is left out, and a process gone gives {}."""
+    threads: dict[int, tuple[float, float]] = {}
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError, ValueError):
+                user, system = user_system_ticks(Path(f"/proc/{pid}/task/{tid}/stat").read_text())
+                threads[int(tid)] = (user / CLK_TCK, system / CLK_TCK)
+    return threads
 
 
 def pid_cpu_s(pid: int) -> float | None:

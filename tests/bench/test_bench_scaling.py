@@ -6,7 +6,10 @@ figure of this machine's speed."""
 from __future__ import annotations
 
 import http.client
+import os
 import re
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +26,8 @@ from stepguard.bench.procstat import (
     parse_pid_stat,
     proc_stat_cpus,
     steal_pct,
+    thread_cpu_s,
+    user_system_ticks,
 )
 from stepguard.bench.proxy import Row, _targets, busiest_share, combine_rounds
 from stepguard.bench.proxy_setup import MOUNT, RUN_HEADER, TOOL_PATH, BenchOptions, bench_contract
@@ -46,6 +51,37 @@ PID_STAT = ("4242 (python3 -m (x) y) S 1 4242 4242 0 -1 4194560 2130 0 0 0 "
 
 def test_a_pid_stat_line_gives_user_plus_system_ticks_past_a_command_with_brackets() -> None:
     assert parse_pid_stat(PID_STAT) == 731 + 129
+
+
+def test_a_pid_stat_line_gives_user_and_system_apart():
+    assert user_system_ticks(PID_STAT) == (731, 129)
+
+
+def test_a_thread_that_burns_cpu_is_read_apart_from_the_others():
+    burnt, release = threading.Event(), threading.Event()
+    tids: list[int] = []
+
+    def burn() -> None:
+        tids.append(threading.get_native_id())
+        end = time.thread_time() + 0.2
+        while time.thread_time() < end:
+            pass
+        burnt.set()
+        release.wait()
+
+    worker = threading.Thread(target=burn)
+    worker.start()
+    assert burnt.wait(10)
+    main_before = sum(thread_cpu_s(os.getpid())[threading.get_native_id()])
+    seen = thread_cpu_s(os.getpid())
+    release.set()
+    worker.join()
+
+    assert sum(seen[tids[0]]) >= 0.15            # the ticks of /proc: 10 ms each
+    assert sum(thread_cpu_s(os.getpid())[threading.get_native_id()]) - main_before < 0.15
+    assert tids[0] not in thread_cpu_s(os.getpid())     # a thread gone is left out
+
+
 
 
 def test_a_truncated_pid_stat_line_is_refused() -> None:

@@ -1,6 +1,6 @@
 """bench/cpu_ab.py: the A/B runner tells two source trees apart by the CPU each spends per call,
 serves a git ref from a tree extracted for it, and refuses to compare a tree it would not really
-run; the profile's categories."""
+run; the profile's categories; the CPU per call of each thread of a row's process."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from programs import require_binary
 
-from stepguard.bench.cpu_ab import categorise, check_side, measure_ab, source_tree
+from stepguard.bench.cpu_ab import categorise, check_side, measure_ab, source_tree, threads
 from stepguard.bench.proxy_setup import BenchError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -105,3 +105,19 @@ def test_each_sample_counts_for_the_first_category_its_innermost_frames_match():
     assert categorise(collapsed, [("parse", r"bodies\.py"), ("cel", r"conditions\.py"),
                                   ("engine", r"contracts/")]) == {
         "parse": 60.0, "cel": 30.0, "other": 10.0}
+
+
+def test_each_thread_of_a_rows_process_is_given_its_cpu_per_call_the_event_loop_first():
+    wrk = require_binary("wrk")
+
+    passthrough, learn = threads(REPO, ["passthrough", "learn"], seconds=1.0, concurrency=4,
+                                 wrk=wrk)
+
+    for row in (passthrough, learn):
+        loop = row["threads"][0]
+        assert row["calls"] > 0 and loop["thread"] == "event loop" and loop["ms"] > 0
+        assert loop["ms"] == pytest.approx(loop["user_ms"] + loop["system_ms"], abs=1e-3)
+    # learn mode's store has threads of its own (its writer) that pass-through has no work for
+    others = [t["ms"] for t in learn["threads"][1:]]
+    assert others and max(others) > 0
+    assert sum(t["ms"] for t in passthrough["threads"][1:]) < max(others)
