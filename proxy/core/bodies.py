@@ -200,7 +200,9 @@ def _nests_within(body: bytes, max_depth: int) -> bool:
     ~37 us). Fewer opening brackets than the limit cannot nest past it. Else escaped quotes go
     first (every backslash of valid JSON starts an escape: pairs, then \\"), then all but
     brackets and quotes; two quotes side by side have nothing between them, and the brackets
-    still between quotes are inside strings and dropped. What is left is the structure, every
+    still between quotes are inside strings and dropped (when every quote has its pair beside
+    it, as when no string holds a bracket, the quotes alone go: no split). What is left is the
+    structure, every
     bracket closing the one opened last: each pass removing the innermost pairs (`[]`) takes
     one level off every container, so it is empty after `max_depth` passes exactly when no
     container nests deeper."""
@@ -209,9 +211,14 @@ def _nests_within(body: bytes, max_depth: int) -> bool:
         return True
     if b"\\" in body:
         shape = _unescaped(body).translate(_BRACKETS, _NOT_BRACKET_OR_QUOTE)
-    shape = shape.replace(b'""', b"")
-    if b'"' in shape:
-        shape = b"".join(shape.split(b'"')[::2])
+    if shape.count(b'""') * 2 == shape.count(b'"'):
+        # every quote is one of a pair side by side: no string holds a bracket (the first
+        # quote pairs with the second, so each string's quotes pair with each other)
+        shape = shape.translate(None, b'"')
+    else:
+        shape = shape.replace(b'""', b"")
+        if b'"' in shape:
+            shape = b"".join(shape.split(b'"')[::2])
     for _ in range(max_depth):
         if not shape:
             return True
