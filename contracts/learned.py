@@ -9,7 +9,7 @@ paths whose values were replaced, so that `draft` never takes a redacted value a
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -81,17 +81,24 @@ class Observation:
 
     def fields(self) -> dict[str, Any]:
         """The event fields this observation is stored as (the store adds `seq` and `ts`)."""
+        return self.fields_with(self.input, self.output, self.error, self.redacted)
+
+    def fields_with(self, input: Any, output: Any, error: str | None,
+                    redacted: Sequence[str]) -> dict[str, Any]:
+        """`fields()` of this observation with those four replaced (as redaction stores it),
+        without making another observation (`dataclasses.replace` costs ~5 us)."""
         out: dict[str, Any] = {"kind": LEARNED, "traffic": self.traffic,
                                "upstream": self.upstream, "at": self.at}
-        for name in ("tool", "skill", "method", "path", "input", "output", "status", "error",
-                     "call_id", "joined"):
-            value = getattr(self, name)
+        for name, value in (("tool", self.tool), ("skill", self.skill),
+                            ("method", self.method), ("path", self.path), ("input", input),
+                            ("output", output), ("status", self.status), ("error", error),
+                            ("call_id", self.call_id), ("joined", self.joined)):
             if value is not None:
                 out[name] = value
         if self.final:
             out["final"] = True
-        if self.redacted:
-            out["redacted"] = list(self.redacted)
+        if redacted:
+            out["redacted"] = list(redacted)
         return out
 
     @classmethod

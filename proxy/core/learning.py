@@ -357,9 +357,8 @@ def stored_fields(redact: Redactor, seen: Observation,
     got, out_paths, unusable = _payload(redact, seen.output, "output", max_json_depth)
     if given is seen.input and got is seen.output:
         return seen.fields()      # nothing to redact: no copy, no paths to note
-    return dataclasses.replace(seen, input=given, output=got,
-                               error=seen.error if unusable is None else unusable,
-                               redacted=(*seen.redacted, *in_paths, *out_paths)).fields()
+    return seen.fields_with(given, got, seen.error if unusable is None else unusable,
+                            (*seen.redacted, *in_paths, *out_paths))
 
 
 async def append_learned(runs: RunBook, contract: Contract, run_id: str, fields: dict[str, Any],
