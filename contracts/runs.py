@@ -228,9 +228,10 @@ class RunBook:
                 failed = outcomes[i]
                 try:
                     await lock.__aexit__(None if failed is None else type(failed), failed, None)
-                except StoreError as exc:     # the run's confirming read (StaleEnvelope)
-                    outcomes[i] = exc
-                except BaseException as exc:  # a cancellation, a bug: raised once all are out
+                except Exception as exc:      # its confirming read (StaleEnvelope), a bug
+                    if failed is not None:    # (a run stored stays stored: never appended again)
+                        outcomes[i] = exc
+                except BaseException as exc:  # a cancellation: raised once all are out
                     error = error or exc
             if error is not None:
                 raise error

@@ -6,6 +6,8 @@ lock held, another writer moved it) is told apart and never holds the others up.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -190,3 +192,32 @@ async def test_runs_whose_locks_are_held_are_each_stored_as_soon_as_theirs_is_le
     assert await asyncio.wait_for(writing, BOUND_S) == [None, None]
     assert await inputs(store, "a") == [{"n": 0}]
     await asyncio.gather(*boundaries)
+
+
+class UnlockFails:
+    """The real store with a cross-process run lock whose release fails (after the write)."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+    def run_lock(self, run_id: str) -> contextlib.AbstractAsyncContextManager[None]:
+        @contextlib.asynccontextmanager
+        async def held() -> AsyncIterator[None]:
+            yield
+            raise RuntimeError(f"releasing the lock of {run_id} failed")
+        return held()
+
+
+async def test_a_run_stored_whose_lock_fails_to_let_go_is_stored_once_and_counts_as_stored(
+        store, make_contract):
+    book = RunBook(UnlockFails(store))  # type: ignore[arg-type]
+    contract = make_contract()
+
+    outcomes = await asyncio.wait_for(
+        book.commit_runs([RunCommit(contract, "r1", [learned(1)])]), BOUND_S)
+
+    assert outcomes == [None]                  # stored: never to be appended again
+    assert await inputs(store, "r1") == [{"n": 1}]
