@@ -191,7 +191,9 @@ def answer_micro(n: int = 2000, items: int = bench_upstream.ITEMS) -> dict[str, 
     the proxy makes it: orjson and the hardening), and `lazy_parse` (pysimdjson's parse, which
     builds no value a validator or CEL could read); and learn mode's reads of the answer it
     stores as its text: `redaction_look` (`Redactor.names_none`: any key to redact in its
-    bytes) and `plain_json` (`bodies.plain_json`: valid JSON within the depth limit)."""
+    bytes), `plain_json` (`bodies.plain_json`: valid JSON within the depth limit) and
+    `stored_fields` (the learn row's whole call as learn mode makes its event fields: both
+    reads, the request's keys, the fields)."""
     if n < 1:
         raise ValueError("n must be at least 1")
     import simdjson
@@ -204,6 +206,9 @@ def answer_micro(n: int = 2000, items: int = bench_upstream.ITEMS) -> dict[str, 
     value = orjson.loads(text)
     parser = simdjson.Parser()
     redactor = Redactor(contract.redact)
+    seen = Observation("http", "tools", time.time(), method="POST", path=TOOL_PATH,
+                       input=orjson.loads(bench_upstream.order_request()), output=Verbatim(text),
+                       status=200)
     parts: dict[str, Callable[[], object]] = {
         "parse_and_free": lambda: orjson.loads(text),
         "hardening": lambda: (_nests_within(text, MAX_JSON_DEPTH), inexact_integer(text)),
@@ -212,6 +217,7 @@ def answer_micro(n: int = 2000, items: int = bench_upstream.ITEMS) -> dict[str, 
         "lazy_parse": lambda: parser.parse(text),
         "redaction_look": lambda: redactor.names_none(text),
         "plain_json": lambda: plain_json(text),
+        "stored_fields": lambda: stored_fields(redactor, seen, MAX_JSON_DEPTH),
     }
     result: dict[str, Any] = {"n": n, "body_bytes": len(text)}
     for name, median in _median_us(parts, n).items():

@@ -440,7 +440,7 @@ def test_boundary_micro_returns_sane_numbers() -> None:
 
 def test_answer_micro_times_each_part_of_checking_the_answer_of_the_size_asked() -> None:
     parts = ("parse_and_free", "hardening", "schema", "parse_json", "lazy_parse",
-             "redaction_look", "plain_json")
+             "redaction_look", "plain_json", "stored_fields")
     for items in (1, bench_upstream.ITEMS):
         micro = answer_micro(20, items)
         assert micro["body_bytes"] == len(bench_upstream.order_body(items))
