@@ -114,8 +114,9 @@ class Metrics:
         self.learn_dropped = Counter(
             "stepguard_learn_dropped", "Calls learn mode forwarded but did not record, by "
             "reason: runs (past --learn-max-runs), bytes (past --learn-max-run-bytes in the "
-            "call's run), no_run_key or no_live_run (no run found), store (the store failed), "
-            "batch (an MCP batch), no_skill (an A2A send naming no skill).",
+            "call's run), no_run_key or no_live_run (no run found), store (the store failed, or "
+            "the event cannot be encoded), batch (an MCP batch), no_skill (an A2A send naming "
+            "no skill).",
             ["workflow", "reason"], registry=r)
         self.connections_reclaimed = Counter(
             "stepguard_connections_reclaimed", "Connections a listener closed while they waited "
