@@ -365,8 +365,8 @@ async def append_learned(runs: RunBook, contract: Contract, run_id: str, fields:
                          keys: Sequence[str] = ()) -> None:
     """One learned event appended to its run, tried again (on the stored envelope) when another
     writer advanced the run under it; past `CONFLICT_TRIES` the ConflictError (a StoreError)
-    drops the recording. Nothing waits on it: learn mode decides nothing on the envelope. What
-    `bench proxy` weighs as the store append of a learned call (`bench/micro.py`)."""
+    drops the recording. Nothing waits on it: learn mode decides nothing on the envelope. The
+    writer's way for a run its window's write could not store (`Learner._store_batch`)."""
     for tried in range(1, CONFLICT_TRIES + 1):
         try:
             async with runs.locked(run_id):
