@@ -968,28 +968,39 @@ def _append_batch(conn: sqlite3.Connection, envelope: Envelope,
     event inserts its row (the primary key refuses a second first event); a later one updates
     the row only if it is still at the first event's seq - 1. The envelope after the last is
     written once."""
+    first, run, rows = _run_rows(envelope, events)
+    if first == 1:
+        try:
+            conn.execute(f"INSERT INTO runs ({_RUN_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)", run)
+        except sqlite3.IntegrityError:
+            raise _conflict_at(conn, envelope.run_id, first) from None
+    elif conn.execute(_UPDATE_RUN, run).rowcount != 1:
+        raise _conflict_at(conn, envelope.run_id, first)
+    conn.executemany("INSERT INTO events (run_id, seq, ts, event) VALUES (?, ?, ?, ?)", rows)
+    _add_keys(conn, envelope.run_id, keys)
+
+
+_RUN_COLUMNS = "run_id, workflow, contract_version, status, seq, envelope, created, updated"
+# a run's row moved on from the seq it is expected at (`_run_rows`' row of a run with history)
+_UPDATE_RUN = ("UPDATE runs SET contract_version = ?3, status = ?4, seq = ?5, envelope = ?6, "
+               "updated = ?7 WHERE run_id = ?1 AND seq = ?2")
+
+
+def _run_rows(envelope: Envelope, events: Sequence[dict[str, Any]]
+              ) -> tuple[int, tuple[Any, ...], list[tuple[Any, ...]]]:
+    """The seq of the first of `events` (consecutive, the last at `envelope.seq`); the run's row
+    as a first event inserts it (`_RUN_COLUMNS`), or for a run with history as `_UPDATE_RUN`
+    takes it (run id, the seq it is expected at, contract version, status, seq, envelope,
+    updated); and the events' rows. TypeError or ValueError: a value orjson cannot encode."""
     first = envelope.seq - len(events) + 1
     data = orjson.dumps(envelope.to_dict())
     rows = [(envelope.run_id, first + i, e["ts"], orjson.dumps(e)) for i, e in enumerate(events)]
     if first == 1:
-        try:
-            conn.execute(
-                "INSERT INTO runs (run_id, workflow, contract_version, status, seq, envelope, "
-                "created, updated) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (envelope.run_id, envelope.workflow, envelope.contract_version, envelope.status,
-                 envelope.seq, data, envelope.created, envelope.updated))
-        except sqlite3.IntegrityError:
-            raise _conflict_at(conn, envelope.run_id, first) from None
-    else:
-        updated = conn.execute(
-            "UPDATE runs SET contract_version = ?, status = ?, seq = ?, envelope = ?, updated = ?"
-            " WHERE run_id = ? AND seq = ?",
-            (envelope.contract_version, envelope.status, envelope.seq, data, envelope.updated,
-             envelope.run_id, first - 1)).rowcount
-        if updated != 1:
-            raise _conflict_at(conn, envelope.run_id, first)
-    conn.executemany("INSERT INTO events (run_id, seq, ts, event) VALUES (?, ?, ?, ?)", rows)
-    _add_keys(conn, envelope.run_id, keys)
+        return first, (envelope.run_id, envelope.workflow, envelope.contract_version,
+                       envelope.status, envelope.seq, data, envelope.created,
+                       envelope.updated), rows
+    return first, (envelope.run_id, first - 1, envelope.contract_version, envelope.status,
+                   envelope.seq, data, envelope.updated), rows
 
 
 # rows of one statement in `_append_runs`: at most this many, in power-of-two chunks, so that
@@ -997,7 +1008,6 @@ def _append_batch(conn: sqlite3.Connection, envelope: Envelope,
 ROWS_PER_STATEMENT = 64
 # SQLite 3.33 and later update many runs' rows from one VALUES list (`UPDATE ... FROM`)
 UPDATE_FROM = sqlite3.sqlite_version_info >= (3, 33, 0)
-_RUN_COLUMNS = "run_id, workflow, contract_version, status, seq, envelope, created, updated"
 
 
 class _Lost(Exception):
@@ -1018,20 +1028,12 @@ def _append_runs(conn: sqlite3.Connection, appends: Sequence[RunAppend]
     events: list[tuple[Any, ...]] = []
     keys: list[tuple[str, str]] = []
     for i, (envelope, run_events, run_keys) in enumerate(appends):
-        first = envelope.seq - len(run_events) + 1
         try:
-            data = orjson.dumps(envelope.to_dict())
-            rows = [(envelope.run_id, first + n, e["ts"], orjson.dumps(e))
-                    for n, e in enumerate(run_events)]
+            first, run, rows = _run_rows(envelope, run_events)
         except (TypeError, ValueError) as exc:     # a value orjson cannot encode
             outcomes[i] = StoreError(f"run {envelope.run_id!r}: the event cannot be stored: {exc}")
             continue
-        if first == 1:
-            new.append((envelope.run_id, envelope.workflow, envelope.contract_version,
-                        envelope.status, envelope.seq, data, envelope.created, envelope.updated))
-        else:
-            moved.append((envelope.run_id, first - 1, envelope.contract_version, envelope.status,
-                          envelope.seq, data, envelope.updated))
+        (new if first == 1 else moved).append(run)
         events.extend(rows)
         keys.extend((key, envelope.run_id) for key in run_keys)
     conn.execute("SAVEPOINT runs")
@@ -1082,12 +1084,10 @@ def _insert(conn: sqlite3.Connection, head: str, width: int, rows: list[tuple[An
 
 
 def _update_runs(conn: sqlite3.Connection, rows: list[tuple[Any, ...]]) -> int:
-    """Runs' rows moved on from the seq each expects (row: run id, that seq, contract version,
-    status, seq, envelope, updated); how many were where they were expected."""
+    """Runs' rows moved on from the seq each expects (rows as `_UPDATE_RUN` takes them); how
+    many were where they were expected."""
     if not UPDATE_FROM:
-        return int(conn.executemany(
-            "UPDATE runs SET contract_version = ?3, status = ?4, seq = ?5, envelope = ?6, "
-            "updated = ?7 WHERE run_id = ?1 AND seq = ?2", rows).rowcount)
+        return int(conn.executemany(_UPDATE_RUN, rows).rowcount)
     updated = 0
     for chunk in _chunks(rows):
         updated += conn.execute(

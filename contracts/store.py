@@ -29,6 +29,8 @@ CAS = "cas"
 ADVISORY = "advisory"
 RUN_LOCKS = (CAS, ADVISORY)
 DEFAULT_RUN_LOCKS = CAS
+
+
 class RunAppend(NamedTuple):
     """One run's part of `Store.append_runs`: what `append_batch` takes."""
 
