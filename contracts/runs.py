@@ -120,8 +120,7 @@ class RunBook:
     async def commit(self, envelope: Envelope, fields: dict[str, Any],
                      escalation: dict[str, Any] | None = None,
                      keys: Sequence[str] = ()) -> tuple[Envelope, dict[str, Any]]:
-        event = {"seq": envelope.seq + 1, "ts": time.time(), **fields}
-        after = envelope.apply(event)
+        after, event = _next(envelope, fields)
         batch = self._batches.get(envelope.run_id)
         if batch is not None:
             if escalation is None and (batch.envelope is None or batch.envelope is envelope):
@@ -200,7 +199,7 @@ class RunBook:
         appends: list[tuple[int, RunAppend]] = []
         try:
             for i, (contract, run_id, fields, keys) in enumerate(commits):
-                lock = _RunLock(self, run_id)
+                lock = self.locked(run_id)
                 await lock.__aenter__()
                 held.append((i, lock))
                 try:
@@ -210,8 +209,7 @@ class RunBook:
                     continue
                 events = []
                 for one in fields:
-                    event = {"seq": envelope.seq + 1, "ts": time.time(), **one}
-                    envelope = envelope.apply(event)
+                    envelope, event = _next(envelope, one)
                     events.append(event)
                 appends.append((i, RunAppend(envelope, events, keys)))
             try:
@@ -279,6 +277,12 @@ class RunBook:
 
     def _remember(self, envelope: Envelope) -> None:
         self._cache.put(envelope.run_id, envelope)
+
+
+def _next(envelope: Envelope, fields: dict[str, Any]) -> tuple[Envelope, dict[str, Any]]:
+    """The run's next event (its seq, the time, `fields`) and the envelope after it."""
+    event = {"seq": envelope.seq + 1, "ts": time.time(), **fields}
+    return envelope.apply(event), event
 
 
 class RunCommit(NamedTuple):

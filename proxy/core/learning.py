@@ -267,8 +267,9 @@ class Learner:
         """A window's observations stored: every run's in one store write (`commit_runs`),
         each run's in the order recorded. A run that lost its compare-and-set (another writer
         moved it) is appended again alone, on the stored envelope (`append_learned`); one that
-        failed otherwise is counted. Should the write fail in an unforeseen way (a bug), each
-        run is tried alone, so that one bad run never sinks the others."""
+        failed otherwise is counted. A run whose write failed in an unforeseen way (a bug:
+        `commit_runs` makes it that run's outcome) is tried alone too, so that one bad run
+        never sinks the others."""
         of_run: dict[str, list[_Queued]] = {}
         for queued in batch:
             of_run.setdefault(queued.run_id, []).append(queued)
@@ -281,11 +282,7 @@ class Learner:
         commits = [RunCommit(queue[0].contract, run_id, [q.fields for q in queue],
                              [key for q in queue for key in q.keys])
                    for run_id, queue in of_run.items()]
-        try:
-            outcomes = await self.runs.commit_runs(commits)
-        except Exception:
-            await asyncio.gather(*(self._store_run(q) for q in [*of_run.values(), *mixed]))
-            return
+        outcomes = await self.runs.commit_runs(commits)
         again = mixed
         for queue, failed in zip(of_run.values(), outcomes, strict=True):
             if isinstance(failed, ConflictError) or not isinstance(
