@@ -38,10 +38,10 @@ import tarfile
 import tempfile
 import threading
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 
@@ -159,20 +159,34 @@ def _cpu_per_call(bench: Bench, row: str, upstream_url: str, tree: Path, tag: st
                   seconds: float, env: dict[str, str] | None = None) -> tuple[float, float]:
     """(CPU ms per call, rps) of `tree`'s stepguard on `row` under wrk for `seconds`; `env`:
     settings it is served with beyond the row's."""
+    before, after, wrk, _ = _under_wrk(bench, row, upstream_url, tree, tag, seconds,
+                                       lambda hop: cpu_s(hop.pids()), env)
+    return (after - before) / wrk["requests"] * 1000, wrk["rps"]
+
+
+Read = TypeVar("Read")
+
+
+def _under_wrk(bench: Bench, row: str, upstream_url: str, tree: Path, tag: str,
+               seconds: float, read: Callable[[Proc], Read], env: dict[str, str] | None = None
+               ) -> tuple[Read, Read, dict[str, Any], Proc]:
+    """`tree`'s stepguard served on `row` (`env`: settings beyond the row's), warmed up, and
+    `read` of it before and after wrk drives it for `seconds`; with wrk's result and the
+    process, stopped by then. A BenchError when the process died or wrk saw an error."""
     hop, url, body, run_ids = _serve(bench, row, upstream_url, tree, env)
     try:
         bench.wrk(url, body, f"{tag}-warm" if run_ids else None, min(WARMUP_S, seconds))
-        before = cpu_s(hop.pids())
+        before = read(hop)
         wrk = bench.wrk(url, body, tag if run_ids else None, seconds)
-        spent = cpu_s(hop.pids()) - before
+        after = read(hop)
         hop.check_alive()
-        if wrk["non_2xx"] or wrk["socket_errors"] or not wrk["requests"]:
-            raise BenchError(f"{row} on {tree}: {wrk['requests']} calls, {wrk['non_2xx']} "
-                             f"non-2xx, {wrk['socket_errors']} socket errors")
-        return spent / wrk["requests"] * 1000, wrk["rps"]
     finally:
         bench.stop(hop)
         os.sync()   # its store's dirty pages are not written back during the next side
+    if wrk["non_2xx"] or wrk["socket_errors"] or not wrk["requests"]:
+        raise BenchError(f"{row} on {tree}: {wrk['requests']} calls, {wrk['non_2xx']} "
+                         f"non-2xx, {wrk['socket_errors']} socket errors")
+    return before, after, wrk, hop
 
 
 def measure_ab(a: Path, b: Path, rows: Sequence[str], rounds: int, seconds: float,
@@ -283,20 +297,9 @@ def threads(tree: Path, rows: Sequence[str], seconds: float, concurrency: int = 
         for row in rows:
             if row_setup(row, upstream_url).workers > 1:
                 raise BenchError(f"{row}: served by several processes; threads reads one")
-            hop, url, body, run_ids = _serve(bench, row, upstream_url, tree)
-            try:
-                bench.wrk(url, body, f"{row}-warm" if run_ids else None, min(WARMUP_S, seconds))
-                before = thread_cpu_s(hop.pid)
-                load = bench.wrk(url, body, row if run_ids else None, seconds)
-                after = thread_cpu_s(hop.pid)
-                hop.check_alive()
-            finally:
-                bench.stop(hop)
-                os.sync()
+            before, after, load, hop = _under_wrk(bench, row, upstream_url, tree, row, seconds,
+                                                  lambda hop: thread_cpu_s(hop.pid))
             calls = load["requests"]
-            if not calls or load["non_2xx"] or load["socket_errors"]:
-                raise BenchError(f"{row}: {calls} calls, {load['non_2xx']} non-2xx, "
-                                 f"{load['socket_errors']} socket errors")
             found.append({"row": row, "calls": calls, "rps": round(load["rps"], 1),
                           "threads": _per_call(before, after, hop.pid, calls)})
     finally:
