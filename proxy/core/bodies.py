@@ -202,10 +202,9 @@ def _nests_within(body: bytes, max_depth: int) -> bool:
     brackets and quotes; two quotes side by side have nothing between them, and the brackets
     still between quotes are inside strings and dropped (when every quote has its pair beside
     it, as when no string holds a bracket, the quotes alone go: no split). What is left is the
-    structure, every
-    bracket closing the one opened last: each pass removing the innermost pairs (`[]`) takes
-    one level off every container, so it is empty after `max_depth` passes exactly when no
-    container nests deeper."""
+    structure, every bracket closing the one opened last: each pass removing the innermost
+    pairs (`[]`) takes one level off every container, so it is empty after `max_depth` passes
+    exactly when no container nests deeper."""
     shape = body.translate(_BRACKETS, _NOT_BRACKET_OR_QUOTE)
     if shape.count(b"[") <= max_depth:    # fewer opening brackets than the limit: within it
         return True
