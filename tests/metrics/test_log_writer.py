@@ -270,6 +270,7 @@ async def test_a_clean_stop_writes_its_last_lines_to_a_reader_that_comes_late(
     assert [line["event"] for line in lines[-2:]] == ["stopping", "stopped"]
 
 
+@pytest.mark.once
 @pytest.mark.timeout(60)
 async def test_a_clean_stop_waits_for_a_reader_that_never_comes_only_so_long(
         tmp_path: Path, tools_url: str) -> None:

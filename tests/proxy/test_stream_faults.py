@@ -232,6 +232,7 @@ async def test_a_turn_past_its_tool_call_bound_ends_with_a_stream_error(
     assert cut_turns(guard, "too_many_calls") == 1
 
 
+@pytest.mark.once
 @pytest.mark.parametrize(("dialect", "event"), [
     (ChatCompletions(), lambda i: sse({"choices": [{"index": 0, "delta": {"tool_calls": [
         {"index": i, "id": f"call_{i}", "function": {"name": "f", "arguments": "{}"}}]}}]})),
