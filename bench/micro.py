@@ -6,6 +6,11 @@ both to SQLite through `RunBook.commit`.
 to the `passthrough` row's CPU: the learned event that row stores, appended by the code learn
 mode appends with, to a store opened as `serve` opens it, as CPU time of the whole process.
 
+`learn_record_micro()`: the same call recorded as learn mode records it, from the observation
+on (`Learner.record`: its event fields made, weighed and queued; the writer's window; the
+window's commit and store write), with the event loop thread's share of the CPU apart.
+`python -m stepguard.bench.micro learn [-n N] [--concurrency N]`.
+
 `answer_micro()`: the parts of checking the `contract` row's answer, each timed alone in a tight
 loop (warm caches: a floor, not what a call in the server pays). `python -m
 stepguard.bench.micro answer [--items N] [-n N]` prints them as JSON.
@@ -42,6 +47,8 @@ from stepguard.contracts.loader import parse_contract
 from stepguard.contracts.redact import Redactor
 from stepguard.contracts.runs import RunBook, RunCommit
 from stepguard.contracts.sqlite_store import SQLiteStore
+from stepguard.metrics.observer import Observer
+from stepguard.metrics.prom import Metrics
 from stepguard.proxy.core.bodies import (
     MAX_JSON_DEPTH,
     _nests_within,
@@ -51,11 +58,11 @@ from stepguard.proxy.core.bodies import (
     plain_json,
 )
 from stepguard.proxy.core.config import Settings
-from stepguard.proxy.core.learning import learning, stored_fields
+from stepguard.proxy.core.learning import Learner, learning, stored_fields
 from stepguard.proxy.ops.app import settings_store
 
 __all__ = ["PAYLOAD_HISTORY_BYTES", "answer_micro", "boundary_micro", "learn_append_micro",
-           "relay_micro"]
+           "learn_record_micro", "relay_micro"]
 
 PAYLOAD_HISTORY_BYTES = Settings().payload_history_bytes   # stepguard's default
 
@@ -183,6 +190,68 @@ async def _learn_append(n: int, concurrency: int) -> dict[str, Any]:
             "cpu_ms": round(cpu / n * 1000, 4), "wall_us": round(wall / n * 1e6, 1)}
 
 
+def learn_record_micro(n: int = 2000, concurrency: int = 32) -> dict[str, Any]:
+    """The `learn` row's call recorded `n` times, each in a run of its own, as learn mode records it:
+    `concurrency` calls at a time (wrk's connections) each hand `Learner.record` the row's
+    observation (its 21 B request and 10 KB answer), which makes the event fields (redaction
+    look, JSON check), weighs and queues them; then the learner's writer stores them as one
+    window (`settled`, as `learn_append_micro` appends windows of `concurrency`) through
+    `RunBook.commit_runs`, into a SQLite store opened as `serve` opens it, on uvloop. After a
+    warm-up, per call: `loop_cpu_ms`, the CPU time of the event loop's thread (what the learn
+    row's loop pays for recording, beside its HTTP work); `cpu_ms`, the whole process's (the
+    store's writer and checkpoint threads too); `wall_us`, elapsed. Every call must be stored
+    (RuntimeError otherwise)."""
+    if n < 1 or concurrency < 1:
+        raise ValueError("n and concurrency must be at least 1")
+    import uvloop
+
+    return uvloop.run(_learn_record(n, concurrency))
+
+
+async def _learn_record(n: int, concurrency: int) -> dict[str, Any]:
+    contract = learning(parse_contract(
+        yaml.safe_dump(bench_contract("http://127.0.0.1:9")).encode(), "bench-contract.yaml"))
+    text, given = bench_upstream.order_body(), orjson.loads(bench_upstream.order_request())
+    redactor = Redactor(contract.redact)
+    tmp = Path(tempfile.mkdtemp(prefix="stepguard-learn-record-"))
+    store = settings_store(Settings(store=str(tmp / "learn.db")))
+    try:
+        await store.open()
+        metrics = Metrics()
+        learner = Learner(RunBook(store), Observer(metrics, log_level="warning"),
+                          lambda _: redactor, max_runs=n + 1000)
+
+        def stored() -> float:
+            return metrics.registry.get_sample_value(
+                "stepguard_learned_total", {"workflow": contract.workflow, "traffic": "http"}) or 0
+
+        async def record(run_id: str) -> None:
+            seen = Observation("http", "tools", time.time(), method="POST", path=TOOL_PATH,
+                               input=given, output=Verbatim(text), status=200)
+            if not await learner.record(contract, run_id, seen):
+                raise RuntimeError(f"learn_record_micro: {run_id} was not recorded")
+
+        async def records(count: int, tag: str) -> None:
+            for at in range(0, count, concurrency):    # each window the calls of one round
+                await asyncio.gather(*(record(f"learn-record-{tag}-{i}")
+                                       for i in range(at, min(count, at + concurrency))))
+                await learner.settled()
+
+        await records(min(1000, max(50, n // 4)), "warm")
+        before = stored()
+        loop_cpu, cpu, wall = time.thread_time(), time.process_time(), time.perf_counter()
+        await records(n, "timed")
+        loop_cpu, cpu = time.thread_time() - loop_cpu, time.process_time() - cpu
+        wall = time.perf_counter() - wall
+        if stored() - before != n:
+            raise RuntimeError("learn_record_micro: not every recorded call was stored")
+    finally:
+        await store.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {"n": n, "concurrency": concurrency, "loop_cpu_ms": round(loop_cpu / n * 1000, 4),
+            "cpu_ms": round(cpu / n * 1000, 4), "wall_us": round(wall / n * 1e6, 1)}
+
+
 def answer_micro(n: int = 2000, items: int = bench_upstream.ITEMS) -> dict[str, Any]:
     """Median µs of each part of checking the `contract` row's answer (`items` line items), each
     run `n` times in a row: `parse_and_free` (orjson builds the value, which is then dropped),
@@ -276,9 +345,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     answer.add_argument("-n", type=int, default=2000)
     relay = sub.add_parser("relay", help="the model_stream row's turn through the relay's core")
     relay.add_argument("-n", type=int, default=2000)
+    learn = sub.add_parser("learn", help="the learn row's call recorded as learn mode records it")
+    learn.add_argument("-n", type=int, default=10000)
+    learn.add_argument("--concurrency", type=int, default=32)
     args = parser.parse_args(argv)
     try:
         found = (answer_micro(args.n, args.items) if args.which == "answer"
+                 else learn_record_micro(args.n, args.concurrency) if args.which == "learn"
                  else relay_micro(args.n))
     except ValueError as exc:
         parser.error(str(exc))

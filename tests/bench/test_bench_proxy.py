@@ -34,8 +34,10 @@ from stepguard.bench.micro import (
     answer_micro,
     boundary_micro,
     learn_append_micro,
+    learn_record_micro,
     relay_micro,
 )
+from stepguard.bench.micro import main as micro_main
 from stepguard.bench.procstat import children
 from stepguard.bench.proxy import (
     ROWS,
@@ -51,6 +53,8 @@ from stepguard.bench.proxy import (
 )
 from stepguard.bench.proxy_setup import MOUNT, TOOL_PATH, BenchError, bench_contract
 from stepguard.bench.render import render_bounds
+from stepguard.contracts.errors import StoreError
+from stepguard.contracts.sqlite_store import SQLiteStore
 
 ALL_ROWS = ["direct", "nginx", "passthrough", "learn", "contract", "contract_traced", "contract_workers2",
             "contract_pg", "model_direct", "model", "model_stream_direct", "model_stream"]
@@ -466,6 +470,30 @@ def test_learn_append_micro_weighs_the_event_the_learn_row_stores() -> None:
     assert appended["cpu_ms"] > 0 and appended["wall_us"] > 0
     with pytest.raises(ValueError):
         learn_append_micro(0)
+
+
+def test_learn_record_micro_gives_the_event_loops_share_of_recording_a_call() -> None:
+    recorded = learn_record_micro(50, concurrency=4)
+    assert (recorded["n"], recorded["concurrency"]) == (50, 4)
+    assert 0 < recorded["loop_cpu_ms"] <= recorded["cpu_ms"] and recorded["wall_us"] > 0
+    with pytest.raises(ValueError):
+        learn_record_micro(0)
+
+
+def test_learn_record_micro_fails_when_a_recorded_call_is_not_stored(monkeypatch) -> None:
+    async def refused(self, appends):
+        raise StoreError("the disk is full")
+
+    monkeypatch.setattr(SQLiteStore, "append_runs", refused)
+    monkeypatch.setattr(SQLiteStore, "append_batch", refused)
+    with pytest.raises(RuntimeError, match="not every recorded call was stored"):
+        learn_record_micro(20, concurrency=4)
+
+
+def test_cli_micro_learn_prints_the_figures_as_json(capsys) -> None:
+    assert micro_main(["learn", "-n", "20", "--concurrency", "4"]) == 0
+    found = orjson.loads(capsys.readouterr().out)
+    assert (found["n"], found["concurrency"]) == (20, 4) and found["loop_cpu_ms"] > 0
 
 
 def test_plan_adds_the_reference_rows_and_names_unknown_ones() -> None:
