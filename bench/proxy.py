@@ -57,10 +57,13 @@ gives the process's CPU time per append (writer and checkpoints included) in `le
 once per round, after the rows, so that the figure it is compared with drifts with the machine
 as theirs do. The target: learn's CPU per call minus passthrough's <= that append. Appends that
 many at once share their transactions; `cpu_ms_alone`, the same appended one at a time (each a
-transaction of its own), is the most an append costs. The learn row also reads
-`stepguard_learn_dropped_total` from the served process (`learn_dropped`): a call learn mode
-did not record costs less than one it did, and the row's figures hold only if it is 0 (its own
-target).
+transaction of its own), is the most an append costs; `record_cpu_ms` (`learn_record_micro()`),
+the same call recorded as learn mode records it from the observation on (its event fields made
+and weighed, the window, the commit), and `record_loop_cpu_ms`, the event loop thread's share
+of that: what recording adds beyond the append, which the target does not allow for. The learn
+row also reads `stepguard_learn_dropped_total` from the served process (`learn_dropped`): a
+call learn mode did not record costs less than one it did, and the row's figures hold only if
+it is 0 (its own target).
 
 Every process started is stopped and every temporary file removed when `run()` returns (or
 fails). stepguard children get a clean environment: `STEPGUARD_*` and `OTEL_*` variables are not
@@ -90,7 +93,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from stepguard.bench import upstream as bench_upstream
 from stepguard.bench.hops import WARMUP_S, Bench, Proc, count_events, http_call
 from stepguard.bench.load import closed_loop, loadgen_main, refusal_reason
-from stepguard.bench.micro import boundary_micro, learn_append_micro
+from stepguard.bench.micro import boundary_micro, learn_append_micro, learn_record_micro
 from stepguard.bench.pg_lifecycle import PgDatabase, Unreachable
 from stepguard.bench.procstat import (
     busy_pct,
@@ -524,6 +527,9 @@ def run(options: BenchOptions) -> dict[str, Any]:
             if "learn" in plan and options.micro_n > 0:
                 appended = learn_append_micro(options.micro_n, options.concurrency)
                 appended["cpu_ms_alone"] = learn_append_micro(options.micro_n, 1)["cpu_ms"]
+                recorded = learn_record_micro(options.micro_n, options.concurrency)
+                appended["record_cpu_ms"] = recorded["cpu_ms"]
+                appended["record_loop_cpu_ms"] = recorded["loop_cpu_ms"]
                 appends.append(appended)
     finally:
         bench.close()
@@ -589,6 +595,9 @@ def _median_append(appends: list[dict[str, Any]]) -> dict[str, Any]:
             "cpu_ms": round(statistics.median(a["cpu_ms"] for a in appends), 4),
             "cpu_ms_rounds": [a["cpu_ms"] for a in appends],
             "cpu_ms_alone": round(statistics.median(a["cpu_ms_alone"] for a in appends), 4),
+            "record_cpu_ms": round(statistics.median(a["record_cpu_ms"] for a in appends), 4),
+            "record_loop_cpu_ms": round(statistics.median(a["record_loop_cpu_ms"]
+                                                          for a in appends), 4),
             "wall_us": round(statistics.median(a["wall_us"] for a in appends), 1)}
 
 

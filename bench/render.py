@@ -108,7 +108,10 @@ def _render_micro(result: dict[str, Any]) -> list[str]:
                       f"{appended['rounds']} round(s)): {appended['cpu_ms']:.4f} ms CPU per append "
                       f"({', '.join(f'{c:.4f}' for c in appended['cpu_ms_rounds'])}), "
                       f"{appended['wall_us']:.1f} µs elapsed; one at a time "
-                      f"{appended['cpu_ms_alone']:.4f} ms"]
+                      f"{appended['cpu_ms_alone']:.4f} ms; recorded as learn mode records it "
+                      f"(bench.micro learn: event fields, window, commit) "
+                      f"{appended['record_cpu_ms']:.4f} ms, "
+                      f"{appended['record_loop_cpu_ms']:.4f} ms of it on the event loop"]
     return lines
 
 

@@ -285,6 +285,8 @@ def test_quick_run_measures_every_row() -> None:
     assert {t["met"] for t in result["targets"]} <= {True, False}
     assert result["micro"]["n"] == 30
     assert (result["learn_append"]["n"], result["learn_append"]["rounds"]) == (30, 1)
+    appended = result["learn_append"]
+    assert 0 < appended["record_loop_cpu_ms"] <= appended["record_cpu_ms"]
     [learn_target] = [t for t in result["targets"] if t["target"].startswith("learn: CPU")]
     assert learn_target["limit"] == result["learn_append"]["cpu_ms"]
     # ... and every call of the learn row was recorded (read from its own counter)
