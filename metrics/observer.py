@@ -242,7 +242,7 @@ class Observer:
                          skills_before=list(before), skills_after=list(after))
 
     def learned(self, workflow: str, traffic: str) -> None:
-        self.metrics.learned.labels(workflow, traffic).inc()
+        self._child(self.metrics.learned, workflow, traffic).inc()
 
     def learn_dropped(self, workflow: str, reason: str, run_id: str | None) -> None:
         """A call learn mode forwarded and did not record (`Metrics.learn_dropped` reasons)."""
