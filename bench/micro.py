@@ -44,6 +44,7 @@ from stepguard.contracts.envelope import Envelope
 from stepguard.contracts.events import ToolResult
 from stepguard.contracts.learned import Observation, Verbatim
 from stepguard.contracts.loader import parse_contract
+from stepguard.contracts.model import Contract
 from stepguard.contracts.redact import Redactor
 from stepguard.contracts.runs import RunBook, RunCommit
 from stepguard.contracts.sqlite_store import SQLiteStore
@@ -157,9 +158,14 @@ def learn_append_micro(n: int = 2000, concurrency: int = 32) -> dict[str, Any]:
     return uvloop.run(_learn_append(n, concurrency))
 
 
-async def _learn_append(n: int, concurrency: int) -> dict[str, Any]:
-    contract = learning(parse_contract(
+def _learn_row_contract() -> Contract:
+    """The learn row's contract: the bench contract, in learn mode."""
+    return learning(parse_contract(
         yaml.safe_dump(bench_contract("http://127.0.0.1:9")).encode(), "bench-contract.yaml"))
+
+
+async def _learn_append(n: int, concurrency: int) -> dict[str, Any]:
+    contract = _learn_row_contract()
     text = bench_upstream.order_body()
     seen = Observation("http", "tools", time.time(), method="POST", path=TOOL_PATH,
                        input=orjson.loads(bench_upstream.order_request()),
@@ -209,8 +215,7 @@ def learn_record_micro(n: int = 2000, concurrency: int = 32) -> dict[str, Any]:
 
 
 async def _learn_record(n: int, concurrency: int) -> dict[str, Any]:
-    contract = learning(parse_contract(
-        yaml.safe_dump(bench_contract("http://127.0.0.1:9")).encode(), "bench-contract.yaml"))
+    contract = _learn_row_contract()
     text, given = bench_upstream.order_body(), orjson.loads(bench_upstream.order_request())
     redactor = Redactor(contract.redact)
     tmp = Path(tempfile.mkdtemp(prefix="stepguard-learn-record-"))
