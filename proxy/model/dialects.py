@@ -67,6 +67,11 @@ class Turn:
     """What the SDK would hand the agent as a tool call but stepguard cannot read as one (an
     unknown call type, a streamed call whose pieces an SDK could assemble differently): the
     turn is refused whatever `unmatched` says (fail closed)."""
+    readings: list[str] = field(default_factory=list)
+    """A final answer in more than one text part (messages, content parts, blocks): each part's
+    text alone. The SDKs' structured-output helpers parse each part on its own and hand over
+    the first that parses (openai `responses.parse`, anthropic `messages.parse`, and their
+    stream helpers), where `final_text` is the parts joined (`Response.output_text`)."""
 
     def choices(self) -> list[Turn]:
         return [self, *self.alternatives]
@@ -76,11 +81,31 @@ class Turn:
         """The final answer as the completion claim sees it: a JSON object, or {"text": ...}."""
         if self.calls or self.final_text is None:
             return None
-        try:
-            value = parse_json(self.final_text.encode("utf-8", "surrogatepass"), "final answer")
-        except BodyError:
-            return {"text": self.final_text}
-        return value if isinstance(value, dict) else {"text": self.final_text}
+        value = _json_object(self.final_text)
+        return {"text": self.final_text} if value is None else value
+
+    def finals(self) -> list[Any]:
+        """Every final answer an agent's SDK may read from this turn, each once: `final`, then
+        each of `readings` that is a JSON object of its own (the agent may act on any of them,
+        so each is checked)."""
+        final = self.final
+        if final is None:
+            return []
+        finals = [final]
+        for text in self.readings:
+            value = _json_object(text)
+            if value is not None and value not in finals:
+                finals.append(value)
+        return finals
+
+
+def _json_object(text: str) -> dict[str, Any] | None:
+    """`text` read as a JSON object, as a final answer is read; None when it is none."""
+    try:
+        value = parse_json(text.encode("utf-8", "surrogatepass"), "final answer")
+    except BodyError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 class Assembler(Protocol):
@@ -181,11 +206,22 @@ def looks_like_call(kind: str) -> bool:
 
 
 def _text(content: Any) -> str:
+    return "".join(_parts(content))
+
+
+def _parts(content: Any) -> list[str]:
+    """The texts of a content (a string, or a list of parts), each part's alone."""
     if isinstance(content, str):
-        return content
+        return [content]
     if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return ""
+        return [text for p in content if isinstance(p, dict)
+                for text in [p.get("text", "")] if isinstance(text, str)]
+    return []
+
+
+def _readings(parts: list[str]) -> list[str]:
+    """`Turn.readings` of an answer in `parts`: each alone, when there is more than one."""
+    return parts if len(parts) > 1 else []
 
 
 def _output(call_id: str, content: Any, is_error: bool = False) -> ToolOutput:
@@ -287,9 +323,10 @@ class ChatCompletions:
             calls.append(_arguments(f"{response_id}:function_call:{choice.get('index', number)}",
                                     legacy.get("name") or "", legacy.get("arguments")))
         content = message.get("content")
+        parts = _parts(content)
         return Turn(response_id, calls,
-                    _text(content) if content is not None and not calls else None,
-                    unclassified=unclassified)
+                    "".join(parts) if content is not None and not calls else None,
+                    unclassified=unclassified, readings=_readings(parts) if not calls else [])
 
     def assembler(self) -> Assembler:
         return _ChatAssembler()
@@ -571,10 +608,15 @@ class Responses:
                 calls.append(call)
             elif call is not None:
                 unclassified.append(call)
-        text = "".join(_text(i.get("content")) for i in items
-                       if isinstance(i, dict) and i.get("type") == "message")
+        messages = [i.get("content") for i in items
+                    if isinstance(i, dict) and i.get("type") == "message"]
+        # the answer as `Response.output_text` joins it (its `output_text` parts), and every
+        # part that holds a text, alone (a parse helper's reading, or an agent's own)
+        text = "".join(text for content in messages for text in _output_texts(content))
+        parts = [text for content in messages for text in _parts(content)]
         return Turn(body.get("id"), calls, text if not calls else None,
-                    unclassified=unclassified)
+                    unclassified=unclassified,
+                    readings=parts if not calls and (len(parts) > 1 or parts != [text]) else [])
 
     def assembler(self) -> Assembler:
         return _ResponsesAssembler(self)
@@ -588,6 +630,16 @@ class Responses:
                      "param": details.get("field"), **body}, "error")
 
 
+def _output_texts(content: Any) -> list[str]:
+    """A Responses message's `output_text` parts' texts, as `Response.output_text` joins them."""
+    if isinstance(content, str):
+        return [content]
+    if not isinstance(content, list):
+        return []
+    return [p["text"] for p in content if isinstance(p, dict) and p.get("type") == "output_text"
+            and isinstance(p.get("text"), str)]
+
+
 # the ends of text and reasoning, which complete no tool call
 _TEXT_ENDS = frozenset({
     "response.output_text.done", "response.content_part.done", "response.refusal.done",
@@ -595,9 +647,17 @@ _TEXT_ENDS = frozenset({
     "response.reasoning_summary_part.done", "response.audio.done",
     "response.audio.transcript.done"})
 
+# the events that say an answer's text whole: the stream helper hands the agent their text
+# (and with `text_format` its parsed value)
+_TEXT_SAID = frozenset({"response.output_text.done", "response.content_part.done"})
+
 # the streamed pieces of an output item's string field: event type -> field
 _PIECES = {"response.function_call_arguments.delta": "arguments",
            "response.custom_tool_call_input.delta": "input"}
+# ... and the events that end them, saying the whole field again (the stream helper hands the
+# agent both: each delta's `snapshot`, then the done event's field)
+_PIECE_ENDS = {"response.function_call_arguments.done": "arguments",
+               "response.custom_tool_call_input.done": "input"}
 
 
 def _identity(item: dict[str, Any]) -> tuple[Any, Any]:
@@ -633,6 +693,10 @@ class _ResponsesAssembler:
         self.shown: list[str] = []
         self.calls_begun = 0
         self.pieces: dict[tuple[Any, str], list[Any]] = {}     # (output_index, field): pieces
+        # what the stream said of a call's field or an answer's text before its item finished
+        # (pieces joined, a done event's whole): the finished item must say the same
+        self.said: dict[tuple[Any, Any], str] = {}     # (output_index, field or content_index)
+        self.texts: dict[tuple[Any, Any], list[str]] = {}   # (output_index, content_index)
         self.completing = False
         self.over = False       # `[DONE]` was read
 
@@ -683,8 +747,19 @@ class _ResponsesAssembler:
             if index not in self.items:
                 self._kept(index, dict(item))
         elif kind == "response.output_item.done" and isinstance(item, dict):
+            otherwise = None if index in self.done else self._finished(index, item)
+            if otherwise is not None:
+                self.unclassified.append(otherwise)
             self._kept(index, item)
             self.done.add(index)
+        elif kind in _PIECE_ENDS or kind in _TEXT_SAID:
+            self._said(kind, index, data)
+        elif kind == "response.output_text.delta" and index not in self.done:
+            delta = data.get("delta")
+            if isinstance(delta, str):
+                self.texts.setdefault((index, data.get("content_index")), []).append(delta)
+            else:
+                self.unclassified.append(f"{kind} with a delta that is not a string")
         elif kind in _PIECES and index in self.items and index not in self.done:
             # kept as pieces, joined once by `turn` (joining at each piece is quadratic)
             field_name = _PIECES[kind]
@@ -697,6 +772,80 @@ class _ResponsesAssembler:
                 self.unclassified.append(f"{kind} with a delta that is not a string")
         if kind in self._TERMINAL and isinstance(response, dict):
             self.completed = response
+
+    def _streamed(self, index: Any, key: Any) -> str | None:
+        """What the stream's pieces said of an item's field (`key` a field name) or of a
+        message's part (`key` its content index) so far; None when no piece came."""
+        if isinstance(key, str):
+            parts = self.pieces.get((index, key))
+            return "".join(parts) if parts and all(isinstance(p, str) for p in parts) else None
+        texts = self.texts.get((index, key))
+        return None if texts is None else "".join(texts)
+
+    def _said(self, kind: str, index: Any, data: dict[str, Any]) -> None:
+        """A done event saying a call's field or an answer's text whole: the stream helper hands
+        the agent that, so it must be what the pieces said, and what the item finishes as."""
+        if kind in _PIECE_ENDS:
+            key: Any = _PIECE_ENDS[kind]
+            said = data.get(key)
+        else:
+            key = data.get("content_index")
+            part = data.get("part")
+            said = part.get("text") if kind == "response.content_part.done" and isinstance(
+                part, dict) else data.get("text")
+            if kind == "response.content_part.done" and not (
+                    isinstance(part, dict) and part.get("type") == "output_text"):
+                return      # a refusal or another part: no answer text to compare
+        if not isinstance(said, str):
+            self.unclassified.append(f"{kind} whose {key!r} is not a string")
+            return
+        before = self.said.get((index, key), self._streamed(index, key))
+        if before is not None and before != said:
+            self.unclassified.append(f"{kind} of output item {index!r} says otherwise than the "
+                                     "stream before it")
+        self.said[(index, key)] = said
+
+    def _stream_said(self, index: Any) -> dict[Any, str]:
+        """What the stream said of the item at `index` before it finished, by field name (a
+        call's) or content index (a message's answer text)."""
+        keys = {k for i, k in (*self.pieces, *self.texts, *self.said) if i == index}
+        said = {key: self.said.get((index, key), self._streamed(index, key)) for key in keys}
+        return {key: text for key, text in said.items() if text is not None}
+
+    def _finished(self, index: Any, item: dict[str, Any]) -> str | None:
+        """Unless `item` (the item at `index` finished, or the completed response's of its
+        identity) says what the stream said of it (a call's field, a message's answer texts,
+        as their pieces and done events said them), why the turn is refused."""
+        for key, said in self._stream_said(index).items():
+            if isinstance(key, str):
+                now = item.get(key)
+            else:
+                content = item.get("content")
+                part = content[key] if isinstance(content, list) and isinstance(key, int) \
+                    and 0 <= key < len(content) else None
+                now = part.get("text") if isinstance(part, dict) \
+                    and part.get("type") == "output_text" else None
+            if now != said:
+                return f"output item {_identity(item)[1]!r} finished otherwise than the stream " \
+                       "said it"
+        return None
+
+    def _unfinished(self, index: Any, item: dict[str, Any]) -> None:
+        """An item the stream never finished, as the stream helper's snapshot holds it: the
+        answer texts the stream said in its content parts (a call's pieces are joined by
+        `turn`)."""
+        texts = {k: v for k, v in self._stream_said(index).items() if isinstance(k, int)}
+        if not texts:
+            return
+        content = item.get("content")
+        parts = list(content) if isinstance(content, list) else []
+        for key, text in sorted(texts.items()):
+            while len(parts) <= key:
+                parts.append({"type": "output_text", "text": ""})
+            part = parts[key]
+            parts[key] = {**part, "text": text} if isinstance(part, dict) and part.get(
+                "type") == "output_text" else {"type": "output_text", "text": text}
+        item["content"] = parts
 
     # the events whose response replaces the finished items of its output (the SDK's stream
     # helper, by their identity: `_sdk_identity`)
@@ -747,16 +896,22 @@ class _ResponsesAssembler:
         for index, item in self.items.items():
             other = seen.get(_identity(item))
             if other is None:
+                if index not in self.done:
+                    self._unfinished(index, item)
                 output.append(item)     # shown to the client, whatever the final output says
             elif index in self.done and not self._same(item, other):
                 unclassified.append(f"output item {_identity(item)[1]!r} finished as one call "
                                     f"and completed as another")
+            elif index not in self.done and (otherwise := self._finished(index, other)):
+                unclassified.append(otherwise)      # completed otherwise than it streamed
         turn = self.dialect.turn({"id": self.response_id, "output": output})
         turn.unclassified += unclassified
         return turn
 
     @staticmethod
     def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+        if _kind(a) == "message" and _kind(b) == "message":
+            return _parts(a.get("content")) == _parts(b.get("content"))
         one, two = _responses_call(a), _responses_call(b)
         if isinstance(one, ToolCall) and isinstance(two, ToolCall):
             return (one.name, one.arguments) == (two.name, two.arguments)
@@ -786,7 +941,8 @@ def _messages_turn(message_id: str | None, blocks: list[dict[str, Any]],
             text.append(block.get("text", ""))
         elif not isinstance(kind, str) or looks_like_call(kind):
             unknown.append(f"content block {block.get('id')!r} of type {kind!r}")
-    return Turn(message_id, calls, "".join(text) if not calls else None, unclassified=unknown)
+    return Turn(message_id, calls, "".join(text) if not calls else None, unclassified=unknown,
+                readings=_readings(text) if not calls else [])
 
 
 class Messages:

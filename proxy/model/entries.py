@@ -105,10 +105,16 @@ class ModelEntries:
                         continue    # a response read again: this call's entry was checked
                     self.shown.reissued(call.call_id)   # a retry issued it again
                     envelope = await self._entry(ex, envelope, call, keys)
-                final = choice.final
-                if final is None:
+                # every reading of the answer an SDK may hand the agent: one that breaks the
+                # contract refuses it, else one that completes the run completes it
+                finals = choice.finals()
+                if not finals:
                     continue
-                decision = check_final(contract, envelope, final, now=ex.timing.arrived)
+                decisions = [check_final(contract, envelope, final, now=ex.timing.arrived)
+                             for final in finals]
+                chosen = next((i for i, d in enumerate(decisions) if d.violation is not None),
+                              next((i for i, d in enumerate(decisions) if d.completed), 0))
+                final, decision = finals[chosen], decisions[chosen]
                 if decision.violation is not None or decision.completed:
                     settled = await self.boundaries.settle(
                         contract, ex.run_id, envelope, decision, Evidence(None, b"",
