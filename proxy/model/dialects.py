@@ -901,7 +901,7 @@ class _ResponsesAssembler:
                 output.append(item)     # shown to the client, whatever the final output says
             elif index in self.done and not self._same(item, other):
                 unclassified.append(f"output item {_identity(item)[1]!r} finished as one call "
-                                    f"and completed as another")
+                                    "or answer and completed as another")
             elif index not in self.done and (otherwise := self._finished(index, other)):
                 unclassified.append(otherwise)      # completed otherwise than it streamed
         turn = self.dialect.turn({"id": self.response_id, "output": output})
