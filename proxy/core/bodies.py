@@ -343,6 +343,13 @@ def decode(body: bytes, content_encoding: str | None, limit: int = 10 * 1024 * 1
         raise BodyError(f"body inflates past {limit} bytes", 413)
     if not inflater.eof:
         raise BodyError(f"body is truncated: its {encoding} stream does not end")
+    if inflater.unused_data:
+        # a second gzip member, or anything after the stream: aiohttp and urllib3 decode every
+        # member, httpx and zlib's one-shot readers stop at the first, so no one reading of it
+        # is the one its reader makes
+        raise BodyError(f"body holds {len(inflater.unused_data)} bytes after its {encoding} "
+                        "stream ends (another gzip member, or trailing data): clients differ "
+                        "on whether they read them")
     return data
 
 

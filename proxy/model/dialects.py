@@ -210,13 +210,17 @@ def _text(content: Any) -> str:
 
 
 def _parts(content: Any) -> list[str]:
-    """The texts of a content (a string, or a list of parts), each part's alone."""
+    """The texts of a content (a string, or a list of parts), each part's alone. A part whose
+    text is not a string raises TypeError: the body is not the provider's shape (a 400)."""
     if isinstance(content, str):
         return [content]
-    if isinstance(content, list):
-        return [text for p in content if isinstance(p, dict)
-                for text in [p.get("text", "")] if isinstance(text, str)]
-    return []
+    if not isinstance(content, list):
+        return []
+    texts = [p.get("text", "") for p in content if isinstance(p, dict)]
+    for text in texts:
+        if not isinstance(text, str):
+            raise TypeError(f"a content part's text is a {type(text).__name__}, not a string")
+    return texts
 
 
 def _readings(parts: list[str]) -> list[str]:

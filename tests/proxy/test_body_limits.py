@@ -195,6 +195,39 @@ async def test_a_gzip_request_to_a_checked_step_is_checked_decoded_and_reaches_t
                               ("lookup_order", "exit", "pass", "advance")]
 
 
+async def test_a_gzip_answer_of_two_members_is_refused_not_read_as_its_first_member(
+        proxy, make_upstream):
+    """aiohttp and urllib3 decode every gzip member (the agent reads 42000), httpx stops at the
+    first (4): no one reading is every client's, so the answer is not relayed."""
+    async def quote(request: web.Request) -> web.Response:
+        return web.Response(body=gzip.compress(b"4") + gzip.compress(b"2000"),
+                            content_type="application/json", headers={"content-encoding": "gzip"})
+
+    tool = await make_upstream(quote)
+    px = await proxy(make_contract(tool.url, {"quote": {
+        "output": {"schema": {"type": "integer", "maximum": 100}}}}))
+
+    reply = await px.call("/tools/quote", {}, run="gz-two")
+
+    assert reply.status != 200 and b"42000" not in reply.body
+    [exit_] = [e for e in await px.history("gz-two") if e["boundary"] == "exit"]
+    assert exit_["verdict"] == "violation", exit_
+    assert exit_["violation"]["check"] == "output_schema", exit_     # unreadable: its shape
+    assert "after its gzip stream ends" in exit_["violation"]["detail"], exit_
+
+
+async def test_a_gzip_request_of_two_members_to_a_checked_step_is_refused(proxy, tools):
+    px = await proxy(example_contract(tools))
+    body = gzip.compress(b'{"order_id": "ord-5"}') + gzip.compress(b"")
+
+    reply = await px.call("/tools/lookup_order", data=body, run="gz-two-in",
+                          headers={"content-type": "application/json",
+                                   "content-encoding": "gzip"})
+
+    assert reply.status == 400 and b"after its gzip stream ends" in reply.body, reply.body[:300]
+    assert tools.hits() == 0
+
+
 async def test_a_gzip_request_to_an_unmatched_path_reaches_the_tool_intact(proxy, make_upstream):
     tool = await make_upstream()
     px = await proxy(make_contract(tool.url))
