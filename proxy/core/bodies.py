@@ -297,7 +297,7 @@ def _codec(charset: str) -> str | None:
     ascii_ = bytes(range(128))
     try:
         return name if ascii_.decode(name) == ascii_.decode("ascii") else None
-    except (LookupError, UnicodeDecodeError, TypeError):
+    except (LookupError, UnicodeError, TypeError):     # punycode raises a bare UnicodeError
         return None
 
 

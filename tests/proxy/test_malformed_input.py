@@ -51,6 +51,8 @@ MALFORMED = [
                  ("charset", "klingon"), id="unknown-charset"),
     pytest.param(b'{"order_id": "ord-1"}', "application/json; charset=unicode-escape", {}, 415,
                  ("charset", "unicode-escape"), id="escape-codec-as-charset"),
+    pytest.param(b'{"order_id": "ord-1"}', "application/json; charset=punycode", {}, 415,
+                 ("charset", "punycode"), id="codec-that-cannot-read-ascii-as-charset"),
     pytest.param(b'{"order_id": "ord-1"}', "application/json",
                  {"content-encoding": "compress"}, 415, ("content-encoding", "compress"),
                  id="unsupported-content-encoding"),
