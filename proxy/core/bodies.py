@@ -374,15 +374,41 @@ def request_input(method: str, query: dict[str, str | list[str]], body: bytes,
                   limit: int = 10 * 1024 * 1024, max_depth: int = MAX_JSON_DEPTH) -> Any:
     """The input of a call: its JSON body (`content_type`: the whole header, charset
     included), or its query for a bodiless GET/HEAD/DELETE/OPTIONS. A body naming a key twice
-    in one object is refused: the upstream may act on the one stepguard did not check."""
+    in one object is refused: the upstream may act on the one stepguard did not check. A call
+    with both is checked on both: the query's parameters and the body's members together,
+    since a tool may read either (a GET handler its query, a FastAPI one its scalar arguments
+    from the query and the rest from the body). A parameter the body also names must say the
+    same, and a body that is not an object cannot hold the query: either is refused."""
     if not body:
         return query if method in ("GET", "HEAD", "DELETE", "OPTIONS") else None
     if not is_json_type(content_type):
         shown = content_type.split(";", 1)[0].strip()
         raise BodyError(f"request body must be JSON (content-type application/json), got "
                         f"{shown or 'no content-type'!r}", 415)
-    return parse_json(decode(body, content_encoding, limit), "request body", max_depth,
-                      charset_of(content_type), unique_keys=True)
+    value = parse_json(decode(body, content_encoding, limit), "request body", max_depth,
+                       charset_of(content_type), unique_keys=True)
+    if not query:
+        return value
+    if not isinstance(value, dict):
+        raise BodyError(f"the request has a query ({', '.join(sorted(query))[:200]}) and a JSON "
+                        f"body that is not an object: the query's parameters cannot be checked "
+                        "with it, and the tool may read them")
+    for name, given in query.items():
+        if name in value and not _says(given, value[name]):
+            raise BodyError(f"query parameter {name[:100]!r} and the body's member of that name "
+                            "differ: the tool may read either, so neither can be checked alone")
+    return {**query, **value}
+
+
+def _says(given: str | list[str], value: Any) -> bool:
+    """Whether a query parameter's text says a JSON body member's value (a string as itself,
+    a number, boolean or null as its JSON text; a repeated parameter its list, item by item)."""
+    if isinstance(given, list):
+        return isinstance(value, list) and len(value) == len(given) and all(
+            _says(g, v) for g, v in zip(given, value, strict=True))
+    if isinstance(value, str):
+        return given == value
+    return not isinstance(value, (dict, list)) and given == orjson.dumps(value).decode()
 
 
 def _refuse_unless_json(content_type: str) -> None:

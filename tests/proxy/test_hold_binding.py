@@ -52,9 +52,11 @@ class Sent:
 
 # (what was approved, the changed call sent after it); the step's match names no method
 CHANGED = {
-    "changed-query": (Sent("POST", "/refund?amount=1", ORDER),
-                      Sent("POST", "/refund?amount=999999", ORDER)),
-    "added-query": (Sent("POST", "/refund", ORDER), Sent("POST", "/refund?amount=999999", ORDER)),
+    # (a query parameter the body names too must say the same, or the call is refused before
+    # any hold: tests/proxy/test_query_and_body.py)
+    "changed-query": (Sent("POST", "/refund?limit=1", ORDER),
+                      Sent("POST", "/refund?limit=999999", ORDER)),
+    "added-query": (Sent("POST", "/refund", ORDER), Sent("POST", "/refund?limit=999999", ORDER)),
     "dropped-query": (Sent("POST", "/refund?dry_run=1", ORDER), Sent("POST", "/refund", ORDER)),
     "reordered-query": (Sent("POST", "/refund?a=1&b=2", ORDER),
                         Sent("POST", "/refund?b=2&a=1", ORDER)),
@@ -207,20 +209,22 @@ async def test_the_hold_record_shows_method_path_and_query_redacted_like_the_bod
 
     hook = await make_upstream(accepted)
     sg = await start(redact=["card"], escalation={"webhook": f"{hook.url}/hook"})
-    sent = Sent("PUT", "//refund/?amount=999999&token=tok-s3cret&card=4111-1111",
+    sent = Sent("PUT", "//refund/?limit=999999&token=tok-s3cret&card=4111-2222",
                 {**ORDER, "card": "4111-2222"})
     reply = asyncio.ensure_future(sg.send(sent))
     held = await sg.envelope(lambda e: e.holds)
     ((hold_id, hold),) = held.holds.items()
     call = {"traffic": "http", "upstream": "tools", "method": "PUT", "path": "//refund/",
-            "query": {"amount": "999999", "token": "[REDACTED]", "card": "[REDACTED]"}}
+            "query": {"limit": "999999", "token": "[REDACTED]", "card": "[REDACTED]"}}
     assert hold["call"] == call                                  # the envelope's hold
     for _ in range(500):
         if hook.hits():
             break
         await asyncio.sleep(0.01)
     posted = orjson.loads(hook.last().body)                      # the webhook
-    assert (posted["call"], posted["input"]) == (call, {**ORDER, "card": "[REDACTED]"})
+    # the input: the query's parameters with the body's members (tests/proxy/test_query_and_body)
+    assert (posted["call"], posted["input"]) == (call, {**ORDER, "card": "[REDACTED]",
+                                                        "limit": "999999", "token": "[REDACTED]"})
     async with sg.admin.get("/runs/r1") as shown:                # GET /runs/{id}
         run = await shown.json()
     assert run["envelope"]["holds"][hold_id]["call"] == call
@@ -238,7 +242,7 @@ async def test_the_hold_record_shows_method_path_and_query_redacted_like_the_bod
         capture_output=True, text=True, timeout=60, check=False)
     assert text.returncode == 0, text.stderr
     assert (f"held for an operator: decision {hold_id}, digest {hold['digest']}: PUT "
-            "tools://refund/?amount=999999&token=[REDACTED]&card=[REDACTED]") in text.stdout
+            "tools://refund/?limit=999999&token=[REDACTED]&card=[REDACTED]") in text.stdout
     everything = orjson.dumps([posted, run]).decode() + text.stdout
     assert "s3cret" not in everything and "4111" not in everything
 
