@@ -375,12 +375,13 @@ def request_input(method: str, query: dict[str, str | list[str]], body: bytes,
     """The input of a call: its JSON body (`content_type`: the whole header, charset
     included), or its query for a bodiless GET/HEAD/DELETE/OPTIONS. A body naming a key twice
     in one object is refused: the upstream may act on the one stepguard did not check. A call
-    with both is checked on both: the query's parameters and the body's members together,
-    since a tool may read either (a GET handler its query, a FastAPI one its scalar arguments
-    from the query and the rest from the body). A parameter the body also names must say the
-    same, and a body that is not an object cannot hold the query: either is refused."""
+    with both: a query parameter the body names too must say the same (the tool may read
+    either), else 400; a GET/HEAD/DELETE/OPTIONS is checked on both, its query's parameters
+    with its body's members (its handler reads the query, and may ignore the body), so its body
+    must be an object. Another method's input stays its body (a query beside it carries keys
+    and flags more often than arguments)."""
     if not body:
-        return query if method in ("GET", "HEAD", "DELETE", "OPTIONS") else None
+        return query if method in _QUERY_METHODS else None
     if not is_json_type(content_type):
         shown = content_type.split(";", 1)[0].strip()
         raise BodyError(f"request body must be JSON (content-type application/json), got "
@@ -389,15 +390,22 @@ def request_input(method: str, query: dict[str, str | list[str]], body: bytes,
                        charset_of(content_type), unique_keys=True)
     if not query:
         return value
+    if isinstance(value, dict):
+        for name, given in query.items():
+            if name in value and not _says(given, value[name]):
+                raise BodyError(f"query parameter {name[:100]!r} and the body's member of that "
+                                "name differ: the tool may read either, so neither can be "
+                                "checked alone")
+    if method not in _QUERY_METHODS:
+        return value
     if not isinstance(value, dict):
-        raise BodyError(f"the request has a query ({', '.join(sorted(query))[:200]}) and a JSON "
-                        f"body that is not an object: the query's parameters cannot be checked "
-                        "with it, and the tool may read them")
-    for name, given in query.items():
-        if name in value and not _says(given, value[name]):
-            raise BodyError(f"query parameter {name[:100]!r} and the body's member of that name "
-                            "differ: the tool may read either, so neither can be checked alone")
+        raise BodyError(f"a {method} with a query ({', '.join(sorted(query))[:200]}) and a JSON "
+                        "body that is not an object: its handler reads the query, which cannot "
+                        "be checked with that body")
     return {**query, **value}
+
+
+_QUERY_METHODS = ("GET", "HEAD", "DELETE", "OPTIONS")
 
 
 def _says(given: str | list[str], value: Any) -> bool:

@@ -651,6 +651,18 @@ _TEXT_ENDS = frozenset({
     "response.reasoning_summary_part.done", "response.audio.done",
     "response.audio.transcript.done"})
 
+def _item_says(item: dict[str, Any], key: Any) -> Any:
+    """What an output item says of a call's field (`key` its name) or of an answer's text
+    (`key` its content index: the `output_text` part's text there, else None)."""
+    if isinstance(key, str):
+        return item.get(key)
+    content = item.get("content")
+    part = content[key] if isinstance(content, list) and type(key) is int \
+        and 0 <= key < len(content) else None
+    return part.get("text") if isinstance(part, dict) and part.get("type") == "output_text" \
+        else None
+
+
 # the events that say an answer's text whole: the stream helper hands the agent their text
 # (and with `text_format` its parsed value)
 _TEXT_SAID = frozenset({"response.output_text.done", "response.content_part.done"})
@@ -701,6 +713,7 @@ class _ResponsesAssembler:
         # (pieces joined, a done event's whole): the finished item must say the same
         self.said: dict[tuple[Any, Any], str] = {}     # (output_index, field or content_index)
         self.texts: dict[tuple[Any, Any], list[str]] = {}   # (output_index, content_index)
+        self.parts_added: dict[Any, int] = {}   # output_index: content parts the stream added
         self.completing = False
         self.over = False       # `[DONE]` was read
 
@@ -751,19 +764,26 @@ class _ResponsesAssembler:
             if index not in self.items:
                 self._kept(index, dict(item))
         elif kind == "response.output_item.done" and isinstance(item, dict):
-            otherwise = None if index in self.done else self._finished(index, item)
+            otherwise = self._finished(index, item)     # a second done item too
             if otherwise is not None:
                 self.unclassified.append(otherwise)
             self._kept(index, item)
             self.done.add(index)
         elif kind in _PIECE_ENDS or kind in _TEXT_SAID:
             self._said(kind, index, data)
+        elif kind == "response.content_part.added" and index in self.items:
+            self.parts_added[index] = self.parts_added.get(index, 0) + 1
+            part, key = data.get("part"), data.get("content_index")
+            if isinstance(part, dict) and part.get("type") == "output_text" and isinstance(
+                    part.get("text"), str) and self._part_known(index, key, kind):
+                # the helper's part starts with its text; deltas are added to it
+                self.texts.setdefault((index, key), [part["text"]])
         elif kind == "response.output_text.delta" and index not in self.done:
-            delta = data.get("delta")
-            if isinstance(delta, str):
-                self.texts.setdefault((index, data.get("content_index")), []).append(delta)
-            else:
+            delta, key = data.get("delta"), data.get("content_index")
+            if not isinstance(delta, str):
                 self.unclassified.append(f"{kind} with a delta that is not a string")
+            elif self._part_known(index, key, kind):
+                self.texts.setdefault((index, key), []).append(delta)
         elif kind in _PIECES and index in self.items and index not in self.done:
             # kept as pieces, joined once by `turn` (joining at each piece is quadratic)
             field_name = _PIECES[kind]
@@ -794,6 +814,8 @@ class _ResponsesAssembler:
             said = data.get(key)
         else:
             key = data.get("content_index")
+            if not self._part_known(index, key, kind):
+                return
             part = data.get("part")
             said = part.get("text") if kind == "response.content_part.done" and isinstance(
                 part, dict) else data.get("text")
@@ -803,11 +825,25 @@ class _ResponsesAssembler:
         if not isinstance(said, str):
             self.unclassified.append(f"{kind} whose {key!r} is not a string")
             return
-        before = self.said.get((index, key), self._streamed(index, key))
-        if before is not None and before != said:
+        before = [self.said.get((index, key)), self._streamed(index, key)]
+        if index in self.done and index in self.items:    # said after its item finished
+            before.append(_item_says(self.items[index], key))
+        if any(b is not None and b != said for b in before):
             self.unclassified.append(f"{kind} of output item {index!r} says otherwise than the "
                                      "stream before it")
         self.said[(index, key)] = said
+
+    def _part_known(self, index: Any, key: Any, kind: str) -> bool:
+        """Whether `key` is a content index the helper could index in the item at `index` (one
+        of its parts, or of those the stream added), else refused (the helper would raise)."""
+        item = self.items.get(index)
+        content = item.get("content") if item is not None else None
+        count = (len(content) if isinstance(content, list) else 0) + self.parts_added.get(index, 0)
+        if type(key) is int and 0 <= key < count:
+            return True
+        self.unclassified.append(f"{kind} for content part {str(key)[:40]!r} of output item "
+                                 f"{index!r}, which has {count} part(s)")
+        return False
 
     def _stream_said(self, index: Any) -> dict[Any, str]:
         """What the stream said of the item at `index` before it finished, by field name (a
@@ -820,18 +856,13 @@ class _ResponsesAssembler:
         """Unless `item` (the item at `index` finished, or the completed response's of its
         identity) says what the stream said of it (a call's field, a message's answer texts,
         as their pieces and done events said them), why the turn is refused."""
-        for key, said in self._stream_said(index).items():
-            if isinstance(key, str):
-                now = item.get(key)
-            else:
-                content = item.get("content")
-                part = content[key] if isinstance(content, list) and isinstance(key, int) \
-                    and 0 <= key < len(content) else None
-                now = part.get("text") if isinstance(part, dict) \
-                    and part.get("type") == "output_text" else None
-            if now != said:
-                return f"output item {_identity(item)[1]!r} finished otherwise than the stream " \
-                       "said it"
+        keys = {k for i, k in (*self.pieces, *self.texts, *self.said) if i == index}
+        for key in keys:
+            now = _item_says(item, key)
+            for said in (self.said.get((index, key)), self._streamed(index, key)):
+                if said is not None and now != said:
+                    return f"output item {_identity(item)[1]!r} finished otherwise than the " \
+                           "stream said it"
         return None
 
     def _unfinished(self, index: Any, item: dict[str, Any]) -> None:
@@ -869,6 +900,9 @@ class _ResponsesAssembler:
                 continue
             index = finished.get(_sdk_identity(item))
             if index is not None:
+                otherwise = self._finished(index, item)   # replaced otherwise than it streamed
+                if otherwise is not None:
+                    self.unclassified.append(otherwise)
                 self._kept(index, dict(item))
 
     def new_call_ids(self) -> list[str]:

@@ -1,6 +1,6 @@
-"""An HTTP call with both a query and a JSON body is checked on both: a tool may read either
-(a GET handler its query and never its body; a FastAPI handler its scalar arguments from the
-query and the rest from the body). Real stepguard, real loopback tools."""
+"""An HTTP call with both a query and a JSON body: a query parameter the body names too must say
+the same (a tool may read either), and a GET or DELETE is checked on both (its handler reads
+its query, and may never read its body). Real stepguard, real loopback tools."""
 
 from __future__ import annotations
 
@@ -50,46 +50,57 @@ async def test_a_query_parameter_the_body_does_not_name_is_checked_with_the_body
     assert tool.hits() == 0
 
 
-async def test_the_query_of_a_post_is_checked_with_its_body(proxy, make_upstream):
-    async def refund(request: web.Request) -> web.Response:
-        body = await request.json()
-        amount = int(request.query.get("amount", body.get("amount", 0)))
-        return web.json_response({"order_id": body["order_id"], "refunded": amount})
-
-    tool = await make_upstream(refund)
-    px = await proxy(make_contract(tool.url, {"refund": {
-        "input": {"schema": {"type": "object", "required": ["order_id"]}},
-        "precondition": ["!has(input.amount) || int(input.amount) <= 500"]}}))
-
-    reply = await px.call("/tools/refund?amount=100000", {"order_id": "o-1"}, run="p-query")
-
-    assert reply.status == 422, reply.body[:300]
-    assert tool.hits() == 0
-    [entry] = await px.history("p-query")
-    assert entry["input"] == {"amount": "100000", "order_id": "o-1"}
-
-
-async def test_a_query_parameter_saying_what_the_body_says_passes_with_the_bodys_value(
+async def test_a_query_parameter_of_a_post_saying_otherwise_than_its_body_is_refused(
         proxy, make_upstream):
+    """A FastAPI-style tool takes scalar arguments from the query: `amount` there is the one it
+    refunds, whatever the body says."""
     tool = await make_upstream()
     px = await proxy(make_contract(tool.url, {"refund": {
         "input": {"schema": {"type": "object",
                              "properties": {"amount": {"type": "integer", "maximum": 500}}}}}}))
 
-    reply = await px.call("/tools/refund?amount=5&api-version=2", {"amount": 5}, run="p-same")
+    reply = await px.call("/tools/refund?amount=100000", {"order_id": "o-1", "amount": 5},
+                          run="p-conflict")
+
+    assert reply.status == 400 and b"'amount'" in reply.body, reply.body[:300]
+    assert tool.hits() == 0
+
+
+async def test_a_post_keeps_its_body_as_its_input_beside_a_query_of_keys_and_flags(
+        proxy, make_upstream):
+    tool = await make_upstream()
+    px = await proxy(make_contract(tool.url, {"search": {
+        "input": {"schema": {"type": "object", "required": ["q"], "additionalProperties": False,
+                             "properties": {"q": {"type": "string"}}}}}}))
+
+    reply = await px.call("/tools/search?key=AIza-xyz&q=coffee", {"q": "coffee"}, run="p-key")
 
     assert reply.status == 200, reply.body[:300]
-    [entry, _] = await px.history("p-same")
-    assert entry["input"] == {"amount": 5, "api-version": "2"}
-    assert parse_qs(tool.seen[0].query) == {"amount": ["5"], "api-version": ["2"]}
+    [entry, _] = await px.history("p-key")
+    assert entry["input"] == {"q": "coffee"}          # the key is not recorded as input
+    assert parse_qs(tool.seen[0].query) == {"key": ["AIza-xyz"], "q": ["coffee"]}
 
 
-async def test_a_query_beside_a_body_that_is_not_an_object_is_refused(proxy, make_upstream):
+async def test_a_bulk_post_of_an_array_body_with_a_query_flag_goes_through(proxy, make_upstream):
     tool = await make_upstream()
-    px = await proxy(make_contract(tool.url, {"refund": {}}))
+    px = await proxy(make_contract(tool.url, {"bulk": {"input": {"schema": {"type": "array"}}}}))
 
-    reply = await px.call("/tools/refund?amount=100000", data=b"[1, 2]", headers=JSON,
-                          run="p-list")
+    reply = await px.call("/tools/bulk?refresh=true", data=b'[{"id": 1}, {"id": 2}]',
+                          headers=JSON, run="p-bulk")
+
+    assert reply.status == 200, reply.body[:300]
+    assert tool.hits() == 1
+
+
+@pytest.mark.parametrize("method", ["GET", "DELETE"])
+async def test_a_query_step_with_a_body_that_is_not_an_object_is_refused(
+        proxy, make_upstream, method):
+    tool = await make_upstream(reads_query)
+    px = await proxy(make_contract(tool.url, {"find": {
+        "match": {"upstream": "tools", "method": method, "path": "/find"}}}))
+
+    reply = await px.call("/tools/find?id=EVIL", method=method, data=b"[1, 2]", headers=JSON,
+                          run="q-list")
 
     assert reply.status == 400 and b"not an object" in reply.body, reply.body[:300]
     assert tool.hits() == 0
