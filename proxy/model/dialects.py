@@ -209,14 +209,16 @@ def _text(content: Any) -> str:
     return "".join(_parts(content))
 
 
-def _parts(content: Any) -> list[str]:
-    """The texts of a content (a string, or a list of parts), each part's alone. A part whose
-    text is not a string raises TypeError: the body is not the provider's shape (a 400)."""
+def _parts(content: Any, only: str | None = None) -> list[str]:
+    """The texts of a content (a string, or a list of parts), each part's alone; with `only`,
+    of the parts of that type alone. A part whose text is not a string raises TypeError: the
+    body is not the provider's shape (a 400)."""
     if isinstance(content, str):
         return [content]
     if not isinstance(content, list):
         return []
-    texts = [p.get("text", "") for p in content if isinstance(p, dict)]
+    texts = [p.get("text", "") for p in content
+             if isinstance(p, dict) and (only is None or p.get("type") == only)]
     for text in texts:
         if not isinstance(text, str):
             raise TypeError(f"a content part's text is a {type(text).__name__}, not a string")
@@ -616,8 +618,8 @@ class Responses:
                     if isinstance(i, dict) and i.get("type") == "message"]
         # the answer as `Response.output_text` joins it (its `output_text` parts), and every
         # part that holds a text, alone (a parse helper's reading, or an agent's own)
-        text = "".join(text for content in messages for text in _output_texts(content))
         parts = [text for content in messages for text in _parts(content)]
+        text = "".join(text for content in messages for text in _parts(content, "output_text"))
         return Turn(body.get("id"), calls, text if not calls else None,
                     unclassified=unclassified,
                     readings=parts if not calls and (len(parts) > 1 or parts != [text]) else [])
@@ -632,16 +634,6 @@ class Responses:
         body = self.error_body(message, details)
         return _sse({"type": "error", "code": details.get("drift"), "message": message,
                      "param": details.get("field"), **body}, "error")
-
-
-def _output_texts(content: Any) -> list[str]:
-    """A Responses message's `output_text` parts' texts, as `Response.output_text` joins them."""
-    if isinstance(content, str):
-        return [content]
-    if not isinstance(content, list):
-        return []
-    return [p["text"] for p in content if isinstance(p, dict) and p.get("type") == "output_text"
-            and isinstance(p.get("text"), str)]
 
 
 # the ends of text and reasoning, which complete no tool call
@@ -816,12 +808,12 @@ class _ResponsesAssembler:
             key = data.get("content_index")
             if not self._part_known(index, key, kind):
                 return
-            part = data.get("part")
-            said = part.get("text") if kind == "response.content_part.done" and isinstance(
-                part, dict) else data.get("text")
-            if kind == "response.content_part.done" and not (
-                    isinstance(part, dict) and part.get("type") == "output_text"):
-                return      # a refusal or another part: no answer text to compare
+            said = data.get("text")
+            if kind == "response.content_part.done":
+                part = data.get("part")
+                if not (isinstance(part, dict) and part.get("type") == "output_text"):
+                    return      # a refusal or another part: no answer text to compare
+                said = part.get("text")
         if not isinstance(said, str):
             self.unclassified.append(f"{kind} whose {key!r} is not a string")
             return
@@ -845,19 +837,23 @@ class _ResponsesAssembler:
                                  f"{index!r}, which has {count} part(s)")
         return False
 
+    def _said_of(self, index: Any) -> set[Any]:
+        """The fields (by name) and answer parts (by content index) of the item at `index` the
+        stream said something of: pieces, text deltas, done events."""
+        return {k for i, k in (*self.pieces, *self.texts, *self.said) if i == index}
+
     def _stream_said(self, index: Any) -> dict[Any, str]:
         """What the stream said of the item at `index` before it finished, by field name (a
         call's) or content index (a message's answer text)."""
-        keys = {k for i, k in (*self.pieces, *self.texts, *self.said) if i == index}
-        said = {key: self.said.get((index, key), self._streamed(index, key)) for key in keys}
+        said = {key: self.said.get((index, key), self._streamed(index, key))
+                for key in self._said_of(index)}
         return {key: text for key, text in said.items() if text is not None}
 
     def _finished(self, index: Any, item: dict[str, Any]) -> str | None:
         """Unless `item` (the item at `index` finished, or the completed response's of its
         identity) says what the stream said of it (a call's field, a message's answer texts,
         as their pieces and done events said them), why the turn is refused."""
-        keys = {k for i, k in (*self.pieces, *self.texts, *self.said) if i == index}
-        for key in keys:
+        for key in self._said_of(index):
             now = _item_says(item, key)
             for said in (self.said.get((index, key)), self._streamed(index, key)):
                 if said is not None and now != said:
