@@ -120,8 +120,9 @@ class HttpToolAdapter:
             return await self._unmatched(request, route, headers, body, timing)
         arguments: Any = None
         parse_error: BodyError | None = None
+        query = query_input(request.query)
         try:
-            arguments = request_input(request.method, query_input(request.query), body,
+            arguments = request_input(request.method, query, body,
                                       request.headers.get("content-type", "") if body else "",
                                       request.headers.get("content-encoding"),
                                       self.settings.max_request_bytes,
@@ -129,7 +130,6 @@ class HttpToolAdapter:
         except BodyError as exc:
             parse_error = exc
         # an argument key is the JSON body's member, else the query parameter of that name
-        query = query_input(request.query)
         keyed = await self.boundaries.run_keys.resolve(
             route.contract, step, request.headers,
             ChainMap(arguments, query) if isinstance(arguments, dict) else query,
@@ -158,13 +158,13 @@ class HttpToolAdapter:
         run (found by the contract's run keys) with its arguments and answer."""
         contract, learner = route.contract, self.boundaries.learner
         arguments: Any = None
+        query = query_input(request.query)
         with contextlib.suppress(BodyError):
-            arguments = request_input(request.method, query_input(request.query), body,
+            arguments = request_input(request.method, query, body,
                                       request.headers.get("content-type", "") if body else "",
                                       request.headers.get("content-encoding"),
                                       self.settings.max_request_bytes,
                                       self.settings.max_json_depth)
-        query = query_input(request.query)
         if not body and not query:
             arguments = None     # no arguments at all (a GET without a query)
         call_input = arguments if arguments is not None else query
