@@ -164,12 +164,17 @@ def _learn_row_contract() -> Contract:
         yaml.safe_dump(bench_contract("http://127.0.0.1:9")).encode(), "bench-contract.yaml"))
 
 
+def _learn_row_call(given: Any, text: bytes) -> Observation:
+    """The learn row's call as learn mode observes it: its request's arguments `given`, its
+    answer `text` (kept as it came)."""
+    return Observation("http", "tools", time.time(), method="POST", path=TOOL_PATH,
+                       input=given, output=Verbatim(text), status=200)
+
+
 async def _learn_append(n: int, concurrency: int) -> dict[str, Any]:
     contract = _learn_row_contract()
     text = bench_upstream.order_body()
-    seen = Observation("http", "tools", time.time(), method="POST", path=TOOL_PATH,
-                       input=orjson.loads(bench_upstream.order_request()),
-                       output=Verbatim(text), status=200)
+    seen = _learn_row_call(orjson.loads(bench_upstream.order_request()), text)
     fields = stored_fields(Redactor(contract.redact), seen, Settings().max_json_depth)
     tmp = Path(tempfile.mkdtemp(prefix="stepguard-learn-micro-"))
     store = settings_store(Settings(store=str(tmp / "learn.db")))
@@ -231,9 +236,7 @@ async def _learn_record(n: int, concurrency: int) -> dict[str, Any]:
                 "stepguard_learned_total", {"workflow": contract.workflow, "traffic": "http"}) or 0
 
         async def record(run_id: str) -> None:
-            seen = Observation("http", "tools", time.time(), method="POST", path=TOOL_PATH,
-                               input=given, output=Verbatim(text), status=200)
-            if not await learner.record(contract, run_id, seen):
+            if not await learner.record(contract, run_id, _learn_row_call(given, text)):
                 raise RuntimeError(f"learn_record_micro: {run_id} was not recorded")
 
         async def records(count: int, tag: str) -> None:
@@ -280,9 +283,7 @@ def answer_micro(n: int = 2000, items: int = bench_upstream.ITEMS) -> dict[str, 
     value = orjson.loads(text)
     parser = simdjson.Parser()
     redactor = Redactor(contract.redact)
-    seen = Observation("http", "tools", time.time(), method="POST", path=TOOL_PATH,
-                       input=orjson.loads(bench_upstream.order_request()), output=Verbatim(text),
-                       status=200)
+    seen = _learn_row_call(orjson.loads(bench_upstream.order_request()), text)
     parts: dict[str, Callable[[], object]] = {
         "parse_and_free": lambda: orjson.loads(text),
         "hardening": lambda: (_nests_within(text, MAX_JSON_DEPTH), inexact_integer(text)),
