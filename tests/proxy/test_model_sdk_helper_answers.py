@@ -73,6 +73,22 @@ async def reads(agent: Any) -> tuple[Any, BaseException | None]:
         return None, exc
 
 
+async def guarded(aiohttp_server: Any, stepguard: Any, kind: str, whole: dict[str, Any],
+                  stream: bytes | None) -> str:
+    """The base URL of stepguard (the claims contract) before a model upstream answering with
+    `whole`, or `stream` when streaming is asked for."""
+    url = await canned(aiohttp_server, whole, stream)
+    guard = await stepguard(claims_contract(url, kind))
+    return str(guard.client.make_url("/o"))
+
+
+def refused_as_unproven(handed: Any, raised: BaseException | None) -> None:
+    """The agent got no final answer: the SDK raised stepguard's completion-proof refusal."""
+    assert handed is None, f"the agent was handed {handed!r} as its final answer, unchecked"
+    assert raised is not None
+    assert provider_error(raised)["stepguard"]["check"] == "completion_proof"
+
+
 # --- Responses ------------------------------------------------------------------------------------
 
 
@@ -123,14 +139,12 @@ RESPONSES_ANSWERS = {
 async def test_a_responses_final_answer_the_parse_helper_reads_as_a_claim_is_checked_as_one(
         aiohttp_server, stepguard, answer: str, stream: bool) -> None:
     items = RESPONSES_ANSWERS[answer]
-    url = await canned(aiohttp_server, responses_whole(*items), responses_stream(*items))
-    guard = await stepguard(claims_contract(url, "openai"))
+    base = await guarded(aiohttp_server, stepguard, "openai", responses_whole(*items),
+                         responses_stream(*items))
 
-    handed, raised = await reads(responses_parsed(str(guard.client.make_url("/o")), stream))
+    handed, raised = await reads(responses_parsed(base, stream))
 
-    assert handed is None, f"the agent was handed {handed!r} as its final answer, unchecked"
-    assert raised is not None
-    assert provider_error(raised)["stepguard"]["check"] == "completion_proof"
+    refused_as_unproven(handed, raised)
 
 
 # --- Anthropic Messages ---------------------------------------------------------------------------
@@ -182,14 +196,12 @@ MESSAGES_ANSWERS = {
 async def test_a_messages_final_answer_the_parse_helper_reads_as_a_claim_is_checked_as_one(
         aiohttp_server, stepguard, answer: str, stream: bool) -> None:
     blocks = MESSAGES_ANSWERS[answer]
-    url = await canned(aiohttp_server, messages_whole(*blocks), messages_stream(*blocks))
-    guard = await stepguard(claims_contract(url, "anthropic"))
+    base = await guarded(aiohttp_server, stepguard, "anthropic", messages_whole(*blocks),
+                         messages_stream(*blocks))
 
-    handed, raised = await reads(messages_parsed(str(guard.client.make_url("/o")), stream))
+    handed, raised = await reads(messages_parsed(base, stream))
 
-    assert handed is None, f"the agent was handed {handed!r} as its final answer, unchecked"
-    assert raised is not None
-    assert provider_error(raised)["stepguard"]["check"] == "completion_proof"
+    refused_as_unproven(handed, raised)
 
 
 # --- Responses `output_text` ----------------------------------------------------------------------
@@ -203,16 +215,12 @@ async def test_the_answer_the_output_text_property_reads_is_the_one_checked(
     where the agent's `json.loads(response.output_text)` is `{"done": true}`."""
     item = message('{"done": true}')
     item["content"].append({"type": "reasoning_text", "text": " (draft)"})
-    url = await canned(aiohttp_server, responses_whole(item), None)
-    guard = await stepguard(claims_contract(url, "openai"))
+    base = await guarded(aiohttp_server, stepguard, "openai", responses_whole(item), None)
 
     async def agent() -> Any:
-        base = str(guard.client.make_url("/o"))
         async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="k", max_retries=0) as c:
             return json.loads((await c.responses.create(model="m", input="go")).output_text)
 
     handed, raised = await reads(agent())
 
-    assert handed is None, f"the agent was handed {handed!r} as its final answer, unchecked"
-    assert raised is not None
-    assert provider_error(raised)["stepguard"]["check"] == "completion_proof"
+    refused_as_unproven(handed, raised)

@@ -4,6 +4,7 @@ its query, and may never read its body). Real stepguard, real loopback tools."""
 
 from __future__ import annotations
 
+from typing import Any
 from urllib.parse import parse_qs
 
 import pytest
@@ -20,13 +21,21 @@ async def reads_query(request: web.Request) -> web.Response:
     return web.json_response({"id": request.query.get("id", ""), "acted_on": True})
 
 
+async def find_step(proxy: Any, make_upstream: Any, method: str,
+                    checked: dict[str, Any] | None = None) -> tuple[Any, Any]:
+    """A `find` step on `method /find` (its input `checked`) before a tool that reads its query:
+    the tool and stepguard."""
+    tool = await make_upstream(reads_query)
+    match = {"match": {"upstream": "tools", "method": method, "path": "/find"}}
+    px = await proxy(make_contract(tool.url, {"find": {**match, **({"input": checked}
+                                                                   if checked else {})}}))
+    return tool, px
+
+
 @pytest.mark.parametrize("method", ["GET", "DELETE"])
 async def test_a_json_body_on_a_query_step_does_not_move_the_check_off_the_query(
         proxy, make_upstream, method):
-    tool = await make_upstream(reads_query)
-    px = await proxy(make_contract(tool.url, {"find": {
-        "match": {"upstream": "tools", "method": method, "path": "/find"},
-        "input": {"schema": ORDER_ID}}}))
+    tool, px = await find_step(proxy, make_upstream, method, {"schema": ORDER_ID})
 
     reply = await px.call("/tools/find?id=EVIL", method=method, run="q-body",
                           data=b'{"id": "ord-1"}', headers=JSON)
@@ -38,10 +47,7 @@ async def test_a_json_body_on_a_query_step_does_not_move_the_check_off_the_query
 @pytest.mark.parametrize("method", ["GET", "DELETE"])
 async def test_a_query_parameter_the_body_does_not_name_is_checked_with_the_body(
         proxy, make_upstream, method):
-    tool = await make_upstream(reads_query)
-    px = await proxy(make_contract(tool.url, {"find": {
-        "match": {"upstream": "tools", "method": method, "path": "/find"},
-        "input": {"schema": ORDER_ID}}}))
+    tool, px = await find_step(proxy, make_upstream, method, {"schema": ORDER_ID})
 
     reply = await px.call("/tools/find?id=EVIL", method=method, run="q-other",
                           data=b'{"note": "x"}', headers=JSON)
@@ -95,9 +101,7 @@ async def test_a_bulk_post_of_an_array_body_with_a_query_flag_goes_through(proxy
 @pytest.mark.parametrize("method", ["GET", "DELETE"])
 async def test_a_query_step_with_a_body_that_is_not_an_object_is_refused(
         proxy, make_upstream, method):
-    tool = await make_upstream(reads_query)
-    px = await proxy(make_contract(tool.url, {"find": {
-        "match": {"upstream": "tools", "method": method, "path": "/find"}}}))
+    tool, px = await find_step(proxy, make_upstream, method)
 
     reply = await px.call("/tools/find?id=EVIL", method=method, data=b"[1, 2]", headers=JSON,
                           run="q-list")
